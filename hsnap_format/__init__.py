@@ -1,0 +1,59 @@
+"""hsnap: snapshots of one active request of a hybrid LLM (attention KV + Mamba/GDN
+state + request record). Pure Python on numpy and xxhash: no torch, no SGLang.
+
+    import hsnap_format as hf
+    with hf.open("req.hsnap") as snap:      # reads only preamble, header, trailer
+        k = snap["attn.3.k"]                # zero-copy view, [tokens, heads, dim]
+        snap.verify()                       # every byte, or DigestMismatchError
+
+Normative spec: spec/hsnap-v1.md.
+"""
+
+from .errors import *  # noqa: F401,F403  (the error tree is public)
+from .errors import __all__ as _errors_all
+from .layout import SectionSpec
+from .manifest import Manifest, RankEntry, SetWriter, SnapshotSet, open_snapshot
+from .reader import SectionInfo, Snapshot
+from .records import (
+    AttentionGeometry,
+    Engine,
+    Geometry,
+    Identity,
+    MambaGeometry,
+    RequestRecord,
+    geometry_differences,
+    identity_differences,
+    numerics_differences,
+)
+from .spec import MAJOR, MINOR
+from .writer import CommitInfo, SnapshotWriter, write_snapshot
+
+__version__ = "1.0.0"
+open = open_snapshot  # noqa: A001  (hsnap_format.open(path), like zarr.open)
+
+__all__ = [
+    "open",
+    "open_snapshot",
+    "Snapshot",
+    "SnapshotSet",
+    "SectionInfo",
+    "SectionSpec",
+    "SnapshotWriter",
+    "SetWriter",
+    "CommitInfo",
+    "write_snapshot",
+    "Manifest",
+    "RankEntry",
+    "Identity",
+    "Engine",
+    "Geometry",
+    "AttentionGeometry",
+    "MambaGeometry",
+    "RequestRecord",
+    "identity_differences",
+    "geometry_differences",
+    "numerics_differences",
+    "MAJOR",
+    "MINOR",
+    *_errors_all,
+]

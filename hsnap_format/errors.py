@@ -1,0 +1,137 @@
+"""One error tree for everything hsnap refuses.
+
+Every error carries the file, the field, and what was expected versus found, and
+its message says all of it on one line. The classes subclass builtins (as zarr's
+do) so callers that already catch ``ValueError`` or ``EOFError`` keep working.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class HsnapError(ValueError):
+    """Base of every hsnap refusal. ``str(err)`` is ``file: field: expected X, found Y``."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        field: str,
+        expected: Any = None,
+        found: Any = None,
+        detail: str | None = None,
+    ) -> None:
+        self.path = None if path is None else os.fspath(path)
+        self.field = field
+        self.expected = expected
+        self.found = found
+        self.detail = detail
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        parts = [self.path or "<memory>", self.field]
+        if self.detail:
+            parts.append(self.detail)
+        if self.expected is not None or self.found is not None:
+            parts.append(f"expected {_short(self.expected)}, found {_short(self.found)}")
+        return ": ".join(parts)
+
+    def __reduce__(self):  # keep errors picklable by multiprocessing without pickle of ours
+        return (type(self), (self.path, self.field, self.expected, self.found, self.detail))
+
+
+class TruncatedError(HsnapError, EOFError):
+    """The input ends before a structure it promises (file shorter than its recorded length)."""
+
+
+class BadMagicError(HsnapError):
+    """Not an hsnap file, or one mangled by a text-mode transfer (CRLF/LF/8-bit stripping)."""
+
+
+class UnsupportedVersionError(HsnapError):
+    """A newer major version than this reader understands."""
+
+
+class UnsupportedFeatureError(HsnapError):
+    """The file requires a feature this reader does not implement."""
+
+
+class MalformedError(HsnapError):
+    """A structure is present but violates the spec (bad field, overlap, out of range, padding)."""
+
+
+class MalformedHeaderError(MalformedError):
+    """The header (or section table) violates the spec."""
+
+
+class MalformedManifestError(MalformedError):
+    """A multi-rank manifest violates the spec or disagrees with its rank files."""
+
+
+class DigestMismatchError(HsnapError):
+    """Stored and computed digests differ: the bytes were changed after the writer committed."""
+
+
+class IncompatibleSnapshotError(HsnapError):
+    """The snapshot is intact but does not belong to this target (identity or geometry differ).
+
+    ``differences`` lists every differing field as ``(field, expected, found)``.
+    """
+
+    def __init__(self, path, differences: list[tuple[str, Any, Any]], detail: str | None = None) -> None:
+        self.differences = list(differences)
+        fields = "; ".join(f"{f}: expected {_short(e)}, found {_short(x)}" for f, e, x in self.differences)
+        super().__init__(path, "identity/geometry", detail=detail or fields)
+
+    def _message(self) -> str:
+        return f"{self.path or '<memory>'}: {self.field} differ: {self.detail}"
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.differences, None))
+
+
+class CapacityError(HsnapError):
+    """The target pools cannot hold the request (not enough free rows, token slots or mamba slots)."""
+
+
+class WriterStateError(HsnapError, RuntimeError):
+    """A writer call came out of order (the writer is a state machine)."""
+
+
+class SnapshotExistsError(HsnapError, FileExistsError):
+    """The final name is taken: hsnap never overwrites a snapshot silently."""
+
+
+class HsnapIOError(HsnapError):
+    """The operating system failed a read, write, fsync or rename (disk full, I/O error)."""
+
+    def __init__(self, path, field: str, error: OSError) -> None:
+        self.os_error = error
+        super().__init__(path, field, detail=f"{type(error).__name__}: {error.strerror or error}")
+
+    def __reduce__(self):
+        return (HsnapError, (self.path, self.field, None, None, self.detail))
+
+
+__all__ = [
+    "HsnapError",
+    "TruncatedError",
+    "BadMagicError",
+    "UnsupportedVersionError",
+    "UnsupportedFeatureError",
+    "MalformedError",
+    "MalformedHeaderError",
+    "MalformedManifestError",
+    "DigestMismatchError",
+    "IncompatibleSnapshotError",
+    "CapacityError",
+    "WriterStateError",
+    "SnapshotExistsError",
+    "HsnapIOError",
+]

@@ -1,0 +1,71 @@
+"""Which sections a request snapshot has, in which order: a pure function of the
+geometry and the request record, used by the writer to plan and by the reader to
+check that a file's section table is exactly what its header implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .records import Geometry
+
+# section kind of the request record -> (dtype, trailing shape or None for 1-D)
+_RECORD_DTYPES = {
+    "prompt_ids": "int32",
+    "output_ids": "int32",
+    "output_logprobs": "float32",
+    "top_logprob_ids": "int32",
+    "top_logprob_values": "float32",
+    "rng_state": "uint8",
+}
+
+
+@dataclass(frozen=True)
+class SectionSpec:
+    """A planned section: everything but its offset and digest."""
+
+    name: str
+    kind: str
+    layer: int | None
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def state_sections(geometry: Geometry, state_position: int, swa_start: int = 0) -> list[SectionSpec]:
+    att, mam = geometry.attention, geometry.mamba
+    per_layer: dict[int, list[SectionSpec]] = {}
+
+    def add(layer, name, kind, dtype, shape):
+        per_layer.setdefault(layer, []).append(SectionSpec(name, kind, layer, dtype, tuple(shape)))
+
+    if att is not None:
+        for L in att.layers:
+            if att.kind == "mla":
+                add(L, f"mla.{L}.kv", "mla_kv", att.dtype, (state_position, 1, att.k_head_dim))
+            else:
+                add(L, f"attn.{L}.k", "attn_k", att.dtype, (state_position, att.heads, att.k_head_dim))
+                add(L, f"attn.{L}.v", "attn_v", att.dtype, (state_position, att.heads, att.v_head_dim))
+        for L in att.swa_layers:
+            rows = state_position - swa_start
+            add(L, f"swa.{L}.k", "swa_k", att.dtype, (rows, att.heads, att.k_head_dim))
+            add(L, f"swa.{L}.v", "swa_v", att.dtype, (rows, att.heads, att.v_head_dim))
+    if mam is not None:
+        for L in mam.layers:
+            for i, shape in enumerate(mam.conv_shapes):
+                add(L, f"mamba.{L}.conv.{i}", "conv", mam.conv_dtype, shape)
+            add(L, f"mamba.{L}.temporal", "temporal", mam.temporal_dtype, mam.temporal_shape)
+    return [s for L in sorted(per_layer) for s in per_layer[L]]
+
+
+def record_sections(prompt_tokens: int, output_tokens: int, has_logprobs: bool, top_k: int, rng_bytes: int | None) -> list[SectionSpec]:
+    specs = [
+        SectionSpec("request.prompt_ids", "prompt_ids", None, "int32", (prompt_tokens,)),
+        SectionSpec("request.output_ids", "output_ids", None, "int32", (output_tokens,)),
+    ]
+    if has_logprobs:
+        specs.append(SectionSpec("request.output_logprobs", "output_logprobs", None, "float32", (output_tokens,)))
+    if top_k:
+        specs.append(SectionSpec("request.top_logprob_ids", "top_logprob_ids", None, "int32", (output_tokens, top_k)))
+        specs.append(SectionSpec("request.top_logprob_values", "top_logprob_values", None, "float32", (output_tokens, top_k)))
+    if rng_bytes is not None:
+        specs.append(SectionSpec("request.rng_state", "rng_state", None, "uint8", (rng_bytes,)))
+    return specs

@@ -1,0 +1,263 @@
+"""Multi-rank snapshots: a directory with one rank file per TP rank and a manifest.
+
+The manifest is written last, atomically, and the whole staging directory is then
+renamed to its final name: a directory under the final name always has a
+manifest, and a manifest only ever names regular files inside its own directory.
+
+Manifest file (``manifest.json``), two lines::
+
+    <canonical JSON object>\\n
+    xxh3-128 <32 hex digits of the digest of the first line, newline included>\\n
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from typing import Sequence
+
+import xxhash
+
+from . import _fs, canonical
+from .errors import (
+    DigestMismatchError,
+    HsnapError,
+    HsnapIOError,
+    MalformedManifestError,
+    SnapshotExistsError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from .reader import Snapshot
+from .spec import MAJOR, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, MINOR, RANK_FILE_RE, rank_file_name
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    rank: int
+    file: str
+    length: int
+    root_digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    snapshot_id: str
+    state_position: int
+    tp_size: int
+    ranks: tuple[RankEntry, ...]
+    version: tuple[int, int] = (MAJOR, MINOR)
+
+    def encode(self) -> bytes:
+        body = canonical.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "version": list(self.version),
+                "snapshot_id": self.snapshot_id,
+                "state_position": self.state_position,
+                "tp_size": self.tp_size,
+                "ranks": [{"rank": r.rank, "file": r.file, "length": r.length, "root_digest": r.root_digest} for r in self.ranks],
+            }
+        ) + b"\n"
+        return body + b"xxh3-128 " + xxhash.xxh3_128_hexdigest(body).encode() + b"\n"
+
+
+def decode_manifest(data: bytes, path) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise MalformedManifestError(path, "length", f"<= {MAX_MANIFEST_BYTES}", len(data))
+    body, sep, tail = data.rstrip(b"\n").rpartition(b"\n")
+    body += sep
+    if not sep or not data.endswith(b"\n"):
+        raise TruncatedError(path, "manifest", "two lines, each ending in a newline", f"{len(data)} bytes")
+    if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32:
+        raise MalformedManifestError(path, "digest line", "'xxh3-128 <32 hex>'", tail[:64])
+    got = xxhash.xxh3_128_hexdigest(body)
+    if tail[9:].decode("ascii", "replace") != got:
+        raise DigestMismatchError(path, "manifest digest", tail[9:].decode("ascii", "replace"), got)
+    try:
+        obj = canonical.loads(body[:-1])
+    except canonical.CanonicalError as e:
+        raise MalformedManifestError(path, "body", detail=str(e)) from None
+    if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
+        raise MalformedManifestError(path, "format", MANIFEST_FORMAT, obj.get("format") if isinstance(obj, dict) else obj)
+    ver = obj.get("version")
+    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(v, int) for v in ver)):
+        raise MalformedManifestError(path, "version", "[major, minor]", ver)
+    if ver[0] != MAJOR:
+        raise UnsupportedVersionError(path, "version", f"major {MAJOR}", f"{ver[0]}.{ver[1]}")
+
+    def need(key, typ, lo=0):
+        v = obj.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool) or (typ is int and v < lo):
+            raise MalformedManifestError(path, key, typ.__name__, v)
+        return v
+
+    snapshot_id, pos, tp = need("snapshot_id", str), need("state_position", int), need("tp_size", int, 1)
+    ranks = obj.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != tp:
+        raise MalformedManifestError(path, "ranks", f"{tp} entries", ranks if not isinstance(ranks, list) else len(ranks))
+    entries = []
+    for i, r in enumerate(ranks):
+        if not isinstance(r, dict) or set(r) != {"rank", "file", "length", "root_digest"}:
+            raise MalformedManifestError(path, f"ranks[{i}]", "{rank, file, length, root_digest}", r)
+        if r["rank"] != i:
+            raise MalformedManifestError(path, f"ranks[{i}].rank", i, r["rank"])
+        f = r["file"]
+        # only plain names of rank files: nothing outside the directory, no '..', no '/'
+        if not isinstance(f, str) or not RANK_FILE_RE.match(f) or f != rank_file_name(i):
+            raise MalformedManifestError(path, f"ranks[{i}].file", rank_file_name(i), f)
+        if not isinstance(r["length"], int) or isinstance(r["length"], bool) or r["length"] < 0:
+            raise MalformedManifestError(path, f"ranks[{i}].length", "a byte count", r["length"])
+        if not isinstance(r["root_digest"], str) or len(r["root_digest"]) != 32:
+            raise MalformedManifestError(path, f"ranks[{i}].root_digest", "32 hex digits", r["root_digest"])
+        entries.append(RankEntry(i, f, r["length"], r["root_digest"]))
+    return Manifest(snapshot_id, pos, tp, tuple(entries), (ver[0], ver[1]))
+
+
+class SnapshotSet:
+    """A committed multi-rank snapshot directory: ``.manifest`` and ``.ranks`` (one Snapshot each)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, ranks: Sequence[int] | None = None) -> None:
+        self.path = os.fspath(path)
+        mpath = os.path.join(self.path, MANIFEST_NAME)
+        try:
+            st = os.lstat(mpath)
+        except FileNotFoundError:
+            raise MalformedManifestError(self.path, MANIFEST_NAME, "present (the commit point)", "missing: not a committed snapshot") from None
+        except OSError as e:
+            raise HsnapIOError(mpath, "open", e) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise MalformedManifestError(mpath, "type", "a regular file", stat.filemode(st.st_mode))
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise MalformedManifestError(mpath, "length", f"<= {MAX_MANIFEST_BYTES}", st.st_size)
+        with open(mpath, "rb") as f:
+            self.manifest = decode_manifest(f.read(MAX_MANIFEST_BYTES + 1), mpath)
+        for name in os.listdir(self.path):
+            if os.path.islink(os.path.join(self.path, name)):
+                raise MalformedManifestError(self.path, name, "no symbolic links in a snapshot directory", "a symbolic link")
+        wanted = range(self.manifest.tp_size) if ranks is None else ranks
+        self.ranks: dict[int, Snapshot] = {}
+        try:
+            for r in wanted:
+                self.ranks[r] = self._open_rank(self.manifest.ranks[r])
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_rank(self, entry: RankEntry) -> Snapshot:
+        fpath = os.path.join(self.path, entry.file)
+        if not os.path.lexists(fpath):
+            raise MalformedManifestError(fpath, f"ranks[{entry.rank}].file", "present", "missing")
+        snap = Snapshot(fpath)
+        m = self.manifest
+        checks = [
+            ("length", entry.length, snap.file_length),
+            ("root_digest", entry.root_digest, snap.root_digest),
+            ("identity.tp_rank", entry.rank, snap.identity.tp_rank),
+            ("identity.tp_size", m.tp_size, snap.identity.tp_size),
+            ("identity.snapshot_id", m.snapshot_id, snap.identity.snapshot_id),
+            ("request.state_position", m.state_position, snap.state_position),
+        ]
+        for field, exp, found in checks:
+            if exp != found:
+                snap.close()
+                raise MalformedManifestError(fpath, f"rank {entry.rank} {field} (manifest vs rank file)", exp, found)
+        return snap
+
+    def rank(self, r: int) -> Snapshot:
+        return self.ranks[r]
+
+    def verify(self) -> None:
+        for snap in self.ranks.values():
+            snap.verify()
+
+    def close(self) -> None:
+        for snap in self.ranks.values():
+            snap.close()
+
+    def __enter__(self) -> "SnapshotSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hsnap.SnapshotSet {self.path!r} tp={self.manifest.tp_size} id={self.manifest.snapshot_id!r}>"
+
+
+class SetWriter:
+    """Stage a multi-rank snapshot: ranks write ``rank_path(r)`` (each with SnapshotWriter),
+    then ``commit()`` writes the manifest and renames the staging directory to its final name."""
+
+    def __init__(self, path: str | os.PathLike[str], *, staging: str | None = None, mode: int = 0o700) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        if os.path.lexists(self.path):
+            raise SnapshotExistsError(self.path, "path", "no file or directory", "one exists")
+        self.staging = staging or _fs.staging_name(self.path)
+        if staging is None:
+            try:
+                os.mkdir(self.staging, mode)
+            except OSError as e:
+                raise HsnapIOError(self.staging, "mkdir", e) from None
+
+    def rank_path(self, rank: int) -> str:
+        return os.path.join(self.staging, rank_file_name(rank))
+
+    def commit(self, *, tp_size: int, fsync: bool = True) -> Manifest:
+        snaps = []
+        try:
+            for r in range(tp_size):
+                snaps.append(Snapshot(self.rank_path(r)))
+            first = snaps[0]
+            manifest = Manifest(
+                snapshot_id=first.identity.snapshot_id,
+                state_position=first.state_position,
+                tp_size=tp_size,
+                ranks=tuple(RankEntry(r, rank_file_name(r), s.file_length, s.root_digest) for r, s in enumerate(snaps)),
+            )
+            for s in snaps[1:]:
+                if (s.identity.snapshot_id, s.state_position) != (manifest.snapshot_id, manifest.state_position):
+                    raise MalformedManifestError(s.path, "snapshot_id/state_position", (manifest.snapshot_id, manifest.state_position), (s.identity.snapshot_id, s.state_position))
+        finally:
+            for s in snaps:
+                s.close()
+        data = manifest.encode()
+        final = os.path.join(self.staging, MANIFEST_NAME)
+        tmp = _fs.temp_name(final)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fs.phase("manifest-written")
+            _fs.rename_noreplace(tmp, final)
+            if fsync:
+                _fs.fsync_dir(self.staging)
+            _fs.phase("before-dir-rename")
+            _fs.rename_noreplace(self.staging, self.path)
+            if fsync:
+                _fs.fsync_dir(os.path.dirname(self.path))
+            _fs.phase("committed")
+        except OSError as e:
+            raise HsnapIOError(self.path, "commit manifest", e) from None
+        return manifest
+
+    def abort(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
+    """Open a rank file or a snapshot directory."""
+    p = os.fspath(path)
+    if os.path.isdir(p) and not os.path.islink(p):
+        return SnapshotSet(p, **kw)
+    return Snapshot(p)
+
+
+__all__ = ["Manifest", "RankEntry", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "HsnapError"]

@@ -1,0 +1,496 @@
+"""Typed records of a request snapshot: identity, geometry and the request record.
+
+Each record converts to and from its header object (plain JSON values) and
+validates what it reads, raising :class:`MalformedHeaderError` that names the
+field. Bulk arrays of the request record (token ids, logprobs, RNG state) are
+sections, not header text; :class:`RequestRecord` holds them as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import IncompatibleSnapshotError, MalformedHeaderError
+from .spec import DTYPES, MAX_NDIM
+
+_MAX_INT = 2**53 - 1
+
+
+class _Fields:
+    """Typed access to one JSON object of the header; errors name the dotted field."""
+
+    def __init__(self, obj: Any, where: str, path) -> None:
+        if not isinstance(obj, dict):
+            raise MalformedHeaderError(path, where, "an object", type(obj).__name__)
+        self.obj, self.where, self.path = obj, where, path
+
+    def _err(self, key, expected, found):
+        return MalformedHeaderError(self.path, f"{self.where}.{key}", expected, found)
+
+    def raw(self, key, default=dataclasses.MISSING):
+        if key not in self.obj:
+            if default is dataclasses.MISSING:
+                raise self._err(key, "present", "missing")
+            return default
+        return self.obj[key]
+
+    def str(self, key, default=dataclasses.MISSING, max_len=4096) -> str:
+        v = self.raw(key, default)
+        if not isinstance(v, str) or len(v) > max_len:
+            raise self._err(key, f"a string of at most {max_len} characters", v)
+        return v
+
+    def int(self, key, default=dataclasses.MISSING, lo=0, hi=_MAX_INT) -> int:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise self._err(key, f"an integer in [{lo}, {hi}]", v)
+        return v
+
+    def opt_int(self, key, lo=0, hi=_MAX_INT):
+        return None if self.raw(key, None) is None else self.int(key, lo=lo, hi=hi)
+
+    def num(self, key, default=dataclasses.MISSING) -> float:
+        v = self.raw(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self._err(key, "a number", v)
+        return float(v)
+
+    def bool(self, key, default=dataclasses.MISSING) -> bool:
+        v = self.raw(key, default)
+        if not isinstance(v, bool):
+            raise self._err(key, "true or false", v)
+        return v
+
+    def ints(self, key, default=dataclasses.MISSING, lo=0, hi=_MAX_INT, max_len=1 << 16) -> tuple[int, ...]:
+        v = self.raw(key, default)
+        if (
+            not isinstance(v, list)
+            or len(v) > max_len
+            or not all(isinstance(i, int) and not isinstance(i, bool) and lo <= i <= hi for i in v)
+        ):
+            raise self._err(key, f"a list of at most {max_len} integers in [{lo}, {hi}]", v)
+        return tuple(v)
+
+    def strs(self, key, default=dataclasses.MISSING, max_len=1024) -> tuple[str, ...]:
+        v = self.raw(key, default)
+        if not isinstance(v, list) or len(v) > max_len or not all(isinstance(i, str) for i in v):
+            raise self._err(key, "a list of strings", v)
+        return tuple(v)
+
+    def dtype(self, key) -> str:
+        v = self.raw(key)
+        if v not in DTYPES:
+            raise self._err(key, f"one of {sorted(DTYPES)}", v)
+        return v
+
+    def shape(self, key) -> tuple[int, ...]:
+        return self.ints(key, max_len=MAX_NDIM, hi=1 << 40)
+
+    def sub(self, key, default=dataclasses.MISSING) -> "_Fields":
+        return _Fields(self.raw(key, default), f"{self.where}.{key}", self.path)
+
+    def scalar_map(self, key) -> dict:
+        """A flat object of JSON scalars (strings, numbers, booleans, null, lists of those)."""
+        v = self.raw(key, {})
+        ok = isinstance(v, dict) and all(
+            isinstance(x, (str, int, float, bool, type(None)))
+            or (isinstance(x, list) and all(isinstance(y, (str, int, float, bool)) for y in x))
+            for x in v.values()
+        )
+        if not ok:
+            raise self._err(key, "an object of scalars or lists of scalars", v)
+        return dict(v)
+
+
+# ---------------------------------------------------------------------------- identity
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str = "sglang"
+    version: str = ""
+    commit: str = ""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who wrote the snapshot and for what. The strict part (:data:`STRICT_IDENTITY_FIELDS`)
+    must equal the target's; ``numerics`` is advisory (bit-exactness), the rest informational."""
+
+    model_id: str
+    weights_version: str
+    engine: Engine = Engine()
+    tp_size: int = 1
+    tp_rank: int = 0
+    weights_hash: str = ""
+    device: str = ""
+    snapshot_id: str = ""
+    created_at: str = ""  # RFC 3339, UTC
+    hsnap_version: str = ""
+    numerics: Mapping[str, Any] = field(default_factory=dict)  # torch version, threads, backend
+
+    def to_header(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["numerics"] = dict(self.numerics)
+        return d
+
+    @classmethod
+    def from_header(cls, obj, path=None) -> "Identity":
+        f = _Fields(obj, "identity", path)
+        e = f.sub("engine")
+        identity = cls(
+            model_id=f.str("model_id"),
+            weights_version=f.str("weights_version"),
+            weights_hash=f.str("weights_hash", ""),
+            engine=Engine(e.str("name"), e.str("version"), e.str("commit")),
+            tp_size=f.int("tp_size", lo=1, hi=1 << 16),
+            tp_rank=f.int("tp_rank", hi=1 << 16),
+            device=f.str("device", ""),
+            snapshot_id=f.str("snapshot_id", ""),
+            created_at=f.str("created_at", ""),
+            hsnap_version=f.str("hsnap_version", ""),
+            numerics=f.scalar_map("numerics"),
+        )
+        if identity.tp_rank >= identity.tp_size:
+            raise MalformedHeaderError(path, "identity.tp_rank", f"< tp_size {identity.tp_size}", identity.tp_rank)
+        return identity
+
+    def binding(self) -> dict[str, Any]:
+        """The fields a target must match exactly, flattened to dotted names."""
+        return {
+            "identity.model_id": self.model_id,
+            "identity.weights_version": self.weights_version,
+            "identity.weights_hash": self.weights_hash,
+            "identity.engine.name": self.engine.name,
+            "identity.engine.version": self.engine.version,
+            "identity.engine.commit": self.engine.commit,
+            "identity.tp_size": self.tp_size,
+            "identity.tp_rank": self.tp_rank,
+        }
+
+
+def identity_differences(expected: Identity, found: Identity) -> list[tuple[str, Any, Any]]:
+    exp, got = expected.binding(), found.binding()
+    return [(k, exp[k], got[k]) for k in exp if exp[k] != got[k]]
+
+
+def numerics_differences(expected: Identity, found: Identity) -> list[tuple[str, Any, Any]]:
+    keys = sorted(set(expected.numerics) | set(found.numerics))
+    return [
+        (f"identity.numerics.{k}", expected.numerics.get(k), found.numerics.get(k))
+        for k in keys
+        if expected.numerics.get(k) != found.numerics.get(k)
+    ]
+
+
+# ---------------------------------------------------------------------------- geometry
+
+ATTENTION_KINDS = ("mha", "mla", "swa")  # mha covers GQA/MQA; swa = sliding window + full layers
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    kind: str
+    layers: tuple[int, ...]  # global ids of full-attention layers
+    heads: int  # KV heads on this rank (1 for MLA)
+    k_head_dim: int  # MLA: kv_lora_rank + qk_rope_head_dim
+    v_head_dim: int  # MLA: 0 (V is part of the latent)
+    dtype: str  # logical element type
+    storage_dtype: str  # how the pool stores it (fp8 as uint8)
+    page_size: int = 1
+    swa_layers: tuple[int, ...] = ()
+    swa_window: int | None = None
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+
+    def to_header(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_header(cls, obj, path=None) -> "AttentionGeometry":
+        f = _Fields(obj, "geometry.attention", path)
+        kind = f.raw("kind")
+        if kind not in ATTENTION_KINDS:
+            raise MalformedHeaderError(path, "geometry.attention.kind", f"one of {ATTENTION_KINDS}", kind)
+        return cls(
+            kind=kind,
+            layers=f.ints("layers", hi=1 << 16),
+            heads=f.int("heads", lo=1, hi=1 << 16),
+            k_head_dim=f.int("k_head_dim", lo=1, hi=1 << 20),
+            v_head_dim=f.int("v_head_dim", hi=1 << 20),
+            dtype=f.dtype("dtype"),
+            storage_dtype=f.dtype("storage_dtype"),
+            page_size=f.int("page_size", lo=1, hi=1 << 20),
+            swa_layers=f.ints("swa_layers", (), hi=1 << 16),
+            swa_window=f.opt_int("swa_window"),
+            kv_lora_rank=f.opt_int("kv_lora_rank"),
+            qk_rope_head_dim=f.opt_int("qk_rope_head_dim"),
+        )
+
+
+@dataclass(frozen=True)
+class MambaGeometry:
+    layers: tuple[int, ...]  # global ids of Mamba/GDN layers
+    conv_shapes: tuple[tuple[int, ...], ...]  # one per conv component, per slot
+    conv_dtype: str
+    temporal_shape: tuple[int, ...]
+    temporal_dtype: str
+    conv_slice_axis: int = 0  # the axis that TP shards (1 for KDA's transposed conv)
+
+    def to_header(self) -> dict:
+        return {
+            "layers": list(self.layers),
+            "conv_shapes": [list(s) for s in self.conv_shapes],
+            "conv_dtype": self.conv_dtype,
+            "temporal_shape": list(self.temporal_shape),
+            "temporal_dtype": self.temporal_dtype,
+            "conv_slice_axis": self.conv_slice_axis,
+        }
+
+    @classmethod
+    def from_header(cls, obj, path=None) -> "MambaGeometry":
+        f = _Fields(obj, "geometry.mamba", path)
+        shapes = f.raw("conv_shapes")
+        if not isinstance(shapes, list) or not 1 <= len(shapes) <= 8:
+            raise MalformedHeaderError(path, "geometry.mamba.conv_shapes", "a list of 1 to 8 shapes", shapes)
+        conv = tuple(_Fields({"s": s}, "geometry.mamba.conv_shapes", path).shape("s") for s in shapes)
+        return cls(
+            layers=f.ints("layers", hi=1 << 16),
+            conv_shapes=conv,
+            conv_dtype=f.dtype("conv_dtype"),
+            temporal_shape=f.shape("temporal_shape"),
+            temporal_dtype=f.dtype("temporal_dtype"),
+            conv_slice_axis=f.int("conv_slice_axis", 0, hi=MAX_NDIM - 1),
+        )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    attention: AttentionGeometry | None
+    mamba: MambaGeometry | None = None
+    start_layer: int = 0
+    num_layers: int = 0  # layers of the model on this rank (pipeline stage)
+
+    def to_header(self) -> dict:
+        return {
+            "attention": None if self.attention is None else self.attention.to_header(),
+            "mamba": None if self.mamba is None else self.mamba.to_header(),
+            "start_layer": self.start_layer,
+            "num_layers": self.num_layers,
+        }
+
+    @classmethod
+    def from_header(cls, obj, path=None) -> "Geometry":
+        f = _Fields(obj, "geometry", path)
+        att, mam = f.raw("attention", None), f.raw("mamba", None)
+        g = cls(
+            attention=None if att is None else AttentionGeometry.from_header(att, path),
+            mamba=None if mam is None else MambaGeometry.from_header(mam, path),
+            start_layer=f.int("start_layer", 0, hi=1 << 16),
+            num_layers=f.int("num_layers", 0, hi=1 << 16),
+        )
+        ids = list(g.attention.layers + g.attention.swa_layers if g.attention else ()) + list(
+            g.mamba.layers if g.mamba else ()
+        )
+        if len(ids) != len(set(ids)):
+            raise MalformedHeaderError(path, "geometry", "each layer id in one group only", sorted(ids))
+        return g
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted field -> value, for field-by-field comparison."""
+        out: dict[str, Any] = {"geometry.start_layer": self.start_layer, "geometry.num_layers": self.num_layers}
+        for part, obj in (("attention", self.attention), ("mamba", self.mamba)):
+            if obj is None:
+                out[f"geometry.{part}"] = None
+                continue
+            for k, v in obj.to_header().items():
+                out[f"geometry.{part}.{k}"] = v
+        return out
+
+
+def geometry_differences(expected: Geometry, found: Geometry, ignore=()) -> list[tuple[str, Any, Any]]:
+    exp, got = expected.flat(), found.flat()
+    keys = [k for k in dict.fromkeys(list(exp) + list(got)) if k not in ignore]
+    return [(k, exp.get(k), got.get(k)) for k in keys if exp.get(k) != got.get(k)]
+
+
+# ---------------------------------------------------------------------------- request
+
+
+@dataclass
+class RequestRecord:
+    """One request as the scheduler knows it, at a committed token boundary.
+
+    ``state_position`` is the number of positions whose KV rows and recurrent
+    state the snapshot holds (usually ``len(prompt) + len(output) - 1``: the last
+    sampled token has not been through forward yet). Penalty state
+    (frequency/presence/repetition) is rebuilt from ``prompt_ids``/``output_ids``.
+    """
+
+    rid: str
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    state_position: int
+    output_logprobs: np.ndarray | None = None
+    top_logprob_ids: np.ndarray | None = None
+    top_logprob_values: np.ndarray | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # normalized SamplingParams
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    streamed_tokens: int = 0  # output tokens already returned to the client
+    streamed_text_chars: int = 0
+    reasoning_tokens: int = 0  # of the output, how many were reasoning
+    reasoning_finished: bool = False
+    rng_state: bytes | None = None  # sampler generator state, opaque bytes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32).reshape(-1)
+        self.output_ids = np.ascontiguousarray(self.output_ids, dtype=np.int32).reshape(-1)
+        if self.output_logprobs is not None:
+            self.output_logprobs = np.ascontiguousarray(self.output_logprobs, dtype=np.float32).reshape(-1)
+        for name in ("top_logprob_ids", "top_logprob_values"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, np.ascontiguousarray(v, dtype=np.int32 if name.endswith("ids") else np.float32))
+        self.stop_strings = tuple(self.stop_strings)
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def remaining_budget(self) -> int | None:
+        return None if self.max_new_tokens is None else self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def top_logprobs_k(self) -> int:
+        return 0 if self.top_logprob_ids is None else int(self.top_logprob_ids.shape[1])
+
+    def bulk_arrays(self) -> dict[str, np.ndarray]:
+        """Section kind -> array, for the arrays present."""
+        arrays = {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids}
+        for kind in ("output_logprobs", "top_logprob_ids", "top_logprob_values"):
+            if getattr(self, kind) is not None:
+                arrays[kind] = getattr(self, kind)
+        if self.rng_state is not None:
+            arrays["rng_state"] = np.frombuffer(bytes(self.rng_state), dtype=np.uint8)
+        return arrays
+
+    def to_header(self) -> dict:
+        return {
+            "rid": self.rid,
+            "state_position": int(self.state_position),
+            "prompt_tokens": len(self.prompt_ids),
+            "output_tokens": len(self.output_ids),
+            "has_logprobs": self.output_logprobs is not None,
+            "top_logprobs_k": self.top_logprobs_k,
+            "has_rng_state": self.rng_state is not None,
+            "sampling": dict(self.sampling),
+            "stop": {
+                "max_new_tokens": self.max_new_tokens,
+                "min_new_tokens": self.min_new_tokens,
+                "stop_strings": list(self.stop_strings),
+                "stop_token_ids": list(self.stop_token_ids),
+                "ignore_eos": self.ignore_eos,
+            },
+            "remaining_budget": self.remaining_budget,
+            "streamed": {
+                "tokens": self.streamed_tokens,
+                "text_chars": self.streamed_text_chars,
+                "reasoning_tokens": self.reasoning_tokens,
+                "reasoning_finished": self.reasoning_finished,
+            },
+            "extra": dict(self.extra),
+        }
+
+    def validate(self, path=None) -> None:
+        """Cross-field rules of the record (spec: Request record)."""
+        check_request_counts(
+            {
+                "state_position": self.state_position,
+                "streamed_tokens": self.streamed_tokens,
+                "reasoning_tokens": self.reasoning_tokens,
+                "max_new_tokens": self.max_new_tokens,
+            },
+            {"prompt_tokens": len(self.prompt_ids), "output_tokens": len(self.output_ids)},
+            path,
+        )
+        n_out = len(self.output_ids)
+        for name in ("output_logprobs", "top_logprob_ids", "top_logprob_values"):
+            v = getattr(self, name)
+            if v is not None and (v.shape[0] != n_out or v.ndim != (1 if name == "output_logprobs" else 2)):
+                raise MalformedHeaderError(path, f"request.{name}", f"{n_out} rows", list(v.shape))
+        if self.top_logprob_ids is not None and (
+            self.top_logprob_values is None or self.top_logprob_values.shape != self.top_logprob_ids.shape
+        ):
+            raise MalformedHeaderError(path, "request.top_logprob_values", "same shape as top_logprob_ids", None)
+
+
+def check_request_counts(fields: dict, counts: dict, path=None) -> None:
+    n_out = counts["output_tokens"]
+    total = counts["prompt_tokens"] + n_out
+    mnt = fields["max_new_tokens"]
+    checks = [
+        ("request.state_position", f"<= prompt + output = {total}", fields["state_position"], 0 <= fields["state_position"] <= total),
+        ("request.streamed.tokens", f"<= output tokens {n_out}", fields["streamed_tokens"], 0 <= fields["streamed_tokens"] <= n_out),
+        ("request.streamed.reasoning_tokens", f"<= output tokens {n_out}", fields["reasoning_tokens"], 0 <= fields["reasoning_tokens"] <= n_out),
+        ("request.stop.max_new_tokens", f">= output tokens {n_out}", mnt, mnt is None or mnt >= n_out),
+    ]
+    for fld, exp, found, ok in checks:
+        if not ok:
+            raise MalformedHeaderError(path, fld, exp, found)
+
+
+def request_header_fields(obj, path=None) -> dict:
+    """Validate the header's request object; returns the scalar fields of a RequestRecord."""
+    f = _Fields(obj, "request", path)
+    stop, streamed = f.sub("stop"), f.sub("streamed")
+    sampling = f.scalar_map("sampling")
+    fields = dict(
+        rid=f.str("rid"),
+        state_position=f.int("state_position"),
+        sampling=sampling,
+        max_new_tokens=stop.opt_int("max_new_tokens"),
+        min_new_tokens=stop.int("min_new_tokens", 0),
+        stop_strings=stop.strs("stop_strings", ()),
+        stop_token_ids=stop.ints("stop_token_ids", (), hi=(1 << 31) - 1),
+        ignore_eos=stop.bool("ignore_eos", False),
+        streamed_tokens=streamed.int("tokens", 0),
+        streamed_text_chars=streamed.int("text_chars", 0),
+        reasoning_tokens=streamed.int("reasoning_tokens", 0),
+        reasoning_finished=streamed.bool("reasoning_finished", False),
+        extra=f.scalar_map("extra"),
+    )
+    counts = dict(
+        prompt_tokens=f.int("prompt_tokens", hi=1 << 32),
+        output_tokens=f.int("output_tokens", hi=1 << 32),
+        has_logprobs=f.bool("has_logprobs"),
+        top_logprobs_k=f.int("top_logprobs_k", 0, hi=1 << 12),
+        has_rng_state=f.bool("has_rng_state", False),
+    )
+    budget = f.raw("remaining_budget", None)
+    mnt = fields["max_new_tokens"]
+    expected_budget = None if mnt is None else mnt - counts["output_tokens"]
+    if budget != expected_budget or isinstance(budget, bool):
+        raise MalformedHeaderError(path, "request.remaining_budget", expected_budget, budget)
+    check_request_counts(fields, counts, path)
+    return {"fields": fields, "counts": counts}
+
+
+__all__ = [
+    "Engine",
+    "Identity",
+    "AttentionGeometry",
+    "MambaGeometry",
+    "Geometry",
+    "RequestRecord",
+    "IncompatibleSnapshotError",
+    "identity_differences",
+    "geometry_differences",
+    "numerics_differences",
+]

@@ -1,0 +1,141 @@
+"""Constants of the hsnap v1 format. The normative text is ``spec/hsnap-v1.md``;
+this module restates it as tables so the reader and writer cannot drift apart.
+
+File layout (all integers little-endian)::
+
+    offset 0          preamble, 64 bytes (PREAMBLE below)
+    offset 64         header: canonical JSON (RFC 8785), header_length bytes
+    ...               zero padding up to data_offset (a multiple of ALIGNMENT)
+    data_offset       section 0, then zero padding to the next multiple of ALIGNMENT,
+                      section 1, ... (offsets recorded in the header's section table)
+    end of last sec.  trailer, 64 bytes (TRAILER below); file_length = trailer end
+
+The preamble and the trailer each end with an xxh3-64 check of their first 56
+bytes, the header is covered by ``header_digest`` (in the preamble), every section
+by its own digest (in the header), and the trailer's ``root_digest`` covers the
+header digest and every section digest: any flipped bit anywhere is detected.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+
+# Like PNG's: a high-bit byte catches 7-bit transfers, CR LF / LF catch newline
+# translation, ^Z stops DOS `type`.
+MAGIC = b"\x89HSN\r\n\x1a\n"
+TRAILER_MAGIC = b"HSNAPEND"
+MAJOR = 1
+MINOR = 0
+BYTE_ORDER_MARK = 0x0A0B0C0D  # reads back as another number on a big-endian misread
+
+# magic, major, minor, byte-order mark, header_length, data_offset,
+# header_digest (16 bytes), file_length, preamble_check (xxh3-64 of bytes 0..55)
+PREAMBLE = struct.Struct("<8sHHIQQ16sQQ")
+# magic, file_length, section_count, root_digest (16), reserved (16 zero bytes),
+# trailer_check (xxh3-64 of bytes 0..55)
+TRAILER = struct.Struct("<8sQQ16s16sQ")
+assert PREAMBLE.size == 64 and TRAILER.size == 64
+
+HEADER_OFFSET = PREAMBLE.size
+ALIGNMENT = 4096  # page size, O_DIRECT and GPUDirect Storage friendly
+# A header holds geometry and the section table only (bulk arrays are sections),
+# so even a 1000-layer model stays far below this. Refuse bigger before reading.
+MAX_HEADER_BYTES = 4 << 20
+MAX_SECTIONS = 1 << 16
+MAX_NDIM = 8
+MAX_NAME_LENGTH = 128
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+MAX_JSON_DEPTH = 16
+
+DIGEST_ALGORITHMS = ("xxh3-128",)  # named in the header so it can change
+DEFAULT_DIGEST = "xxh3-128"
+DIGEST_HEX_LENGTH = 32
+
+# Features: a reader refuses a file that requires one it does not know, and
+# ignores unknown optional ones. v1.0 defines these optional features.
+KNOWN_FEATURES = frozenset({"sampler-rng-state", "top-logprobs"})
+
+# Logical element types: name -> numpy dtype. bf16 and fp8 come from ml_dtypes,
+# so sections of those types are usable arrays, not raw integers.
+DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype("<f8"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int16": np.dtype("<i2"),
+    "int8": np.dtype("i1"),
+    "uint64": np.dtype("<u8"),
+    "uint32": np.dtype("<u4"),
+    "uint16": np.dtype("<u2"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+DTYPE_NAMES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype) -> str:
+    """The hsnap name of a numpy (or ml_dtypes) dtype; KeyError if hsnap has none."""
+    return DTYPE_NAMES[np.dtype(dtype)]
+
+
+class SectionKind:
+    """What a section holds: its axes and whether it is model state (payload) or request record."""
+
+    __slots__ = ("name", "axes", "state", "dtypes")
+
+    def __init__(self, name: str, axes: tuple[str, ...] | None, state: bool, dtypes: tuple[str, ...] | None = None):
+        self.name, self.axes, self.state, self.dtypes = name, axes, state, dtypes
+
+    def __repr__(self) -> str:
+        return f"SectionKind({self.name!r})"
+
+
+_KINDS = [
+    # attention rows, token order = position order of the request
+    SectionKind("attn_k", ("token", "head", "dim"), True),
+    SectionKind("attn_v", ("token", "head", "dim"), True),
+    SectionKind("swa_k", ("token", "head", "dim"), True),
+    SectionKind("swa_v", ("token", "head", "dim"), True),
+    SectionKind("mla_kv", ("token", "head", "dim"), True),
+    # one Mamba/GDN slot of one layer; conv may have several components
+    SectionKind("conv", None, True),
+    SectionKind("temporal", None, True),
+    # the request record
+    SectionKind("prompt_ids", ("token",), False, ("int32",)),
+    SectionKind("output_ids", ("token",), False, ("int32",)),
+    SectionKind("output_logprobs", ("token",), False, ("float32",)),
+    SectionKind("top_logprob_ids", ("token", "rank"), False, ("int32",)),
+    SectionKind("top_logprob_values", ("token", "rank"), False, ("float32",)),
+    SectionKind("rng_state", ("byte",), False, ("uint8",)),
+]
+SECTION_KINDS: dict[str, SectionKind] = {k.name: k for k in _KINDS}
+STATE_KINDS = frozenset(k.name for k in _KINDS if k.state)
+
+# Multi-rank snapshot directory
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "hsnap-manifest"
+MAX_MANIFEST_BYTES = 1 << 20
+RANK_FILE_RE = re.compile(r"rank-(\d{1,5})\.hsnap\Z")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank}.hsnap"
+
+
+# Temporary names: recognisable (``hsnap gc``) and never a snapshot's final name.
+TMP_FILE_MARK = ".hsnap-tmp-"
+STAGING_DIR_MARK = ".hsnap-staging-"
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment

@@ -1,0 +1,352 @@
+"""Streaming writer: sections go to disk as they arrive, the header is completed
+at the end, and only a fully written, fsynced file ever gets the final name.
+
+The writer is a state machine (as gguf-py's)::
+
+    OPEN --begin_section--> IN_SECTION --end_section--> OPEN ... --commit--> COMMITTED
+      \\______________________ abort / exception ______________________--> ABORTED
+
+Memory is bounded by what the caller hands in: nothing is buffered.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from . import _fs, canonical
+from .errors import HsnapError, HsnapIOError, MalformedHeaderError, SnapshotExistsError, WriterStateError
+from .layout import SectionSpec, record_sections, state_sections
+from .records import Geometry, Identity, RequestRecord
+from .spec import (
+    ALIGNMENT,
+    BYTE_ORDER_MARK,
+    DEFAULT_DIGEST,
+    DTYPES,
+    HEADER_OFFSET,
+    MAGIC,
+    MAJOR,
+    MAX_HEADER_BYTES,
+    MINOR,
+    NAME_RE,
+    PREAMBLE,
+    SECTION_KINDS,
+    TRAILER,
+    TRAILER_MAGIC,
+    align_up,
+)
+
+_ZERO_DIGEST = "0" * 32
+
+
+def check_spec(spec: SectionSpec) -> None:
+    if not NAME_RE.match(spec.name):
+        raise MalformedHeaderError(None, f"sections[{spec.name!r}].name", "[A-Za-z0-9._-], at most 128", spec.name)
+    if spec.kind not in SECTION_KINDS:
+        raise MalformedHeaderError(None, f"sections[{spec.name}].kind", sorted(SECTION_KINDS), spec.kind)
+    if spec.dtype not in DTYPES:
+        raise MalformedHeaderError(None, f"sections[{spec.name}].dtype", sorted(DTYPES), spec.dtype)
+
+
+def section_nbytes(spec: SectionSpec) -> int:
+    return math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
+
+
+def build_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str], data_offset: int) -> tuple[bytes, list[dict], int]:
+    """Encode the header for a given data_offset; returns (bytes, table, end of last section)."""
+    table, cursor = [], data_offset
+    for spec, digest in zip(specs, digests):
+        length = section_nbytes(spec)
+        table.append(
+            {
+                "name": spec.name,
+                "kind": spec.kind,
+                "layer": spec.layer,
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "offset": cursor,
+                "length": length,
+                "digest": digest,
+            }
+        )
+        cursor = align_up(cursor + length) if spec is not specs[-1] else cursor + length
+    return canonical.dumps({**body, "sections": table}), table, cursor
+
+
+def layout_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str]) -> tuple[bytes, list[dict], int, int]:
+    """Find the fixed point data_offset = align(64 + len(header)) (offsets' digits move the length)."""
+    data_offset = ALIGNMENT
+    while True:
+        header, table, end = build_header(body, specs, digests, data_offset)
+        need = align_up(HEADER_OFFSET + len(header))
+        if need <= data_offset:
+            return header, table, data_offset, end
+        data_offset = need
+
+
+def _byte_view(data) -> memoryview:
+    if isinstance(data, np.ndarray):  # bf16/fp8 (ml_dtypes) arrays export no buffer: view as bytes
+        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
+
+
+class WriterState(enum.Enum):
+    OPEN = "open"
+    IN_SECTION = "in section"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+class SnapshotWriter:
+    """Write one rank file. Use as a context manager; leaving it by an exception aborts.
+
+    >>> with SnapshotWriter(path, identity=ident, geometry=geom, record=rec) as w:
+    ...     for spec in w.pending_state_sections():
+    ...         w.write_section(spec.name, arrays[spec.name])
+    ...     w.commit()
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        identity: Identity,
+        geometry: Geometry,
+        record: RequestRecord,
+        swa_start: int = 0,
+        mode: int = 0o600,
+        features_optional: Iterable[str] = (),
+        preallocate: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.state = WriterState.ABORTED  # until the file exists
+        record.validate(self.path)
+        self.record = record
+        specs = state_sections(geometry, record.state_position, swa_start) + record_sections(
+            len(record.prompt_ids),
+            len(record.output_ids),
+            record.output_logprobs is not None,
+            record.top_logprobs_k,
+            None if record.rng_state is None else len(record.rng_state),
+        )
+        for spec in specs:
+            check_spec(spec)
+        optional = set(features_optional)
+        if record.rng_state is not None:
+            optional.add("sampler-rng-state")
+        if record.top_logprobs_k:
+            optional.add("top-logprobs")
+        request = record.to_header()
+        request["swa_start"] = swa_start
+        self._body: dict[str, Any] = {
+            "format": "hsnap",
+            "features": {"required": [], "optional": sorted(optional)},
+            "digest": DEFAULT_DIGEST,
+            "identity": identity.to_header(),
+            "geometry": geometry.to_header(),
+            "request": request,
+        }
+        self.specs = specs
+        self._digests = [_ZERO_DIGEST] * len(specs)
+        header, self._table, self._data_offset, end = layout_header(self._body, specs, self._digests)
+        if len(header) > MAX_HEADER_BYTES:
+            raise MalformedHeaderError(self.path, "header_length", f"<= {MAX_HEADER_BYTES}", len(header))
+        self._header_length = len(header)
+        self.file_length = end + TRAILER.size
+        self.payload_bytes = sum(section_nbytes(s) for s in specs if SECTION_KINDS[s.kind].state)
+        if os.path.lexists(self.path):
+            raise SnapshotExistsError(self.path, "path", "no file or directory", "one exists")
+        self._tmp = _fs.temp_name(self.path)
+        try:
+            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        except OSError as e:
+            raise HsnapIOError(self.path, "create", e) from None
+        self.state = WriterState.OPEN
+        self._next = 0
+        self._hasher = None
+        self._cursor = 0
+        self._written = 0
+        try:
+            if preallocate:  # a full disk fails here, before any work
+                try:
+                    os.posix_fallocate(self._fd, 0, self.file_length)
+                except OSError as e:
+                    if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: filesystem without fallocate
+                        raise
+            os.ftruncate(self._fd, self.file_length)
+            _fs.phase("open")
+        except OSError as e:
+            self.abort()
+            raise HsnapIOError(self.path, "preallocate", e) from None
+
+    # -- state machine helpers
+    def _require(self, *states: WriterState, call: str) -> None:
+        if self.state not in states:
+            raise WriterStateError(self.path, call, " or ".join(s.value for s in states), self.state.value)
+
+    def pending_state_sections(self) -> list[SectionSpec]:
+        return [s for s in self.specs[self._next :] if SECTION_KINDS[s.kind].state]
+
+    @property
+    def next_section(self) -> SectionSpec | None:
+        return self.specs[self._next] if self._next < len(self.specs) else None
+
+    # -- sections
+    def begin_section(self, name: str) -> SectionSpec:
+        self._require(WriterState.OPEN, call="begin_section")
+        spec = self.next_section
+        if spec is None or spec.name != name:
+            raise WriterStateError(self.path, "section order", None if spec is None else spec.name, name)
+        self.state = WriterState.IN_SECTION
+        self._hasher = xxhash.xxh3_128()
+        self._cursor = self._table[self._next]["offset"]
+        self._written = 0
+        return spec
+
+    def write_chunk(self, data) -> None:
+        self._require(WriterState.IN_SECTION, call="write_chunk")
+        view = _byte_view(data)
+        expected = self._table[self._next]["length"]
+        if self._written + view.nbytes > expected:
+            self.abort()
+            raise WriterStateError(self.path, f"sections[{self.specs[self._next].name}].length", expected, self._written + view.nbytes)
+        self._hasher.update(view)
+        try:
+            done = 0
+            while done < view.nbytes:
+                done += os.pwrite(self._fd, view[done:], self._cursor + done)
+        except OSError as e:
+            self.abort()
+            raise HsnapIOError(self.path, f"write {self.specs[self._next].name}", e) from None
+        self._cursor += view.nbytes
+        self._written += view.nbytes
+        _fs.phase("chunk")
+
+    def end_section(self) -> str:
+        self._require(WriterState.IN_SECTION, call="end_section")
+        spec, expected = self.specs[self._next], self._table[self._next]["length"]
+        if self._written != expected:
+            self.abort()
+            raise WriterStateError(self.path, f"sections[{spec.name}].length", expected, self._written)
+        digest = self._hasher.hexdigest()
+        self._digests[self._next] = digest
+        self._next += 1
+        self.state = WriterState.OPEN
+        _fs.phase("section")
+        return digest
+
+    def write_section(self, name: str, data) -> str:
+        """Write a whole section (any C-contiguous buffer of exactly its length). Returns its digest."""
+        spec = self.begin_section(name)
+        if isinstance(data, np.ndarray) and tuple(data.shape) != spec.shape:
+            self.abort()
+            raise WriterStateError(self.path, f"sections[{name}].shape", list(spec.shape), list(data.shape))
+        self.write_chunk(data)
+        return self.end_section()
+
+    def write_record_sections(self) -> None:
+        arrays = self.record.bulk_arrays()
+        while self.next_section is not None and not SECTION_KINDS[self.next_section.kind].state:
+            spec = self.next_section
+            self.write_section(spec.name, np.ascontiguousarray(arrays[spec.kind], dtype=DTYPES[spec.dtype]))
+
+    # -- commit
+    def commit(self, *, fsync: bool = True) -> "CommitInfo":
+        """Complete the header, fsync, and give the file its final name (never overwriting)."""
+        self._require(WriterState.OPEN, call="commit")
+        self.write_record_sections()
+        if self.next_section is not None:
+            raise WriterStateError(self.path, "commit", "all sections written", f"next is {self.next_section.name}")
+        header, table, data_offset, end = layout_header(self._body, self.specs, self._digests)
+        if len(header) != self._header_length or data_offset != self._data_offset:
+            raise AssertionError("header length moved after planning")  # digests are fixed-width
+        header_digest = xxhash.xxh3_128_digest(header)
+        root = xxhash.xxh3_128()
+        root.update(header_digest)
+        for d in self._digests:
+            root.update(bytes.fromhex(d))
+        root_digest = root.digest()
+        pre = PREAMBLE.pack(MAGIC, MAJOR, MINOR, BYTE_ORDER_MARK, len(header), data_offset, header_digest, self.file_length, 0)
+        pre = pre[:56] + xxhash.xxh3_64_digest(pre[:56])[::-1]  # digest() is big-endian; store LE
+        tra = TRAILER.pack(TRAILER_MAGIC, self.file_length, len(self.specs), root_digest, bytes(16), 0)
+        tra = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
+        try:
+            os.pwrite(self._fd, pre + header, 0)
+            os.pwrite(self._fd, tra, end)
+            _fs.phase("before-fsync")
+            if fsync:
+                os.fsync(self._fd)
+            _fs.phase("after-fsync")
+            os.close(self._fd)
+            self._fd = -1
+        except OSError as e:
+            self.abort()
+            raise HsnapIOError(self.path, "commit", e) from None
+        try:
+            _fs.phase("before-rename")
+            _fs.rename_noreplace(self._tmp, self.path)
+            _fs.phase("after-rename")
+        except HsnapError:
+            self.abort()
+            raise
+        self.state = WriterState.COMMITTED
+        if fsync:
+            try:
+                _fs.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            except OSError as e:
+                raise HsnapIOError(self.path, "fsync directory", e) from None
+        _fs.phase("committed")
+        return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
+
+    def abort(self) -> None:
+        """Drop the temporary file. Safe to call in any state; a no-op once committed."""
+        if self.state in (WriterState.COMMITTED, WriterState.ABORTED):
+            return
+        self.state = WriterState.ABORTED
+        if getattr(self, "_fd", -1) >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+        try:
+            os.unlink(self._tmp)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "SnapshotWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or self.state is not WriterState.COMMITTED:
+            self.abort()
+
+    def __del__(self) -> None:
+        try:
+            self.abort()
+        except Exception:
+            pass
+
+
+class CommitInfo:
+    __slots__ = ("path", "file_length", "payload_bytes", "root_digest", "digests")
+
+    def __init__(self, path, file_length, payload_bytes, root_digest, digests):
+        self.path, self.file_length, self.payload_bytes = path, file_length, payload_bytes
+        self.root_digest, self.digests = root_digest, digests
+
+    def __repr__(self) -> str:
+        return f"CommitInfo({self.path!r}, file_length={self.file_length}, payload_bytes={self.payload_bytes})"
+
+
+def write_snapshot(path, *, identity: Identity, geometry: Geometry, record: RequestRecord, state: dict[str, Any], swa_start: int = 0, **kw) -> CommitInfo:
+    """Write a whole snapshot from in-memory arrays (section name -> array). Convenience for small files."""
+    with SnapshotWriter(path, identity=identity, geometry=geometry, record=record, swa_start=swa_start, **kw) as w:
+        for spec in w.pending_state_sections():
+            w.write_section(spec.name, state[spec.name])
+        return w.commit()
