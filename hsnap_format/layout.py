@@ -30,29 +30,46 @@ class SectionSpec:
     shape: tuple[int, ...]
 
 
+_NAME_FORMATS = {
+    "attn_k": "attn.{layer}.k",
+    "attn_v": "attn.{layer}.v",
+    "swa_k": "swa.{layer}.k",
+    "swa_v": "swa.{layer}.v",
+    "mla_kv": "mla.{layer}.kv",
+    "conv": "mamba.{layer}.conv.{component}",
+    "temporal": "mamba.{layer}.temporal",
+}
+
+
+def section_name(kind: str, layer: int, component: int = 0) -> str:
+    """The name of a state section (spec: Section names)."""
+    return _NAME_FORMATS[kind].format(layer=layer, component=component)
+
+
 def state_sections(geometry: Geometry, state_position: int, swa_start: int = 0) -> list[SectionSpec]:
     att, mam = geometry.attention, geometry.mamba
     per_layer: dict[int, list[SectionSpec]] = {}
 
-    def add(layer, name, kind, dtype, shape):
+    def add(layer, kind, dtype, shape, component=0):
+        name = section_name(kind, layer, component)
         per_layer.setdefault(layer, []).append(SectionSpec(name, kind, layer, dtype, tuple(shape)))
 
     if att is not None:
         for L in att.layers:
             if att.kind == "mla":
-                add(L, f"mla.{L}.kv", "mla_kv", att.dtype, (state_position, 1, att.k_head_dim))
+                add(L, "mla_kv", att.dtype, (state_position, 1, att.k_head_dim))
             else:
-                add(L, f"attn.{L}.k", "attn_k", att.dtype, (state_position, att.heads, att.k_head_dim))
-                add(L, f"attn.{L}.v", "attn_v", att.dtype, (state_position, att.heads, att.v_head_dim))
+                add(L, "attn_k", att.dtype, (state_position, att.heads, att.k_head_dim))
+                add(L, "attn_v", att.dtype, (state_position, att.heads, att.v_head_dim))
         for L in att.swa_layers:
             rows = state_position - swa_start
-            add(L, f"swa.{L}.k", "swa_k", att.dtype, (rows, att.heads, att.k_head_dim))
-            add(L, f"swa.{L}.v", "swa_v", att.dtype, (rows, att.heads, att.v_head_dim))
+            add(L, "swa_k", att.dtype, (rows, att.heads, att.k_head_dim))
+            add(L, "swa_v", att.dtype, (rows, att.heads, att.v_head_dim))
     if mam is not None:
         for L in mam.layers:
             for i, shape in enumerate(mam.conv_shapes):
-                add(L, f"mamba.{L}.conv.{i}", "conv", mam.conv_dtype, shape)
-            add(L, f"mamba.{L}.temporal", "temporal", mam.temporal_dtype, mam.temporal_shape)
+                add(L, "conv", mam.conv_dtype, shape, i)
+            add(L, "temporal", mam.temporal_dtype, mam.temporal_shape)
     return [s for L in sorted(per_layer) for s in per_layer[L]]
 
 

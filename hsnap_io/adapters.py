@@ -1,0 +1,238 @@
+"""Pool adapters: what state each SGLang pool kind carries, declared in one place.
+
+An adapter turns a pool object into *bindings*: one per snapshot section, each a
+``[slots, ...]`` tensor in the pool's storage dtype plus the index space its rows
+live in (``token``, ``swa`` or ``mamba``). Export gathers rows of every binding;
+restore scatters them back. No call site asks "is this an SWAKVPool?": an adapter
+is found by walking the pool's class MRO through :data:`KV_ADAPTERS`, and it
+declares whether the KV pool carries Mamba state (SGLang's own
+``cpu_copy_carries_mamba``). Mamba state is then taken from the KV pool when it
+carries it, else from the request pool's ``mamba_pool`` — exactly once either way
+(the retraction bug of sglang#35957 was the "neither" case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hsnap_format import AttentionGeometry, Geometry, HsnapError, MambaGeometry
+from hsnap_format.layout import section_name
+
+TORCH_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.float8_e4m3fnuz: "float8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "float8_e5m2fnuz",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
+
+
+class UnsupportedPoolError(HsnapError):
+    """A pool kind (or pool feature) hsnap cannot snapshot without losing state."""
+
+
+def dtype_name(dtype: torch.dtype, where: str) -> str:
+    try:
+        return TORCH_DTYPES[dtype]
+    except KeyError:
+        raise UnsupportedPoolError(None, where, sorted(TORCH_DTYPES.values()), str(dtype)) from None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One section's home in the pools: ``buffer[rows]`` are its rows."""
+
+    name: str
+    kind: str
+    layer: int
+    buffer: torch.Tensor  # [slots, ...], storage dtype
+    space: str  # "token" | "swa" | "mamba"
+
+
+@dataclass(frozen=True)
+class KVView:
+    """What one KV pool exposes: attention geometry, bindings, and whether it carries mamba."""
+
+    attention: AttentionGeometry | None
+    bindings: list[Binding]
+    carries_mamba: bool
+    mamba_pool: object | None = None  # when carries_mamba
+
+
+# ------------------------------------------------------------------ attention pools
+
+
+def _mha_bindings(pool, layer_ids, prefix: str, space: str) -> list[Binding]:
+    if str(getattr(pool, "kv_cache_layout", None) or "nhd").lower() != "nhd" or not isinstance(pool.k_buffer, list):
+        raise UnsupportedPoolError(None, f"{type(pool).__name__}.layout", "NHD per-layer buffers", getattr(pool, "kv_cache_layout", None))
+    out = []
+    for i, L in enumerate(layer_ids):
+        out.append(Binding(section_name(f"{prefix}_k", L), f"{prefix}_k", L, pool.k_buffer[i], space))
+        out.append(Binding(section_name(f"{prefix}_v", L), f"{prefix}_v", L, pool.v_buffer[i], space))
+    return out
+
+
+def _mha_attention(pool, layers, kind="mha", swa_layers=()) -> AttentionGeometry:
+    return AttentionGeometry(
+        kind=kind,
+        layers=tuple(layers),
+        swa_layers=tuple(swa_layers),
+        heads=int(pool.head_num),
+        k_head_dim=int(pool.head_dim),
+        v_head_dim=int(getattr(pool, "v_head_dim", None) or pool.head_dim),
+        dtype=dtype_name(pool.dtype, "attention.dtype"),
+        storage_dtype=dtype_name(pool.store_dtype, "attention.storage_dtype"),
+        page_size=int(pool.page_size),
+    )
+
+
+def mha_view(pool) -> KVView:
+    layers = list(range(pool.start_layer, pool.start_layer + pool.layer_num))
+    return KVView(_mha_attention(pool, layers), _mha_bindings(pool, layers, "attn", "token"), False)
+
+
+def mla_view(pool) -> KVView:
+    layers = list(range(pool.start_layer, pool.start_layer + pool.layer_num))
+    if getattr(pool, "use_dsa", False):
+        raise UnsupportedPoolError(None, "MLATokenToKVPool.use_dsa", False, True)
+    att = AttentionGeometry(
+        kind="mla",
+        layers=tuple(layers),
+        heads=1,
+        k_head_dim=int(pool.kv_lora_rank + pool.qk_rope_head_dim),
+        v_head_dim=0,
+        dtype=dtype_name(pool.dtype, "attention.dtype"),
+        storage_dtype=dtype_name(pool.store_dtype, "attention.storage_dtype"),
+        page_size=int(pool.page_size),
+        kv_lora_rank=int(pool.kv_lora_rank),
+        qk_rope_head_dim=int(pool.qk_rope_head_dim),
+    )
+    bindings = [Binding(section_name("mla_kv", L), "mla_kv", L, pool.kv_buffer[i], "token") for i, L in enumerate(layers)]
+    return KVView(att, bindings, False)
+
+
+def swa_view(pool) -> KVView:
+    full = sorted(g for g, (_, is_swa) in pool.layers_mapping.items() if not is_swa)
+    swa = sorted(g for g, (_, is_swa) in pool.layers_mapping.items() if is_swa)
+    full_dense = [g for g, _ in sorted(((g, pool.layers_mapping[g][0]) for g in full), key=lambda t: t[1])]
+    swa_dense = [g for g, _ in sorted(((g, pool.layers_mapping[g][0]) for g in swa), key=lambda t: t[1])]
+    bindings = _mha_bindings(pool.full_kv_pool, full_dense, "attn", "token") + _mha_bindings(pool.swa_kv_pool, swa_dense, "swa", "swa")
+    return KVView(_mha_attention(pool.full_kv_pool, full, "swa", swa), bindings, False)
+
+
+def hybrid_linear_view(pool) -> KVView:
+    mapping = pool.full_attention_layer_id_mapping  # global id -> dense index
+    dense = [g for g, _ in sorted(mapping.items(), key=lambda t: t[1])]
+    inner = adapter_for(pool.full_kv_pool, KV_ADAPTERS, "full_kv_pool")(pool.full_kv_pool)
+    # the dense inner pool numbers layers 0..n-1: rename its bindings to global ids
+    bindings = []
+    for b in inner.bindings:
+        g = dense[b.layer - pool.full_kv_pool.start_layer]
+        bindings.append(Binding(section_name(b.kind, g), b.kind, g, b.buffer, b.space))
+    att = inner.attention
+    att = AttentionGeometry(**{**att.__dict__, "layers": tuple(sorted(dense))})
+    return KVView(att, bindings, carries_mamba=True, mamba_pool=pool.mamba_pool)
+
+
+# Keyed by class name along the MRO, so subclasses inherit their parent's adapter and
+# importing SGLang is not needed to build the table. Order of lookup: the class first.
+KV_ADAPTERS: dict[str, Callable[[object], KVView]] = {
+    "MHATokenToKVPool": mha_view,
+    "MLATokenToKVPool": mla_view,
+    "SWAKVPool": swa_view,
+    "HybridLinearKVPool": hybrid_linear_view,
+}
+# Subclasses whose storage differs from their parent's: refuse rather than guess.
+REFUSED_POOLS = {
+    "MHATokenToKVPoolFP4": "fp4 KV with scales",
+    "MHATokenToKVPoolMXFP8": "mxfp8 KV with scales",
+    "PageMajorMHATokenToKVPool": "page-major layout",
+    "NoOpMHATokenToKVPool": "a pool without storage",
+    "MLATokenToKVPoolFP4": "fp4 KV with scales",
+    "DSATokenToKVPool": "DSA indexer state",
+}
+
+
+def adapter_for(pool, table, where: str):
+    for cls in type(pool).__mro__:
+        if cls.__name__ in REFUSED_POOLS:
+            raise UnsupportedPoolError(None, where, "a supported pool kind", f"{cls.__name__} ({REFUSED_POOLS[cls.__name__]})")
+        if cls.__name__ in table:
+            return table[cls.__name__]
+    raise UnsupportedPoolError(None, where, sorted(table), type(pool).__name__)
+
+
+# ------------------------------------------------------------------ mamba
+
+
+def mamba_bindings(mamba_pool) -> tuple[MambaGeometry, list[Binding]]:
+    cache = mamba_pool.mamba_cache
+    for field, why in (("_slot_siblings", "side states (PLE)"),):
+        if getattr(mamba_pool, field, None):
+            raise UnsupportedPoolError(None, f"MambaPool.{field}", "none", why)
+    if getattr(mamba_pool, "replayssm_write_pos", None) is not None:
+        # the temporal state is stale until the ReplaySSM ring is flushed
+        raise UnsupportedPoolError(None, "MambaPool.replayssm", "disabled (temporal state is stale until flushed)", "enabled")
+    layer_ids = list(mamba_pool.mamba_layer_ids)
+    geom = MambaGeometry(
+        layers=tuple(layer_ids),
+        conv_shapes=tuple(tuple(int(d) for d in c.shape[2:]) for c in cache.conv),
+        conv_dtype=dtype_name(cache.conv[0].dtype, "mamba.conv_dtype"),
+        temporal_shape=tuple(int(d) for d in cache.temporal.shape[2:]),
+        temporal_dtype=dtype_name(cache.temporal.dtype, "mamba.temporal_dtype"),
+        conv_slice_axis=int(getattr(mamba_pool, "conv_slice_axis", 0)),
+    )
+    out = []
+    for i, L in enumerate(layer_ids):
+        for c, conv in enumerate(cache.conv):
+            out.append(Binding(section_name("conv", L, c), "conv", L, conv[i], "mamba"))
+        out.append(Binding(section_name("temporal", L), "temporal", L, cache.temporal[i], "mamba"))
+    return geom, out
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """Everything hsnap needs from a scheduler's pools."""
+
+    geometry: Geometry
+    bindings: list[Binding]  # in file order
+    mamba_pool: object | None
+    req_to_token_pool: object
+    allocator: object
+    kv_pool: object
+
+
+def view_pools(req_to_token_pool, token_to_kv_pool_allocator) -> PoolView:
+    kv_pool = token_to_kv_pool_allocator.get_kvcache()
+    kv = adapter_for(kv_pool, KV_ADAPTERS, "token_to_kv_pool_allocator.get_kvcache()")(kv_pool)
+    # Mamba state: from the KV pool if it declares it carries it, else from the
+    # request pool's own mamba_pool (SWAKVPool beside HybridReqToTokenPool). Once.
+    mamba_pool = kv.mamba_pool if kv.carries_mamba else getattr(req_to_token_pool, "mamba_pool", None)
+    mamba_geom, m_bindings = (None, []) if mamba_pool is None else mamba_bindings(mamba_pool)
+    if mamba_pool is not None and not hasattr(req_to_token_pool, "req_index_to_mamba_index_mapping"):
+        raise UnsupportedPoolError(None, "req_to_token_pool", "HybridReqToTokenPool (mamba slot mapping)", type(req_to_token_pool).__name__)
+    layers = [b.layer for b in kv.bindings + m_bindings]
+    start = getattr(kv_pool, "start_layer", 0) or 0
+    geom = Geometry(
+        attention=kv.attention,
+        mamba=mamba_geom,
+        start_layer=int(start),
+        num_layers=len(set(layers)),
+    )
+    by_layer: dict[int, list[Binding]] = {}
+    for b in kv.bindings + m_bindings:
+        by_layer.setdefault(b.layer, []).append(b)
+    ordered = [b for L in sorted(by_layer) for b in by_layer[L]]
+    return PoolView(geom, ordered, mamba_pool, req_to_token_pool, token_to_kv_pool_allocator, kv_pool)

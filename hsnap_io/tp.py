@@ -1,0 +1,87 @@
+"""Tensor parallelism: every rank exports its own shard into one snapshot directory.
+
+Protocol (torch.distributed; tensors only, no pickled objects):
+  1. rank 0 creates the staging directory ``.<name>.hsnap-staging-<snapshot_id>``
+     next to the final path; all ranks learn whether that worked;
+  2. each rank writes ``rank-<r>.hsnap`` into it (fsynced, renamed in place);
+  3. all ranks agree (all_reduce MIN) that every rank succeeded;
+  4. rank 0 writes the manifest and renames the directory to its final name;
+  5. all ranks learn the outcome. Until step 4 nothing exists under the final
+     name, so the snapshot is committed only when every rank file and the
+     manifest are durable. If any rank fails, rank 0 removes the staging
+     directory and every rank raises.
+A rank that dies outright leaves the others waiting in a collective until the
+process group's timeout; the staging directory is then left for ``hsnap gc``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from hsnap_format import HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
+from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
+
+from .export import export_request
+from .restore import RestoredRequest, restore_request
+
+
+def _agree(ok: bool, group) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def staging_dir(path: str, snapshot_id: str) -> str:
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{tail}{STAGING_DIR_MARK}{snapshot_id}")
+
+
+def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=None, **kw) -> Manifest | None:
+    """Collective: call on every rank with that rank's pools. Returns the manifest on rank 0."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (identity.tp_rank, identity.tp_size) != (rank, world):
+        raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))
+    if not NAME_RE.match(identity.snapshot_id):
+        raise HsnapError(path, "identity.snapshot_id", "[A-Za-z0-9._-]{1,128} (names the staging directory)", identity.snapshot_id)
+    final = os.path.abspath(os.fspath(path))
+    staging = staging_dir(final, identity.snapshot_id)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            if os.path.lexists(final):
+                raise SnapshotExistsError(final, "path", "no file or directory", "one exists")
+            os.mkdir(staging, 0o700)
+        except BaseException as e:  # noqa: BLE001 - reported after the collective
+            error = e
+    if not _agree(error is None, group):
+        raise error or HsnapError(final, "staging directory", "created by rank 0", "rank 0 failed")
+    try:
+        export_request(os.path.join(staging, rank_file_name(rank)), identity=identity, record=record, **kw)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    all_ok = _agree(error is None, group)
+    manifest = None
+    if rank == 0:
+        if all_ok:
+            try:
+                manifest = SetWriter(final, staging=staging).commit(tp_size=world)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if error is not None or not all_ok:
+            shutil.rmtree(staging, ignore_errors=True)
+    committed = _agree(error is None and all_ok, group)
+    if not committed:
+        raise error or HsnapError(final, "export", "every rank written", "another rank failed; nothing committed")
+    return manifest
+
+
+def restore_request_tp(path, *, identity: Identity, group=None, **kw) -> RestoredRequest:
+    """Each rank loads its own file of a snapshot directory (TP size must match)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if (identity.tp_rank, identity.tp_size) != (rank, world):
+        raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))
+    return restore_request(path, identity=identity, rank=rank, **kw)

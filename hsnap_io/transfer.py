@@ -1,0 +1,157 @@
+"""Copy engines between pool buffers and host memory.
+
+``HostEngine`` (CPU pools): gather rows into a reusable host buffer, hand it to
+the writer; on restore, copy from the mapped file views straight into the slots.
+
+``CudaEngine`` (CUDA pools): export gathers on the device and copies into two
+pinned host staging buffers on a side stream, so the device-to-host copy of
+chunk i+1 overlaps the digest and write of chunk i; host memory stays at two
+staging buffers whatever the snapshot size. Restore copies mapped file bytes into
+a pinned buffer, uploads them with cupy on the side stream (double-buffered), and
+scatters into the slots on that stream.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterator
+
+import numpy as np
+import torch
+
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+def _row_chunks(n_rows: int, row_bytes: int, staging_bytes: int) -> Iterator[tuple[int, int]]:
+    step = max(1, staging_bytes // max(row_bytes, 1))
+    for a in range(0, n_rows, step):
+        yield a, min(n_rows, a + step)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class HostEngine:
+    """Plain CPU copies (no pinning: CPU-only torch cannot pin)."""
+
+    name = "cpu"
+
+    def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.staging_bytes = staging_bytes
+        self._host = torch.empty(0, dtype=torch.uint8)
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        if self._host.numel() < nbytes:
+            self._host = torch.empty(nbytes, dtype=torch.uint8)
+        return self._host[:nbytes]
+
+    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
+        """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk."""
+        row_bytes = buffer[0].numel() * buffer.element_size()
+        chunks = list(_row_chunks(len(rows), row_bytes, self.staging_bytes)) or [(0, 0)]
+        for i, (a, b) in enumerate(chunks):
+            out = self._staging((b - a) * row_bytes).view(buffer.dtype).view(b - a, *buffer.shape[1:])
+            torch.index_select(buffer, 0, rows[a:b], out=out)
+            sink(out.view(-1).view(torch.uint8).numpy(), i == 0, i == len(chunks) - 1)
+
+    def finish_export(self) -> None:
+        pass
+
+    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
+        """Scatter the mapped file bytes ``src`` (uint8) into ``buffer[rows]``."""
+        with warnings.catch_warnings():  # the mapped view is read-only; we only read it
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(src)
+        buffer.index_copy_(0, rows, data.view(buffer.dtype).view(len(rows), *buffer.shape[1:]))
+
+    def finish_import(self) -> None:
+        pass
+
+
+class CudaEngine:
+    """Pinned staging, a side stream, cupy uploads. Needs CUDA pools and cupy."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        import cupy  # hsnap[gpu]
+
+        self.cupy = cupy
+        self.device = device
+        self.staging_bytes = staging_bytes
+        self.stream = torch.cuda.Stream(device=device)
+        self.pinned = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.ready = [torch.cuda.Event() for _ in range(2)]  # D2H done / H2D consumed
+        self.in_use = [False, False]
+        self._slot = 0
+        self._pending: list[tuple[int, int, object, bool, bool]] = []  # (slot, nbytes, sink, first, last)
+        self._dev = [torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    # ---- export: device -> pinned host, overlapped with the writer
+    def _drain_one(self) -> None:
+        slot, nbytes, sink, first, last = self._pending.pop(0)
+        self.ready[slot].synchronize()
+        sink(self.pinned[slot][:nbytes].numpy(), first, last)
+        self.in_use[slot] = False
+
+    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
+        row_bytes = buffer[0].numel() * buffer.element_size()
+        rows = rows.to(buffer.device, non_blocking=True)
+        self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        chunks = list(_row_chunks(len(rows), row_bytes, self.staging_bytes)) or [(0, 0)]
+        for i, (a, b) in enumerate(chunks):
+            slot = self._slot
+            if self.in_use[slot]:
+                self._drain_one()  # writes the older chunk while the newer one copies
+            nbytes = (b - a) * row_bytes
+            with torch.cuda.stream(self.stream):
+                gathered = buffer.index_select(0, rows[a:b])
+                self.pinned[slot][:nbytes].copy_(_as_bytes(gathered), non_blocking=True)
+                self.ready[slot].record(self.stream)
+            self.in_use[slot] = True
+            self._pending.append((slot, nbytes, sink, i == 0, i == len(chunks) - 1))
+            self._slot ^= 1
+        # keep the last chunk in flight; the next section (or finish) drains it
+
+    def finish_export(self) -> None:
+        while self._pending:
+            self._drain_one()
+
+    # ---- restore: mapped file -> pinned -> device (cupy) -> scatter into slots
+    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
+        cp = self.cupy
+        row_bytes = buffer[0].numel() * buffer.element_size()
+        rows = rows.to(buffer.device, non_blocking=True)
+        self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        for a, b in _row_chunks(len(rows), row_bytes, self.staging_bytes):
+            slot = self._slot
+            if self.in_use[slot]:
+                self.ready[slot].synchronize()  # the upload that used this pinned buffer is done
+            nbytes = (b - a) * row_bytes
+            host = self.pinned[slot][:nbytes].numpy()
+            np.copyto(host, src[a * row_bytes : b * row_bytes])  # page-cache -> pinned
+            dev = self._dev[slot]
+            cp.cuda.runtime.memcpyAsync(
+                dev.data_ptr(), host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice, self.stream.cuda_stream
+            )
+            with torch.cuda.stream(self.stream):
+                data = dev[:nbytes].view(buffer.dtype).view(b - a, *buffer.shape[1:])
+                buffer.index_copy_(0, rows[a:b], data)
+                self.ready[slot].record(self.stream)
+            self.in_use[slot] = True
+            self._slot ^= 1
+
+    def finish_import(self) -> None:
+        self.stream.synchronize()
+        self.in_use = [False, False]
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def engine_for(buffers: list[torch.Tensor], staging_bytes: int = DEFAULT_STAGING_BYTES):
+    devices = {b.device.type for b in buffers}
+    if devices <= {"cpu"}:
+        return HostEngine(staging_bytes)
+    if devices == {"cuda"}:
+        return CudaEngine(buffers[0].device, staging_bytes)
+    raise ValueError(f"pools on unsupported devices: {sorted(devices)}")
