@@ -83,7 +83,7 @@ class _Fields:
 
     def dtype(self, key) -> str:
         v = self.raw(key)
-        if v not in DTYPES:
+        if not isinstance(v, str) or v not in DTYPES:  # isinstance first: a list is unhashable
             raise self._err(key, f"one of {sorted(DTYPES)}", v)
         return v
 
@@ -304,8 +304,8 @@ class Geometry:
         """Dotted field -> value, for field-by-field comparison."""
         out: dict[str, Any] = {"geometry.start_layer": self.start_layer, "geometry.num_layers": self.num_layers}
         for part, obj in (("attention", self.attention), ("mamba", self.mamba)):
+            out[f"geometry.{part}"] = None if obj is None else "present"
             if obj is None:
-                out[f"geometry.{part}"] = None
                 continue
             for k, v in obj.to_header().items():
                 out[f"geometry.{part}.{k}"] = v

@@ -220,12 +220,12 @@ class SnapshotWriter:
             done = 0
             while done < view.nbytes:
                 done += os.pwrite(self._fd, view[done:], self._cursor + done)
+            _fs.phase("chunk")
         except OSError as e:
             self.abort()
             raise HsnapIOError(self.path, f"write {self.specs[self._next].name}", e) from None
         self._cursor += view.nbytes
         self._written += view.nbytes
-        _fs.phase("chunk")
 
     def end_section(self) -> str:
         self._require(WriterState.IN_SECTION, call="end_section")

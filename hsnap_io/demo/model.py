@@ -1,0 +1,781 @@
+"""A tiny random-weight hybrid LLM, an explicit decode loop, and cache <-> SGLang pool layout conversion.
+
+Pure model-side code: nothing here knows about the hsnap file format.
+
+* :func:`build_model` builds a tiny Qwen3.5 (``qwen3_5_text``, dense GDN hybrid) or Qwen3-Next model with random
+  weights (nothing is downloaded) and returns it with its :class:`ModelGeometry`.
+* :class:`Decoder` runs prefill / single-token steps / greedy or sampled generation with full control over what
+  passes through ``forward`` (a hook on ``embed_tokens`` counts every position).
+* :func:`cache_to_pool_tensors` / :func:`pool_tensors_to_cache` convert between the transformers 5.x cache
+  (``DynamicCache`` with ``DynamicLayer`` / ``LinearAttentionLayer``) and SGLang's pool layouts, as plain per-layer
+  tensors.
+* :func:`build_pools`, :func:`write_to_pools`, :func:`read_from_pools` put those tensors into / take them out of real
+  SGLang pools (``HybridReqToTokenPool`` + ``HybridLinearKVPool`` + token allocator).
+
+Layout facts (transformers 5.19 <-> SGLang 0.5.23), for one request (batch 1):
+
+============  =====================================  ==============================  ===============================
+state         transformers                           SGLang pool                     mapping
+============  =====================================  ==============================  ===============================
+attention K   ``layers[L].keys`` [1, H_kv, S, D]      ``get_key_buffer(L)[slots]``    ``keys[0].permute(1, 0, 2)``
+              (after k_norm and RoPE)                 [S, H_kv, D]
+attention V   ``layers[L].values`` [1, H_kv, S, D]    ``get_value_buffer(L)[slots]``  ``values[0].permute(1, 0, 2)``
+GDN conv      ``conv_states[0]`` [1, conv_dim, K]     ``conv[0][m, slot]``            columns ``1..K-1`` (oldest
+                                                      [conv_dim, K-1]                 first); column 0 never
+                                                                                      influences the next output
+GDN temporal  ``recurrent_states[0]``                 ``temporal[m, slot]``           ``.transpose(-1, -2)``
+              [1, H_v, Dk, Dv]                        [H_v, Dv, Dk]
+============  =====================================  ==============================  ===============================
+
+``m`` is ``req_to_token_pool.mamba_map[L]`` (= position of ``L`` in the pool's ``mamba_layer_ids``); attention
+buffers are addressed by the *global* layer id (``HybridLinearKVPool`` maps it to its dense index).  Conv channel
+order is the same on both sides: q over all key heads, k over all key heads, v over all value heads.
+
+Per-layer tensor dict used by the conversion helpers (layer ids are global model layer ids)::
+
+    {"k": {L: [S, H_kv, D]}, "v": {L: [S, H_kv, D]},       # full-attention layers
+     "conv": {L: [conv_dim, K-1]}, "temporal": {L: [H_v, Dv, Dk]}}   # GDN layers
+
+Bit-exactness needs pool dtypes equal to the model's state dtypes (SGLang's default conv dtype is bf16; here the
+cache params are built with explicit dtypes) and the same torch thread count in the reference and the resumed run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "ARCHS",
+    "Decoder",
+    "Generation",
+    "ModelGeometry",
+    "PoolSet",
+    "RequestSlots",
+    "alloc_request",
+    "build_model",
+    "build_pools",
+    "cache_to_pool_tensors",
+    "free_request",
+    "generator_from_state",
+    "generator_state_bytes",
+    "geometry_from_config",
+    "mamba_cache_params",
+    "numerics_environment",
+    "pool_tensors_to_cache",
+    "read_from_pools",
+    "request_slots",
+    "tiny_config",
+    "write_to_pools",
+]
+
+ARCHS = ("qwen3_5", "qwen3_next")
+
+# The tiny configuration (see shared/research/continuation-on-cpu.md).  linear_key_head_dim (16) differs from
+# linear_value_head_dim (32) so that the Dk / Dv axes of the recurrent state cannot be confused silently.
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    max_position_embeddings=512,
+)
+_TINY_MOE: dict[str, Any] = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# model + geometry
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the pools need to know about a hybrid model.  Shapes are per request (no batch / slot axis)."""
+
+    arch: str
+    model_type: str
+    num_layers: int
+    layer_types: tuple[str, ...]
+    full_attention_layer_ids: tuple[int, ...]
+    linear_layer_ids: tuple[int, ...]  # GDN layers (SGLang: mamba_layer_ids)
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int  # Dk
+    linear_value_head_dim: int  # Dv
+    conv_kernel: int  # K
+    conv_dim: int  # 2 * Hk * Dk + Hv * Dv
+    conv_shard_groups: tuple[int, int, int]  # [key_dim, key_dim, value_dim]: q | k | v channel blocks
+    kv_shape: tuple[int, int]  # SGLang per-token row: [kv_heads, head_dim]
+    conv_shape: tuple[int, int]  # SGLang: [conv_dim, K-1]
+    temporal_shape: tuple[int, int, int]  # SGLang: [H_v, Dv, Dk]
+    vocab_size: int
+    kv_dtype: torch.dtype
+    conv_dtype: torch.dtype
+    temporal_dtype: torch.dtype
+    config: Any = field(default=None, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly description (dtypes as strings like ``"float32"``; the config is left out)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "config":
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, torch.dtype):
+                v = str(v).removeprefix("torch.")
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+def tiny_config(arch: str = "qwen3_5", *, attn_implementation: str = "eager", **overrides: Any):
+    """The tiny transformers config for ``arch`` (``"qwen3_5"`` or ``"qwen3_next"``)."""
+    kw = dict(_TINY_COMMON)
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig as cfg_cls
+    elif arch == "qwen3_next":
+        from transformers.models.qwen3_next import Qwen3NextConfig as cfg_cls
+
+        kw.update(_TINY_MOE)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    kw.update(overrides)
+    cfg = cfg_cls(**kw)
+    # Pin the attention implementation: the same kernels must run in the reference and in a resumed process.
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
+def geometry_from_config(config, dtype: torch.dtype = torch.float32, *, arch: str | None = None) -> ModelGeometry:
+    """Derive the :class:`ModelGeometry` of a Qwen3.5 / Qwen3-Next style hybrid config (state dtypes = ``dtype``)."""
+    c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = tuple(c.layer_types)
+    full = tuple(i for i, t in enumerate(layer_types) if t == "full_attention")
+    lin = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
+    if len(full) + len(lin) != len(layer_types):
+        raise ValueError(f"unsupported layer types {sorted(set(layer_types))}")
+    hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    k = c.linear_conv_kernel_dim
+    key_dim, value_dim = hk * dk, hv * dv
+    conv_dim = 2 * key_dim + value_dim
+    if arch is None:
+        arch = {"qwen3_5_text": "qwen3_5", "qwen3_next": "qwen3_next"}.get(c.model_type, c.model_type)
+    return ModelGeometry(
+        arch=arch,
+        model_type=c.model_type,
+        num_layers=len(layer_types),
+        layer_types=layer_types,
+        full_attention_layer_ids=full,
+        linear_layer_ids=lin,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        conv_kernel=k,
+        conv_dim=conv_dim,
+        conv_shard_groups=(key_dim, key_dim, value_dim),
+        kv_shape=(c.num_key_value_heads, c.head_dim),
+        conv_shape=(conv_dim, k - 1),
+        temporal_shape=(hv, dv, dk),
+        vocab_size=c.vocab_size,
+        kv_dtype=dtype,
+        conv_dtype=dtype,
+        temporal_dtype=dtype,
+        config=c,
+    )
+
+
+def build_model(
+    seed: int = 0,
+    arch: str = "qwen3_5",
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "eager",
+    **config_overrides: Any,
+):
+    """Build the tiny random-weight model: returns ``(model, geometry)``.
+
+    The weights depend only on ``seed`` (the global torch RNG is forked, so the caller's RNG state is untouched).
+    The model is in eval mode, in ``dtype`` (float32 by default); nothing is downloaded.
+    """
+    cfg = tiny_config(arch, attn_implementation=attn_implementation, **config_overrides)
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM as model_cls
+    else:
+        from transformers.models.qwen3_next import Qwen3NextForCausalLM as model_cls
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(cfg)
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    return model, geometry_from_config(model.config, dtype, arch=arch)
+
+
+def numerics_environment() -> dict[str, Any]:
+    """What decides bit-exactness of a continuation (record it next to a snapshot)."""
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "num_threads": torch.get_num_threads(),
+        "device": "cpu",
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# decoding
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def generator_state_bytes(generator: torch.Generator) -> bytes:
+    """Export a CPU ``torch.Generator``'s state (a uint8 tensor) as bytes."""
+    return bytes(generator.get_state().numpy().tobytes())
+
+
+def generator_from_state(state: bytes, device: str = "cpu") -> torch.Generator:
+    """A fresh generator restored from :func:`generator_state_bytes` output."""
+    g = torch.Generator(device=device)
+    g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return g
+
+
+@dataclass
+class Generation:
+    """Result of :meth:`Decoder.generate`.
+
+    ``token_ids`` / ``logprobs`` cover all outputs, including ``start_outputs`` (their logprobs come from
+    ``start_logprobs``; NaN where those were not given).  ``new_*`` cover the tokens selected in this call.
+    ``positions`` / ``forward_calls`` count what passed through ``forward`` during this call.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    cache: Any
+    positions: int
+    forward_calls: int
+    generator_state: bytes | None  # state after the last draw (None for greedy)
+
+    @property
+    def seq_len(self) -> int:
+        """Positions held by the cache (prompt + outputs[:-1]: the last output is pending, not yet fed)."""
+        return self.cache.get_seq_length()
+
+
+class Decoder:
+    """Explicit decode loop around a causal LM.
+
+    Semantics match a running SGLang request: after ``n`` outputs, the cache holds ``prompt + outputs[:-1]``; the
+    last output is *pending* (not yet fed).  Resuming feeds it first, so every step consumes exactly one new
+    position and nothing is recomputed.
+    """
+
+    def __init__(self, model, geom: ModelGeometry | None = None):
+        self.model = model
+        self.geom = geom if geom is not None else geometry_from_config(model.config, next(model.parameters()).dtype)
+        self.positions_forwarded = 0
+        self.forward_calls = 0
+        self._hook = model.get_input_embeddings().register_forward_hook(self._count)
+
+    def _count(self, module, args, output) -> None:
+        ids = args[0]
+        self.positions_forwarded += int(ids.numel())
+        self.forward_calls += 1
+
+    def close(self) -> None:
+        """Remove the counting hook."""
+        self._hook.remove()
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.no_grad()
+    def _forward(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def prefill(self, prompt_ids: Sequence[int]):
+        """Run the whole prompt through a fresh cache: ``(cache, float32 logits of the last position)``."""
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt")
+        cache = self.new_cache()
+        return cache, self._forward(ids, cache)
+
+    def step(self, cache, token_id: int) -> torch.Tensor:
+        """Feed one token at position ``cache.get_seq_length()``: float32 logits for the next one."""
+        ids = torch.tensor([[int(token_id)]], dtype=torch.long)
+        return self._forward(ids, cache)
+
+    @staticmethod
+    def select(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple[int, float]:
+        """Pick a token: argmax when ``temperature == 0`` else a multinomial draw from ``softmax(logits / T)``.
+
+        Returns ``(token_id, logprob)``; the logprob is the float32 ``log_softmax`` of the raw logits at the token.
+        """
+        logits = logits.float()
+        if temperature == 0.0:
+            tok = int(torch.argmax(logits))
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            tok = int(torch.multinomial(probs, 1, generator=generator)[0])
+        return tok, float(torch.log_softmax(logits, dim=-1)[tok])
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | None,
+        n: int,
+        *,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        generator_state: bytes | None = None,
+        cache=None,
+        start_outputs: Sequence[int] = (),
+        start_logprobs: Sequence[float] | None = None,
+    ) -> Generation:
+        """Generate until there are ``n`` outputs in total.
+
+        Fresh run: ``cache=None``; the prompt is prefilled.  Resume: pass ``cache`` (holding
+        ``prompt + start_outputs[:-1]``) and the outputs so far; ``prompt_ids`` may be None, otherwise the cache
+        length is checked against it.  Sampling (``temperature > 0``) draws from a CPU ``torch.Generator`` seeded
+        with ``seed`` or restored from ``generator_state`` (bytes from a previous :class:`Generation`).
+        """
+        start_outputs = [int(t) for t in start_outputs]
+        if start_logprobs is not None and len(start_logprobs) != len(start_outputs):
+            raise ValueError("start_logprobs must match start_outputs")
+        if temperature < 0.0 or not math.isfinite(temperature):
+            raise ValueError(f"bad temperature {temperature}")
+        gen: torch.Generator | None = None
+        if temperature > 0.0:
+            if generator_state is not None:
+                gen = generator_from_state(generator_state)
+            elif seed is not None:
+                gen = torch.Generator().manual_seed(int(seed))
+            else:
+                raise ValueError("sampling needs seed= or generator_state=")
+        pos0, calls0 = self.positions_forwarded, self.forward_calls
+        outputs = list(start_outputs)
+        logprobs = list(start_logprobs) if start_logprobs is not None else [float("nan")] * len(outputs)
+        new_ids: list[int] = []
+        new_lps: list[float] = []
+
+        if cache is None:
+            if start_outputs:
+                raise ValueError("start_outputs without a cache")
+            if prompt_ids is None:
+                raise ValueError("a fresh run needs prompt_ids")
+            if n <= 0:
+                raise ValueError("n must be positive")
+            cache, logits = self.prefill(prompt_ids)
+        else:
+            if not start_outputs:
+                raise ValueError("resuming needs start_outputs (the last one is fed first)")
+            if prompt_ids is not None:
+                want = len(prompt_ids) + len(outputs) - 1
+                if cache.get_seq_length() != want:
+                    raise ValueError(f"cache holds {cache.get_seq_length()} positions, expected {want}")
+            logits = None
+
+        while len(outputs) < n:
+            if logits is None:
+                logits = self.step(cache, outputs[-1])
+            tok, lp = self.select(logits, temperature, gen)
+            logits = None
+            outputs.append(tok)
+            logprobs.append(lp)
+            new_ids.append(tok)
+            new_lps.append(lp)
+
+        return Generation(
+            token_ids=outputs,
+            logprobs=logprobs,
+            new_token_ids=new_ids,
+            new_logprobs=new_lps,
+            cache=cache,
+            positions=self.positions_forwarded - pos0,
+            forward_calls=self.forward_calls - calls0,
+            generator_state=generator_state_bytes(gen) if gen is not None else None,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# transformers cache <-> SGLang pool layouts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def cache_to_pool_tensors(cache, geom: ModelGeometry) -> dict[str, dict[int, torch.Tensor]]:
+    """Copy one request's (batch 1) state out of a transformers cache, in SGLang pool layouts.
+
+    Returns ``{"k": {L: [S, H_kv, D]}, "v": {...}, "conv": {L: [conv_dim, K-1]}, "temporal": {L: [H_v, Dv, Dk]}}``
+    (contiguous copies, global layer ids).
+    """
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    if len(cache.layers) != geom.num_layers:
+        raise ValueError(f"cache has {len(cache.layers)} layers, geometry {geom.num_layers}")
+    out: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "conv": {}, "temporal": {}}
+    for lid in geom.full_attention_layer_ids:
+        layer = cache.layers[lid]
+        if not isinstance(layer, DynamicLayer) or not layer.is_initialized:
+            raise ValueError(f"layer {lid}: expected an initialized DynamicLayer, got {layer!r}")
+        for name, t in (("k", layer.keys), ("v", layer.values)):
+            if t.dim() != 4 or t.shape[0] != 1 or tuple(t.shape[1:2]) + tuple(t.shape[3:]) != geom.kv_shape:
+                raise ValueError(f"layer {lid} {name}: unexpected shape {tuple(t.shape)}")
+            out[name][lid] = t[0].permute(1, 0, 2).contiguous().clone()
+    k = geom.conv_kernel
+    for lid in geom.linear_layer_ids:
+        layer = cache.layers[lid]
+        if not isinstance(layer, LinearAttentionLayer) or not layer.is_conv_states_initialized[0]:
+            raise ValueError(f"layer {lid}: expected an initialized LinearAttentionLayer, got {layer!r}")
+        if not layer.has_previous_state[0]:
+            raise ValueError(f"layer {lid}: has_previous_state is False (no prefill happened)")
+        if layer.record_past:
+            raise ValueError(f"layer {lid}: record_past caches are not supported")
+        conv = layer.conv_states[0]
+        rec = layer.recurrent_states[0]
+        if tuple(conv.shape) != (1, geom.conv_dim, k):
+            raise ValueError(f"layer {lid} conv: unexpected shape {tuple(conv.shape)}")
+        hv, dv, dk = geom.temporal_shape
+        if tuple(rec.shape) != (1, hv, dk, dv):
+            raise ValueError(f"layer {lid} recurrent: unexpected shape {tuple(rec.shape)}")
+        out["conv"][lid] = conv[0, :, 1:].contiguous().clone()  # drop column 0 (never read again)
+        out["temporal"][lid] = rec[0].transpose(-1, -2).contiguous().clone()
+    return out
+
+
+def _empty_cache(geom: ModelGeometry):
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    if geom.config is not None:
+        return DynamicCache(config=geom.config)
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer() if t == "full_attention" else LinearAttentionLayer() for t in geom.layer_types]
+    cache.layer_class_to_replicate = None
+    return cache
+
+
+def pool_tensors_to_cache(tensors: Mapping[str, Mapping[int, torch.Tensor]], geom: ModelGeometry, seq_len: int):
+    """Inverse of :func:`cache_to_pool_tensors`: a fresh ``DynamicCache`` that continues the request.
+
+    Conv column 0 (dropped by SGLang) is restored as zeros; it never influences an output and is shifted out by
+    the next step.  ``has_previous_state`` is set so the next forward takes the cached-decode path.
+    """
+    expected = {
+        "k": set(geom.full_attention_layer_ids),
+        "v": set(geom.full_attention_layer_ids),
+        "conv": set(geom.linear_layer_ids),
+        "temporal": set(geom.linear_layer_ids),
+    }
+    for name, ids in expected.items():
+        got = set(tensors.get(name, {}))
+        if got != ids:
+            raise ValueError(f"{name}: layers {sorted(got)} given, expected {sorted(ids)}")
+    cache = _empty_cache(geom)
+    for lid in geom.full_attention_layer_ids:
+        k, v = tensors["k"][lid], tensors["v"][lid]
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != (seq_len, *geom.kv_shape):
+                raise ValueError(f"layer {lid} {name}: shape {tuple(t.shape)}, expected {(seq_len, *geom.kv_shape)}")
+        cache.layers[lid].update(
+            k.permute(1, 0, 2).unsqueeze(0).contiguous().clone(),
+            v.permute(1, 0, 2).unsqueeze(0).contiguous().clone(),
+        )
+    for lid in geom.linear_layer_ids:
+        conv, temporal = tensors["conv"][lid], tensors["temporal"][lid]
+        if tuple(conv.shape) != geom.conv_shape:
+            raise ValueError(f"layer {lid} conv: shape {tuple(conv.shape)}, expected {geom.conv_shape}")
+        if tuple(temporal.shape) != geom.temporal_shape:
+            raise ValueError(f"layer {lid} temporal: shape {tuple(temporal.shape)}, expected {geom.temporal_shape}")
+        layer = cache.layers[lid]
+        conv_full = conv.new_zeros((1, geom.conv_dim, geom.conv_kernel))
+        conv_full[0, :, 1:] = conv
+        rec = temporal.transpose(-1, -2).unsqueeze(0).contiguous()
+        layer.lazy_initialization(conv_states=conv_full, conv_kernel_size=geom.conv_kernel)
+        layer.lazy_initialization(recurrent_states=rec)
+        layer.conv_states[0].copy_(conv_full)
+        layer.recurrent_states[0].copy_(rec)
+        layer.has_previous_state[0] = True
+    if cache.get_seq_length() != seq_len:
+        raise AssertionError(f"rebuilt cache reports {cache.get_seq_length()} positions, expected {seq_len}")
+    return cache
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# real SGLang pools
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _sg():
+    from hsnap_io._sglang_env import import_sglang
+
+    return import_sglang()
+
+
+@dataclass
+class PoolSet:
+    """The SGLang pools of one (simulated) server for the demo model."""
+
+    req_to_token_pool: Any  # HybridReqToTokenPool (owns .mamba_pool, .mamba_allocator, .mamba_map)
+    kv_pool: Any  # HybridLinearKVPool
+    allocator: Any  # TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator (get_kvcache() -> kv_pool)
+    geom: ModelGeometry
+    size: int
+    mamba_size: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class RequestSlots:
+    req_pool_idx: int  # row of req_to_token
+    token_indices: torch.Tensor  # int64 [seq_len] KV slots
+    mamba_idx: int  # MambaPool slot
+
+
+def mamba_cache_params(geom: ModelGeometry):
+    """SGLang ``Mamba2CacheParams`` for the GDN layers, with explicit dtypes (= the model's state dtypes).
+
+    Built like SGLang's ``Qwen3NextConfig.mamba2_cache_params`` with linear-attention TP size 1, except that the
+    dtypes do not come from ``SGLANG_MAMBA_CONV_DTYPE`` (default bf16, which would round an fp32 conv state).
+    """
+    mu = _sg().mamba_utils
+    key_dim, _, value_dim = geom.conv_shard_groups
+    shape = mu.Mamba2StateShape.create(
+        tp_world_size=1,
+        intermediate_size=geom.linear_num_value_heads * geom.linear_value_head_dim,
+        n_groups=geom.linear_num_key_heads,
+        num_heads=geom.linear_num_value_heads,
+        head_dim=geom.linear_value_head_dim,
+        state_size=geom.linear_key_head_dim,
+        conv_kernel=geom.conv_kernel,
+        conv_shard_groups=[key_dim, key_dim, value_dim],
+    )
+    if tuple(shape.conv[0]) != geom.conv_shape or tuple(shape.temporal) != geom.temporal_shape:
+        raise AssertionError(f"SGLang shapes conv={shape.conv} temporal={shape.temporal} differ from {geom}")
+    return mu.Mamba2CacheParams(
+        shape=shape,
+        layers=list(geom.linear_layer_ids),
+        dtype=mu.Mamba2StateDType(conv=geom.conv_dtype, temporal=geom.temporal_dtype),
+    )
+
+
+def build_pools(
+    geom: ModelGeometry,
+    *,
+    size: int,
+    mamba_size: int,
+    page_size: int = 1,
+    req_size: int | None = None,
+    max_context_len: int | None = None,
+    device: str = "cpu",
+) -> PoolSet:
+    """Real SGLang pools for ``geom``: ``HybridReqToTokenPool`` (+ its ``MambaPool``), ``HybridLinearKVPool`` and a
+    token allocator (``PagedTokenToKVPoolAllocator`` when ``page_size > 1``).  KV dtype = ``geom.kv_dtype``; conv and
+    temporal dtypes = ``geom.conv_dtype`` / ``geom.temporal_dtype``.
+    """
+    sg = _sg()
+    if size % page_size:
+        raise ValueError("size must be a multiple of page_size")
+    req_size = mamba_size if req_size is None else req_size
+    max_context_len = size if max_context_len is None else max_context_len
+    params = mamba_cache_params(geom)
+    r2t = sg.memory_pool.HybridReqToTokenPool(
+        size=req_size,
+        mamba_size=mamba_size,
+        mamba_spec_state_size=mamba_size,
+        max_context_len=max_context_len,
+        device=device,
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=list(geom.linear_layer_ids),
+        enable_mamba_extra_buffer=False,
+    )
+    kv = sg.memory_pool.HybridLinearKVPool(
+        size=size,
+        dtype=geom.kv_dtype,
+        page_size=page_size,
+        head_num=geom.num_kv_heads,
+        head_dim=geom.head_dim,
+        full_attention_layer_ids=list(geom.full_attention_layer_ids),
+        device=device,
+        mamba_pool=r2t.mamba_pool,
+        enable_memory_saver=False,
+    )
+    if page_size == 1:
+        alloc = sg.allocator.TokenToKVPoolAllocator(
+            size=size, dtype=geom.kv_dtype, device=device, kvcache=kv, need_sort=False
+        )
+    else:
+        alloc = sg.allocator.PagedTokenToKVPoolAllocator(
+            size=size, page_size=page_size, dtype=geom.kv_dtype, device=device, kvcache=kv, need_sort=False
+        )
+    return PoolSet(r2t, kv, alloc, geom, size, mamba_size, page_size)
+
+
+def alloc_request(pools: PoolSet, seq_len: int) -> RequestSlots:
+    """Take a req_to_token row, ``seq_len`` KV slots and one mamba slot from the pools' own allocators, and
+    register them (req_to_token row, req -> mamba mapping) as SGLang would."""
+    r2t = pools.req_to_token_pool
+    rows = r2t.alloc_rows(1)
+    if rows is None:
+        raise RuntimeError("no free req_to_token row")
+    mid = r2t.mamba_allocator.alloc(1)
+    if mid is None:
+        r2t.free_rows(rows)
+        raise RuntimeError("no free mamba slot")
+    n_alloc = -(-seq_len // pools.page_size) * pools.page_size
+    tok = pools.allocator.alloc(n_alloc) if n_alloc else torch.empty(0, dtype=torch.int64)
+    if tok is None:
+        r2t.mamba_allocator.free(mid)
+        r2t.free_rows(rows)
+        raise RuntimeError(f"no room for {seq_len} tokens")
+    tok = tok[:seq_len].to(torch.int64)
+    row = int(rows[0])
+    r2t.write((row, slice(0, seq_len)), tok.to(torch.int32))
+    r2t.req_index_to_mamba_index_mapping[row] = int(mid[0])
+    return RequestSlots(row, tok, int(mid[0]))
+
+
+def free_request(pools: PoolSet, slots: RequestSlots) -> None:
+    r2t = pools.req_to_token_pool
+    if len(slots.token_indices):
+        # paged allocators free every page that an index falls in; the first seq_len slots cover all of them
+        pools.allocator.free(slots.token_indices)
+    r2t.mamba_allocator.free(torch.tensor([slots.mamba_idx], dtype=torch.int64))
+    r2t.free_rows([slots.req_pool_idx])
+
+
+def request_slots(req_to_token_pool, req_pool_idx: int, seq_len: int) -> tuple[torch.Tensor, int]:
+    """``(token_indices int64 [seq_len], mamba_idx)`` of a request, read through the pool's own indirection
+    (``req_to_token[row, :seq_len]`` and ``req_index_to_mamba_index_mapping[row]``)."""
+    tok = req_to_token_pool.req_to_token[req_pool_idx, :seq_len].to(torch.int64).clone()
+    mid = int(req_to_token_pool.req_index_to_mamba_index_mapping[req_pool_idx])
+    return tok, mid
+
+
+def _mamba_layer_index(req_to_token_pool, layer_id: int) -> int:
+    # HybridReqToTokenPool.mamba_map = {global layer id: i for i, id in enumerate(mamba_layer_ids)}
+    try:
+        return req_to_token_pool.mamba_map[layer_id]
+    except KeyError:
+        known = sorted(req_to_token_pool.mamba_map)
+        raise ValueError(f"layer {layer_id} is not a mamba layer of this pool ({known})") from None
+
+
+def _slot(mamba_idx) -> int:
+    if isinstance(mamba_idx, torch.Tensor):
+        if mamba_idx.numel() != 1:
+            raise ValueError("one mamba slot per request")
+        return int(mamba_idx.reshape(-1)[0])
+    return int(mamba_idx)
+
+
+def _check_dtype(what: str, pool_t: torch.Tensor, t: torch.Tensor) -> None:
+    if pool_t.dtype != t.dtype:
+        raise TypeError(f"{what}: pool dtype {pool_t.dtype} != tensor dtype {t.dtype} (a cast would not be exact)")
+
+
+def write_to_pools(
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    token_indices,
+    mamba_idx,
+    tensors: Mapping[str, Mapping[int, torch.Tensor]],
+    *,
+    req_pool_idx: int | None = None,
+) -> None:
+    """Write per-layer tensors (:func:`cache_to_pool_tensors` layout) into real pools.
+
+    KV rows go to ``kv.get_key_buffer(L)[token_indices]`` / ``get_value_buffer(L)[...]`` (global layer id L);
+    GDN state to ``mamba_cache.conv[0][m, slot]`` / ``.temporal[m, slot]`` with ``m = mamba_map[L]``.  With
+    ``req_pool_idx`` the req_to_token row and the req -> mamba mapping are written too.  Dtypes must match exactly.
+    """
+    kv = token_to_kv_pool_allocator.get_kvcache()
+    idx = torch.as_tensor(token_indices, dtype=torch.int64).reshape(-1)
+    n = int(idx.numel())
+    for name, get in (("k", kv.get_key_buffer), ("v", kv.get_value_buffer)):
+        for lid, t in tensors.get(name, {}).items():
+            buf = get(lid)
+            _check_dtype(f"{name}[{lid}]", buf, t)
+            if t.shape[0] != n or tuple(t.shape[1:]) != tuple(buf.shape[1:]):
+                raise ValueError(f"{name}[{lid}]: shape {tuple(t.shape)} vs {n} x {tuple(buf.shape[1:])}")
+            buf[idx] = t.to(buf.device)
+    state = req_to_token_pool.mamba_pool.mamba_cache
+    slot = _slot(mamba_idx)
+    for lid, t in tensors.get("conv", {}).items():
+        m = _mamba_layer_index(req_to_token_pool, lid)
+        dst = state.conv[0][m, slot]
+        _check_dtype(f"conv[{lid}]", dst, t)
+        if dst.shape != t.shape:
+            raise ValueError(f"conv[{lid}]: shape {tuple(t.shape)} vs pool {tuple(dst.shape)}")
+        dst.copy_(t)
+    for lid, t in tensors.get("temporal", {}).items():
+        m = _mamba_layer_index(req_to_token_pool, lid)
+        dst = state.temporal[m, slot]
+        _check_dtype(f"temporal[{lid}]", dst, t)
+        if dst.shape != t.shape:
+            raise ValueError(f"temporal[{lid}]: shape {tuple(t.shape)} vs pool {tuple(dst.shape)}")
+        dst.copy_(t)
+    if req_pool_idx is not None:
+        req_to_token_pool.write((int(req_pool_idx), slice(0, n)), idx.to(torch.int32))
+        req_to_token_pool.req_index_to_mamba_index_mapping[int(req_pool_idx)] = slot
+
+
+def read_from_pools(
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    token_indices,
+    mamba_idx,
+    geom: ModelGeometry | None = None,
+) -> dict[str, dict[int, torch.Tensor]]:
+    """Read one request's per-layer tensors (copies) out of real pools; inverse of :func:`write_to_pools`.
+
+    Layer ids come from ``geom`` or, without it, from the pools' own maps
+    (``full_attention_layer_id_mapping`` and ``mamba_map``).
+    """
+    kv = token_to_kv_pool_allocator.get_kvcache()
+    idx = torch.as_tensor(token_indices, dtype=torch.int64).reshape(-1)
+    full: Iterable[int] = geom.full_attention_layer_ids if geom else sorted(kv.full_attention_layer_id_mapping)
+    lin: Iterable[int] = geom.linear_layer_ids if geom else sorted(req_to_token_pool.mamba_map)
+    out: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "conv": {}, "temporal": {}}
+    for lid in full:
+        out["k"][lid] = kv.get_key_buffer(lid)[idx].clone()
+        out["v"][lid] = kv.get_value_buffer(lid)[idx].clone()
+    state = req_to_token_pool.mamba_pool.mamba_cache
+    slot = _slot(mamba_idx)
+    for lid in lin:
+        m = _mamba_layer_index(req_to_token_pool, lid)
+        out["conv"][lid] = state.conv[0][m, slot].clone()
+        out["temporal"][lid] = state.temporal[m, slot].clone()
+    return out
