@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import uuid
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import torch
 
@@ -67,6 +70,7 @@ def export_request(
     """
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     slots = request_slots(view, req_pool_idx, record.state_position, swa_start, path)
+    identity = complete_identity(identity)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     with SnapshotWriter(path, identity=identity, geometry=view.geometry, record=record, swa_start=swa_start, mode=mode) as w:
         planned = [s.name for s in w.pending_state_sections()]
@@ -77,6 +81,18 @@ def export_request(
             engine.export_section(b.buffer, slots.rows(b.space), _sink(w, b.name))
         engine.finish_export()
         return w.commit(fsync=fsync)
+
+
+def complete_identity(identity: Identity) -> Identity:
+    """Fill what the exporter knows and the caller left empty: hsnap version, time, id."""
+    import hsnap_format
+
+    return dataclasses.replace(
+        identity,
+        hsnap_version=identity.hsnap_version or hsnap_format.__version__,
+        created_at=identity.created_at or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        snapshot_id=identity.snapshot_id or uuid.uuid4().hex,
+    )
 
 
 def _sink(writer: SnapshotWriter, name: str):

@@ -93,6 +93,10 @@ def check_capacity(snap: Snapshot, view: PoolView) -> None:
             need.append(("swa token slots", math.ceil(pos / page) * page, alloc.swa_available_size()))
     if view.mamba_pool is not None:
         need.append(("mamba slots", 1, rtp.mamba_allocator.available_size()))
+    if view.geometry.attention is not None and view.geometry.attention.swa_layers and page > 1:
+        from .adapters import UnsupportedPoolError
+
+        raise UnsupportedPoolError(snap.path, "geometry.attention.page_size", "1 for SWA pools (paged SWA restore is not implemented)", page)
     for what, want, have in need:
         if have < want:
             short.append(f"{what}: need {want}, free {have}")
