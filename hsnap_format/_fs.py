@@ -62,6 +62,17 @@ def rename_noreplace(src: str, dst: str) -> None:
         raise HsnapIOError(dst, "rename", e) from None
 
 
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """os.pwrite until every byte is written (a short write is not an error by itself)."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < view.nbytes:
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(5, "short write made no progress")
+        done += n
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -13,6 +13,7 @@ Manifest file (``manifest.json``), two lines::
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from dataclasses import dataclass
 from typing import Sequence
@@ -66,9 +67,9 @@ class Manifest:
 def decode_manifest(data: bytes, path) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise MalformedManifestError(path, "length", f"<= {MAX_MANIFEST_BYTES}", len(data))
-    body, sep, tail = data.rstrip(b"\n").rpartition(b"\n")
+    body, sep, tail = data[:-1].rpartition(b"\n")
     body += sep
-    if not sep or not data.endswith(b"\n"):
+    if not sep or not data.endswith(b"\n") or data.count(b"\n") != 2:
         raise TruncatedError(path, "manifest", "two lines, each ending in a newline", f"{len(data)} bytes")
     if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32:
         raise MalformedManifestError(path, "digest line", "'xxh3-128 <32 hex>'", tail[:64])
@@ -228,7 +229,7 @@ class SetWriter:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, data)
+                _fs.pwrite_all(fd, data, 0)
                 if fsync:
                     os.fsync(fd)
             finally:
@@ -239,23 +240,27 @@ class SetWriter:
                 _fs.fsync_dir(self.staging)
             _fs.phase("before-dir-rename")
             _fs.rename_noreplace(self.staging, self.path)
-            if fsync:
-                _fs.fsync_dir(os.path.dirname(self.path))
-            _fs.phase("committed")
         except OSError as e:
             raise HsnapIOError(self.path, "commit manifest", e) from None
+        if fsync:
+            try:
+                _fs.fsync_dir(os.path.dirname(self.path))
+            except OSError as e:  # not durable: give the name back (see SnapshotWriter.commit)
+                shutil.rmtree(self.path, ignore_errors=True)
+                raise HsnapIOError(self.path, "fsync directory", e) from None
+        _fs.phase("committed")
         return manifest
 
     def abort(self) -> None:
-        import shutil
-
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
     """Open a rank file or a snapshot directory."""
-    p = os.fspath(path)
-    if os.path.isdir(p) and not os.path.islink(p):
+    # A link given as the path itself is followed (e.g. "latest"); links inside a
+    # snapshot directory are refused by SnapshotSet, and rank files open O_NOFOLLOW.
+    p = os.path.realpath(os.fspath(path)) if os.path.islink(os.fspath(path)) else os.fspath(path)
+    if os.path.isdir(p):
         return SnapshotSet(p, **kw)
     return Snapshot(p)
 

@@ -52,6 +52,7 @@ from .spec import (
 )
 
 _ZERO_CHUNK = bytes(1 << 20)
+_VERIFY_CHUNK = 64 << 20
 _MAX_RNG_BYTES = 1 << 20
 _TOP_KEYS = {"format", "features", "digest", "identity", "geometry", "request", "sections"}
 
@@ -136,10 +137,10 @@ def parse_header(data: bytes, path) -> dict:
     feats = obj["features"]
     if not isinstance(feats, dict) or not all(isinstance(feats.get(k), list) for k in ("required", "optional")):
         raise MalformedHeaderError(path, "header.features", "{required: [...], optional: [...]}", feats)
-    unknown = [f for f in feats["required"] if f not in KNOWN_FEATURES]
+    unknown = [f for f in feats["required"] if not isinstance(f, str) or f not in KNOWN_FEATURES]
     if unknown:
         raise UnsupportedFeatureError(path, "header.features.required", sorted(KNOWN_FEATURES), unknown)
-    if obj["digest"] not in DIGEST_ALGORITHMS:
+    if not isinstance(obj["digest"], str) or obj["digest"] not in DIGEST_ALGORITHMS:
         raise UnsupportedFeatureError(path, "header.digest", DIGEST_ALGORITHMS, obj["digest"])
     return obj
 
@@ -158,9 +159,9 @@ def parse_sections(table, path, data_offset: int, end: int) -> tuple[SectionInfo
         if not isinstance(name, str) or name in names:
             raise MalformedHeaderError(path, f"{where}.name", "a unique name", name)
         names.add(name)
-        if kind not in SECTION_KINDS:
+        if not isinstance(kind, str) or kind not in SECTION_KINDS:  # isinstance first: a list is unhashable
             raise MalformedHeaderError(path, f"{where}.kind", sorted(SECTION_KINDS), kind)
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise MalformedHeaderError(path, f"{where}.dtype", sorted(DTYPES), dtype)
         if not (layer is None or (isinstance(layer, int) and not isinstance(layer, bool) and 0 <= layer < 1 << 16)):
             raise MalformedHeaderError(path, f"{where}.layer", "null or a layer id", layer)
@@ -183,6 +184,17 @@ def parse_sections(table, path, data_offset: int, end: int) -> tuple[SectionInfo
     if cursor != end:
         raise MalformedHeaderError(path, "sections", f"last section ending at the trailer ({end})", cursor)
     return tuple(out)
+
+
+def _expected_section_count(geometry: Geometry, counts: dict, has_rng: bool) -> int:
+    """len(state_sections(...) + record_sections(...)), without building them."""
+    n = 2 + counts["has_logprobs"] + 2 * (counts["top_logprobs_k"] > 0) + has_rng
+    att, mam = geometry.attention, geometry.mamba
+    if att is not None:
+        n += len(att.layers) * (1 if att.kind == "mla" else 2) + 2 * len(att.swa_layers)
+    if mam is not None:
+        n += len(mam.layers) * (len(mam.conv_shapes) + 1)
+    return n
 
 
 class Snapshot:
@@ -270,6 +282,11 @@ class Snapshot:
         rng = self.sections[-1].length if self.sections and self.sections[-1].kind == "rng_state" else None
         if c["has_rng_state"] != (rng is not None) or (rng is not None and rng > _MAX_RNG_BYTES):
             raise MalformedHeaderError(self.path, "request.has_rng_state", rng is not None, c["has_rng_state"])
+        # Count first: a small header can name 65536 layers x 9 conv/temporal sections,
+        # and building that plan would allocate far more than the file is worth.
+        n = _expected_section_count(self.geometry, c, rng is not None)
+        if n != len(self.sections):
+            raise MalformedHeaderError(self.path, "sections", f"{n} sections (from geometry/request)", len(self.sections))
         expected = state_sections(self.geometry, self._request_fields["state_position"], self.swa_start) + record_sections(
             c["prompt_tokens"], c["output_tokens"], c["has_logprobs"], c["top_logprobs_k"], rng
         )
@@ -333,14 +350,25 @@ class Snapshot:
 
     __getitem__ = array
 
-    def verify_section(self, name_or_info: str | SectionInfo) -> None:
+    def verify_section(self, name_or_info: str | SectionInfo, *, force: bool = False, cancelled=None, progress=None) -> bool:
+        """Check one section's digest (once per open unless ``force``). Hashes in chunks so a
+        multi-GB section can report ``progress(nbytes)`` and stop when ``cancelled()``;
+        returns False when cancelled, True when verified."""
         s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
-        if s.name in self._verified:
-            return
-        got = section_digest(self.raw(s))
+        if s.name in self._verified and not force:
+            return True
+        h, view = xxhash.xxh3_128(), self.raw(s)
+        for start in range(0, s.length, _VERIFY_CHUNK):
+            if cancelled is not None and cancelled():
+                return False
+            h.update(view[start : start + _VERIFY_CHUNK])
+            if progress is not None:
+                progress(min(_VERIFY_CHUNK, s.length - start))
+        got = h.hexdigest()
         if got != s.digest:
             raise DigestMismatchError(self.path, f"sections[{s.name!r}].digest", s.digest, got)
         self._verified.add(s.name)
+        return True
 
     def padding_ranges(self) -> list[tuple[int, int]]:
         ranges, cursor = [], HEADER_OFFSET + self.preamble.header_length

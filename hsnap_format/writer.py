@@ -217,9 +217,7 @@ class SnapshotWriter:
             raise WriterStateError(self.path, f"sections[{self.specs[self._next].name}].length", expected, self._written + view.nbytes)
         self._hasher.update(view)
         try:
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self._fd, view[done:], self._cursor + done)
+            _fs.pwrite_all(self._fd, view, self._cursor)
             _fs.phase("chunk")
         except OSError as e:
             self.abort()
@@ -276,8 +274,8 @@ class SnapshotWriter:
         tra = TRAILER.pack(TRAILER_MAGIC, self.file_length, len(self.specs), root_digest, bytes(16), 0)
         tra = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
         try:
-            os.pwrite(self._fd, pre + header, 0)
-            os.pwrite(self._fd, tra, end)
+            _fs.pwrite_all(self._fd, pre + header, 0)
+            _fs.pwrite_all(self._fd, tra, end)
             _fs.phase("before-fsync")
             if fsync:
                 os.fsync(self._fd)
@@ -294,12 +292,19 @@ class SnapshotWriter:
         except HsnapError:
             self.abort()
             raise
-        self.state = WriterState.COMMITTED
         if fsync:
             try:
                 _fs.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
             except OSError as e:
+                # The name may not survive a crash: take it back rather than report
+                # a commit that is not durable (and leave the name free for a retry).
+                self.state = WriterState.ABORTED
+                try:
+                    os.unlink(self.path)
+                except OSError:
+                    pass
                 raise HsnapIOError(self.path, "fsync directory", e) from None
+        self.state = WriterState.COMMITTED
         _fs.phase("committed")
         return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
 
