@@ -7,18 +7,35 @@ snapshot, and restore it into fresh slots of other pools in another process.
     # ... the file is durable: now free the source slots ...
     restored = restore_request("req.hsnap", req_to_token_pool=rtp2,
                                token_to_kv_pool_allocator=alloc2, identity=identity2)
+
+Names are imported lazily, so ``hsnap demo``'s parent process (and anything that
+only touches ``hsnap_io.demo``) does not pay for importing torch.
 """
 
-from .adapters import KV_ADAPTERS, UnsupportedPoolError, view_pools
-from .export import export_request
-from .restore import NumericsWarning, RestoredRequest, restore_request
+import importlib
 
-__all__ = [
-    "export_request",
-    "restore_request",
-    "RestoredRequest",
-    "NumericsWarning",
-    "UnsupportedPoolError",
-    "view_pools",
-    "KV_ADAPTERS",
-]
+_EXPORTS = {
+    "export_request": "export",
+    "restore_request": "restore",
+    "RestoredRequest": "restore",
+    "NumericsWarning": "restore",
+    "UnsupportedPoolError": "adapters",
+    "view_pools": "adapters",
+    "KV_ADAPTERS": "adapters",
+    "export_request_tp": "tp",
+    "restore_request_tp": "tp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hsnap_io' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_EXPORTS))

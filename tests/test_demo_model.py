@@ -253,3 +253,31 @@ def test_sampled_resume_with_restored_generator_is_exact(demo):
     )
     assert reseeded.token_ids != full.token_ids
     assert not any(math.isnan(x) for x in res.logprobs)
+
+
+def test_weights_digest_identifies_the_weights():
+    from hsnap_io.demo.model import weights_digest
+
+    a, _ = build_model(seed=0)
+    b, _ = build_model(seed=0)
+    c, _ = build_model(seed=1)
+    assert weights_digest(a) == weights_digest(b)
+    assert weights_digest(a) != weights_digest(c)
+    with torch.no_grad():
+        next(b.parameters()).view(-1)[0] += 1.0  # one element
+    assert weights_digest(a) != weights_digest(b)
+
+
+def test_fed_positions_are_logged(demo):
+    model, geom, dec = demo
+    before = len(dec.fed_ranges)
+    part = _pause(dec, K)
+    assert dec.fed_ranges[before:] == [(0, len(PROMPT))] + [(len(PROMPT) + i, 1) for i in range(K - 1)]
+    cache = pool_tensors_to_cache(cache_to_pool_tensors(part.cache, geom), geom, part.seq_len)
+    mark = len(dec.fed_ranges)
+    res = dec.generate(PROMPT, N, cache=cache, start_outputs=part.token_ids, start_logprobs=part.logprobs)
+    fed = dec.fed_ranges[mark:]
+    assert fed[0] == (part.seq_len, 1) and len(fed) == N - K == res.forward_calls
+    # nothing below the restored state position went through forward again
+    assert sum(max(0, min(s + n, part.seq_len) - s) for s, n in fed) == 0
+    assert dec.positions_below(part.seq_len) >= len(PROMPT) + K - 1  # the pause itself did compute them

@@ -71,6 +71,7 @@ __all__ = [
     "read_from_pools",
     "request_slots",
     "tiny_config",
+    "weights_digest",
     "write_to_pools",
 ]
 
@@ -236,6 +237,22 @@ def build_model(
     return model, geometry_from_config(model.config, dtype, arch=arch)
 
 
+def weights_digest(model) -> str:
+    """SHA-256 over the model's ``state_dict`` (names, dtypes, shapes and every byte), in name order.
+
+    Two processes that built the same weights get the same digest; any other weights (another seed, another
+    config, one changed element) get another one.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def numerics_environment() -> dict[str, Any]:
     """What decides bit-exactness of a continuation (record it next to a snapshot)."""
     import transformers
@@ -304,16 +321,35 @@ class Decoder:
         self.geom = geom if geom is not None else geometry_from_config(model.config, next(model.parameters()).dtype)
         self.positions_forwarded = 0
         self.forward_calls = 0
+        # (first position, count) of every model forward, as the cache saw it: which positions were computed
+        self.fed_ranges: list[tuple[int, int]] = []
         self._hook = model.get_input_embeddings().register_forward_hook(self._count)
+        self._pre_hook = model.register_forward_pre_hook(self._log_positions, with_kwargs=True)
 
     def _count(self, module, args, output) -> None:
         ids = args[0]
         self.positions_forwarded += int(ids.numel())
         self.forward_calls += 1
 
+    def _log_positions(self, module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        n = 0 if ids is None else int(ids.shape[-1])
+        pos = kwargs.get("position_ids")
+        if pos is not None:
+            start = int(pos.reshape(-1)[0])
+        else:
+            cache = kwargs.get("past_key_values")
+            start = 0 if cache is None else int(cache.get_seq_length())
+        self.fed_ranges.append((start, n))
+
+    def positions_below(self, limit: int) -> int:
+        """How many positions ``< limit`` went through forward (the history a resume must not recompute)."""
+        return sum(max(0, min(start + n, limit) - start) for start, n in self.fed_ranges)
+
     def close(self) -> None:
-        """Remove the counting hook."""
+        """Remove the counting hooks."""
         self._hook.remove()
+        self._pre_hook.remove()
 
     def new_cache(self):
         from transformers import DynamicCache
