@@ -83,7 +83,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
         raise MalformedManifestError(path, "format", MANIFEST_FORMAT, obj.get("format") if isinstance(obj, dict) else obj)
     ver = obj.get("version")
-    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(v, int) for v in ver)):
+    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in ver)):
         raise MalformedManifestError(path, "version", "[major, minor]", ver)
     if ver[0] != MAJOR:
         raise UnsupportedVersionError(path, "version", f"major {MAJOR}", f"{ver[0]}.{ver[1]}")
@@ -102,7 +102,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     for i, r in enumerate(ranks):
         if not isinstance(r, dict) or set(r) != {"rank", "file", "length", "root_digest"}:
             raise MalformedManifestError(path, f"ranks[{i}]", "{rank, file, length, root_digest}", r)
-        if r["rank"] != i:
+        if r["rank"] != i or isinstance(r["rank"], bool):
             raise MalformedManifestError(path, f"ranks[{i}].rank", i, r["rank"])
         f = r["file"]
         # only plain names of rank files: nothing outside the directory, no '..', no '/'
@@ -217,9 +217,11 @@ class SetWriter:
                 tp_size=tp_size,
                 ranks=tuple(RankEntry(r, rank_file_name(r), s.file_length, s.root_digest) for r, s in enumerate(snaps)),
             )
-            for s in snaps[1:]:
-                if (s.identity.snapshot_id, s.state_position) != (manifest.snapshot_id, manifest.state_position):
-                    raise MalformedManifestError(s.path, "snapshot_id/state_position", (manifest.snapshot_id, manifest.state_position), (s.identity.snapshot_id, s.state_position))
+            for r, s in enumerate(snaps):
+                want = (manifest.snapshot_id, manifest.state_position, r, tp_size)
+                got = (s.identity.snapshot_id, s.state_position, s.identity.tp_rank, s.identity.tp_size)
+                if want != got:
+                    raise MalformedManifestError(s.path, "snapshot_id/state_position/tp_rank/tp_size", want, got)
         finally:
             for s in snaps:
                 s.close()

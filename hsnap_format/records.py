@@ -18,6 +18,7 @@ from .errors import IncompatibleSnapshotError, MalformedHeaderError
 from .spec import DTYPES, MAX_NDIM
 
 _MAX_INT = 2**53 - 1
+_MAX_LAYER = (1 << 16) - 1  # section tables hold layer ids < 2**16
 
 
 class _Fields:
@@ -218,14 +219,14 @@ class AttentionGeometry:
             raise MalformedHeaderError(path, "geometry.attention.kind", f"one of {ATTENTION_KINDS}", kind)
         return cls(
             kind=kind,
-            layers=f.ints("layers", hi=1 << 16),
+            layers=f.ints("layers", hi=_MAX_LAYER),
             heads=f.int("heads", lo=1, hi=1 << 16),
             k_head_dim=f.int("k_head_dim", lo=1, hi=1 << 20),
             v_head_dim=f.int("v_head_dim", hi=1 << 20),
             dtype=f.dtype("dtype"),
             storage_dtype=f.dtype("storage_dtype"),
             page_size=f.int("page_size", lo=1, hi=1 << 20),
-            swa_layers=f.ints("swa_layers", (), hi=1 << 16),
+            swa_layers=f.ints("swa_layers", (), hi=_MAX_LAYER),
             swa_window=f.opt_int("swa_window"),
             kv_lora_rank=f.opt_int("kv_lora_rank"),
             qk_rope_head_dim=f.opt_int("qk_rope_head_dim"),
@@ -257,9 +258,9 @@ class MambaGeometry:
         shapes = f.raw("conv_shapes")
         if not isinstance(shapes, list) or not 1 <= len(shapes) <= 8:
             raise MalformedHeaderError(path, "geometry.mamba.conv_shapes", "a list of 1 to 8 shapes", shapes)
-        conv = tuple(_Fields({"s": s}, "geometry.mamba.conv_shapes", path).shape("s") for s in shapes)
+        conv = tuple(_Fields({f"conv_shapes[{i}]": s}, "geometry.mamba", path).shape(f"conv_shapes[{i}]") for i, s in enumerate(shapes))
         return cls(
-            layers=f.ints("layers", hi=1 << 16),
+            layers=f.ints("layers", hi=_MAX_LAYER),
             conv_shapes=conv,
             conv_dtype=f.dtype("conv_dtype"),
             temporal_shape=f.shape("temporal_shape"),
@@ -410,6 +411,9 @@ class RequestRecord:
 
     def validate(self, path=None) -> None:
         """Cross-field rules of the record (spec: Request record)."""
+        # The header's own rules first (types, ranges, scalar-only sampling/extra), so the
+        # writer refuses exactly what the reader would refuse instead of writing it.
+        request_header_fields(self.to_header(), path)
         check_request_counts(
             {
                 "state_position": self.state_position,

@@ -44,7 +44,7 @@ HEADER_OFFSET = PREAMBLE.size
 ALIGNMENT = 4096  # page size, O_DIRECT and GPUDirect Storage friendly
 # A header holds geometry and the section table only (bulk arrays are sections),
 # so even a 1000-layer model stays far below this. Refuse bigger before reading.
-MAX_HEADER_BYTES = 4 << 20
+MAX_HEADER_BYTES = 1 << 20  # a 1000-layer hybrid header is about 350 KB
 MAX_SECTIONS = 1 << 16
 MAX_NDIM = 8
 MAX_NAME_LENGTH = 128

@@ -136,6 +136,9 @@ class SnapshotWriter:
         )
         for spec in specs:
             check_spec(spec)
+        # The writer refuses exactly what the reader would refuse, instead of writing it.
+        Identity.from_header(identity.to_header(), self.path)
+        Geometry.from_header(geometry.to_header(), self.path)
         optional = set(features_optional)
         if record.rng_state is not None:
             optional.add("sampler-rng-state")
@@ -153,7 +156,10 @@ class SnapshotWriter:
         }
         self.specs = specs
         self._digests = [_ZERO_DIGEST] * len(specs)
-        header, self._table, self._data_offset, end = layout_header(self._body, specs, self._digests)
+        try:
+            header, self._table, self._data_offset, end = layout_header(self._body, specs, self._digests)
+        except canonical.CanonicalError as e:
+            raise MalformedHeaderError(self.path, "header", detail=f"cannot encode: {e}") from None
         if len(header) > MAX_HEADER_BYTES:
             raise MalformedHeaderError(self.path, "header_length", f"<= {MAX_HEADER_BYTES}", len(header))
         self._header_length = len(header)

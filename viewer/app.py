@@ -1,0 +1,168 @@
+"""hsnap-view: the Textual app, its factory and its command line.
+
+    hsnap-view PATH [OTHER] [--against REF] [--tokenizer TOK] [--atol X] [--rtol Y]
+
+PATH (and OTHER, for diff mode) is a rank file or a snapshot directory. Snapshots
+are read only through hsnap_format's public API; no torch, no SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from .commands import SectionCommands
+from .compat import Reference, load_reference
+from .model import Document, display_name, try_open
+from .screens.diff import DiffScreen
+from .screens.error import ErrorScreen
+from .screens.help import HelpScreen
+from .screens.main import MainScreen
+from .text import describe_error
+from .tokenizer import TokenizerUnavailable, load_decoder
+
+
+@dataclass
+class ViewConfig:
+    path: str
+    other: str | None = None
+    against: str | None = None
+    tokenizer: str | Callable[[int], str] | None = None
+    page_size: int = 100
+    atol: float = 0.0
+    rtol: float = 0.0
+    verify_on_open: bool = True
+
+
+class HsnapViewApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "hsnap-view"
+    COMMANDS = App.COMMANDS | {SectionCommands}
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark,f1", "help", "Help"),
+    ]
+
+    def __init__(self, config: ViewConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.document: Document | None = None
+        self.other: Document | None = None
+        self.reference: Reference | None = None
+        self.decoder: Callable[[int], str] | None = None
+        self.error: tuple[str, BaseException] | None = None  # (display name, error): what stops the app
+        self.warnings: list[str] = []  # shown as notifications once running
+        self._load()
+
+    # -- loading (cheap: headers only; runs before the first frame)
+    def _load(self) -> None:
+        cfg = self.config
+        for attr, path in (("document", cfg.path), ("other", cfg.other)):
+            if path is None:
+                continue
+            doc, err = try_open(path)
+            if err is not None:
+                self.error = (display_name(path), err)
+                return
+            setattr(self, attr, doc)
+        if cfg.against is not None:
+            try:
+                self.reference = load_reference(cfg.against, rank=min(self.document.ranks))
+            except Exception as e:  # a bad reference is a warning: the snapshot itself is fine
+                self.warnings.append(f"reference not loaded: {describe_error(e)}")
+        elif self.other is not None:
+            other = self.other.ranks.get(min(self.document.ranks), self.other.first)
+            self.reference = Reference(self.other.label, other.identity, other.geometry)
+        if callable(cfg.tokenizer):
+            self.decoder = cfg.tokenizer
+        elif cfg.tokenizer:
+            try:
+                self.decoder = load_decoder(cfg.tokenizer)
+            except TokenizerUnavailable as e:
+                self.warnings.append(f"no token text: {e}")
+
+    def on_mount(self) -> None:
+        if self.error is not None:
+            self.push_screen(ErrorScreen(*self.error))
+            return
+        self.push_screen(MainScreen(
+            self.document, reference=self.reference, decoder=self.decoder, page_size=self.config.page_size,
+            verify_on_open=self.config.verify_on_open, can_diff=self.other is not None,
+        ))
+        if self.other is not None:
+            self.action_open_diff()
+        for w in self.warnings:
+            self.notify(w, severity="warning", markup=False)
+
+    def on_unmount(self) -> None:
+        for doc in (self.document, self.other):
+            if doc is not None:
+                doc.close()
+
+    # -- actions
+    @property
+    def main_screen(self) -> MainScreen | None:
+        return next((s for s in self.screen_stack if isinstance(s, MainScreen)), None)
+
+    def action_open_diff(self) -> None:
+        if self.other is not None and not isinstance(self.screen, DiffScreen):
+            self.push_screen(DiffScreen(self.document, self.other, atol=self.config.atol, rtol=self.config.rtol))
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def jump_to(self, key: str) -> None:
+        """Open a section on the main screen (from the command palette)."""
+        main = self.main_screen
+        if main is None:
+            return
+        while self.screen is not main:
+            self.pop_screen()
+        main.select_section(key)
+
+    def get_system_commands(self, screen: Screen):
+        yield from super().get_system_commands(screen)
+        if isinstance(screen, MainScreen):
+            yield SystemCommand("Verify digests", "Check every section against its stored digest", screen.action_verify)
+            if self.other is not None:
+                yield SystemCommand("Diff", "Compare with the second snapshot", self.action_open_diff)
+
+
+def make_app(path, other=None, *, against=None, tokenizer=None, page_size: int = 100,
+             atol: float = 0.0, rtol: float = 0.0, verify_on_open: bool = True) -> HsnapViewApp:
+    """Build the app (tests use this; ``main`` adds argument parsing)."""
+    return HsnapViewApp(ViewConfig(
+        path=str(path), other=None if other is None else str(other), against=None if against is None else str(against),
+        tokenizer=tokenizer, page_size=page_size, atol=atol, rtol=rtol, verify_on_open=verify_on_open,
+    ))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hsnap-view", description="Terminal viewer for hsnap request snapshots.")
+    p.add_argument("path", help="a rank file or a snapshot directory")
+    p.add_argument("other", nargs="?", help="a second snapshot: diff mode")
+    p.add_argument("--against", metavar="REF", help="check compatibility against a snapshot or an identity .json file")
+    p.add_argument("--tokenizer", metavar="TOK", help="tokenizer.json, its directory, or a cached HF repo id (offline)")
+    p.add_argument("--page-size", type=int, default=100, help="token history rows per page (default 100)")
+    p.add_argument("--atol", type=float, default=0.0, help="diff: absolute tolerance")
+    p.add_argument("--rtol", type=float, default=0.0, help="diff: relative tolerance")
+    p.add_argument("--no-verify", action="store_true", help="do not start digest verification on open")
+    args = p.parse_args(argv)
+    app = make_app(args.path, args.other, against=args.against, tokenizer=args.tokenizer, page_size=max(1, args.page_size),
+                   atol=args.atol, rtol=args.rtol, verify_on_open=not args.no_verify)
+    if app.error is not None:
+        print(f"hsnap-view: {describe_error(app.error[1])}", file=sys.stderr)
+        return 2
+    app.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Screens of hsnap-view: one snapshot (main), two snapshots (diff), help, error."""

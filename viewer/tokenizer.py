@@ -1,0 +1,47 @@
+"""Optional token text: a ``tokenizer.json`` read with the ``tokenizers`` library,
+offline only (a file, a directory holding one, or a Hugging Face repo id already
+in the local cache). Never imports torch or transformers."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+Decoder = Callable[[int], str]
+
+
+class TokenizerUnavailable(Exception):
+    pass
+
+
+def _tokenizer_file(spec: str) -> str:
+    if os.path.isfile(spec):
+        return spec
+    if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "tokenizer.json")):
+        return os.path.join(spec, "tokenizer.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        raise TokenizerUnavailable(f"{spec}: not a tokenizer.json file or directory") from None
+    found = try_to_load_from_cache(spec, "tokenizer.json")
+    if isinstance(found, str):
+        return found
+    raise TokenizerUnavailable(f"{spec}: no tokenizer.json here or in the local Hugging Face cache (offline)")
+
+
+def load_decoder(spec: str) -> Decoder:
+    """A function token id -> text, or :class:`TokenizerUnavailable`."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise TokenizerUnavailable("the 'tokenizers' package is not installed") from None
+    path = _tokenizer_file(spec)
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise TokenizerUnavailable(f"{spec}: {e}") from None
+
+    def decode(token_id: int) -> str:
+        return tok.decode([int(token_id)], skip_special_tokens=False)
+
+    return decode

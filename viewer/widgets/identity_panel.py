@@ -1,0 +1,89 @@
+"""Who wrote the snapshot and for what, and, when a reference is set, a field by
+field compatibility check against it (another snapshot or a JSON identity)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.reactive import reactive
+from textual.widgets import DataTable, Static
+
+from ..compat import Reference, compat_rows, is_compatible
+from ..model import Document, fmt_bytes
+from ..text import safe
+
+VERDICT_STYLES = {"same": "green", "DIFFERS": "bold red"}
+
+
+def _kv_table(rows) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(safe(key), value if isinstance(value, Text) else safe(value))  # numerics keys come from the file
+    return table
+
+
+def identity_rows(doc: Document) -> list[tuple[str, object]]:
+    snap = doc.first
+    ident, header = snap.identity, snap.header
+    rows = [
+        ("file", doc.label),
+        ("format", f"hsnap {snap.version[0]}.{snap.version[1]}, digest {header['digest']}"),
+        ("features", ", ".join(header["features"]["required"] + header["features"]["optional"]) or "none"),
+        ("model", ident.model_id),
+        ("weights", f"{ident.weights_version} {ident.weights_hash}".strip()),
+        ("engine", f"{ident.engine.name} {ident.engine.version} ({ident.engine.commit})"),
+        ("tensor parallel", f"rank {ident.tp_rank} of {ident.tp_size}"),
+        ("device", ident.device),
+        ("snapshot id", ident.snapshot_id),
+        ("created at", ident.created_at),
+        ("written by", f"hsnap {ident.hsnap_version}"),
+    ]
+    rows += [(f"numerics.{k}", v) for k, v in sorted(ident.numerics.items())]
+    if doc.manifest is not None:
+        m = doc.manifest
+        rows.append(("manifest", f"id {m.snapshot_id}, tp {m.tp_size}, state position {m.state_position}"))
+    for rank, s in sorted(doc.ranks.items()):
+        rows.append((f"rank {rank}", f"{fmt_bytes(s.file_length)} file, {fmt_bytes(s.payload_bytes)} payload, root {s.root_digest}"))
+    return rows
+
+
+class IdentityPanel(VerticalScroll):
+    reference: reactive[Reference | None] = reactive(None, init=False)
+
+    def __init__(self, doc: Document, **kw) -> None:
+        super().__init__(**kw)
+        self.doc = doc
+
+    def compose(self) -> ComposeResult:
+        yield Static(_kv_table(identity_rows(self.doc)), id="identity-fields")
+        yield Static(id="compat-verdict")
+        yield DataTable(cursor_type="row", id="compat-table")
+
+    def on_mount(self) -> None:
+        self.watch_reference(self.reference)
+
+    def watch_reference(self, ref: Reference | None) -> None:
+        table = self.query_one("#compat-table", DataTable)
+        table.clear(columns=True)
+        table.add_columns("result", "field", "this snapshot", "reference")
+        verdict = self.query_one("#compat-verdict", Static)
+        table.display = ref is not None
+        if ref is None:
+            verdict.update(Text("No reference: press c to check against a snapshot or an identity JSON file.", style="dim"))
+            return
+        snap = self.doc.first
+        rows = compat_rows(snap.identity, snap.geometry, ref)
+        head = Text("compatibility with ")
+        head.append_text(safe(ref.label, "bold"))
+        ok = is_compatible(rows)
+        head.append(": compatible" if ok else f": INCOMPATIBLE ({sum(not r.same and r.level == 'strict' for r in rows)} fields differ)",
+                    style="green" if ok else "bold red")
+        if ref.geometry is None:
+            head.append("  (identity only: the reference has no geometry)", style="dim")
+        verdict.update(head)
+        for r in rows:
+            table.add_row(Text(r.verdict, style=VERDICT_STYLES.get(r.verdict, "yellow")), safe(r.field), safe(repr(r.this)), safe(repr(r.other)))
