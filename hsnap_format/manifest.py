@@ -69,9 +69,11 @@ def decode_manifest(data: bytes, path) -> Manifest:
         raise MalformedManifestError(path, "length", f"<= {MAX_MANIFEST_BYTES}", len(data))
     body, sep, tail = data[:-1].rpartition(b"\n")
     body += sep
-    if not sep or not data.endswith(b"\n") or data.count(b"\n") != 2:
+    if not sep or not data.endswith(b"\n"):
         raise TruncatedError(path, "manifest", "two lines, each ending in a newline", f"{len(data)} bytes")
-    if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32:
+    if data.count(b"\n") != 2:
+        raise MalformedManifestError(path, "lines", 2, data.count(b"\n"))
+    if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32 or not all(c in b"0123456789abcdef" for c in tail[9:]):
         raise MalformedManifestError(path, "digest line", "'xxh3-128 <32 hex>'", tail[:64])
     got = xxhash.xxh3_128_hexdigest(body)
     if tail[9:].decode("ascii", "replace") != got:

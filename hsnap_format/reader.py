@@ -234,6 +234,9 @@ class Snapshot:
             req = request_header_fields(self.header["request"], self.path)
             self._request_fields, self._request_counts = req["fields"], req["counts"]
             self.swa_start = self._int_field("swa_start")
+            att = self.geometry.attention
+            if self.swa_start and (att is None or att.kind != "swa"):
+                raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
             self._check_layout()
             self._by_name = {s.name: s for s in self.sections}
             try:

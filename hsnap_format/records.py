@@ -217,7 +217,7 @@ class AttentionGeometry:
         kind = f.raw("kind")
         if kind not in ATTENTION_KINDS:
             raise MalformedHeaderError(path, "geometry.attention.kind", f"one of {ATTENTION_KINDS}", kind)
-        return cls(
+        g = cls(
             kind=kind,
             layers=f.ints("layers", hi=_MAX_LAYER),
             heads=f.int("heads", lo=1, hi=1 << 16),
@@ -231,6 +231,22 @@ class AttentionGeometry:
             kv_lora_rank=f.opt_int("kv_lora_rank"),
             qk_rope_head_dim=f.opt_int("qk_rope_head_dim"),
         )
+        # kind-specific rules (spec 5.2): table of (applies, field, expected, found)
+        mla = (g.kv_lora_rank or 0) + (g.qk_rope_head_dim or 0)
+        rules = [
+            (kind == "mla", "heads", 1, g.heads),
+            (kind == "mla", "v_head_dim", 0, g.v_head_dim),
+            (kind == "mla", "k_head_dim", f"kv_lora_rank + qk_rope_head_dim = {mla}", g.k_head_dim if g.k_head_dim != mla else f"kv_lora_rank + qk_rope_head_dim = {mla}"),
+            (kind != "mla", "kv_lora_rank", None, g.kv_lora_rank),
+            (kind != "mla", "qk_rope_head_dim", None, g.qk_rope_head_dim),
+            (kind != "swa", "swa_layers", [], list(g.swa_layers)),
+            (kind != "swa", "swa_window", None, g.swa_window),
+            (True, "storage_dtype", f"itemsize {DTYPES[g.dtype].itemsize}", f"itemsize {DTYPES[g.storage_dtype].itemsize}"),
+        ]
+        for applies, name, expected, found in rules:
+            if applies and expected != found:
+                raise MalformedHeaderError(path, f"geometry.attention.{name}", f"{expected} for kind {kind!r}", found)
+        return g
 
 
 @dataclass(frozen=True)

@@ -266,8 +266,11 @@ class SnapshotWriter:
         self.write_record_sections()
         if self.next_section is not None:
             raise WriterStateError(self.path, "commit", "all sections written", f"next is {self.next_section.name}")
-        header, table, data_offset, end = layout_header(self._body, self.specs, self._digests)
-        if len(header) != self._header_length or data_offset != self._data_offset:
+        # Digests are fixed-width, so the planned data_offset is still layout_header's answer:
+        # one encoding at it (not layout_header's iteration from ALIGNMENT) gives the same bytes.
+        data_offset = self._data_offset
+        header, table, end = build_header(self._body, self.specs, self._digests, data_offset)
+        if len(header) != self._header_length or align_up(HEADER_OFFSET + len(header)) > data_offset:
             raise AssertionError("header length moved after planning")  # digests are fixed-width
         header_digest = xxhash.xxh3_128_digest(header)
         root = xxhash.xxh3_128()

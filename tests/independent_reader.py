@@ -1,0 +1,1028 @@
+"""An independent hsnap v1 reader, written from ``spec/hsnap-v1.md`` alone.
+
+It deliberately imports nothing from this repository (no ``hsnap_format``,
+``hsnap_io``, ``viewer``) and no ``ml_dtypes``: it exists to show that the
+specification by itself is enough to write a conforming reader.  Dependencies:
+the Python standard library, numpy and xxhash.
+
+Entry points:
+
+* ``read_snapshot(path)`` / ``parse_snapshot(data, name)``: open checks of
+  spec 7.1 (steps 2-20 in the spec's order), then, unless ``verify=False``,
+  the verify pass of 7.2 (padding zero, every section digest), then decode
+  every section into a numpy array of its logical numbers.
+* ``read_directory(path)``: a multi-rank snapshot directory (spec 10.2).
+* ``decode_elements(dtype, raw, shape)``: section 6 element decoding, with
+  bfloat16 and the four fp8 formats decoded from their bit patterns.
+* ``canonical_json(value)`` / ``parse_canonical_json(data)``: section 4.
+
+Every violation raises ``HsnapSpecError`` (a plain ``ValueError``) whose
+``kind`` is the spec's error class name (``"DigestMismatchError"``,
+``"TruncatedError"``, ...) and whose message is one line,
+``file: field: expected X, found Y`` (spec 7.3).
+
+Where the spec leaves a choice open, the choice made here is marked
+``SPEC GAP`` in a comment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+# ---------------------------------------------------------------------------
+# Errors (spec 7.3)
+# ---------------------------------------------------------------------------
+
+
+class HsnapSpecError(ValueError):
+    """Any violation of the spec.  ``kind`` names the spec's error class."""
+
+    def __init__(self, kind: str, file: str, fld: str, expected: Any, found: Any):
+        self.kind = kind
+        self.file = file
+        self.field = fld
+        msg = f"{file}: {fld}: expected {expected}, found {found}"
+        super().__init__(f"[{kind}] " + msg.replace("\n", "\\n"))
+
+
+TRUNCATED = "TruncatedError"
+BAD_MAGIC = "BadMagicError"
+UNSUPPORTED_VERSION = "UnsupportedVersionError"
+UNSUPPORTED_FEATURE = "UnsupportedFeatureError"
+MALFORMED_HEADER = "MalformedHeaderError"
+MALFORMED_MANIFEST = "MalformedManifestError"
+DIGEST_MISMATCH = "DigestMismatchError"
+IO_ERROR = "HsnapIOError"
+
+# ---------------------------------------------------------------------------
+# Constants (spec 1, 3, 5, 6, 9, 10)
+# ---------------------------------------------------------------------------
+
+MAGIC = b"\x89HSN\r\n\x1a\n"
+TRAILER_MAGIC = b"HSNAPEND"
+MAJOR = 1
+BYTE_ORDER_MARK = 0x0A0B0C0D
+PREAMBLE = struct.Struct("<8sHHIQQ16sQQ")
+TRAILER = struct.Struct("<8sQQ16s16sQ")
+assert PREAMBLE.size == 64 and TRAILER.size == 64
+ALIGNMENT = 4096
+MAX_HEADER = 4 * 1024 * 1024
+MAX_SECTIONS = 65536
+MAX_RNG = 1024 * 1024
+MAX_MANIFEST = 1024 * 1024
+MAX_DEPTH = 16
+MAX_SAFE_INT = 2**53 - 1
+MAX_INT_DIGITS = 400
+MAX_STR = 4096
+
+KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs"}
+KNOWN_DIGESTS = {"xxh3-128"}
+SECTION_KEYS = {"name", "kind", "layer", "dtype", "shape", "offset", "length", "digest"}
+TOP_KEYS = {"format", "features", "digest", "identity", "geometry", "request", "sections"}
+KINDS = {
+    "attn_k", "attn_v", "mla_kv", "swa_k", "swa_v", "conv", "temporal",
+    "prompt_ids", "output_ids", "output_logprobs", "top_logprob_ids",
+    "top_logprob_values", "rng_state",
+}
+SECTION_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+HEX32_RE = re.compile(r"[0-9a-f]{32}")
+
+# dtype name -> itemsize (spec 6)
+ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+    "bool": 1,
+}
+
+
+def align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def digest128(data: bytes) -> bytes:
+    """XXH3-128, seed 0, canonical (big-endian) 16 bytes (spec 1)."""
+    return xxhash.xxh3_128(data).digest()
+
+
+def check64(block: bytes) -> int:
+    """XXH3-64 of bytes 0..55 of a 64-byte block, as an integer (spec 1)."""
+    return xxhash.xxh3_64(block[:56]).intdigest()
+
+
+# ---------------------------------------------------------------------------
+# Element decoding (spec 6)
+# ---------------------------------------------------------------------------
+
+
+def _fp8_table(exp_bits: int, man_bits: int, bias: int, style: str) -> np.ndarray:
+    """float64 value of every byte 0..255 of a 1-sign-bit fp8 format.
+
+    style "ieee": all-ones exponent is inf (mantissa 0) or NaN (E5M2).
+    style "fn":   no infinities; only S.1111.111 is NaN (OCP E4M3).
+    style "fnuz": no infinities, no -0; 0x80 is the only NaN (AMD).
+    """
+    out = np.empty(256, dtype=np.float64)
+    emax = (1 << exp_bits) - 1
+    mmax = (1 << man_bits) - 1
+    for b in range(256):
+        s = -1.0 if b & 0x80 else 1.0
+        e = (b >> man_bits) & emax
+        m = b & mmax
+        if style == "fnuz" and b == 0x80:
+            out[b] = math.nan
+            continue
+        if style == "ieee" and e == emax:
+            out[b] = s * math.inf if m == 0 else math.nan
+            continue
+        if style == "fn" and e == emax and m == mmax:
+            out[b] = math.nan
+            continue
+        if e == 0:
+            v = (m / (1 << man_bits)) * 2.0 ** (1 - bias)
+        else:
+            v = (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+        out[b] = s * v
+    return out
+
+
+# SPEC GAP: section 6 names the fnuz formats only as "E4M3/E5M2, no -0, NaN 0x80
+# (AMD)" and gives no exponent bias; the biases used here (8 and 16) are the
+# usual AMD/Graphcore ones.  No golden vector uses float8_e5m2 or the fnuz types.
+_FP8 = {
+    "float8_e4m3fn": _fp8_table(4, 3, 7, "fn"),
+    "float8_e5m2": _fp8_table(5, 2, 15, "ieee"),
+    "float8_e4m3fnuz": _fp8_table(4, 3, 8, "fnuz"),
+    "float8_e5m2fnuz": _fp8_table(5, 2, 16, "fnuz"),
+}
+
+_NUMPY_LE = {
+    "float64": "<f8", "float32": "<f4", "float16": "<f2",
+    "int64": "<i8", "int32": "<i4", "int16": "<i2", "int8": "i1",
+    "uint64": "<u8", "uint32": "<u4", "uint16": "<u2", "uint8": "u1",
+}
+
+
+def decode_elements(dtype: str, raw: bytes, shape: list[int], *, file: str = "?",
+                    name: str = "?") -> np.ndarray:
+    """Section bytes -> array of logical numbers, C order, given shape."""
+    count = math.prod(shape)
+    if len(raw) != count * ITEMSIZE[dtype]:
+        raise HsnapSpecError(MALFORMED_HEADER, file, f"sections[{name!r}].length",
+                             count * ITEMSIZE[dtype], len(raw))
+    if dtype in _NUMPY_LE:
+        arr = np.frombuffer(raw, dtype=_NUMPY_LE[dtype]).copy()
+    elif dtype == "bfloat16":
+        bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << np.uint32(16)
+        arr = bits.astype("<u4").view("<f4").copy()
+    elif dtype in _FP8:
+        arr = _FP8[dtype][np.frombuffer(raw, dtype="u1")]
+    elif dtype == "bool":
+        b = np.frombuffer(raw, dtype="u1")
+        # SPEC GAP: section 6 defines only 0x00/0x01; what a reader does with
+        # other byte values is not said.  Refused here.
+        if b.size and int(b.max()) > 1:
+            raise HsnapSpecError(MALFORMED_HEADER, file, f"sections[{name!r}] bool byte",
+                                 "0x00 or 0x01", hex(int(b.max())))
+        arr = b.astype(bool)
+    else:  # pragma: no cover - dtype names are validated earlier
+        raise HsnapSpecError(MALFORMED_HEADER, file, "dtype", "a name of section 6", dtype)
+    return arr.reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Canonical JSON (spec 4)
+# ---------------------------------------------------------------------------
+
+
+class _JsonRefused(Exception):
+    pass
+
+
+def es_number(x: float) -> str:
+    """ECMAScript Number::toString for a finite double (RFC 8785 3.2.2.3)."""
+    if not math.isfinite(x):
+        raise _JsonRefused(f"non-finite number {x!r}")
+    if x == 0:
+        return "0"
+    sign = "-" if x < 0 else ""
+    tup = Decimal(repr(abs(x))).as_tuple()  # repr: shortest round-trip digits
+    digits = "".join(map(str, tup.digits)).lstrip("0")
+    exp = tup.exponent
+    while digits.endswith("0"):
+        digits = digits[:-1]
+        exp += 1
+    k = len(digits)
+    n = exp + k  # value = 0.digits * 10^n
+    if k <= n <= 21:
+        body = digits + "0" * (n - k)
+    elif 0 < n <= 21:
+        body = digits[:n] + "." + digits[n:]
+    elif -6 < n <= 0:
+        body = "0." + "0" * (-n) + digits
+    else:
+        e = n - 1
+        es = ("+" if e >= 0 else "-") + str(abs(e))
+        body = digits[0] + ("." + digits[1:] if k > 1 else "") + "e" + es
+    return sign + body
+
+
+_SHORT_ESC = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n",
+              "\f": "\\f", "\r": "\\r"}
+
+
+def _es_string(s: str) -> str:
+    out = ['"']
+    for ch in s:
+        c = ord(ch)
+        if 0xD800 <= c <= 0xDFFF:
+            raise _JsonRefused("lone surrogate in string")
+        if ch in _SHORT_ESC:
+            out.append(_SHORT_ESC[ch])
+        elif c < 0x20:
+            out.append(f"\\u{c:04x}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def canonical_json(value: Any) -> str:
+    """The canonical text of a decoded value (spec 4)."""
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        if abs(value) > MAX_SAFE_INT:
+            return es_number(float(value))
+        return str(value)
+    if isinstance(value, float):
+        return es_number(value)
+    if isinstance(value, str):
+        return _es_string(value)
+    if isinstance(value, list):
+        return "[" + ",".join(canonical_json(v) for v in value) + "]"
+    if isinstance(value, dict):
+        for k in value:
+            if not k.isascii():
+                raise _JsonRefused(f"non-ASCII key {k!r}")
+        items = sorted(value.items())
+        return "{" + ",".join(_es_string(k) + ":" + canonical_json(v) for k, v in items) + "}"
+    raise _JsonRefused(f"not a JSON value: {type(value).__name__}")
+
+
+def _json_depth(text: bytes) -> int:
+    """Maximum nesting of arrays/objects, skipping string contents."""
+    depth = best = 0
+    in_str = esc = False
+    for b in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif b == 0x5C:
+                esc = True
+            elif b == 0x22:
+                in_str = False
+        elif b == 0x22:
+            in_str = True
+        elif b in (0x5B, 0x7B):
+            depth += 1
+            best = max(best, depth)
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return best
+
+
+def _parse_int(lit: str):
+    if len(lit.lstrip("-")) > MAX_INT_DIGITS:
+        raise _JsonRefused("integer literal over 400 digits")
+    v = int(lit)
+    if abs(v) > MAX_SAFE_INT:
+        f = float(lit)  # read as the IEEE double it denotes
+        if not math.isfinite(f):
+            raise _JsonRefused("integer literal beyond double range")
+        return f
+    return v
+
+
+def _parse_float(lit: str) -> float:
+    f = float(lit)
+    if not math.isfinite(f):
+        raise _JsonRefused(f"number {lit} is not a finite double")
+    return f
+
+
+def _parse_constant(lit: str):
+    raise _JsonRefused(f"{lit} is not JSON")
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _JsonRefused(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def parse_canonical_json(data: bytes) -> Any:
+    """Decode ``data``; refuse anything that is not exactly canonical."""
+    if _json_depth(data) > MAX_DEPTH:
+        raise _JsonRefused(f"nesting deeper than {MAX_DEPTH}")
+    try:
+        text = data.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as e:
+        raise _JsonRefused(f"not UTF-8: {e}") from None
+    try:
+        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
+                           parse_constant=_parse_constant,
+                           object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise _JsonRefused(f"not JSON: {e}") from None
+    except RecursionError:  # pragma: no cover - depth is checked above
+        raise _JsonRefused("too deep") from None
+    canon = canonical_json(value)
+    if canon.encode("utf-8") != data:
+        # find the first differing byte for a useful message
+        c = canon.encode("utf-8")
+        i = next((j for j in range(min(len(c), len(data))) if c[j] != data[j]),
+                 min(len(c), len(data)))
+        raise _JsonRefused(f"not canonical at byte {i}: expected {c[i:i + 24]!r}, "
+                           f"found {data[i:i + 24]!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Field validators (spec 5)
+# ---------------------------------------------------------------------------
+
+
+class _V:
+    """Type/range checks that raise a MalformedHeaderError naming the field."""
+
+    def __init__(self, file: str, kind: str = MALFORMED_HEADER):
+        self.file = file
+        self.kind = kind
+
+    def fail(self, fld: str, expected: Any, found: Any):
+        raise HsnapSpecError(self.kind, self.file, fld, expected, found)
+
+    def obj(self, v, fld):
+        if not isinstance(v, dict):
+            self.fail(fld, "an object", _show(v))
+        return v
+
+    def get(self, o: dict, key: str, fld: str, default=...):
+        if key in o:
+            return o[key]
+        if default is ...:
+            self.fail(f"{fld}.{key}", "present", "missing")
+        return default
+
+    def is_int(self, v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def int(self, v, fld, lo=0, hi=MAX_SAFE_INT, nullable=False):
+        if v is None and nullable:
+            return v
+        if not self.is_int(v) or not lo <= v <= hi:
+            self.fail(fld, f"an integer in [{lo}, {hi}]" + (" or null" if nullable else ""),
+                      _show(v))
+        return v
+
+    def str(self, v, fld, maxlen=MAX_STR):
+        if not isinstance(v, str) or len(v) > maxlen:
+            self.fail(fld, f"a string of at most {maxlen} characters", _show(v))
+        return v
+
+    def bool(self, v, fld):
+        if not isinstance(v, bool):
+            self.fail(fld, "a boolean", _show(v))
+        return v
+
+    def flat(self, v, fld):
+        self.obj(v, fld)
+        for k, x in v.items():
+            if isinstance(x, list):
+                for y in x:
+                    if not isinstance(y, (str, int, float, bool)):
+                        self.fail(f"{fld}.{k}", "an array of strings, numbers, booleans",
+                                  _show(x))
+            elif x is not None and not isinstance(x, (str, int, float, bool)):
+                self.fail(f"{fld}.{k}", "a string, number, boolean, null or flat array",
+                          _show(x))
+        return v
+
+    def dtype(self, v, fld):
+        if v not in ITEMSIZE:
+            self.fail(fld, "a dtype name of section 6", _show(v))
+        return v
+
+    def shape(self, v, fld, dim_hi, max_dims=8):
+        if not isinstance(v, list) or len(v) > max_dims:
+            self.fail(fld, f"a list of at most {max_dims} integers", _show(v))
+        for i, d in enumerate(v):
+            self.int(d, f"{fld}[{i}]", 0, dim_hi)
+        return v
+
+    def layers(self, v, fld):
+        if not isinstance(v, list) or len(v) > 65536:
+            self.fail(fld, "a list of at most 65536 layer ids", _show(v))
+        for i, x in enumerate(v):
+            self.int(x, f"{fld}[{i}]", 0, 65535)
+        if len(set(v)) != len(v):
+            # SPEC GAP: duplicates inside one list are not addressed explicitly
+            # (they would give duplicate section names, which 5.5 forbids).
+            self.fail(fld, "distinct layer ids", _show(v))
+        return v
+
+
+def _show(v) -> str:
+    s = json.dumps(v, ensure_ascii=False) if not isinstance(v, bytes) else v.hex()
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _validate_identity(v: _V, ident):
+    f = "identity"
+    v.obj(ident, f)
+    v.str(v.get(ident, "model_id", f), f"{f}.model_id")
+    v.str(v.get(ident, "weights_version", f), f"{f}.weights_version")
+    v.str(v.get(ident, "weights_hash", f, ""), f"{f}.weights_hash")
+    eng = v.obj(v.get(ident, "engine", f), f"{f}.engine")
+    for k in ("name", "version", "commit"):
+        v.str(v.get(eng, k, f"{f}.engine"), f"{f}.engine.{k}")
+    tp_size = v.int(v.get(ident, "tp_size", f), f"{f}.tp_size", 1, 65536)
+    tp_rank = v.int(v.get(ident, "tp_rank", f), f"{f}.tp_rank", 0, 65536)
+    if tp_rank >= tp_size:
+        v.fail(f"{f}.tp_rank", f"< tp_size ({tp_size})", tp_rank)
+    for k in ("device", "snapshot_id", "created_at", "hsnap_version"):
+        # SPEC GAP: created_at is "RFC 3339 UTC time" but no reader check is
+        # stated (and the default "" is not RFC 3339); only the type is checked.
+        v.str(v.get(ident, k, f, ""), f"{f}.{k}")
+    v.flat(v.get(ident, "numerics", f, {}), f"{f}.numerics")
+
+
+def _validate_geometry(v: _V, geo):
+    f = "geometry"
+    v.obj(geo, f)
+    att = v.get(geo, "attention", f, None)
+    mam = v.get(geo, "mamba", f, None)
+    v.int(v.get(geo, "start_layer", f, 0), f"{f}.start_layer", 0, 65536)
+    v.int(v.get(geo, "num_layers", f, 0), f"{f}.num_layers", 0, 65536)
+    owners: dict[int, str] = {}
+    if att is not None:
+        a = f"{f}.attention"
+        v.obj(att, a)
+        kind = v.get(att, "kind", a)
+        if kind not in ("mha", "mla", "swa"):
+            v.fail(f"{a}.kind", '"mha", "mla" or "swa"', _show(kind))
+        layers = v.layers(v.get(att, "layers", a), f"{a}.layers")
+        heads = v.int(v.get(att, "heads", a), f"{a}.heads", 1, 65536)
+        kdim = v.int(v.get(att, "k_head_dim", a), f"{a}.k_head_dim", 1, 2**20)
+        vdim = v.int(v.get(att, "v_head_dim", a), f"{a}.v_head_dim", 0, 2**20)
+        v.dtype(v.get(att, "dtype", a), f"{a}.dtype")
+        v.dtype(v.get(att, "storage_dtype", a), f"{a}.storage_dtype")
+        v.int(v.get(att, "page_size", a), f"{a}.page_size", 1, 2**20)
+        swa_layers = v.layers(v.get(att, "swa_layers", a, []), f"{a}.swa_layers")
+        # SPEC GAP: 5.2 gives no default and no range for swa_window,
+        # kv_lora_rank, qk_rope_head_dim ("int or null"); absent -> null assumed.
+        v.int(v.get(att, "swa_window", a, None), f"{a}.swa_window", nullable=True)
+        lora = v.int(v.get(att, "kv_lora_rank", a, None), f"{a}.kv_lora_rank", nullable=True)
+        rope = v.int(v.get(att, "qk_rope_head_dim", a, None), f"{a}.qk_rope_head_dim",
+                     nullable=True)
+        # SPEC GAP: the "(swa only)", "(mla: 1)", "(mla: 0)", "(mla only)" notes of
+        # 5.2 are written as explanations, not as reader rules.  Enforced here.
+        if kind != "swa" and swa_layers:
+            v.fail(f"{a}.swa_layers", "[] unless kind is swa", _show(swa_layers))
+        if kind == "mla":
+            if heads != 1:
+                v.fail(f"{a}.heads", "1 for mla", heads)
+            if vdim != 0:
+                v.fail(f"{a}.v_head_dim", "0 for mla", vdim)
+            if lora is None or rope is None or kdim != lora + rope:
+                v.fail(f"{a}.k_head_dim", "kv_lora_rank + qk_rope_head_dim for mla",
+                       f"{kdim} (kv_lora_rank {lora}, qk_rope_head_dim {rope})")
+        for L in layers:
+            owners[L] = "attention.layers"
+        for L in swa_layers:
+            if L in owners:
+                v.fail(f"{a}.swa_layers", f"layer {L} in one group only", owners[L])
+            owners[L] = "attention.swa_layers"
+    if mam is not None:
+        m = f"{f}.mamba"
+        v.obj(mam, m)
+        layers = v.layers(v.get(mam, "layers", m), f"{m}.layers")
+        cs = v.get(mam, "conv_shapes", m)
+        if not isinstance(cs, list) or not 1 <= len(cs) <= 8:
+            v.fail(f"{m}.conv_shapes", "1..8 shapes", _show(cs))
+        for i, s in enumerate(cs):
+            # SPEC GAP: dims here are "<= 2^40" but a section shape dim must be
+            # "< 2^40" (5.5); the section-table check refuses 2^40 later.
+            v.shape(s, f"{m}.conv_shapes[{i}]", 2**40)
+        v.dtype(v.get(mam, "conv_dtype", m), f"{m}.conv_dtype")
+        v.shape(v.get(mam, "temporal_shape", m), f"{m}.temporal_shape", 2**40)
+        v.dtype(v.get(mam, "temporal_dtype", m), f"{m}.temporal_dtype")
+        v.int(v.get(mam, "conv_slice_axis", m, 0), f"{m}.conv_slice_axis", 0, 7)
+        for L in layers:
+            if L in owners:
+                v.fail(f"{m}.layers", f"layer {L} in one group only", owners[L])
+            owners[L] = "mamba.layers"
+
+
+def _validate_request(v: _V, req):
+    f = "request"
+    v.obj(req, f)
+    v.str(v.get(req, "rid", f), f"{f}.rid")
+    sp = v.int(v.get(req, "state_position", f), f"{f}.state_position")
+    pt = v.int(v.get(req, "prompt_tokens", f), f"{f}.prompt_tokens", 0, 2**32)
+    ot = v.int(v.get(req, "output_tokens", f), f"{f}.output_tokens", 0, 2**32)
+    if sp > pt + ot:
+        v.fail(f"{f}.state_position", f"<= prompt_tokens + output_tokens ({pt + ot})", sp)
+    v.bool(v.get(req, "has_logprobs", f), f"{f}.has_logprobs")
+    v.int(v.get(req, "top_logprobs_k", f, 0), f"{f}.top_logprobs_k", 0, 4096)
+    v.bool(v.get(req, "has_rng_state", f, False), f"{f}.has_rng_state")
+    v.flat(v.get(req, "sampling", f, {}), f"{f}.sampling")
+    stop = v.obj(v.get(req, "stop", f), f"{f}.stop")
+    s = f"{f}.stop"
+    # SPEC GAP: stop.max_new_tokens has no default listed while its siblings do;
+    # treated as required here.
+    mnt = v.int(v.get(stop, "max_new_tokens", s), f"{s}.max_new_tokens", nullable=True)
+    if mnt is not None and mnt < ot:
+        v.fail(f"{s}.max_new_tokens", f">= output_tokens ({ot})", mnt)
+    v.int(v.get(stop, "min_new_tokens", s, 0), f"{s}.min_new_tokens")
+    ss = v.get(stop, "stop_strings", s, [])
+    if not isinstance(ss, list) or len(ss) > 1024:
+        v.fail(f"{s}.stop_strings", "at most 1024 strings", _show(ss))
+    for i, x in enumerate(ss):
+        v.str(x, f"{s}.stop_strings[{i}]")
+    sti = v.get(stop, "stop_token_ids", s, [])
+    if not isinstance(sti, list) or len(sti) > 65536:
+        v.fail(f"{s}.stop_token_ids", "at most 65536 ints", _show(sti))
+    for i, x in enumerate(sti):
+        v.int(x, f"{s}.stop_token_ids[{i}]", 0, 2**31 - 1)
+    v.bool(v.get(stop, "ignore_eos", s, False), f"{s}.ignore_eos")
+    # SPEC GAP: remaining_budget defaults to null yet must be "exactly
+    # max_new_tokens - output_tokens"; an absent value with a non-null
+    # max_new_tokens is refused here.
+    rb = v.int(v.get(req, "remaining_budget", f, None), f"{f}.remaining_budget",
+               nullable=True)
+    want = None if mnt is None else mnt - ot
+    if rb != want:
+        v.fail(f"{f}.remaining_budget", _show(want), _show(rb))
+    st = v.obj(v.get(req, "streamed", f), f"{f}.streamed")
+    t = f"{f}.streamed"
+    v.int(v.get(st, "tokens", t, 0), f"{t}.tokens", 0, ot)
+    v.int(v.get(st, "text_chars", t, 0), f"{t}.text_chars")
+    v.int(v.get(st, "reasoning_tokens", t, 0), f"{t}.reasoning_tokens", 0, ot)
+    v.bool(v.get(st, "reasoning_finished", t, False), f"{t}.reasoning_finished")
+    v.int(v.get(req, "swa_start", f, 0), f"{f}.swa_start", 0, sp)
+    v.flat(v.get(req, "extra", f, {}), f"{f}.extra")
+
+
+def section_plan(header: dict, rng_len: int | None) -> list[dict]:
+    """The section table 5.4 implies (name, kind, layer, dtype, shape)."""
+    geo, req = header["geometry"], header["request"]
+    att = geo.get("attention")
+    mam = geo.get("mamba")
+    sp = req["state_position"]
+    swa_start = req.get("swa_start", 0)
+    plan: list[dict] = []
+
+    def add(name, kind, layer, dtype, shape):
+        plan.append({"name": name, "kind": kind, "layer": layer, "dtype": dtype,
+                     "shape": list(shape)})
+
+    groups: dict[int, str] = {}
+    if att is not None:
+        for L in att["layers"]:
+            groups[L] = "attn"
+        for L in att.get("swa_layers", []):
+            groups[L] = "swa"
+    if mam is not None:
+        for L in mam["layers"]:
+            groups[L] = "mamba"
+    for L in sorted(groups):
+        g = groups[L]
+        if g == "attn" and att["kind"] == "mla":
+            add(f"mla.{L}.kv", "mla_kv", L, att["dtype"], [sp, 1, att["k_head_dim"]])
+        elif g == "attn":
+            add(f"attn.{L}.k", "attn_k", L, att["dtype"], [sp, att["heads"], att["k_head_dim"]])
+            add(f"attn.{L}.v", "attn_v", L, att["dtype"], [sp, att["heads"], att["v_head_dim"]])
+        elif g == "swa":
+            n = sp - swa_start
+            add(f"swa.{L}.k", "swa_k", L, att["dtype"], [n, att["heads"], att["k_head_dim"]])
+            add(f"swa.{L}.v", "swa_v", L, att["dtype"], [n, att["heads"], att["v_head_dim"]])
+        else:
+            for i, shape in enumerate(mam["conv_shapes"]):
+                add(f"mamba.{L}.conv.{i}", "conv", L, mam["conv_dtype"], shape)
+            add(f"mamba.{L}.temporal", "temporal", L, mam["temporal_dtype"],
+                mam["temporal_shape"])
+    pt, ot = req["prompt_tokens"], req["output_tokens"]
+    k = req.get("top_logprobs_k", 0)
+    add("request.prompt_ids", "prompt_ids", None, "int32", [pt])
+    add("request.output_ids", "output_ids", None, "int32", [ot])
+    if req["has_logprobs"]:
+        add("request.output_logprobs", "output_logprobs", None, "float32", [ot])
+    if k > 0:
+        add("request.top_logprob_ids", "top_logprob_ids", None, "int32", [ot, k])
+        add("request.top_logprob_values", "top_logprob_values", None, "float32", [ot, k])
+    if req.get("has_rng_state", False):
+        add("request.rng_state", "rng_state", None, "uint8", [rng_len])
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Reading one rank file (spec 3, 7)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    file: str
+    major: int
+    minor: int
+    header_length: int
+    data_offset: int
+    file_length: int
+    header_digest: bytes
+    preamble_check: int
+    trailer_check: int
+    root_digest: bytes
+    header_bytes: bytes
+    header: dict
+    sections: list[dict]  # header entries, each plus "raw" and "values" once decoded
+    verified: bool = False
+    payload_bytes: int = 0
+    raw_file: bytes = field(repr=False, default=b"")
+
+    def section(self, name: str) -> dict:
+        for s in self.sections:
+            if s["name"] == name:
+                return s
+        raise KeyError(name)
+
+
+def read_snapshot(path, *, verify: bool = True) -> Snapshot:
+    """Open (7.1 step 1: no final symlink, regular file) and parse a rank file."""
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise HsnapSpecError(IO_ERROR, name, "path", "an openable regular file, no symlink",
+                             e.strerror) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HsnapSpecError(MALFORMED_HEADER, name, "path", "a regular file",
+                                 stat.filemode(st.st_mode))
+        chunks = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        os.close(fd)
+    return parse_snapshot(b"".join(chunks), name, verify=verify)
+
+
+def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -> Snapshot:
+    """Checks 2..20 of 7.1 in order, then 7.2 and decoding when ``verify``."""
+    E = lambda kind, fld, exp, found: HsnapSpecError(kind, name, fld, exp, found)  # noqa: E731
+    size = len(data)
+    # 2, 3: magic
+    if size < 8 and MAGIC.startswith(data):
+        raise E(TRUNCATED, "magic", "8 bytes", f"{size} bytes")
+    if data[:8] != MAGIC:
+        raise E(BAD_MAGIC, "magic", MAGIC.hex(), data[:8].hex())
+    # 4: preamble present
+    if size < 64:
+        raise E(TRUNCATED, "preamble", "64 bytes", f"{size} bytes")
+    pre = data[:64]
+    (_magic, major, minor, bom, header_length, data_offset, header_digest, file_length,
+     preamble_check) = PREAMBLE.unpack(pre)
+    # 5: preamble check
+    if check64(pre) != preamble_check:
+        raise E(DIGEST_MISMATCH, "preamble.check", f"{check64(pre):016x}",
+                f"{preamble_check:016x}")
+    # 6: byte-order mark
+    if bom != BYTE_ORDER_MARK:
+        raise E(MALFORMED_HEADER, "byte_order", "0x0a0b0c0d", hex(bom))
+    # 7: version
+    if major != MAJOR:
+        raise E(UNSUPPORTED_VERSION, "major", MAJOR, major)
+    # 8: header length
+    if not 1 <= header_length <= MAX_HEADER:
+        raise E(MALFORMED_HEADER, "header_length", f"1..{MAX_HEADER}", header_length)
+    # 9: data offset
+    if data_offset % ALIGNMENT or data_offset < align(64 + header_length):
+        raise E(MALFORMED_HEADER, "data_offset",
+                f"a multiple of 4096 >= {align(64 + header_length)}", data_offset)
+    # 10: room for the trailer
+    if file_length < data_offset + 64:
+        raise E(MALFORMED_HEADER, "file_length", f">= data_offset + 64 ({data_offset + 64})",
+                file_length)
+    # 11: actual size
+    if size < file_length:
+        raise E(TRUNCATED, "file_length", f"{file_length} bytes", f"{size} bytes")
+    if size > file_length:
+        raise E(MALFORMED_HEADER, "file_length", f"{file_length} bytes", f"{size} bytes")
+    # 12: header digest
+    hbytes = data[64:64 + header_length]
+    if digest128(hbytes) != header_digest:
+        raise E(DIGEST_MISMATCH, "header_digest", digest128(hbytes).hex(), header_digest.hex())
+    # 13: canonical JSON, seven keys, format, features
+    try:
+        header = parse_canonical_json(hbytes)
+    except _JsonRefused as e:
+        raise E(MALFORMED_HEADER, "header", "canonical JSON (section 4)", str(e)) from None
+    if not isinstance(header, dict):
+        raise E(MALFORMED_HEADER, "header", "an object", type(header).__name__)
+    missing = TOP_KEYS - header.keys()
+    if missing:
+        raise E(MALFORMED_HEADER, "header", f"keys {sorted(TOP_KEYS)}",
+                f"missing {sorted(missing)}")
+    if header["format"] != "hsnap":
+        raise E(MALFORMED_HEADER, "format", '"hsnap"', _show(header["format"]))
+    feats = header["features"]
+    # SPEC GAP: "features well formed" - whether both keys are required and
+    # whether unknown keys inside "features" are allowed is not stated; both
+    # keys are required and no others accepted here.
+    if (not isinstance(feats, dict) or set(feats) != {"required", "optional"}
+            or not all(isinstance(feats[k], list) and all(isinstance(x, str) for x in feats[k])
+                       for k in ("required", "optional"))):
+        raise E(MALFORMED_HEADER, "features",
+                '{"required": [string...], "optional": [string...]}', _show(feats))
+    # 14: features, digest algorithm
+    for feat in feats["required"]:
+        if feat not in KNOWN_FEATURES:
+            raise E(UNSUPPORTED_FEATURE, "features.required", sorted(KNOWN_FEATURES),
+                    _show(feat))
+    if header["digest"] not in KNOWN_DIGESTS:
+        raise E(UNSUPPORTED_FEATURE, "digest", '"xxh3-128"', _show(header["digest"]))
+    # 15: section table
+    table = header["sections"]
+    if not isinstance(table, list) or len(table) > MAX_SECTIONS:
+        raise E(MALFORMED_HEADER, "sections", f"an array of at most {MAX_SECTIONS} entries",
+                _show(table) if not isinstance(table, list) else f"{len(table)} entries")
+    v = _V(name)
+    cursor = data_offset
+    seen = set()
+    for i, s in enumerate(table):
+        fld = f"sections[{i}]"
+        v.obj(s, fld)
+        if set(s) != SECTION_KEYS:
+            v.fail(fld, f"exactly the keys {sorted(SECTION_KEYS)}", sorted(s))
+        nm = s["name"]
+        if not isinstance(nm, str) or not SECTION_NAME_RE.fullmatch(nm):
+            v.fail(f"{fld}.name", "[A-Za-z0-9][A-Za-z0-9._-]{0,127}", _show(nm))
+        if nm in seen:
+            v.fail(f"{fld}.name", "a unique name", _show(nm))
+        seen.add(nm)
+        fld = f"sections[{nm!r}]"
+        if s["kind"] not in KINDS:
+            v.fail(f"{fld}.kind", "a kind of 5.4", _show(s["kind"]))
+        v.int(s["layer"], f"{fld}.layer", 0, 65535, nullable=True)
+        v.dtype(s["dtype"], f"{fld}.dtype")
+        v.shape(s["shape"], f"{fld}.shape", 2**40 - 1)
+        v.int(s["offset"], f"{fld}.offset")
+        v.int(s["length"], f"{fld}.length")
+        if not isinstance(s["digest"], str) or not HEX32_RE.fullmatch(s["digest"]):
+            v.fail(f"{fld}.digest", "32 lowercase hex digits", _show(s["digest"]))
+        want_len = math.prod(s["shape"]) * ITEMSIZE[s["dtype"]]
+        if s["length"] != want_len:
+            v.fail(f"{fld}.length", f"product(shape) x itemsize = {want_len}", s["length"])
+        want_off = data_offset if i == 0 else align(cursor)
+        if s["offset"] != want_off:
+            v.fail(f"{fld}.offset", want_off, s["offset"])
+        cursor = s["offset"] + s["length"]
+        if cursor > file_length - 64:
+            v.fail(f"{fld}.length", f"to end by the trailer at {file_length - 64}",
+                   f"end at {cursor}")
+    # SPEC GAP: 5.5 does not say where an empty table "ends"; data_offset is used.
+    if cursor != file_length - 64:
+        v.fail("sections", f"the last section to end at file_length - 64 = "
+                           f"{file_length - 64}", f"end at {cursor}")
+    # 16: trailer check
+    tr = data[file_length - 64:file_length]
+    t_magic, t_len, t_count, root_digest, reserved, trailer_check = TRAILER.unpack(tr)
+    if check64(tr) != trailer_check:
+        raise E(DIGEST_MISMATCH, "trailer.check", f"{check64(tr):016x}", f"{trailer_check:016x}")
+    # 17: trailer fields
+    if t_magic != TRAILER_MAGIC:
+        raise E(MALFORMED_HEADER, "trailer.magic", TRAILER_MAGIC, t_magic)
+    if t_len != file_length:
+        raise E(MALFORMED_HEADER, "trailer.file_length", file_length, t_len)
+    if t_count != len(table):
+        raise E(MALFORMED_HEADER, "trailer.section_count", len(table), t_count)
+    if reserved != bytes(16):
+        raise E(MALFORMED_HEADER, "trailer.reserved", "zero", reserved.hex())
+    # 18: root digest
+    root = digest128(header_digest + b"".join(bytes.fromhex(s["digest"]) for s in table))
+    if root != root_digest:
+        raise E(DIGEST_MISMATCH, "trailer.root_digest", root.hex(), root_digest.hex())
+    # 19: identity / geometry / request
+    _validate_identity(v, header["identity"])
+    _validate_geometry(v, header["geometry"])
+    _validate_request(v, header["request"])
+    # 20: rng_state <=> last section, then the plan
+    req = header["request"]
+    has_rng = req.get("has_rng_state", False)
+    last_is_rng = bool(table) and table[-1]["kind"] == "rng_state"
+    if has_rng != last_is_rng:
+        v.fail("request.has_rng_state", f"{has_rng} <=> last section is rng_state",
+               f"last section kind {table[-1]['kind'] if table else None!r}")
+    rng_len = None
+    if has_rng:
+        shp = table[-1]["shape"]
+        if len(shp) != 1 or shp[0] > MAX_RNG:
+            v.fail("sections['request.rng_state'].shape", f"[n], n <= {MAX_RNG}", _show(shp))
+        rng_len = shp[0]
+    plan = section_plan(header, rng_len)
+    if len(plan) != len(table):
+        v.fail("sections", f"{len(plan)} entries (the plan of 5.4)", f"{len(table)}")
+    for p, s in zip(plan, table):
+        for k in ("name", "kind", "layer", "dtype", "shape"):
+            if p[k] != s[k]:
+                v.fail(f"sections[{s['name']!r}].{k}", _show(p[k]), _show(s[k]))
+
+    snap = Snapshot(
+        file=name, major=major, minor=minor, header_length=header_length,
+        data_offset=data_offset, file_length=file_length, header_digest=header_digest,
+        preamble_check=preamble_check, trailer_check=trailer_check,
+        root_digest=root_digest, header_bytes=hbytes, header=header,
+        sections=[dict(s) for s in table], raw_file=data,
+        payload_bytes=sum(s["length"] for s in table if s["layer"] is not None),
+    )
+    if verify:
+        verify_snapshot(snap)
+    return snap
+
+
+def verify_snapshot(snap: Snapshot) -> None:
+    """7.2: every padding byte zero, then every section digest; then decode."""
+    data, name = snap.raw_file, snap.file
+    ranges = [(64 + snap.header_length, snap.data_offset)]
+    for a, b in zip(snap.sections, snap.sections[1:]):
+        ranges.append((a["offset"] + a["length"], b["offset"]))
+    for lo, hi in ranges:
+        pad = data[lo:hi]
+        if pad.count(0) != len(pad):
+            first = lo + next(i for i, x in enumerate(pad) if x)
+            raise HsnapSpecError(DIGEST_MISMATCH, name, f"padding at byte {first}", "0x00",
+                                 hex(data[first]))
+    for s in snap.sections:
+        raw = data[s["offset"]:s["offset"] + s["length"]]
+        got = digest128(raw).hex()
+        if got != s["digest"]:
+            raise HsnapSpecError(DIGEST_MISMATCH, name, f"sections[{s['name']!r}].digest",
+                                 s["digest"], got)
+        s["raw"] = raw
+        s["values"] = decode_elements(s["dtype"], raw, s["shape"], file=name, name=s["name"])
+    snap.verified = True
+
+
+# ---------------------------------------------------------------------------
+# Snapshot directory (spec 10)
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Directory:
+    path: str
+    manifest_text: bytes
+    manifest: dict
+    manifest_digest: str
+    ranks: list[Snapshot]
+
+
+def read_directory(path, *, verify: bool = True) -> Directory:
+    path = os.fspath(path)
+    dname = os.path.basename(os.path.normpath(path))
+    M = lambda fld, exp, found: HsnapSpecError(MALFORMED_MANIFEST, dname, fld, exp, found)  # noqa: E731
+    mpath = os.path.join(path, "manifest.json")
+    try:
+        st = os.lstat(mpath)
+    except FileNotFoundError:
+        raise M("manifest.json", "present", "missing") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise M("manifest.json", "a regular file", stat.filemode(st.st_mode))
+    if st.st_size > MAX_MANIFEST:
+        raise M("manifest.json", f"at most {MAX_MANIFEST} bytes", st.st_size)
+    fd = os.open(mpath, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        text = b""
+        while len(text) <= MAX_MANIFEST:
+            b = os.read(fd, 1 << 16)
+            if not b:
+                break
+            text += b
+    finally:
+        os.close(fd)
+    if len(text) > MAX_MANIFEST:
+        raise M("manifest.json", f"at most {MAX_MANIFEST} bytes", len(text))
+    manifest, mdigest = parse_manifest(text, dname)
+    # any entry a symlink
+    for ent in os.scandir(path):
+        if ent.is_symlink():
+            raise M(ent.name, "not a symbolic link", "a symbolic link")
+    ranks = []
+    for i, r in enumerate(manifest["ranks"]):
+        rpath = os.path.join(path, r["file"])
+        if not os.path.lexists(rpath):
+            raise M(r["file"], "present", "missing")
+        snap = read_snapshot(rpath, verify=verify)
+        ident, req = snap.header["identity"], snap.header["request"]
+        pairs = [
+            ("length", r["length"], snap.file_length),
+            ("root_digest", r["root_digest"], snap.root_digest.hex()),
+            ("tp_rank", i, ident["tp_rank"]),
+            ("tp_size", manifest["tp_size"], ident["tp_size"]),
+            ("snapshot_id", manifest["snapshot_id"], ident.get("snapshot_id", "")),
+            ("state_position", manifest["state_position"], req["state_position"]),
+        ]
+        for fld, want, got in pairs:
+            if want != got:
+                raise M(f"{r['file']}: {fld}", _show(want), _show(got))
+        ranks.append(snap)
+    return Directory(path=path, manifest_text=text, manifest=manifest,
+                     manifest_digest=mdigest, ranks=ranks)
+
+
+def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
+    """10.1/10.2 checks on manifest.json's bytes; returns (object, digest hex)."""
+    M = lambda fld, exp, found: HsnapSpecError(MALFORMED_MANIFEST, dname, fld, exp, found)  # noqa: E731
+    if text.count(b"\n") != 2 or not text.endswith(b"\n"):
+        nls = text.count(b"\n")
+        ends = "ends" if text.endswith(b"\n") else "does not end"
+        raise HsnapSpecError(TRUNCATED, dname, "manifest.json", "two \\n-terminated lines",
+                             f"{nls} newlines, {ends} in \\n")
+    nl = text.index(b"\n") + 1
+    line1, line2 = text[:nl], text[nl:]
+    prefix = b"xxh3-128 "
+    if not (line2.startswith(prefix) and len(line2) == len(prefix) + 32 + 1):
+        raise M("manifest.json digest line", "'xxh3-128 ' + 32 characters", _show(
+            line2.decode("utf-8", "replace")))
+    stored = line2[len(prefix):-1].decode("ascii", "replace")
+    # SPEC GAP: 10.1 says "32 lowercase hex", 10.2 only checks "32 characters";
+    # non-lowercase-hex characters are refused as malformed here.
+    if not HEX32_RE.fullmatch(stored):
+        raise M("manifest.json digest", "32 lowercase hex digits", stored)
+    got = digest128(line1).hex()
+    if got != stored:
+        raise HsnapSpecError(DIGEST_MISMATCH, dname, "manifest.json digest", stored, got)
+    try:
+        m = parse_canonical_json(line1[:-1])
+    except _JsonRefused as e:
+        raise M("manifest.json", "canonical JSON (section 4)", str(e)) from None
+    if not isinstance(m, dict):
+        raise M("manifest.json", "an object", type(m).__name__)
+    # SPEC GAP: 10.1 does not say whether unknown top-level manifest keys are
+    # ignored (rank entries are "exactly" four keys); they are ignored here.
+    for k in ("format", "version", "snapshot_id", "state_position", "tp_size", "ranks"):
+        if k not in m:
+            raise M(k, "present", "missing")
+    if m["format"] != "hsnap-manifest":
+        raise M("format", '"hsnap-manifest"', _show(m["format"]))
+    ver = m["version"]
+    v = _V(dname, MALFORMED_MANIFEST)
+    if not (isinstance(ver, list) and len(ver) == 2 and all(v.is_int(x) and x >= 0 for x in ver)):
+        raise M("version", "[int, int]", _show(ver))
+    if ver[0] != 1:
+        raise HsnapSpecError(UNSUPPORTED_VERSION, dname, "version", "[1, *]", _show(ver))
+    v.str(m["snapshot_id"], "snapshot_id")
+    v.int(m["state_position"], "state_position")
+    # SPEC GAP: manifest tp_size has no upper bound (identity.tp_size <= 65536).
+    tp = v.int(m["tp_size"], "tp_size", 1)
+    ranks = m["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != tp:
+        raise M("ranks", f"an array of {tp} objects", _show(ranks))
+    for i, r in enumerate(ranks):
+        f = f"ranks[{i}]"
+        if not isinstance(r, dict) or set(r) != {"file", "length", "rank", "root_digest"}:
+            raise M(f, 'exactly {"file", "length", "rank", "root_digest"}', _show(r))
+        if r["rank"] != i or not v.is_int(r["rank"]):
+            raise M(f"{f}.rank", i, _show(r["rank"]))
+        if r["file"] != f"rank-{i}.hsnap":
+            raise M(f"{f}.file", f"rank-{i}.hsnap", _show(r["file"]))
+        v.int(r["length"], f"{f}.length")
+        if not isinstance(r["root_digest"], str) or not HEX32_RE.fullmatch(r["root_digest"]):
+            raise M(f"{f}.root_digest", "32 lowercase hex digits", _show(r["root_digest"]))
+    return m, stored
