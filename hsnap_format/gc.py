@@ -61,9 +61,11 @@ class Leftover:
     removable: bool = False
     reason: str = ""
     action: str = "kept"  # kept | would remove | removed | gone | failed
+    _dev: int = field(default=0, repr=False, compare=False)
+    _ino: int = field(default=0, repr=False, compare=False)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
 
 
 def parse_name(name: str) -> tuple[str, str, int | None] | None:
@@ -104,7 +106,7 @@ def _staging_contents(path: str) -> tuple[list[os.DirEntry], list[str]]:
     return entries, problems
 
 
-def _describe(item: Leftover, st: os.stat_result, now: float, older_than: float | None, problems: list[str]) -> None:
+def _describe(item: Leftover, older_than: float | None, problems: list[str]) -> None:
     if problems:
         item.reason = "; ".join(problems) + ": left alone"
         return
@@ -148,7 +150,8 @@ def scan(directory: str | os.PathLike[str], *, older_than: float | None = None, 
                     st = os.lstat(e.path)
                 except FileNotFoundError:
                     continue  # committed or removed meanwhile
-                item = Leftover(path=e.path, kind=kind, final=os.path.join(d, final), pids=[] if pid is None else [pid])
+                item = Leftover(path=e.path, kind=kind, final=os.path.join(d, final), pids=[] if pid is None else [pid],
+                                _dev=st.st_dev, _ino=st.st_ino)
                 problems: list[str] = []
                 newest = st.st_mtime
                 if kind == FILE:
@@ -173,7 +176,7 @@ def scan(directory: str | os.PathLike[str], *, older_than: float | None = None, 
                         if inner is not None and inner[2] is not None and inner[2] not in item.pids:
                             item.pids.append(inner[2])  # a rank writer still at work inside
                 item.age_s = max(0.0, now - newest)
-                _describe(item, st, now, older_than, problems)
+                _describe(item, older_than, problems)
                 found.append(item)
     found.sort(key=lambda x: x.path)
     return found
@@ -199,16 +202,38 @@ def _remove_staging(item: Leftover) -> None:
     except FileNotFoundError:
         item.action, item.reason = "gone", item.reason + "; committed or removed meanwhile"
         return
-    entries, problems = _staging_contents(mine)
-    if problems:  # appeared between scan and rename: leave it (under our name) for a person to look at
+    # Work through a descriptor opened without following links: a staging directory
+    # swapped for a symlink (shared /tmp, gc run as root) never leads gc elsewhere.
+    try:
+        fd = os.open(mine, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    except OSError as err:
         item.action, item.path = "failed", mine
-        item.reason = "; ".join(problems) + ": left alone"
+        item.reason += f"; not a plain directory any more ({err.strerror}): left alone"
         return
-    for e in entries:
-        try:
-            os.unlink(e.path)
-        except FileNotFoundError:
-            pass
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (item._dev, item._ino):
+            item.action, item.path = "failed", mine
+            item.reason += "; replaced by another directory while gc ran: left alone"
+            return
+        problems, names = [], []
+        with os.scandir(fd) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False) or e.is_symlink():
+                    names.append(e.name)
+                else:
+                    problems.append(f"unexpected entry {e.name!r} inside")
+        if problems:  # appeared between scan and rename: leave it (under our name) for a person to look at
+            item.action, item.path = "failed", mine
+            item.reason = "; ".join(problems) + ": left alone"
+            return
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
     try:
         os.rmdir(mine)
     except OSError as err:

@@ -197,6 +197,7 @@ class SetWriter:
         self.path = os.path.abspath(os.fspath(path))
         if os.path.lexists(self.path):
             raise SnapshotExistsError(self.path, "path", "no file or directory", "one exists")
+        self.mode = mode
         self.staging = staging or _fs.staging_name(self.path)
         if staging is None:
             try:
@@ -231,7 +232,7 @@ class SetWriter:
         final = os.path.join(self.staging, MANIFEST_NAME)
         tmp = _fs.temp_name(final)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode & 0o666)
             try:
                 _fs.pwrite_all(fd, data, 0)
                 if fsync:
@@ -244,6 +245,8 @@ class SetWriter:
                 _fs.fsync_dir(self.staging)
             _fs.phase("before-dir-rename")
             _fs.rename_noreplace(self.staging, self.path)
+        except HsnapError:  # SnapshotExistsError is an OSError too: keep its type
+            raise
         except OSError as e:
             raise HsnapIOError(self.path, "commit manifest", e) from None
         if fsync:

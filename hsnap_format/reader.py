@@ -207,8 +207,10 @@ class Snapshot:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._mm = None
+        self._fd = -1
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+            # O_NONBLOCK: a FIFO under a snapshot's name is refused below, not waited on
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
         except OSError as e:
             raise HsnapIOError(self.path, "open", e) from None
         try:
@@ -244,9 +246,15 @@ class Snapshot:
             except OSError as e:
                 raise HsnapIOError(self.path, "mmap", e) from None
         except OSError as e:
-            raise HsnapIOError(self.path, "read", e) from None
-        finally:
             os.close(fd)
+            raise HsnapIOError(self.path, "read", e) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        # Kept open: verification reads with pread, so a file truncated or unreadable
+        # under an open reader gives a typed error (through the map it would be SIGBUS).
+        self._fd = fd
+        self._scratch = bytearray()
         self._verified: set[str] = set()
 
     # -- open-time checks (cheap: no section bytes read)
@@ -339,6 +347,30 @@ class Snapshot:
             raise HsnapError(self.path, "snapshot", "open", "closed")
         return self._mm
 
+    def _read(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset+length) by pread into a reused buffer (valid until the next call)."""
+        if self._fd < 0:
+            raise HsnapError(self.path, "snapshot", "open", "closed")
+        if len(self._scratch) < length:
+            self._scratch = bytearray(length)
+        view = memoryview(self._scratch)[:length]
+        try:
+            got = os.preadv(self._fd, [view], offset)
+        except OSError as e:
+            raise HsnapIOError(self.path, f"read at byte {offset}", e) from None
+        if got != length:
+            raise TruncatedError(self.path, f"read at byte {offset} (file changed under the reader?)", length, got)
+        return view
+
+    def check_unchanged(self) -> None:
+        """Refuse if the file's size changed since open (mapped views would fault)."""
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise HsnapIOError(self.path, "fstat", e) from None
+        if size != self.file_length:
+            raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, size)
+
     def raw(self, name_or_info: str | SectionInfo) -> memoryview:
         s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
         return memoryview(self._buffer())[s.offset : s.offset + s.length]
@@ -360,11 +392,11 @@ class Snapshot:
         s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
         if s.name in self._verified and not force:
             return True
-        h, view = xxhash.xxh3_128(), self.raw(s)
+        h = xxhash.xxh3_128()
         for start in range(0, s.length, _VERIFY_CHUNK):
             if cancelled is not None and cancelled():
                 return False
-            h.update(view[start : start + _VERIFY_CHUNK])
+            h.update(self._read(s.offset + start, min(_VERIFY_CHUNK, s.length - start)))
             if progress is not None:
                 progress(min(_VERIFY_CHUNK, s.length - start))
         got = h.hexdigest()
@@ -382,13 +414,13 @@ class Snapshot:
         return [(a, b) for a, b in ranges if b > a]
 
     def check_padding(self) -> None:
-        buf = self._buffer()
         for a, b in self.padding_ranges():
             for start in range(a, b, len(_ZERO_CHUNK)):
                 stop = min(b, start + len(_ZERO_CHUNK))
-                if buf[start:stop] != _ZERO_CHUNK[: stop - start]:
-                    bad = start + next(i for i, x in enumerate(buf[start:stop]) if x)
-                    raise DigestMismatchError(self.path, f"padding at byte {bad}", "zero bytes", f"0x{buf[bad]:02x}")
+                chunk = self._read(start, stop - start)
+                if chunk != _ZERO_CHUNK[: stop - start]:
+                    i = next(i for i, x in enumerate(chunk) if x)
+                    raise DigestMismatchError(self.path, f"padding at byte {start + i}", "zero bytes", f"0x{chunk[i]:02x}")
 
     def iter_verify(self, cancelled=None) -> Iterator[tuple[SectionInfo, HsnapError | None]]:
         """Verify section by section, yielding (section, error or None); stops when ``cancelled()``."""
@@ -426,6 +458,9 @@ class Snapshot:
         )
 
     def close(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._mm is not None:
             try:
                 self._mm.close()

@@ -9,13 +9,17 @@ Order of work, so that a refusal leaves the pools untouched:
   --- nothing above touches the pools ---
   5. allocate, remembering the allocators' state; 6. upload section by section,
      remembering what each touched slot held; on any failure both are put back.
+  Steps 5-6 hold :func:`pool_lock` (one per pool set): SGLang's allocators are not
+  thread-safe, and the rollback restores the allocators' whole earlier state.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +180,40 @@ def restore_request(
         (snapset or snap).close()
 
 
+_POOL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_POOL_LOCKS_BY_ID: dict[int, tuple[Any, threading.RLock]] = {}  # pools that refuse weak references
+_POOL_LOCKS_GUARD = threading.Lock()
+
+
+def pool_lock(req_to_token_pool) -> threading.RLock:
+    """The lock hsnap holds (per pool set, keyed by its ``req_to_token_pool``) while a
+    restore allocates, uploads and — on failure — rolls back.
+
+    SGLang's allocators are not thread-safe (its scheduler serialises them), and a
+    rollback puts back the allocators' whole state as it was before the restore
+    allocated. So restores into one pool set run their allocate/upload/rollback
+    step one at a time; opening, checking and verifying (the expensive read of every
+    byte) run concurrently, and so does export (it only reads the request's own
+    rows). Code that allocates or frees in the same pools from another thread while
+    restores may run must hold this lock too (it is reentrant).
+    """
+    with _POOL_LOCKS_GUARD:
+        try:
+            lock = _POOL_LOCKS.get(req_to_token_pool)
+            if lock is None:
+                lock = _POOL_LOCKS[req_to_token_pool] = threading.RLock()
+        except TypeError:  # not weak-referenceable or not hashable: keep it alive with its lock
+            entry = _POOL_LOCKS_BY_ID.setdefault(id(req_to_token_pool), (req_to_token_pool, threading.RLock()))
+            lock = entry[1]
+    return lock
+
+
 def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes) -> RestoredRequest:
+    with pool_lock(view.req_to_token_pool):
+        return _upload_locked(snap, view, record, numerics, staging_bytes)
+
+
+def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes) -> RestoredRequest:
     pos = snap.state_position
     page = snap.geometry.attention.page_size if snap.geometry.attention else 1
     checkpoint = PoolCheckpoint(view)
@@ -212,4 +249,4 @@ def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, sta
     )
 
 
-__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "HsnapError"]
+__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "HsnapError", "pool_lock"]

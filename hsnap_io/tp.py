@@ -10,8 +10,10 @@ Protocol (torch.distributed; tensors only, no pickled objects):
      name, so the snapshot is committed only when every rank file and the
      manifest are durable. If any rank fails, rank 0 removes the staging
      directory and every rank raises.
-A rank that dies outright leaves the others waiting in a collective until the
-process group's timeout; the staging directory is then left for ``hsnap gc``.
+A rank that dies outright makes the collective fail on the others (gloo fails
+fast; otherwise the process group's timeout applies): they raise
+``RankFailedError`` and rank 0 removes the staging directory (or, if rank 0 died,
+``hsnap gc --older-than`` does).
 """
 
 from __future__ import annotations
@@ -29,9 +31,18 @@ from .export import export_request
 from .restore import RestoredRequest, restore_request
 
 
-def _agree(ok: bool, group) -> bool:
+class RankFailedError(HsnapError):
+    """Another rank of the TP group failed or died; nothing was committed."""
+
+
+def _agree(ok: bool, group, path: str, cleanup=None) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    try:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    except RuntimeError as e:  # a peer died: gloo/NCCL fail the collective
+        if cleanup is not None:
+            cleanup()
+        raise RankFailedError(path, "tp group", "every rank alive", f"collective failed: {str(e).splitlines()[0][:200]}") from None
     return bool(flag.item())
 
 
@@ -57,13 +68,14 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
             os.mkdir(staging, 0o700)
         except BaseException as e:  # noqa: BLE001 - reported after the collective
             error = e
-    if not _agree(error is None, group):
-        raise error or HsnapError(final, "staging directory", "created by rank 0", "rank 0 failed")
+    drop_staging = (lambda: shutil.rmtree(staging, ignore_errors=True)) if rank == 0 else None
+    if not _agree(error is None, group, final, drop_staging):
+        raise error or RankFailedError(final, "staging directory", "created by rank 0", "rank 0 failed")
     try:
         export_request(os.path.join(staging, rank_file_name(rank)), identity=identity, record=record, **kw)
     except BaseException as e:  # noqa: BLE001
         error = e
-    all_ok = _agree(error is None, group)
+    all_ok = _agree(error is None, group, final, drop_staging)
     manifest = None
     if rank == 0:
         if all_ok:
@@ -73,9 +85,9 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
                 error = e
         if error is not None or not all_ok:
             shutil.rmtree(staging, ignore_errors=True)
-    committed = _agree(error is None and all_ok, group)
+    committed = _agree(error is None and all_ok, group, final)
     if not committed:
-        raise error or HsnapError(final, "export", "every rank written", "another rank failed; nothing committed")
+        raise error or RankFailedError(final, "export", "every rank written", "another rank failed; nothing committed")
     return manifest
 
 
