@@ -89,7 +89,13 @@ def check_capacity(snap: Snapshot, view: PoolView) -> None:
     pos, page = snap.state_position, snap.geometry.attention.page_size if snap.geometry.attention else 1
     rtp, alloc = view.req_to_token_pool, view.allocator
     short = []
-    need = [("req_to_token_pool rows", 1, rtp.available_size()), ("req_to_token_pool.max_context_len", pos, rtp.req_to_token.shape[1])]
+    history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
+    need = [
+        ("req_to_token_pool rows", 1, rtp.available_size()),
+        ("req_to_token_pool.max_context_len (committed positions)", pos, rtp.req_to_token.shape[1]),
+        # refuse a record the target could never continue, before reading (verifying) it all
+        ("req_to_token_pool.max_context_len (prompt + output - 1)", history - 1, rtp.req_to_token.shape[1]),
+    ]
     if view.geometry.attention is not None:
         full_avail = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
         need.append(("token slots", math.ceil(pos / page) * page, full_avail))
@@ -216,6 +222,7 @@ def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, sta
 def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes) -> RestoredRequest:
     pos = snap.state_position
     page = snap.geometry.attention.page_size if snap.geometry.attention else 1
+    snap.check_unchanged()  # the upload reads through the map: refuse a file resized since open
     checkpoint = PoolCheckpoint(view)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     uploaded = 0
