@@ -75,6 +75,21 @@ def source(kind: str, page: int, seed: int = 1):
     return ps, req
 
 
+def export_from(ps, req, path, ident: hf.Identity | None = None):
+    """Export ``req`` of pool set ``ps`` to ``path`` with the standard record."""
+    from hsnap_io import export_request
+
+    return export_request(
+        path,
+        req_to_token_pool=ps.req_to_token_pool,
+        token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+        req_pool_idx=req.req_pool_idx,
+        record=record(),
+        identity=ident or identity(),
+        swa_start=req.swa_evicted,
+    )
+
+
 def target(kind: str, page: int):
     """Another capacity, other slots in use."""
     ps = sp.build(kind, size=1024, page_size=page, seed=9)

@@ -12,12 +12,12 @@ import pytest
 pytest.importorskip("torch")
 import torch  # noqa: E402
 import xxhash  # noqa: E402
-from io_cases import identity, record, source, target  # noqa: E402
+from io_cases import export_from, identity, record, source, target  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 import sglang_pools as sp  # noqa: E402
 from hsnap_format.spec import PREAMBLE  # noqa: E402
-from hsnap_io import NumericsWarning, UnsupportedPoolError, export_request, restore_request, view_pools  # noqa: E402
+from hsnap_io import NumericsWarning, UnsupportedPoolError, restore_request, view_pools  # noqa: E402
 from hsnap_io import transfer  # noqa: E402
 
 KIND = "hybrid_linear"
@@ -25,15 +25,7 @@ KIND = "hybrid_linear"
 
 def _export(path, kind=KIND, page=1, ident=None):
     ps, req = source(kind, page)
-    export_request(
-        path,
-        req_to_token_pool=ps.req_to_token_pool,
-        token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
-        req_pool_idx=req.req_pool_idx,
-        record=record(),
-        identity=ident or identity(),
-        swa_start=req.swa_evicted,
-    )
+    export_from(ps, req, path, ident)
     return ps, req
 
 

@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch")
-from io_cases import CASES, case_id, identity, record, rows_as_bytes, source  # noqa: E402
+from io_cases import CASES, case_id, export_from, record, rows_as_bytes, source  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 import sglang_pools as sp  # noqa: E402
-from hsnap_io import export_request  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,15 +30,7 @@ def exported(tmp_path_factory):
         ps, req = source(kind, page)
         before = sp.pool_state_fingerprint(ps)
         path = str(root / f"{cid}.hsnap")
-        export_request(
-            path,
-            req_to_token_pool=ps.req_to_token_pool,
-            token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
-            req_pool_idx=req.req_pool_idx,
-            record=record(),
-            identity=identity(),
-            swa_start=req.swa_evicted,
-        )
+        export_from(ps, req, path)
         fingerprints[cid] = (before, sp.pool_state_fingerprint(ps))
         expected[cid] = rows_as_bytes(sp.request_rows(ps, req))
         items.append({"kind": kind, "page": page, "path": path, "out": str(root / f"{cid}.out")})
