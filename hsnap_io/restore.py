@@ -152,12 +152,19 @@ def restore_request(
     identity: Identity | None,
     rank: int | None = None,
     verify: bool = True,
+    exact_rollback: bool = False,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
 ) -> RestoredRequest:
     """Load a snapshot into fresh slots. ``identity`` is the target's own identity (the
     strict fields must match); ``None`` skips the identity check (geometry is always checked).
 
-    Raises a typed :class:`HsnapError` — with the pools exactly as before — on any refusal.
+    Raises a typed :class:`HsnapError` on any refusal. Every refusal that depends on
+    the snapshot (identity, geometry, capacity, and with ``verify`` every digest) comes
+    before anything is allocated, so the pools are then exactly as before, byte for
+    byte. A failure *during* the upload (an exception after verification) gives back
+    every allocation — free lists, mappings, the request row — exactly; the bytes of
+    the freed slots, which nothing reads before writing them, are put back only with
+    ``exact_rollback=True``, which costs a copy of the whole payload (bench/RESULTS.md).
     """
     if rank is None and identity is not None:
         rank = identity.tp_rank
@@ -181,7 +188,7 @@ def restore_request(
             except OSError as e:
                 raise HsnapIOError(snap.path, "read", e) from None
         record = snap.record(verify=False)  # covered by verify() when asked
-        return _upload(snap, view, record, numerics, staging_bytes)
+        return _upload(snap, view, record, numerics, staging_bytes, exact_rollback)
     finally:
         (snapset or snap).close()
 
@@ -214,12 +221,12 @@ def pool_lock(req_to_token_pool) -> threading.RLock:
     return lock
 
 
-def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes) -> RestoredRequest:
+def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool) -> RestoredRequest:
     with pool_lock(view.req_to_token_pool):
-        return _upload_locked(snap, view, record, numerics, staging_bytes)
+        return _upload_locked(snap, view, record, numerics, staging_bytes, exact_rollback)
 
 
-def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes) -> RestoredRequest:
+def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool) -> RestoredRequest:
     pos = snap.state_position
     page = snap.geometry.attention.page_size if snap.geometry.attention else 1
     snap.check_unchanged()  # the upload reads through the map: refuse a file resized since open
@@ -231,7 +238,8 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
         for b in view.bindings:
             rows = slots.rows(b.space)
             info = snap.section(b.name)
-            checkpoint.remember_rows(b.buffer, rows)
+            if exact_rollback:
+                checkpoint.remember_rows(b.buffer, rows)
             src = np.frombuffer(snap.raw(info), dtype=np.uint8)
             engine.import_section(b.buffer, rows.to(b.buffer.device), src)
             uploaded += info.length

@@ -104,20 +104,40 @@ def test_target_without_room_is_refused(snap_path, what):
     assert "does not fit" in str(err)
 
 
-def test_failure_mid_upload_rolls_back_exactly(snap_path, monkeypatch):
-    ps = target(KIND, 1)
+def _flaky_upload(monkeypatch, fail_at=4):
     real = transfer.HostEngine.import_section
     calls = {"n": 0}
 
     def flaky(self, buffer, rows, src):
         calls["n"] += 1
-        if calls["n"] == 4:
+        if calls["n"] == fail_at:
             raise OSError(5, "Input/output error")
         return real(self, buffer, rows, src)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
-    err = _restore_refused(snap_path, ps, hf.HsnapIOError)
+    return calls
+
+
+def test_failure_mid_upload_with_exact_rollback_restores_every_byte(snap_path, monkeypatch):
+    calls = _flaky_upload(monkeypatch)
+    err = _restore_refused(snap_path, target(KIND, 1), hf.HsnapIOError, exact_rollback=True)
     assert calls["n"] == 4 and "Input/output error" in str(err)
+
+
+def test_failure_mid_upload_gives_back_every_allocation(snap_path, monkeypatch):
+    """Default contract: allocations, mappings and the request row come back exactly;
+    only the bytes of slots that are free again may differ (nothing reads them)."""
+    ps = target(KIND, 1)
+    before = sp.pool_state_fingerprint(ps)
+    free_tokens = set(ps.token_to_kv_pool_allocator.free_pages.tolist())
+    calls = _flaky_upload(monkeypatch)
+    with pytest.raises(hf.HsnapIOError):
+        restore_request(snap_path, req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator, identity=identity())
+    after = sp.pool_state_fingerprint(ps)
+    changed = sp.diff_fingerprints(before, after)
+    assert calls["n"] == 4
+    assert all(name.startswith("buffers.") and "req_to_token" not in name and "mapping" not in name for name in changed), changed
+    assert set(ps.token_to_kv_pool_allocator.free_pages.tolist()) == free_tokens
 
 
 def test_manifest_naming_a_missing_or_different_rank_file(tmp_path):
