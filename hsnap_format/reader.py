@@ -52,7 +52,7 @@ from .spec import (
 )
 
 _ZERO_CHUNK = bytes(1 << 20)
-_VERIFY_CHUNK = 64 << 20
+_VERIFY_CHUNK = 2 << 20  # hashed while still in cache (bench: 233 -> 76 ms/GiB vs 64 MiB)
 _MAX_RNG_BYTES = 1 << 20
 _TOP_KEYS = {"format", "features", "digest", "identity", "geometry", "request", "sections"}
 
@@ -361,6 +361,12 @@ class Snapshot:
         if got != length:
             raise TruncatedError(self.path, f"read at byte {offset} (file changed under the reader?)", length, got)
         return view
+
+    def fileno(self) -> int:
+        """The open, read-only descriptor of the checked file (for pread-based copies)."""
+        if self._fd < 0:
+            raise HsnapError(self.path, "snapshot", "open", "closed")
+        return self._fd
 
     def check_unchanged(self) -> None:
         """Refuse if the file's size changed since open (mapped views would fault)."""

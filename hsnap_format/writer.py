@@ -89,6 +89,27 @@ def layout_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[st
         data_offset = need
 
 
+_ZERO_DIGEST_FIELD = b'"digest":"' + _ZERO_DIGEST.encode() + b'"'
+
+
+def _fill_digests(planned: bytes, digests: Sequence[str]) -> bytes | None:
+    """The header ``build_header`` would encode with ``digests``, from the planned one.
+
+    Canonical JSON sorts keys and never escapes hex digits, so a digest only changes the
+    32 characters of its own value: substituting them in the planned header (zero
+    digests, same offsets) gives the same bytes as encoding again. ``None`` when the
+    zero-digest field does not occur exactly once per section (e.g. a request field
+    that happens to spell it): then the caller encodes.
+    """
+    parts = planned.split(_ZERO_DIGEST_FIELD)
+    if len(parts) != len(digests) + 1 or not all(len(d) == 32 and d.isascii() and d.isalnum() and d == d.lower() for d in digests):
+        return None
+    out = [parts[0]]
+    for d, rest in zip(digests, parts[1:]):
+        out += [b'"digest":"', d.encode(), b'"', rest]
+    return b"".join(out)
+
+
 def _byte_view(data) -> memoryview:
     if isinstance(data, np.ndarray):  # bf16/fp8 (ml_dtypes) arrays export no buffer: view as bytes
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
@@ -163,6 +184,7 @@ class SnapshotWriter:
         if len(header) > MAX_HEADER_BYTES:
             raise MalformedHeaderError(self.path, "header_length", f"<= {MAX_HEADER_BYTES}", len(header))
         self._header_length = len(header)
+        self._planned_header = header  # zero digests; commit fills them in
         self.file_length = end + TRAILER.size
         self.payload_bytes = sum(section_nbytes(s) for s in specs if SECTION_KINDS[s.kind].state)
         if os.path.lexists(self.path):
@@ -266,10 +288,10 @@ class SnapshotWriter:
         self.write_record_sections()
         if self.next_section is not None:
             raise WriterStateError(self.path, "commit", "all sections written", f"next is {self.next_section.name}")
-        # Digests are fixed-width, so the planned data_offset is still layout_header's answer:
-        # one encoding at it (not layout_header's iteration from ALIGNMENT) gives the same bytes.
-        data_offset = self._data_offset
-        header, table, end = build_header(self._body, self.specs, self._digests, data_offset)
+        data_offset, end = self._data_offset, self.file_length - TRAILER.size
+        header = _fill_digests(self._planned_header, self._digests)
+        if header is None:  # digests are fixed-width: the planned offsets still hold, encode once
+            header, _, end = build_header(self._body, self.specs, self._digests, data_offset)
         if len(header) != self._header_length or align_up(HEADER_OFFSET + len(header)) > data_offset:
             raise AssertionError("header length moved after planning")  # digests are fixed-width
         header_digest = xxhash.xxh3_128_digest(header)

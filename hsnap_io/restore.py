@@ -44,7 +44,7 @@ from hsnap_format import (
 from .adapters import PoolView, view_pools
 from .export import RequestSlots
 from .statecheck import PoolCheckpoint
-from .transfer import DEFAULT_STAGING_BYTES, engine_for
+from .transfer import DEFAULT_STAGING_BYTES, FileRange, HostEngine, engine_for
 
 
 class NumericsWarning(UserWarning):
@@ -229,9 +229,11 @@ def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, sta
 def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool) -> RestoredRequest:
     pos = snap.state_position
     page = snap.geometry.attention.page_size if snap.geometry.attention else 1
-    snap.check_unchanged()  # the upload reads through the map: refuse a file resized since open
+    snap.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
     checkpoint = PoolCheckpoint(view)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    reads_file = isinstance(engine, HostEngine)  # CPU: pread into the slots, nothing mapped
+    fd = snap.fileno()
     uploaded = 0
     try:
         row, slots = _allocate(view, pos, snap.swa_start, page, snap.path, checkpoint)
@@ -240,7 +242,10 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
             info = snap.section(b.name)
             if exact_rollback:
                 checkpoint.remember_rows(b.buffer, rows)
-            src = np.frombuffer(snap.raw(info), dtype=np.uint8)
+            if reads_file:  # pread into the slots: nothing mapped, an I/O error is an OSError
+                src = FileRange(fd, info.offset, info.length)
+            else:
+                src = np.frombuffer(snap.raw(info), dtype=np.uint8)
             engine.import_section(b.buffer, rows.to(b.buffer.device), src)
             uploaded += info.length
         engine.finish_import()

@@ -1,0 +1,5 @@
+"""Benchmarks for hsnap export/restore against the I/O limit and common peers.
+
+``make bench`` (= ``python -m bench.run``) runs the CPU benchmark and writes
+bench/RESULTS.md; ``python -m bench.gpu_check`` is the single-GPU check.
+"""

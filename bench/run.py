@@ -1,0 +1,1039 @@
+"""hsnap CPU benchmark: export / restore / open against the I/O limit and common peers.
+
+    make bench                       # full run (~10 min on 2 cores), writes bench/RESULTS.md
+    python -m bench.run --quick      # 53 tokens, 1 repeat, no 1 GiB case (smoke test)
+    python -m bench.run --cold       # drop the page cache before every restore (needs root)
+
+Everything runs in one process on real SGLang 0.5.23 pools (device="cpu") with the
+REFERENCE geometry (hsnap_format.reference: 10 full-attention layers 3,7,..,39,
+1 KV head x 256 bf16; 30 GDN layers, conv [4096,3] bf16, temporal [16,128,128] fp32).
+Sizes: 53, 4096, 32768 committed tokens, and a ~1 GiB case (102,400 tokens of the
+same geometry: 30.7 MiB of Mamba state + 10,240 B per token = 1.007 GiB per rank).
+
+Contenders are interleaved (the order rotates every round) and repeated; the
+median of ``--repeats`` rounds after ``--warmup`` rounds is reported.
+
+export (source: the request's rows in the pools; destination: a fresh file in --dir)
+  hsnap       export_request(..., fsync=F): gather + xxh3-128 digests + pwrite
+  raw write   one os.write() of file_length bytes from a ready buffer  (the limit)
+  raw falloc+write  the same after posix_fallocate of the whole file, as hsnap does (on
+              ext4 this makes buffered writes ~2x cheaper); the targets are judged
+              against the FASTER of the two raw writes
+  save_file   gather ({name: buf.index_select(0, rows)}) + safetensors.torch.save_file
+  torch.save  gather + torch.save(dict)
+  -- "fsync" rows: each contender fsyncs its file and then the directory, as hsnap does;
+     "no fsync" rows: nobody fsyncs (hsnap fsync=False).
+restore (source: a committed file; destination: fresh slots of other pools)
+  hsnap       restore_request(..., verify=True / verify=False) incl. open, checks,
+              allocation, undo log, upload
+  mmap copy   mmap the hsnap file, copy every section into the same slots (the limit):
+              one slice copy_ per section when its slots are one run, else index_copy_
+  pread copy  the same bytes read with pread straight into the slots (a second, often
+              faster limit); the restore targets are judged against the FASTER of the two
+  st load     safetensors.torch.load_file + the same copy into the slots
+  torch.load  torch.load(weights_only=True) + the same copy into the slots
+  exact rollback  hsnap no-verify with exact_rollback=True: the undo log (old bytes of
+              every target slot, put back if the upload fails) — what it costs
+open          hsnap_format.open(path) (preamble, header, trailer, layout checks) + close
+peak RSS      one subprocess per measurement, 1 GiB case: VmHWM after resetting it
+              (/proc/self/clear_refs = 5) minus VmRSS before; RssAnon is polled too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+import hsnap_format as hf  # noqa: E402
+from hsnap_format import reference as ref  # noqa: E402
+
+SIZES = (53, 4096, 32768)
+BIG_TOKENS = 102_400  # 1.007 GiB per rank with the reference geometry
+MiB = 1 << 20
+
+# Targets (held by the benchmark, never by timed tests)
+T_EXPORT_VS_RAW = 0.9
+T_EXPORT_VS_PEER = 2.0
+T_OPEN_FLAT = 1.5  # open time at the largest size <= 1.5x the smallest
+T_RSS_MIB = 128
+T_RESTORE_NOVERIFY = 0.8
+T_RESTORE_VERIFY = 0.5
+
+
+# ---------------------------------------------------------------------------
+# reference pools, built with SGLang's own classes
+# ---------------------------------------------------------------------------
+
+GDN = dict(k_heads=8, v_heads=16, k_dim=128, v_dim=128, conv_kernel=4)  # conv_dim 4096, temporal [16,128,128]
+
+
+@dataclass
+class Pools:
+    req_to_token_pool: object
+    allocator: object
+    kv_pool: object
+    size: int
+    device: str
+
+    @property
+    def mamba_pool(self):
+        return self.req_to_token_pool.mamba_pool
+
+    def kwargs(self) -> dict:
+        return dict(req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator)
+
+
+def build_reference_pools(tokens: int, *, device: str = "cpu", max_reqs: int = 2, margin: int = 64) -> Pools:
+    """HybridReqToTokenPool + HybridLinearKVPool + TokenToKVPoolAllocator, reference geometry,
+    room for one request of ``tokens`` tokens (+ margin) and ``max_reqs`` mamba slots."""
+    from hsnap_io._sglang_env import import_sglang
+
+    sg = import_sglang()
+    mu = sg.mamba_utils
+    size = tokens + margin
+    shape = mu.Mamba2StateShape.create(
+        tp_world_size=1,
+        intermediate_size=GDN["v_heads"] * GDN["v_dim"],
+        n_groups=GDN["k_heads"],
+        num_heads=GDN["v_heads"],
+        head_dim=GDN["v_dim"],
+        state_size=GDN["k_dim"],
+        conv_kernel=GDN["conv_kernel"],
+    )
+    params = mu.Mamba2CacheParams(
+        shape=shape,
+        layers=list(ref.GDN_LAYERS),
+        dtype=mu.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32),
+    )
+    rtp = sg.memory_pool.HybridReqToTokenPool(
+        size=max_reqs,
+        mamba_size=max_reqs,
+        mamba_spec_state_size=max_reqs,
+        max_context_len=size,
+        device=device,
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=list(ref.GDN_LAYERS),
+        enable_mamba_extra_buffer=False,
+    )
+    kv = sg.memory_pool.HybridLinearKVPool(
+        size=size,
+        dtype=torch.bfloat16,
+        page_size=1,
+        head_num=1,
+        head_dim=256,
+        full_attention_layer_ids=list(ref.FULL_ATTENTION_LAYERS),
+        device=device,
+        mamba_pool=rtp.mamba_pool,
+        enable_memory_saver=False,
+    )
+    alloc = sg.allocator.TokenToKVPoolAllocator(size, torch.bfloat16, device, kv, False)
+    pools = Pools(rtp, alloc, kv, size, device)
+    geom = view(pools).geometry
+    want = ref.geometry()
+    if geom.attention != want.attention or geom.mamba != want.mamba:  # the bench must measure THE reference
+        raise AssertionError(f"pools do not have the reference geometry: {geom} != {want}")
+    return pools
+
+
+def view(pools: Pools):
+    from hsnap_io import view_pools
+
+    return view_pools(pools.req_to_token_pool, pools.allocator)
+
+
+_BLOCK = None
+
+
+def _noise_block() -> torch.Tensor:
+    """8 MiB (+ a bit) of seeded noise; sections are filled by tiling it from shifted offsets."""
+    global _BLOCK
+    if _BLOCK is None:
+        g = torch.Generator().manual_seed(0x45A9)
+        _BLOCK = torch.randint(0, 256, (8 * MiB + 4099 * 97,), dtype=torch.uint8, generator=g)
+    return _BLOCK
+
+
+def _fill_rows(buffer: torch.Tensor, rows: torch.Tensor, salt: int) -> None:
+    row_shape = tuple(buffer.shape[1:])
+    nbytes = len(rows) * buffer[0].numel() * buffer.element_size()
+    block = _noise_block()
+    start = (salt * 4099) % (4099 * 97)
+    reps = -(-nbytes // (8 * MiB))
+    flat = block[start : start + 8 * MiB].repeat(reps)[:nbytes]
+    data = flat.view(buffer.dtype).view(len(rows), *row_shape)
+    if buffer.device.type != "cpu":
+        data = data.to(buffer.device)
+    buffer.index_copy_(0, rows.to(buffer.device), data)
+
+
+def alloc_slots(pools: Pools, tokens: int) -> int:
+    """One request through SGLang's allocators: a req_to_token row, token slots, a mamba slot."""
+    rtp = pools.req_to_token_pool
+    row = rtp.alloc_rows(1)[0]
+    slots = pools.allocator.alloc(tokens)
+    if slots is None:
+        raise RuntimeError("token pool exhausted")
+    rtp.req_to_token[row, :tokens] = slots.to(rtp.req_to_token.dtype)
+    mamba = rtp.mamba_allocator.alloc(1)
+    rtp.req_index_to_mamba_index_mapping[row] = int(mamba.reshape(-1)[0])
+    return row
+
+
+def alloc_request(pools: Pools, tokens: int) -> int:
+    """``alloc_slots`` with the request's rows filled with noise."""
+    from hsnap_io.export import request_slots
+
+    row = alloc_slots(pools, tokens)
+    v = view(pools)
+    s = request_slots(v, row, tokens)
+    for i, b in enumerate(v.bindings):
+        _fill_rows(b.buffer, s.rows(b.space), i)
+    return row
+
+
+def fill_pool(pools: Pools) -> None:
+    """Every state row of the pools gets noise: a serving engine's free slots hold stale data."""
+    for i, b in enumerate(view(pools).bindings):
+        _fill_rows(b.buffer, torch.arange(b.buffer.shape[0], device=b.buffer.device), 1000 + i)
+
+
+def identity() -> hf.Identity:
+    return ref.identity(snapshot_id="bench")
+
+
+def record(tokens: int) -> hf.RequestRecord:
+    return ref.record(state_position=tokens)
+
+
+def gather(pools: Pools, row: int, tokens: int) -> dict[str, torch.Tensor]:
+    """The request's state as contiguous tensors (what save_file / torch.save are given)."""
+    from hsnap_io.export import request_slots
+
+    v = view(pools)
+    s = request_slots(v, row, tokens)
+    return {b.name: b.buffer.index_select(0, s.rows(b.space).to(b.buffer.device)) for b in v.bindings}
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def can_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK) and drop_caches()
+
+
+class Names:
+    def __init__(self, d: str) -> None:
+        self.d, self.n = d, 0
+
+    def __call__(self, ext: str) -> str:
+        self.n += 1
+        return os.path.join(self.d, f"f{self.n:05d}{ext}")
+
+
+def unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n / k:.1f} {unit}" if unit != "GiB" else f"{n / k:.3f} {unit}"
+    return f"{n} B"
+
+
+def fmt_t(s: float) -> str:
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.3f} s"
+
+
+@dataclass
+class Case:
+    tokens: int
+    src: Pools
+    row: int
+    tgt: Pools
+    payload: int = 0
+    file_length: int = 0
+    hsnap_file: str = ""
+    st_file: str = ""
+    pt_file: str = ""
+    slots: object = None  # RequestSlots in tgt (from hsnap's own allocation)
+    rounds: int = 0
+    times: dict = field(default_factory=dict)  # (phase, contender) -> [seconds]
+
+
+# ---------------------------------------------------------------------------
+# contenders
+# ---------------------------------------------------------------------------
+
+
+def export_contenders(case: Case, names: Names, fsync: bool) -> dict[str, Callable[[], float]]:
+    from safetensors.torch import save_file
+
+    from hsnap_io import export_request
+
+    src, row, tokens = case.src, case.row, case.tokens
+    rec, ident = record(tokens), identity()
+    raw = np.ones(case.file_length, dtype=np.uint8)  # touched: the limit writes from RAM
+    suffix = "fsync" if fsync else "nofsync"
+
+    def hsnap() -> float:
+        p = names(".hsnap")
+        t = time.perf_counter()
+        export_request(p, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident, fsync=fsync)
+        dt = time.perf_counter() - t
+        unlink(p)
+        return dt
+
+    def raw_write(prealloc: bool) -> Callable[[], float]:
+        return lambda: _raw_write(prealloc)
+
+    def _raw_write(prealloc: bool) -> float:
+        p = names(".raw")
+        t = time.perf_counter()
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if prealloc:
+            os.posix_fallocate(fd, 0, len(raw))
+        mv, done = memoryview(raw), 0
+        while done < len(mv):
+            done += os.write(fd, mv[done:])
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        if fsync:
+            fsync_dir(names.d)
+        dt = time.perf_counter() - t
+        unlink(p)
+        return dt
+
+    def st_save() -> float:
+        p = names(".safetensors")
+        t = time.perf_counter()
+        save_file(gather(src, row, tokens), p)
+        if fsync:
+            fsync_path(p)
+        dt = time.perf_counter() - t
+        unlink(p)
+        return dt
+
+    def pt_save() -> float:
+        p = names(".pt")
+        t = time.perf_counter()
+        torch.save(gather(src, row, tokens), p)
+        if fsync:
+            fsync_path(p)
+        dt = time.perf_counter() - t
+        unlink(p)
+        return dt
+
+    return {
+        f"export/{suffix}/hsnap": hsnap,
+        f"export/{suffix}/raw write": raw_write(False),
+        f"export/{suffix}/raw falloc+write": raw_write(True),
+        f"export/{suffix}/save_file": st_save,
+        f"export/{suffix}/torch.save": pt_save,
+    }
+
+
+def contiguous_start(rows: torch.Tensor) -> int | None:
+    """First row if ``rows`` is one ascending run a, a+1, ..., else None."""
+    n = len(rows)
+    if n == 0:
+        return None
+    a = int(rows[0])
+    if int(rows[-1]) - a + 1 != n:
+        return None
+    if n > 1 and not bool(torch.all(rows[1:] - rows[:-1] == 1)):
+        return None
+    return a
+
+
+def pread_full(fd: int, dst: np.ndarray, offset: int) -> None:
+    view, done = memoryview(dst).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"short read at byte {offset + done}")
+        done += got
+
+
+def copy_rows(buf: torch.Tensor, rows: torch.Tensor, data: torch.Tensor) -> None:
+    """The plainest fast copy into slots: one slice copy for a run of slots, else index_copy_."""
+    a = contiguous_start(rows)
+    if a is not None:
+        buf[a : a + len(rows)].copy_(data)
+    else:
+        buf.index_copy_(0, rows, data)
+
+
+def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]:
+    from safetensors.torch import load_file
+
+    from hsnap_io import restore_request
+    from hsnap_io.statecheck import PoolCheckpoint
+
+    tgt, ident = case.tgt, identity()
+    v = view(tgt)
+    slots = case.slots
+    with hf.open(case.hsnap_file) as snap:
+        plan = [(b.buffer, slots.rows(b.space), snap.section(b.name)) for b in v.bindings]
+    plan = [(buf, rows, s.offset, s.length) for buf, rows, s in plan]
+
+    def prep():
+        if cold:
+            drop_caches()
+
+    def hsnap(verify: bool, **kw):
+        def run() -> float:
+            prep()
+            cp = PoolCheckpoint(v)  # free lists etc.: put back after the run (untimed)
+            t = time.perf_counter()
+            res = restore_request(case.hsnap_file, **tgt.kwargs(), identity=ident, verify=verify, **kw)
+            dt = time.perf_counter() - t
+            if not torch.equal(res.token_indices, slots.token):
+                raise AssertionError("restore did not reuse the same slots")
+            cp.rollback()
+            return dt
+
+        return run
+
+    def mmap_copy() -> float:
+        prep()
+        t = time.perf_counter()
+        fd = os.open(case.hsnap_file, os.O_RDONLY | os.O_CLOEXEC)
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        os.close(fd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mapped view: only read
+            for buf, rows, off, length in plan:
+                src = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=length, offset=off))
+                copy_rows(buf, rows, src.view(buf.dtype).view(len(rows), *buf.shape[1:]))
+                del src
+        mm.close()
+        return time.perf_counter() - t
+
+    def pread_copy() -> float:
+        prep()
+        t = time.perf_counter()
+        fd = os.open(case.hsnap_file, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for buf, rows, off, length in plan:
+                a = contiguous_start(rows)
+                if a is not None:  # straight into the slots
+                    pread_full(fd, buf[a : a + len(rows)].reshape(-1).view(torch.uint8).numpy(), off)
+                else:
+                    tmp = np.empty(length, dtype=np.uint8)
+                    pread_full(fd, tmp, off)
+                    buf.index_copy_(0, rows, torch.from_numpy(tmp).view(buf.dtype).view(len(rows), *buf.shape[1:]))
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t
+
+    def copy_in(tensors: dict) -> None:
+        for b in v.bindings:
+            copy_rows(b.buffer, slots.rows(b.space), tensors[b.name])
+
+    def st_load() -> float:
+        prep()
+        t = time.perf_counter()
+        copy_in(load_file(case.st_file))
+        return time.perf_counter() - t
+
+    def pt_load() -> float:
+        prep()
+        t = time.perf_counter()
+        copy_in(torch.load(case.pt_file, weights_only=True))
+        return time.perf_counter() - t
+
+    return {
+        "restore/hsnap verify": hsnap(True),
+        "restore/hsnap no-verify": hsnap(False),
+        "restore/hsnap exact rollback": hsnap(False, exact_rollback=True),
+        "restore/mmap copy": mmap_copy,
+        "restore/pread copy": pread_copy,
+        "restore/st load": st_load,
+        "restore/torch.load": pt_load,
+    }
+
+
+def open_contender(case: Case, cold: bool) -> dict[str, Callable[[], float]]:
+    def run() -> float:
+        if cold:
+            drop_caches()
+        t = time.perf_counter()
+        s = hf.open(case.hsnap_file)
+        s.close()
+        return time.perf_counter() - t
+
+    return {"open/hsnap": run}
+
+
+def interleave(contenders: dict[str, Callable[[], float]], warmup: int, repeats: int, sink: dict, log=None) -> None:
+    keys = list(contenders)
+    for r in range(warmup + repeats):
+        k = r % len(keys)
+        for name in keys[k:] + keys[:k]:
+            gc.collect()
+            dt = contenders[name]()
+            if r >= warmup:
+                sink.setdefault(name, []).append(dt)
+        if log:
+            log(f"    round {r + 1}/{warmup + repeats}" + (" (warm-up)" if r < warmup else ""))
+
+
+# ---------------------------------------------------------------------------
+# peak RSS: one subprocess per measurement
+# ---------------------------------------------------------------------------
+
+
+def _proc_status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+class PeakAnon:
+    """Polls RssAnon every ~1 ms on a thread (VmHWM has no anonymous-only twin)."""
+
+    def __init__(self) -> None:
+        self.peak, self._stop = 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _proc_status()["RssAnon"])
+            time.sleep(0.001)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _proc_status()["RssAnon"])
+
+
+def rss_child(what: str, tokens: int, d: str, path: str | None) -> dict:
+    """Runs in a subprocess: set up, reset the peak, do ``what`` once, report the peak delta."""
+    from safetensors.torch import load_file, save_file
+
+    from hsnap_io import export_request, restore_request
+
+    exporting = what.startswith("export")
+    pools = build_reference_pools(tokens)
+    row = alloc_request(pools, tokens) if exporting else fill_pool(pools)
+    if what in ("restore st load", "restore torch.load"):  # the slots hsnap's restore would take
+        from hsnap_io.export import request_slots
+
+        v = view(pools)
+        slots = request_slots(v, alloc_slots(pools, tokens), tokens)
+    _noise_block()
+    out = os.path.join(d, f"rss-{os.getpid()}")
+    gc.collect()
+    gc.disable()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")  # reset VmHWM to VmRSS
+        exact = True
+    except OSError:
+        exact = False
+    before = _proc_status()
+    with PeakAnon() as anon:
+        if what == "export hsnap":
+            export_request(out, **pools.kwargs(), req_pool_idx=row, record=record(tokens), identity=identity())
+        elif what == "export save_file":
+            save_file(gather(pools, row, tokens), out)
+            fsync_path(out)
+        elif what == "export torch.save":
+            torch.save(gather(pools, row, tokens), out)
+            fsync_path(out)
+        elif what in ("restore hsnap verify", "restore hsnap no-verify", "restore hsnap exact_rollback"):
+            restore_request(path, **pools.kwargs(), identity=identity(), verify=what.endswith(" verify"), exact_rollback=what.endswith("exact_rollback"))
+        elif what in ("restore st load", "restore torch.load"):
+            t = load_file(path) if what == "restore st load" else torch.load(path, weights_only=True)
+            for b in v.bindings:
+                copy_rows(b.buffer, slots.rows(b.space), t[b.name])
+            del t
+        else:
+            raise ValueError(what)
+    after = _proc_status()
+    unlink(out)
+    import resource
+
+    return {
+        "what": what,
+        "exact": exact,
+        "rss_before": before["VmRSS"],
+        "peak_extra_rss": after["VmHWM"] - before["VmRSS"] if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before["VmRSS"],
+        "peak_extra_anon": anon.peak - before["RssAnon"],
+        "end_extra_rss": after["VmRSS"] - before["VmRSS"],
+    }
+
+
+def run_rss(what: str, tokens: int, d: str, path: str | None) -> dict:
+    cmd = [sys.executable, "-m", "bench.run", "--rss-child", what, "--tokens", str(tokens), "--dir", d, "--threads", str(torch.get_num_threads())]
+    if path:
+        cmd += ["--file", path]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"rss child {what!r} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------
+# machine description
+# ---------------------------------------------------------------------------
+
+
+def machine(d: str) -> dict:
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), platform.processor())
+    except OSError:
+        info["cpu"] = platform.processor()
+    info["cores"] = f"{len(os.sched_getaffinity(0))} usable ({os.cpu_count()} online); torch threads {torch.get_num_threads()}"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(l.split()[1]) for l in f if l.startswith("MemTotal"))
+        info["ram"] = f"{kb / (1 << 20):.1f} GiB"
+    except (OSError, StopIteration):
+        info["ram"] = "?"
+    best = ("?", "", "?")
+    try:
+        real = os.path.realpath(d)
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs, opts = line.split()[:4]
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, f"{fs} ({opts})")
+    except OSError:
+        pass
+    info["fs"] = f"{best[2]} on {best[0]} mounted at {best[1]}; bench dir {d}"
+    info["kernel"] = platform.release()
+    import safetensors
+    import xxhash
+
+    try:
+        import sglang
+
+        sgv = sglang.__version__
+    except Exception:  # noqa: BLE001
+        sgv = "?"
+    info["versions"] = (
+        f"python {platform.python_version()}, torch {torch.__version__}, sglang {sgv}, safetensors {safetensors.__version__}, "
+        f"numpy {np.__version__}, xxhash {xxhash.VERSION} (libxxhash {xxhash.XXHASH_VERSION}), hsnap {hf.__version__}"
+    )
+    info["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    return info
+
+
+# ---------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------
+
+
+def med(xs) -> float:
+    return statistics.median(xs)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.verdicts: list[tuple[str, bool, str]] = []
+
+    def add(self, s: str = "") -> None:
+        self.lines.append(s)
+
+    def table(self, head: list[str], rows: list[list[str]]) -> None:
+        w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+        self.add("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
+        self.add("|" + "|".join("-" * (x + 2) for x in w) + "|")
+        for r in rows:
+            self.add("| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |")
+        self.add()
+
+    def verdict(self, what: str, ok: bool, figure: str) -> None:
+        self.verdicts.append((what, ok, figure))
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: float) -> Report:
+    R = Report()
+    R.add("# hsnap benchmark results")
+    R.add()
+    R.add(f"Command: `python -m bench.run {' '.join(sys.argv[1:])}`  ")
+    R.add(f"Date: {info['date']}; total bench time {elapsed:.0f} s  ")
+    R.add(f"Machine: {info['cpu']}; cores: {info['cores']}; RAM {info['ram']}; kernel {info['kernel']}  ")
+    R.add(f"Filesystem: {info['fs']}  ")
+    R.add(f"Versions: {info['versions']}  ")
+    cache = "COLD (page cache dropped before every restore/open run: sync; echo 1 > /proc/sys/vm/drop_caches)" if args.cold else "WARM (restore/open read files that were just written and are in the page cache; export writes fresh files)"
+    R.add(f"Page cache: {cache}  ")
+    R.add(f"Statistic: median of {args.repeats} interleaved rounds ({max(args.repeats, args.small_repeats)} for cases under 100 MiB) after {args.warmup} warm-up round(s); contender order rotates every round; wall clock (time.perf_counter).  ")
+    R.add(f"torch intra-op threads: {args.threads} for every contender. Load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in info['load_start'])}, at end {'/'.join(f'{x:.1f}' for x in info['load_end'])} — the machine is shared, other jobs run beside the bench.  ")
+    R.add("Geometry: hsnap_format.reference (10 attn layers x K,V [tokens,1,256] bf16; 30 GDN layers conv [4096,3] bf16 + temporal [16,128,128] fp32); ")
+    R.add(f"the 1 GiB case is {BIG_TOKENS:,} committed tokens of the same geometry." if any(c.tokens == BIG_TOKENS for c in cases) else "")
+    R.add()
+    R.add("Ratios are speed ratios: `hsnap/limit` = t(limit) / t(hsnap) (1.0 = as fast as the limit); "
+          "`peer/hsnap` = t(peer) / t(hsnap) (2.0 = hsnap twice as fast). Peers' times include the gather of the "
+          "request's rows into contiguous tensors (they cannot write pool rows otherwise); the `gather` column shows its share.")
+    R.add()
+    for fs_mode in ("fsync", "nofsync"):
+        title = "fsync file + directory (hsnap's default, like for like)" if fs_mode == "fsync" else "no fsync (hsnap fsync=False; nobody fsyncs)"
+        R.add(f"## Export — {title}")
+        R.add()
+        rows = []
+        for c in cases:
+            t = {k.split("/")[2]: med(v) for k, v in c.times.items() if k.startswith(f"export/{fs_mode}/")}
+            if not t:
+                continue
+            g = med(c.times["gather"]) if "gather" in c.times else float("nan")
+            lim = min(t["raw write"], t["raw falloc+write"])
+            rows.append([
+                f"{c.tokens:,}", fmt_bytes(c.payload), fmt_t(t["hsnap"]), f"{c.file_length / t['hsnap'] / 1e9:.2f}",
+                fmt_t(t["raw write"]), fmt_t(t["raw falloc+write"]), fmt_t(t["save_file"]), fmt_t(t["torch.save"]), fmt_t(g),
+                f"{lim / t['hsnap']:.2f}", f"{t['raw write'] / t['hsnap']:.2f}", f"{t['save_file'] / t['hsnap']:.2f}", f"{t['torch.save'] / t['hsnap']:.2f}",
+                f"{t['save_file'] / lim:.2f} / {t['torch.save'] / lim:.2f}",
+            ])
+            R.verdict(f"export {fs_mode} {c.tokens:,} tok: hsnap/best raw write >= {T_EXPORT_VS_RAW}", lim / t["hsnap"] >= T_EXPORT_VS_RAW, f"{lim / t['hsnap']:.2f}")
+            for peer in ("save_file", "torch.save"):
+                R.verdict(f"export {fs_mode} {c.tokens:,} tok: {peer}/hsnap >= {T_EXPORT_VS_PEER}", t[peer] / t["hsnap"] >= T_EXPORT_VS_PEER, f"{t[peer] / t['hsnap']:.2f}")
+        R.table(["tokens", "payload", "hsnap", "hsnap GB/s", "raw write", "raw falloc+write", "save_file", "torch.save", "gather",
+                 "hsnap/best raw", "hsnap/raw write", "save_file/hsnap", "torch.save/hsnap", "ceiling (peer/best raw)"], rows)
+        if fs_mode == "fsync":
+            R.add("`hsnap/best raw` = t(faster raw write) / t(hsnap), what the target is judged on; `hsnap/raw write` against the plain write() alone. "
+                  "`ceiling (peer/best raw)`: the best peer/hsnap ratio any writer could reach (one as fast as the raw write): "
+                  "where it is under 2, the 2x target is out of reach by construction.")
+            R.add()
+    R.add("## Restore into fresh slots" + (" (cold page cache)" if args.cold else " (warm page cache)"))
+    R.add()
+    rows = []
+    for c in cases:
+        t = {k.split("/")[1]: med(v) for k, v in c.times.items() if k.startswith("restore/")}
+        if not t:
+            continue
+        lim = min(t["mmap copy"], t["pread copy"])
+        rows.append([
+            f"{c.tokens:,}", fmt_bytes(c.payload), fmt_t(t["hsnap verify"]), fmt_t(t["hsnap no-verify"]), fmt_t(t["hsnap exact rollback"]),
+            fmt_t(t["mmap copy"]), fmt_t(t["pread copy"]), fmt_t(t["st load"]), fmt_t(t["torch.load"]),
+            f"{lim / t['hsnap no-verify']:.2f}", f"{lim / t['hsnap verify']:.2f}", f"{lim / t['hsnap exact rollback']:.2f}",
+            f"{t['st load'] / t['hsnap verify']:.2f}", f"{t['torch.load'] / t['hsnap verify']:.2f}",
+        ])
+        R.verdict(f"restore {c.tokens:,} tok: no-verify hsnap/best limit >= {T_RESTORE_NOVERIFY}", lim / t["hsnap no-verify"] >= T_RESTORE_NOVERIFY, f"{lim / t['hsnap no-verify']:.2f}")
+        R.verdict(f"restore {c.tokens:,} tok: verify hsnap/best limit >= {T_RESTORE_VERIFY}", lim / t["hsnap verify"] >= T_RESTORE_VERIFY, f"{lim / t['hsnap verify']:.2f}")
+    R.table(["tokens", "payload", "hsnap verify", "hsnap no-verify", "no-verify exact_rollback", "mmap copy (limit)", "pread copy (limit)",
+             "st load+copy", "torch.load+copy", "no-verify/best limit", "verify/best limit", "exact_rollback/best limit",
+             "st/hsnap(verify)", "torch/hsnap(verify)"], rows)
+    R.add("`hsnap no-verify` / `verify` are restore_request's defaults otherwise (exact_rollback=False: a failure mid-upload gives "
+          "back every allocation, not the freed slots' old bytes). `no-verify exact_rollback` adds the undo log "
+          "(PoolCheckpoint.remember_rows: every target slot's old bytes copied into fresh memory first). "
+          "`best limit` = the faster of mmap copy and pread copy.")
+    R.add()
+    R.add("## Open (preamble + header + trailer read and validated)")
+    R.add()
+    rows, opens = [], []
+    for c in cases:
+        if "open/hsnap" in c.times:
+            o = med(c.times["open/hsnap"])
+            opens.append(o)
+            rows.append([f"{c.tokens:,}", fmt_bytes(c.file_length), f"{o * 1e3:.3f} ms", f"{o / opens[0]:.2f}"])
+    R.table(["tokens", "file", "open", "vs smallest"], rows)
+    if len(opens) > 1:
+        R.verdict(f"open flat: largest/smallest <= {T_OPEN_FLAT}", opens[-1] / opens[0] <= T_OPEN_FLAT, f"{opens[-1] / opens[0]:.2f}")
+    if rss:
+        R.add(f"## Peak extra memory at {rss[0]['tokens']:,} tokens (one subprocess per row)")
+        R.add()
+        R.add("`peak extra RSS` = VmHWM after the operation - VmRSS before it (VmHWM reset through /proc/self/clear_refs); "
+              "it counts mapped file pages (page cache touched through mmap) as well as anonymous memory. "
+              "`peak extra anon` = polled (1 ms) RssAnon peak - RssAnon before: private memory only.")
+        R.add()
+        rows = []
+        for r in rss:
+            rows.append([r["what"], f"{r['peak_extra_rss'] / MiB:.1f} MiB", f"{r['peak_extra_anon'] / MiB:.1f} MiB", f"{r['end_extra_rss'] / MiB:.1f} MiB", "exact" if r["exact"] else "ru_maxrss"])
+            if r["what"].split()[1] == "hsnap" and "exact_rollback" not in r["what"]:
+                R.verdict(f"peak extra RSS {r['what']} <= {T_RSS_MIB} MiB", r["peak_extra_rss"] <= T_RSS_MIB * MiB, f"{r['peak_extra_rss'] / MiB:.1f} MiB")
+        R.table(["operation", "peak extra RSS", "peak extra anon", "extra RSS after", "peak method"], rows)
+    R.add("## Targets")
+    R.add()
+    R.table(["target", "result", "figure"], [[w, "PASS" if ok else "MISS", f] for w, ok, f in R.verdicts])
+    notes = limits_notes(cases, rss)
+    if notes:
+        R.add("## What limits the misses (figures from this run)")
+        R.add()
+        for n in notes:
+            R.add(f"- {n}")
+        R.add()
+    return R
+
+
+def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
+    out = []
+    if not cases:
+        return out
+    small, big = cases[0], cases[-1]
+
+    def t(c: Case, k: str) -> float:
+        return med(c.times[k])
+
+    if "export/nofsync/hsnap" in small.times:
+        lim = min(t(small, "export/nofsync/raw write"), t(small, "export/nofsync/raw falloc+write"))
+        out.append(
+            f"Export at {small.tokens:,} tokens: hsnap takes {fmt_t(t(small, 'export/nofsync/hsnap'))} without fsync against "
+            f"{fmt_t(lim)} for the best raw write: a fixed per-file cost (header planned and encoded twice for 83 sections, "
+            f"83 begin/digest/end steps, fallocate, rename) that the raw write does not pay; with fsync it is diluted "
+            f"({fmt_t(t(small, 'export/fsync/hsnap'))} vs {fmt_t(min(t(small, 'export/fsync/raw write'), t(small, 'export/fsync/raw falloc+write')))})."
+        )
+        capped = []
+        for c in cases:
+            for mode in ("fsync", "nofsync"):
+                if f"export/{mode}/hsnap" not in c.times:
+                    continue
+                lim = min(t(c, f"export/{mode}/raw write"), t(c, f"export/{mode}/raw falloc+write"))
+                for peer in ("save_file", "torch.save"):
+                    if t(c, f"export/{mode}/{peer}") / lim < T_EXPORT_VS_PEER:
+                        capped.append(f"{peer} {mode} {c.tokens:,} tok ({t(c, f'export/{mode}/{peer}') / lim:.2f})")
+        if capped:
+            out.append(
+                "Export vs save_file / torch.save: where `ceiling (peer/best raw)` is under 2, no writer can be 2x faster than the "
+                "peer, because the peer itself takes less than twice the raw write: " + "; ".join(capped) + "."
+            )
+    if "export/fsync/hsnap" in big.times:
+        spread = ", ".join(
+            f"{k.split('/')[2]} {fmt_t(min(big.times[k]))}–{fmt_t(max(big.times[k]))}"
+            for k in ("export/fsync/hsnap", "export/fsync/raw write", "export/fsync/raw falloc+write")
+        )
+        out.append(f"The fsync rows follow the shared disk's fsync latency; at {big.tokens:,} tokens the rounds spread over {spread}.")
+    if "restore/hsnap exact rollback" in big.times:
+        nv, ex, v = t(big, "restore/hsnap no-verify"), t(big, "restore/hsnap exact rollback"), t(big, "restore/hsnap verify")
+        lim = min(t(big, "restore/mmap copy"), t(big, "restore/pread copy"))
+        out.append(
+            f"Restore at {big.tokens:,} tokens: {fmt_t(nv)} without verification, {fmt_t(v)} with it, against {fmt_t(lim)} for the "
+            f"best limit. Verification reads every byte once more (hsnap_format.reader, pread in 64 MiB chunks + xxh3-128): "
+            f"{fmt_t(v - nv)}. exact_rollback=True costs {fmt_t(ex - nv)} more: the undo log copies the whole payload into "
+            f"newly faulted pages, which this VM makes expensive (virtio-balloon free page reporting)."
+        )
+    for c in cases:
+        if "restore/hsnap verify" in c.times and c is not big and med(c.times["restore/mmap copy"]) < 0.02:
+            out.append(
+                f"Restore at {c.tokens:,} tokens: the fixed cost of opening and checking the file (open alone is "
+                f"{fmt_t(t(c, 'open/hsnap'))}: canonical-JSON header check, layout check) and of allocating weighs against a "
+                f"{fmt_t(min(t(c, 'restore/mmap copy'), t(c, 'restore/pread copy')))} copy."
+            )
+            break
+    for r in rss:
+        if r["what"].startswith("restore hsnap") and r["peak_extra_rss"] > T_RSS_MIB * MiB:
+            out.append(
+                f"{r['what']}: peak extra RSS {r['peak_extra_rss'] / MiB:.0f} MiB, of which {r['peak_extra_anon'] / MiB:.0f} MiB "
+                f"anonymous (the rest is mapped page-cache pages, which RSS counts while they are mapped)."
+            )
+    return out
+
+
+# ---------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="53 tokens, 1 repeat, no warm-up, no 1 GiB case, no RSS (smoke test)")
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=None, help="comma-separated token counts (default 53,4096,32768)")
+    ap.add_argument("--big-tokens", type=int, default=BIG_TOKENS, help="the ~1 GiB case (0 = skip)")
+    ap.add_argument("--repeats", type=int, default=7, help="measured rounds per case (median reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every contender (default 1: the machine is shared)")
+    ap.add_argument("--small-repeats", type=int, default=11, help="at least this many rounds for cases under 100 MiB (cheap, noisier)")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each restore/open run (root)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    ap.add_argument("--dir", default=None, help="where files are written (default: a fresh temp dir)")
+    ap.add_argument("--results", default=None, help="markdown output (default bench/RESULTS.md; none with --quick)")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args.tokens, args.dir, args.file)))
+        return 0
+
+    if args.quick:
+        args.sizes = args.sizes or [53]
+        args.big_tokens = 0
+        args.repeats = 1 if args.repeats == 7 else args.repeats
+        args.small_repeats = 1
+        args.warmup = 0 if args.warmup == 1 else args.warmup
+        args.no_rss = True
+    sizes = list(args.sizes or SIZES)
+    if args.big_tokens:
+        sizes.append(args.big_tokens)
+    results = args.results if args.results is not None else (None if args.quick else os.path.join(REPO, "bench", "RESULTS.md"))
+    if args.cold and not can_drop_caches():
+        print("--cold needs a writable /proc/sys/vm/drop_caches (root); running warm", file=sys.stderr)
+        args.cold = False
+
+    own_dir = args.dir is None
+    d = tempfile.mkdtemp(prefix="hsnap-bench-") if own_dir else os.path.abspath(args.dir)
+    os.makedirs(d, exist_ok=True)
+    names = Names(d)
+    t_start = time.perf_counter()
+
+    def log(s: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {s}", file=sys.stderr, flush=True)
+
+    info = machine(d)
+    info["load_start"] = os.getloadavg()
+    cases: list[Case] = []
+    rss: list[dict] = []
+    try:
+        for tokens in sizes:
+            log(f"{tokens} tokens: building pools")
+            src = build_reference_pools(tokens)
+            row = alloc_request(src, tokens)
+            tgt = build_reference_pools(tokens)
+            fill_pool(tgt)
+            case = Case(tokens, src, row, tgt)
+            from hsnap_io import export_request, restore_request
+            from hsnap_io.statecheck import PoolCheckpoint
+
+            case.hsnap_file = names(".hsnap")
+            ci = export_request(case.hsnap_file, **src.kwargs(), req_pool_idx=row, record=record(tokens), identity=identity())
+            case.payload, case.file_length = ci.payload_bytes, ci.file_length
+            tensors = gather(src, row, tokens)
+            from safetensors.torch import save_file
+
+            case.st_file, case.pt_file = names(".safetensors"), names(".pt")
+            save_file(tensors, case.st_file)
+            torch.save(tensors, case.pt_file)
+            del tensors
+            # the slots hsnap's restore allocates in tgt (every run gets the same: free lists are put back)
+            cp = PoolCheckpoint(view(tgt))
+            res = restore_request(case.hsnap_file, **tgt.kwargs(), identity=identity())
+            from hsnap_io.export import RequestSlots
+
+            m = torch.tensor([res.mamba_pool_idx], dtype=torch.int64)
+            sw = None
+            case.slots = RequestSlots(res.token_indices, sw, m)
+            _check_restored(case)
+            cp.rollback()
+
+            gt = []
+            for _ in range(max(3, args.repeats)):
+                t = time.perf_counter()
+                gather(src, row, tokens)
+                gt.append(time.perf_counter() - t)
+            case.times["gather"] = gt
+            reps = max(args.repeats, args.small_repeats) if case.payload < 100 * MiB else args.repeats
+            case.rounds = reps
+            for fsync in (True, False):
+                log(f"{tokens} tokens: export, fsync={fsync}")
+                interleave(export_contenders(case, names, fsync), args.warmup, reps, case.times, log)
+            log(f"{tokens} tokens: restore")
+            interleave(restore_contenders(case, args.cold), args.warmup, reps, case.times, log)
+            log(f"{tokens} tokens: open")
+            interleave(open_contender(case, args.cold), args.warmup, max(args.repeats, 21 if not args.quick else 1), case.times)
+            cases.append(case)
+            if tokens == args.big_tokens and not args.no_rss:
+                for what in ("export hsnap", "export save_file", "export torch.save"):
+                    log(f"rss: {what}")
+                    rss.append({**run_rss(what, tokens, d, None), "tokens": tokens})
+                for what, p in (("restore hsnap verify", case.hsnap_file), ("restore hsnap no-verify", case.hsnap_file), ("restore hsnap exact_rollback", case.hsnap_file), ("restore st load", case.st_file), ("restore torch.load", case.pt_file)):
+                    log(f"rss: {what}")
+                    rss.append({**run_rss(what, tokens, d, p), "tokens": tokens})
+            for p in (case.hsnap_file, case.st_file, case.pt_file):
+                unlink(p)
+            case.src = case.tgt = None  # free the pools before the next size
+            gc.collect()
+    finally:
+        if own_dir:
+            shutil.rmtree(d, ignore_errors=True)
+    info["load_end"] = os.getloadavg()
+    R = build_report(cases, rss, args, info, time.perf_counter() - t_start)
+    print(R.text())
+    print("\nTargets:")
+    for w, ok, f in R.verdicts:
+        print(f"  {'PASS' if ok else 'MISS'}  {w}  ({f})")
+    if results:
+        with open(results, "w") as f:
+            f.write(R.text() + "\n")
+        print(f"\nwrote {results}")
+    return 0
+
+
+def _check_restored(case: Case) -> None:
+    """The bench's restore must put the source bytes into the slots (sanity, untimed)."""
+    from hsnap_io.export import request_slots
+
+    vs, vt = view(case.src), view(case.tgt)
+    ss = request_slots(vs, case.row, case.tokens)
+    for bs, bt in zip(vs.bindings, vt.bindings):
+        a = bs.buffer.index_select(0, ss.rows(bs.space))
+        b = bt.buffer.index_select(0, case.slots.rows(bt.space))
+        if not torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b):
+            raise AssertionError(f"restored {bs.name} differs from the source")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The benchmark runs end to end in its tiny mode and prints its tables (no timing
+assertions: speed targets are held by `make bench`, never by tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+from hsnap_io._sglang_env import sglang_available  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sglang_available(), reason="SGLang pools not installed")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_quick_prints_the_tables(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    p = _run("bench.run", "--quick", "--dir", str(tmp_path / "work"), "--results", str(results))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    for heading in ("## Export — fsync", "## Export — no fsync", "## Restore into fresh slots", "## Open", "## Targets"):
+        assert heading in out, heading
+    for column in ("hsnap/best raw", "save_file/hsnap", "torch.save/hsnap", "verify/best limit", "exact_rollback"):
+        assert column in out, column
+    assert "| 53 " in out  # the one size of --quick
+    assert ("PASS" in out) or ("MISS" in out)
+    text = results.read_text()
+    assert "Machine:" in text and "Filesystem:" in text and "Versions:" in text and "Page cache: WARM" in text
+    assert not os.listdir(tmp_path / "work")  # every file it wrote is gone
+
+
+def test_gpu_check_imports_and_runs_its_cpu_parts(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run `python -m bench.gpu_check` itself")
+    p = _run("bench.gpu_check", "--dir", str(tmp_path))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "CPU parts OK at 53 tokens" in p.stdout
+    assert "SKIP: torch.cuda.is_available() is False" in p.stdout
