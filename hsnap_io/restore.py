@@ -44,7 +44,7 @@ from hsnap_format import (
 from .adapters import PoolView, view_pools
 from .export import RequestSlots
 from .statecheck import PoolCheckpoint
-from .transfer import DEFAULT_STAGING_BYTES, FileRange, HostEngine, engine_for
+from .transfer import DEFAULT_STAGING_BYTES, FileRange, engine_for
 
 
 class NumericsWarning(UserWarning):
@@ -232,7 +232,6 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
     snap.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
     checkpoint = PoolCheckpoint(view)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-    reads_file = isinstance(engine, HostEngine)  # CPU: pread into the slots, nothing mapped
     fd = snap.fileno()
     uploaded = 0
     try:
@@ -242,7 +241,7 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
             info = snap.section(b.name)
             if exact_rollback:
                 checkpoint.remember_rows(b.buffer, rows)
-            if reads_file:  # pread into the slots: nothing mapped, an I/O error is an OSError
+            if engine.reads_files:  # pread into the slots: nothing mapped, an I/O error is an OSError
                 src = FileRange(fd, info.offset, info.length)
             else:
                 src = np.frombuffer(snap.raw(info), dtype=np.uint8)

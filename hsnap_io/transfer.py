@@ -83,6 +83,8 @@ class HostEngine:
     """Plain CPU copies (no pinning: CPU-only torch cannot pin)."""
 
     name = "cpu"
+    # restore hands this engine FileRange sources (pread straight into the slots)
+    reads_files = True
 
     def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.staging_bytes = staging_bytes
@@ -159,6 +161,7 @@ class CudaEngine:
     """Pinned staging, a side stream, cupy uploads. Needs CUDA pools and cupy."""
 
     name = "cuda"
+    reads_files = False  # uploads from the mapped file through pinned staging
 
     def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         import cupy  # hsnap[gpu]
