@@ -109,6 +109,7 @@ def cmd_diff(args) -> int:
     except (HsnapError, ValueError) as e:
         print(f"hsnap diff: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
         return 2
+    corrupt = report.corrupt
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     elif args.names_only:
@@ -120,6 +121,10 @@ def cmd_diff(args) -> int:
             print(escape(report.label(d)))
     else:
         _print_diff(report, args)
+    if corrupt:  # a comparison with bytes that fail their own digests is no answer
+        names = ", ".join(f"{escape(report.label(d))} ({d.corrupt})" for d in corrupt)
+        print(f"hsnap diff: DigestMismatchError: {len(corrupt)} section(s) fail their own digests: {names}", file=sys.stderr)
+        return 2
     return 0 if report.same else 1
 
 
@@ -153,6 +158,9 @@ _EXTERNAL = {
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's convention for SIGINT
+        print("hsnap: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `hsnap info X | head`: the reader left, that is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -21,15 +21,18 @@ import numpy as np
 
 from .manifest import SnapshotSet
 from .reader import SectionInfo, Snapshot
+from .spec import DTYPES
 from .records import geometry_differences, identity_differences, numerics_differences
-from .stats import CHUNK_ELEMENTS, as_float64, is_float, iter_chunks
+from .errors import DigestMismatchError
+from .stats import CHUNK_ELEMENTS, Cancelled, as_float64, is_float, iter_chunks
 
 EQUAL = "equal"
 DIFFER = "differ"
 ONLY_A = "only-in-A"
 ONLY_B = "only-in-B"
 SHAPE_MISMATCH = "shape-mismatch"
-STATUSES = (EQUAL, DIFFER, ONLY_A, ONLY_B, SHAPE_MISMATCH)
+CORRUPT = "digest-mismatch"  # a side fails its own digest: its bytes are not what was written
+STATUSES = (EQUAL, DIFFER, ONLY_A, ONLY_B, SHAPE_MISMATCH, CORRUPT)
 
 _INFO_FIELDS = ("snapshot_id", "created_at", "device", "hsnap_version")
 
@@ -60,12 +63,31 @@ def compare_arrays(
     """Element-wise comparison of two arrays of the same size (dtypes may differ)."""
     if a.size != b.size:
         raise ValueError(f"sizes differ: {a.size} vs {b.size}")
-    exact_ints = not (is_float(a.dtype) or is_float(b.dtype))
+    return compare_chunks(iter_chunks(a, chunk_elements, cancelled), iter_chunks(b, chunk_elements), a.dtype, b.dtype,
+                          atol=atol, rtol=rtol, stop_at_first=stop_at_first, cancelled=cancelled)
+
+
+def compare_chunks(chunks_a, chunks_b, dtype_a, dtype_b, *, atol: float = 0.0, rtol: float = 0.0,
+                   stop_at_first: bool = False, cancelled: Callable[[], bool] | None = None) -> ArrayDiff:
+    """Compare two streams of ``(start, 1-D chunk)`` cut at the same element boundaries.
+
+    Both streams are always consumed to their end, also with ``stop_at_first`` (then
+    without comparing further): a stream that verifies digests as it reads raises its
+    verdict only after its last chunk, and a diff must never skip it.
+    """
+    exact_ints = not (is_float(dtype_a) or is_float(dtype_b))
     count, max_abs, max_rel, first = 0, 0.0, 0.0, None
     first_a = first_b = None
-    fb = b.reshape(-1)
-    for start, ca in iter_chunks(a, chunk_elements, cancelled):
-        cb = fb[start : start + ca.size]
+    comparing = True
+    for start, ca in chunks_a:
+        if cancelled is not None and cancelled():
+            raise Cancelled()
+        nxt = next(chunks_b, None)
+        if nxt is None:  # B stopped early: cancelled between two chunks
+            break
+        cb = nxt[1]
+        if not comparing:
+            continue
         xa, xb = as_float64(ca), as_float64(cb)
         if exact_ints:  # int64 beyond 2**53 is not exact in float64
             equal = ca == cb
@@ -93,7 +115,11 @@ def compare_arrays(
             first = start + i
             first_a, first_b = _scalar(ca[i]), _scalar(cb[i])
         if stop_at_first:
-            break
+            comparing = False
+    for _ in chunks_b:  # runs B's end-of-stream digest check
+        pass
+    if cancelled is not None and cancelled():
+        raise Cancelled()
     return ArrayDiff(count, max_abs, max_rel, first, first_a, first_b)
 
 
@@ -130,6 +156,7 @@ class SectionDiff:
     first_diff: tuple[int, ...] | None = None  # multi-index of the first differing element
     first_a: Any = None
     first_b: Any = None
+    corrupt: str | None = None  # "A", "B" or "A+B": the side(s) failing their own digests
 
     @property
     def same(self) -> bool:
@@ -152,6 +179,7 @@ class SectionDiff:
             "max_rel_diff": _json_num(self.max_rel_diff),
             "first_diff": None if self.first_diff is None else list(self.first_diff),
             "first_values": None if self.first_diff is None else [_json_num(self.first_a), _json_num(self.first_b)],
+            "corrupt": self.corrupt,
         }
 
 
@@ -190,7 +218,22 @@ def compare_pair(pair: SectionPair, *, atol: float = 0.0, rtol: float = 0.0, **k
     common = dict(dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape, elements=math.prod(a.shape))
     if a.shape != b.shape:
         return SectionDiff(pair.rank, pair.name, SHAPE_MISMATCH, **common)
-    r = compare_arrays(pair.snap_a.array(a), pair.snap_b.array(b), atol=atol, rtol=rtol, **kw)
+    chunk_elements = kw.pop("chunk_elements", CHUNK_ELEMENTS)
+    cancelled = kw.get("cancelled")
+    # Read with pread and verify both sides while comparing: values of a file that fails
+    # its own digests are not reported as "equal" (and a truncation is a typed error).
+    corrupt = []
+
+    def verified(snap, info, side):
+        try:
+            yield from snap.iter_chunks(info, chunk_elements, verify=True, cancelled=cancelled)
+        except DigestMismatchError as e:
+            corrupt.append((side, e))
+
+    r = compare_chunks(verified(pair.snap_a, a, "A"), verified(pair.snap_b, b, "B"), DTYPES[a.dtype], DTYPES[b.dtype],
+                       atol=atol, rtol=rtol, **kw)
+    if corrupt:
+        return SectionDiff(pair.rank, pair.name, CORRUPT, **common, corrupt="+".join(side for side, _ in corrupt))
     status = DIFFER if r.count_differ or a.dtype != b.dtype else EQUAL
     first = None if r.first_index is None else tuple(int(i) for i in np.unravel_index(r.first_index, a.shape))
     return SectionDiff(
@@ -267,6 +310,11 @@ class DiffReport:
         return [s for s in self.sections if not s.same]
 
     @property
+    def corrupt(self) -> list[SectionDiff]:
+        """Sections where A or B fails its own digest (a diff of unverified bytes means nothing)."""
+        return [s for s in self.sections if s.status == CORRUPT]
+
+    @property
     def multi_rank(self) -> bool:
         return len(set(self.ranks_a) | set(self.ranks_b)) > 1
 
@@ -303,8 +351,10 @@ def diff_snapshots(
 ) -> DiffReport:
     """Compare every section and every header field of two open snapshots.
 
-    ``stop_at_first`` stops each section at its first differing chunk (enough to
-    know *whether* it differs; counts and maxima then cover that chunk only).
+    ``stop_at_first`` stops comparing each section at its first differing chunk (enough
+    to know *whether* it differs; counts and maxima then cover that chunk only); every
+    byte of both sides is still read and checked against its digest, and a section
+    failing its own digest on either side gets the status ``digest-mismatch``.
     """
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise ValueError("atol and rtol must be non-negative numbers")
@@ -317,8 +367,8 @@ def diff_snapshots(
 
 
 __all__ = [
-    "EQUAL", "DIFFER", "ONLY_A", "ONLY_B", "SHAPE_MISMATCH", "STATUSES",
+    "EQUAL", "DIFFER", "ONLY_A", "ONLY_B", "SHAPE_MISMATCH", "CORRUPT", "STATUSES",
     "ArrayDiff", "SectionPair", "SectionDiff", "HeaderDiff", "DiffReport",
-    "compare_arrays", "section_pairs", "compare_pair", "iter_section_diffs",
+    "compare_arrays", "compare_chunks", "section_pairs", "compare_pair", "iter_section_diffs",
     "header_differences", "diff_snapshots", "rank_map",
 ]

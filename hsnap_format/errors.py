@@ -8,11 +8,35 @@ do) so callers that already catch ``ValueError`` or ``EOFError`` keep working.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 
-def _short(value: Any, limit: int = 120) -> str:
-    text = repr(value) if not isinstance(value, str) else value
+# Control characters (C0, DEL, C1), line/paragraph separators and bidi overrides: what
+# can break a message onto two lines or make a terminal show something else.
+_CONTROL = re.compile(r"[\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def escape_text(text) -> str:
+    """Make a string from a file safe for one terminal line (no escape sequences, no bidi
+    tricks). Backslashes are doubled, so a literal ``\\x1b`` never reads as an escaped ESC."""
+    return _CONTROL.sub(
+        lambda m: "\\\\" if m.group() == "\\" else f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+        str(text),
+    )
+
+
+class Phrase(str):
+    """A description rather than a value: printed as is (values are quoted)."""
+
+
+def _short(value: Any, limit: int = 120, *, quote: bool = True) -> str:
+    # A string value is quoted, so "found '4'" (the string) reads differently from
+    # "found 4" (the number); descriptions (Phrase, and ``expected`` texts) are not.
+    if isinstance(value, str) and (isinstance(value, Phrase) or not quote):
+        text = escape_text(value)
+    else:
+        text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -35,11 +59,11 @@ class HsnapError(ValueError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        parts = [self.path or "<memory>", self.field]
+        parts = [escape_text(self.path or "<memory>"), escape_text(self.field)]
         if self.detail:
-            parts.append(self.detail)
+            parts.append(escape_text(self.detail))
         if self.expected is not None or self.found is not None:
-            parts.append(f"expected {_short(self.expected)}, found {_short(self.found)}")
+            parts.append(f"expected {_short(self.expected, quote=False)}, found {_short(self.found)}")
         return ": ".join(parts)
 
     def __reduce__(self):  # keep errors picklable by multiprocessing without pickle of ours
@@ -86,11 +110,11 @@ class IncompatibleSnapshotError(HsnapError):
 
     def __init__(self, path, differences: list[tuple[str, Any, Any]], detail: str | None = None) -> None:
         self.differences = list(differences)
-        fields = "; ".join(f"{f}: expected {_short(e)}, found {_short(x)}" for f, e, x in self.differences)
+        fields = "; ".join(f"{f}: expected {_short(e)}, found {_short(x)}" for f, e, x in self.differences)  # both are values
         super().__init__(path, "identity/geometry", detail=detail or fields)
 
     def _message(self) -> str:
-        return f"{self.path or '<memory>'}: {self.field} differ: {self.detail}"
+        return f"{escape_text(self.path or '<memory>')}: {self.field} differ: {escape_text(self.detail)}"
 
     def __reduce__(self):
         return (type(self), (self.path, self.differences, None))
@@ -108,6 +132,10 @@ class SnapshotExistsError(HsnapError, FileExistsError):
     """The final name is taken: hsnap never overwrites a snapshot silently."""
 
 
+class ReservedNameError(HsnapError):
+    """A final name of the form reserved for unfinished writes (``.X.hsnap-tmp-…``, ``.X.hsnap-staging-…``)."""
+
+
 class HsnapIOError(HsnapError):
     """The operating system failed a read, write, fsync or rename (disk full, I/O error)."""
 
@@ -121,6 +149,7 @@ class HsnapIOError(HsnapError):
 
 __all__ = [
     "HsnapError",
+    "Phrase",
     "TruncatedError",
     "BadMagicError",
     "UnsupportedVersionError",
@@ -133,5 +162,6 @@ __all__ = [
     "CapacityError",
     "WriterStateError",
     "SnapshotExistsError",
+    "ReservedNameError",
     "HsnapIOError",
 ]

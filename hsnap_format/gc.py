@@ -5,26 +5,40 @@ temporary file ``.<final>.hsnap-tmp-<pid>-<8 hex>`` (rank files, manifests) or a
 staging directory ``.<final>.hsnap-staging-<pid>-<8 hex>`` (:class:`SetWriter`) or
 ``.<final>.hsnap-staging-<snapshot_id>`` (the TP protocol of ``hsnap_io.tp``), and
 renames it at the end. A process killed before that rename leaves the temporary
-behind; this module lists those and removes them safely:
+behind; this module lists those and removes them safely.
 
-* only names with those marks are ever considered, never a committed snapshot,
-  never a symbolic link (a temporary is a regular file, a staging directory a
-  plain directory holding regular files);
+A name proves nothing (anyone can rename a committed snapshot, or call a directory
+``.runs.hsnap-staging-1-0a1b2c3d``), so gc removes only what it has *proved* to be
+an unfinished write by its content (spec section 8.1):
+
+* a temporary file whose first bytes are ``PENDING_MAGIC`` (written at creation,
+  overwritten by the real preamble at commit) — or an empty one (killed between
+  creating and marking it; nothing to lose);
+* a staging directory that holds the ``PENDING_MARKER`` file and no
+  ``manifest.json`` (the marker is removed only once the manifest is in place) — or
+  an empty one — and nothing but regular files and symlinks.
+
+A file that starts with the real magic under a temporary name, or a staging directory
+with a manifest, is a complete snapshot that was never renamed: listed, never removed.
+
+Then, who may be gone:
+
 * by default a leftover is removed only when every writer process its name (or,
   for a staging directory, the names of the temporaries inside it) records is
-  gone; a staging directory named after a snapshot id records no pid and is
-  kept;
-* ``older_than=S`` instead removes every leftover whose newest modification is at
-  least S seconds old, whoever wrote it: for writers on other hosts or in other
-  PID namespaces (a shared volume), whose pids mean nothing here, and for
-  staging directories without a pid;
-* a staging directory is first renamed to a fresh staging name of this process
-  (atomic: if its writer commits first, the rename fails and nothing is touched;
-  if gc wins, the writer's commit fails with a typed error), then emptied and
-  removed; a gc killed half way leaves a staging directory of a dead pid, which
-  the next run removes.
+  gone; a staging directory named after a snapshot id records no pid and is kept;
+* ``older_than=S`` instead removes every proved leftover whose newest modification
+  is at least S seconds old, whoever wrote it (writers on other hosts or in other
+  PID namespaces, staging directories without a pid).
 
-Pure standard library: ``os`` plus the name conventions of :mod:`hsnap_format.spec`.
+Removal takes the thing first — an atomic rename to a temporary name of gc's own
+pid (if its writer commits first the rename fails and nothing is touched; if gc
+wins, the writer's commit fails with a typed error) — and then proves it again
+through a descriptor of what it now holds, so something swapped in between scan and
+removal (a committed set renamed into a dead writer's name, a reused inode number)
+is handed back, never deleted. A gc killed half way leaves a marked leftover of a
+dead pid, which the next run removes.
+
+Pure standard library: ``os`` plus the conventions of :mod:`hsnap_format.spec`.
 """
 
 from __future__ import annotations
@@ -37,7 +51,9 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 
-from .spec import STAGING_DIR_MARK, TMP_FILE_MARK
+from . import _fs
+from .errors import HsnapError
+from .spec import MAGIC, MANIFEST_NAME, PENDING_MAGIC, PENDING_MARKER, PENDING_MARKER_TEXT, STAGING_DIR_MARK, TMP_FILE_MARK
 
 _PID_TAG = re.compile(r"(\d{1,10})-([0-9a-f]{8})\Z")
 _TMP_RE = re.compile(r"\.(?P<final>.+)" + re.escape(TMP_FILE_MARK) + r"(?P<tag>\d{1,10}-[0-9a-f]{8})\Z", re.S)
@@ -61,8 +77,6 @@ class Leftover:
     removable: bool = False
     reason: str = ""
     action: str = "kept"  # kept | would remove | removed | gone | failed
-    _dev: int = field(default=0, repr=False, compare=False)
-    _ino: int = field(default=0, repr=False, compare=False)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
@@ -95,20 +109,72 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _staging_contents(path: str) -> tuple[list[os.DirEntry], list[str]]:
-    """Entries of a staging directory and the problems that forbid removing it."""
-    entries, problems = [], []
-    with os.scandir(path) as it:
+def _file_proof(fd: int, st: os.stat_result) -> str | None:
+    """None when the open file is proved an unfinished write; else why it must stay."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({stat.filemode(st.st_mode)}): left alone"
+    if st.st_size == 0:
+        return None  # killed between creating and marking it: holds nothing
+    head = os.pread(fd, len(PENDING_MAGIC), 0)
+    if head == PENDING_MAGIC:
+        return None
+    if head == MAGIC:
+        return "a complete snapshot under a temporary name (its writer stopped between commit and rename): left alone; rename it to keep it"
+    return "no unfinished-write mark at byte 0 (not an hsnap temporary): left alone"
+
+
+def _staging_proof(fd: int) -> tuple[str | None, list[str]]:
+    """(None, names) when the open directory is proved an unfinished staging directory;
+    else (why it must stay, names)."""
+    names, problems = [], []
+    with os.scandir(fd) as it:
         for e in it:
-            entries.append(e)
-            if not (e.is_file(follow_symlinks=False) or e.is_symlink()):
+            if e.is_file(follow_symlinks=False) or e.is_symlink():
+                names.append(e.name)
+            else:
                 problems.append(f"unexpected {'directory' if e.is_dir(follow_symlinks=False) else 'entry'} {e.name!r} inside")
-    return entries, problems
+    if problems:
+        return "; ".join(problems) + ": left alone", names
+    if MANIFEST_NAME in names:
+        return "holds manifest.json (a complete snapshot never renamed to its final name): left alone", names
+    if not names:
+        return None, names  # killed between mkdir and the marker: holds nothing
+    if PENDING_MARKER not in names:
+        return f"no {PENDING_MARKER} marker (not made by an hsnap writer): left alone", names
+    try:
+        mfd = os.open(PENDING_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+        try:
+            ok = stat.S_ISREG(os.fstat(mfd).st_mode) and os.pread(mfd, len(PENDING_MARKER_TEXT) + 1, 0) == PENDING_MARKER_TEXT
+        finally:
+            os.close(mfd)
+    except OSError as err:
+        return f"{PENDING_MARKER} unreadable ({err.strerror}): left alone", names
+    return (None if ok else f"{PENDING_MARKER} is not hsnap's marker: left alone"), names
+
+
+def _open_nofollow(path: str, directory: bool) -> int:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0)
+    return os.open(path, flags)
+
+
+def _proof_of(path: str, kind: str) -> list[str]:
+    """[] when ``path`` is proved an unfinished write of its kind, else [why not]."""
+    try:
+        fd = _open_nofollow(path, kind == STAGING)
+    except OSError as err:
+        return [f"cannot be opened without following links ({err.strerror}): left alone"]
+    try:
+        why = _file_proof(fd, os.fstat(fd)) if kind == FILE else _staging_proof(fd)[0]
+    except OSError as err:
+        why = f"unreadable ({err.strerror}): left alone"
+    finally:
+        os.close(fd)
+    return [] if why is None else [why]
 
 
 def _describe(item: Leftover, older_than: float | None, problems: list[str]) -> None:
     if problems:
-        item.reason = "; ".join(problems) + ": left alone"
+        item.reason = "; ".join(problems)
         return
     if item.pids:
         item.alive = any(pid_alive(p) for p in item.pids)
@@ -150,21 +216,20 @@ def scan(directory: str | os.PathLike[str], *, older_than: float | None = None, 
                     st = os.lstat(e.path)
                 except FileNotFoundError:
                     continue  # committed or removed meanwhile
-                item = Leftover(path=e.path, kind=kind, final=os.path.join(d, final), pids=[] if pid is None else [pid],
-                                _dev=st.st_dev, _ino=st.st_ino)
+                item = Leftover(path=e.path, kind=kind, final=os.path.join(d, final), pids=[] if pid is None else [pid])
                 problems: list[str] = []
                 newest = st.st_mtime
                 if kind == FILE:
                     item.bytes = st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
-                    if not stat.S_ISREG(st.st_mode):
-                        problems.append(f"not a regular file ({stat.filemode(st.st_mode)})")
+                    problems += _proof_of(e.path, FILE)
                 elif not stat.S_ISDIR(st.st_mode):
-                    problems.append(f"not a directory ({stat.filemode(st.st_mode)})")
+                    problems.append(f"not a directory ({stat.filemode(st.st_mode)}): left alone")
                 else:
+                    problems += _proof_of(e.path, STAGING)
                     try:
-                        entries, problems = _staging_contents(e.path)
-                    except OSError as err:
-                        entries, problems = [], [f"unreadable ({err.strerror})"]
+                        entries = list(os.scandir(e.path))
+                    except OSError:
+                        entries = []
                     for c in entries:
                         try:
                             cst = c.stat(follow_symlinks=False)
@@ -182,50 +247,70 @@ def scan(directory: str | os.PathLike[str], *, older_than: float | None = None, 
     return found
 
 
-def _remove_file(item: Leftover) -> None:
-    try:
-        os.unlink(item.path)
-    except FileNotFoundError:
-        item.action, item.reason = "gone", item.reason + "; committed or removed meanwhile"
-        return
-    item.action = "removed"
-
-
-def _remove_staging(item: Leftover) -> None:
-    head, tail = os.path.split(item.path)
-    m = _STAGING_RE.match(tail)
-    # Take the directory away from its writer first, atomically, under a name a
-    # later gc recognises (this pid): a writer committing meanwhile keeps its snapshot.
-    mine = os.path.join(head, f".{m['final']}{STAGING_DIR_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+def _take(item: Leftover, mark: str) -> str | None:
+    """Rename the leftover to a temporary name of this gc process (atomic: a writer that
+    commits first keeps its snapshot). Returns the new path, or None when it is gone."""
+    head = os.path.dirname(item.path)
+    mine = os.path.join(head, f".{os.path.basename(item.final)}{mark}{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.rename(item.path, mine)
     except FileNotFoundError:
         item.action, item.reason = "gone", item.reason + "; committed or removed meanwhile"
-        return
-    # Work through a descriptor opened without following links: a staging directory
-    # swapped for a symlink (shared /tmp, gc run as root) never leads gc elsewhere.
+        return None
+    return mine
+
+
+def _hand_back(item: Leftover, mine: str, why: str) -> None:
+    """What gc took is not what it proved at scan time: put it back under its name."""
     try:
-        fd = os.open(mine, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+        _fs.rename_noreplace(mine, item.path)
+        where = "put back"
+    except (HsnapError, OSError):
+        item.path, where = mine, f"kept as {os.path.basename(mine)}"
+    item.action = "failed"
+    item.reason += f"; changed between scan and removal ({why}); {where}"
+
+
+def _take_and_open(item: Leftover) -> tuple[str, int] | None:
+    """Take the leftover (see :func:`_take`) and open what gc now holds without following
+    links (a leftover swapped for a symlink never leads gc elsewhere); None when it is
+    gone or handed back."""
+    directory = item.kind == STAGING
+    mine = _take(item, STAGING_DIR_MARK if directory else TMP_FILE_MARK)
+    if mine is None:
+        return None
+    try:
+        return mine, _open_nofollow(mine, directory)
     except OSError as err:
-        item.action, item.path = "failed", mine
-        item.reason += f"; not a plain directory any more ({err.strerror}): left alone"
+        _hand_back(item, mine, f"cannot be opened as a plain {'directory' if directory else 'file'}: {err.strerror}")
+        return None
+
+
+def _remove_file(item: Leftover) -> None:
+    taken = _take_and_open(item)
+    if taken is None:
         return
+    mine, fd = taken
     try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != (item._dev, item._ino):
-            item.action, item.path = "failed", mine
-            item.reason += "; replaced by another directory while gc ran: left alone"
-            return
-        problems, names = [], []
-        with os.scandir(fd) as it:
-            for e in it:
-                if e.is_file(follow_symlinks=False) or e.is_symlink():
-                    names.append(e.name)
-                else:
-                    problems.append(f"unexpected entry {e.name!r} inside")
-        if problems:  # appeared between scan and rename: leave it (under our name) for a person to look at
-            item.action, item.path = "failed", mine
-            item.reason = "; ".join(problems) + ": left alone"
+        why = _file_proof(fd, os.fstat(fd))  # proved again, on what gc now holds
+    finally:
+        os.close(fd)
+    if why is not None:
+        _hand_back(item, mine, why)
+        return
+    os.unlink(mine)
+    item.action = "removed"
+
+
+def _remove_staging(item: Leftover) -> None:
+    taken = _take_and_open(item)
+    if taken is None:
+        return
+    mine, fd = taken
+    try:
+        why, names = _staging_proof(fd)  # proved again, on what gc now holds
+        if why is not None:
+            _hand_back(item, mine, why)
             return
         for name in names:
             try:

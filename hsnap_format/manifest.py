@@ -22,6 +22,7 @@ import xxhash
 
 from . import _fs, canonical
 from .errors import (
+    Phrase,
     DigestMismatchError,
     HsnapError,
     HsnapIOError,
@@ -70,7 +71,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     body, sep, tail = data[:-1].rpartition(b"\n")
     body += sep
     if not sep or not data.endswith(b"\n"):
-        raise TruncatedError(path, "manifest", "two lines, each ending in a newline", f"{len(data)} bytes")
+        raise TruncatedError(path, "manifest", "two lines, each ending in a newline", Phrase(f"{len(data)} bytes"))
     if data.count(b"\n") != 2:
         raise MalformedManifestError(path, "lines", 2, data.count(b"\n"))
     if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32 or not all(c in b"0123456789abcdef" for c in tail[9:]):
@@ -127,19 +128,31 @@ class SnapshotSet:
         try:
             st = os.lstat(mpath)
         except FileNotFoundError:
-            raise MalformedManifestError(self.path, MANIFEST_NAME, "present (the commit point)", "missing: not a committed snapshot") from None
+            raise MalformedManifestError(self.path, MANIFEST_NAME, "present (the commit point)", Phrase("missing: not a committed snapshot")) from None
         except OSError as e:
             raise HsnapIOError(mpath, "open", e) from None
         if not stat.S_ISREG(st.st_mode):
-            raise MalformedManifestError(mpath, "type", "a regular file", stat.filemode(st.st_mode))
+            raise MalformedManifestError(mpath, "type", "a regular file", Phrase(stat.filemode(st.st_mode)))
         if st.st_size > MAX_MANIFEST_BYTES:
             raise MalformedManifestError(mpath, "length", f"<= {MAX_MANIFEST_BYTES}", st.st_size)
-        with open(mpath, "rb") as f:
-            self.manifest = decode_manifest(f.read(MAX_MANIFEST_BYTES + 1), mpath)
-        for name in os.listdir(self.path):
-            if os.path.islink(os.path.join(self.path, name)):
-                raise MalformedManifestError(self.path, name, "no symbolic links in a snapshot directory", "a symbolic link")
-        wanted = range(self.manifest.tp_size) if ranks is None else ranks
+        try:  # every OS failure (unreadable directory or manifest: files are 0600) is typed
+            fd = os.open(mpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                data = os.read(fd, MAX_MANIFEST_BYTES + 1)
+            finally:
+                os.close(fd)
+            with os.scandir(self.path) as it:
+                links = [e.name for e in it if e.is_symlink()]
+        except OSError as e:
+            raise HsnapIOError(mpath, "read", e) from None
+        self.manifest = decode_manifest(data, mpath)
+        if links:
+            raise MalformedManifestError(self.path, links[0], "no symbolic links in a snapshot directory", Phrase("a symbolic link"))
+        tp = self.manifest.tp_size
+        wanted = range(tp) if ranks is None else list(ranks)
+        for r in wanted:  # no negative indexing, no IndexError: a rank this set does not have is named
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp:
+                raise MalformedManifestError(self.path, "ranks", f"rank numbers 0..{tp - 1} (tp_size {tp})", r)
         self.ranks: dict[int, Snapshot] = {}
         try:
             for r in wanted:
@@ -150,9 +163,12 @@ class SnapshotSet:
 
     def _open_rank(self, entry: RankEntry) -> Snapshot:
         fpath = os.path.join(self.path, entry.file)
-        if not os.path.lexists(fpath):
-            raise MalformedManifestError(fpath, f"ranks[{entry.rank}].file", "present", "missing")
-        snap = Snapshot(fpath)
+        try:
+            snap = Snapshot(fpath)
+        except HsnapIOError as e:
+            if isinstance(e.os_error, FileNotFoundError):
+                raise MalformedManifestError(fpath, f"ranks[{entry.rank}].file", "present", Phrase("missing")) from None
+            raise
         m = self.manifest
         checks = [
             ("length", entry.length, snap.file_length),
@@ -195,13 +211,15 @@ class SetWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, staging: str | None = None, mode: int = 0o700) -> None:
         self.path = os.path.abspath(os.fspath(path))
+        _fs.check_final_name(self.path)
         if os.path.lexists(self.path):
-            raise SnapshotExistsError(self.path, "path", "no file or directory", "one exists")
+            raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
         self.mode = mode
+        self.owns_staging = staging is None  # a given staging directory is its creator's to remove
         self.staging = staging or _fs.staging_name(self.path)
         if staging is None:
             try:
-                os.mkdir(self.staging, mode)
+                _fs.make_staging_dir(self.staging, mode)
             except OSError as e:
                 raise HsnapIOError(self.staging, "mkdir", e) from None
 
@@ -209,6 +227,16 @@ class SetWriter:
         return os.path.join(self.staging, rank_file_name(rank))
 
     def commit(self, *, tp_size: int, fsync: bool = True) -> Manifest:
+        """Write the manifest and give the directory its final name. On any failure
+        before the rename, a staging directory this writer made is removed."""
+        try:
+            return self._commit(tp_size, fsync)
+        except BaseException:
+            if self.owns_staging:  # after the final rename there is no staging left to remove
+                self.abort()
+            raise
+
+    def _commit(self, tp_size: int, fsync: bool) -> Manifest:
         snaps = []
         try:
             for r in range(tp_size):
@@ -241,6 +269,7 @@ class SetWriter:
                 os.close(fd)
             _fs.phase("manifest-written")
             _fs.rename_noreplace(tmp, final)
+            _fs.drop_staging_marker(self.staging)  # complete now: gc must leave it alone
             if fsync:
                 _fs.fsync_dir(self.staging)
             _fs.phase("before-dir-rename")

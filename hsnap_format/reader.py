@@ -20,6 +20,7 @@ import xxhash
 
 from . import canonical
 from .errors import (
+    Phrase,
     BadMagicError,
     DigestMismatchError,
     HsnapError,
@@ -44,6 +45,7 @@ from .spec import (
     MAX_JSON_DEPTH,
     MAX_SECTIONS,
     MINOR,
+    PENDING_MAGIC,
     PREAMBLE,
     SECTION_KINDS,
     TRAILER,
@@ -96,12 +98,15 @@ class Preamble:
 
 def parse_preamble(block: bytes, path, actual_size: int) -> Preamble:
     if len(block) < len(MAGIC) and MAGIC.startswith(block):
-        raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", f"{len(block)} bytes")
+        raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", Phrase(f"{len(block)} bytes"))
+    if block[: len(PENDING_MAGIC)] == PENDING_MAGIC:
+        raise BadMagicError(path, "magic", MAGIC, block[: len(MAGIC)],
+                            detail="an unfinished write (a writer's temporary file: its writer is running, or died; see `hsnap gc`)")
     if block[: len(MAGIC)] != MAGIC:
         hint = " (newline translation or 7-bit transfer?)" if block[1:4] == MAGIC[1:4] else ""
         raise BadMagicError(path, "magic" + hint, MAGIC, block[: len(MAGIC)])
     if len(block) < PREAMBLE.size:
-        raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", f"{len(block)} bytes")
+        raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", Phrase(f"{len(block)} bytes"))
     magic, major, minor, bom, hlen, doff, hdig, flen, check = PREAMBLE.unpack(block)
     if check != _check64(block):
         raise DigestMismatchError(path, "preamble.check", f"{check:016x}", f"{_check64(block):016x}")
@@ -116,9 +121,9 @@ def parse_preamble(block: bytes, path, actual_size: int) -> Preamble:
     if flen < doff + TRAILER.size:
         raise MalformedHeaderError(path, "preamble.file_length", f">= {doff + TRAILER.size}", flen)
     if actual_size < flen:
-        raise TruncatedError(path, "file_length", f"{flen} bytes", f"{actual_size} bytes")
+        raise TruncatedError(path, "file_length", f"{flen} bytes", Phrase(f"{actual_size} bytes"))
     if actual_size > flen:
-        raise MalformedHeaderError(path, "file_length", f"{flen} bytes", f"{actual_size} bytes (trailing data)")
+        raise MalformedHeaderError(path, "file_length", f"{flen} bytes", Phrase(f"{actual_size} bytes (trailing data)"))
     return Preamble(major, minor, hlen, doff, hdig, flen)
 
 
@@ -137,7 +142,11 @@ def parse_header(data: bytes, path) -> dict:
     feats = obj["features"]
     if not isinstance(feats, dict) or not all(isinstance(feats.get(k), list) for k in ("required", "optional")):
         raise MalformedHeaderError(path, "header.features", "{required: [...], optional: [...]}", feats)
-    unknown = [f for f in feats["required"] if not isinstance(f, str) or f not in KNOWN_FEATURES]
+    for k in ("required", "optional"):  # spec §4: lists of strings (a number here crashed tools downstream)
+        bad = [f for f in feats[k] if not isinstance(f, str)]
+        if bad:
+            raise MalformedHeaderError(path, f"header.features.{k}", "strings only", bad[0])
+    unknown = [f for f in feats["required"] if f not in KNOWN_FEATURES]
     if unknown:
         raise UnsupportedFeatureError(path, "header.features.required", sorted(KNOWN_FEATURES), unknown)
     if not isinstance(obj["digest"], str) or obj["digest"] not in DIGEST_ALGORITHMS:
@@ -216,7 +225,7 @@ class Snapshot:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise MalformedHeaderError(self.path, "path", "a regular file", stat.filemode(st.st_mode))
+                raise MalformedHeaderError(self.path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
             self.size = st.st_size
             block = os.pread(fd, PREAMBLE.size, 0)
             self.preamble = pre = parse_preamble(block, self.path, self.size)
@@ -241,21 +250,25 @@ class Snapshot:
                 raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
             self._check_layout()
             self._by_name = {s.name: s for s in self.sections}
-            try:
-                self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            except OSError as e:
-                raise HsnapIOError(self.path, "mmap", e) from None
         except OSError as e:
             os.close(fd)
             raise HsnapIOError(self.path, "read", e) from None
         except BaseException:
             os.close(fd)
             raise
-        # Kept open: verification reads with pread, so a file truncated or unreadable
-        # under an open reader gives a typed error (through the map it would be SIGBUS).
+        # One descriptor per open file, kept: every read path below preads through it,
+        # so a file truncated or unreadable under an open reader gives a typed error
+        # (through a map it would be SIGBUS). The map is made only when a zero-copy
+        # view is asked for (``array``/``raw``), and then costs a second descriptor.
         self._fd = fd
+        self._stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         self._scratch = bytearray()
-        self._verified: set[str] = set()
+
+    def __del__(self) -> None:  # an unclosed Snapshot must not leak its descriptor
+        try:
+            self.close()
+        except Exception:
+            pass
 
     # -- open-time checks (cheap: no section bytes read)
     def _int_field(self, key: str) -> int:
@@ -342,62 +355,150 @@ class Snapshot:
         return iter(self.sections)
 
     # -- data
-    def _buffer(self):
+    #
+    # What each read path guarantees when the file changes underneath it (spec §7.4):
+    #   read / iter_chunks / section_bytes / record / verify*: pread through the open
+    #     descriptor; a truncation gives TruncatedError, an I/O error HsnapIOError;
+    #     with verify=True the bytes returned are the bytes hashed, so a change in
+    #     place gives DigestMismatchError, never changed data.
+    #   array / raw / snap[name]: zero-copy views of a read-only map; a truncation
+    #     while a view is used kills the process with SIGBUS, a change in place shows
+    #     through. For trusted, unchanging files (the fast path of restores on GPU).
+    def _map(self):
+        if self._fd < 0:
+            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
         if self._mm is None:
-            raise HsnapError(self.path, "snapshot", "open", "closed")
+            try:
+                mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as e:  # ValueError: the file is now empty
+                raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, Phrase(f"unmappable: {e}")) from None
+            if len(mm) < self.file_length:
+                mm.close()
+                raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, len(mm))
+            self._mm = mm
         return self._mm
 
-    def _read(self, offset: int, length: int) -> memoryview:
-        """Bytes [offset, offset+length) by pread into a reused buffer (valid until the next call)."""
+    def _read(self, offset: int, length: int, out: memoryview | None = None) -> memoryview:
+        """Bytes [offset, offset+length) by pread, into ``out`` or a reused buffer (valid until the next call)."""
         if self._fd < 0:
-            raise HsnapError(self.path, "snapshot", "open", "closed")
-        if len(self._scratch) < length:
-            self._scratch = bytearray(length)
-        view = memoryview(self._scratch)[:length]
-        try:
-            got = os.preadv(self._fd, [view], offset)
-        except OSError as e:
-            raise HsnapIOError(self.path, f"read at byte {offset}", e) from None
-        if got != length:
-            raise TruncatedError(self.path, f"read at byte {offset} (file changed under the reader?)", length, got)
-        return view
+            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
+        if out is None:
+            if len(self._scratch) < length:
+                self._scratch = bytearray(length)
+            out = memoryview(self._scratch)[:length]
+        done = 0
+        while done < length:
+            try:
+                got = os.preadv(self._fd, [out[done:]], offset + done)
+            except OSError as e:
+                raise HsnapIOError(self.path, f"read at byte {offset + done}", e) from None
+            if got <= 0:
+                raise TruncatedError(self.path, f"read at byte {offset + done} (file changed under the reader?)", length, done)
+            done += got
+        return out
 
     def fileno(self) -> int:
         """The open, read-only descriptor of the checked file (for pread-based copies)."""
         if self._fd < 0:
-            raise HsnapError(self.path, "snapshot", "open", "closed")
+            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
         return self._fd
 
     def check_unchanged(self) -> None:
-        """Refuse if the file's size changed since open (mapped views would fault)."""
+        """Refuse if the file was resized or written since open (size, mtime_ns)."""
         try:
-            size = os.fstat(self._fd).st_size
+            st = os.fstat(self.fileno())
         except OSError as e:
             raise HsnapIOError(self.path, "fstat", e) from None
-        if size != self.file_length:
-            raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, size)
+        if st.st_size != self.file_length:
+            raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, st.st_size)
+        if st.st_mtime_ns != self._stat[1]:
+            raise DigestMismatchError(self.path, "mtime_ns (written since open)", self._stat[1], st.st_mtime_ns)
+
+    def _info(self, name_or_info: str | SectionInfo) -> SectionInfo:
+        return name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
 
     def raw(self, name_or_info: str | SectionInfo) -> memoryview:
-        s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
-        return memoryview(self._buffer())[s.offset : s.offset + s.length]
+        """Zero-copy bytes of a section, from the map: SIGBUS if the file is truncated while
+        the view is used. Use :meth:`section_bytes` or :meth:`read` for files that may change."""
+        s = self._info(name_or_info)
+        return memoryview(self._map())[s.offset : s.offset + s.length]
 
     def array(self, name_or_info: str | SectionInfo, *, verify: bool = False) -> np.ndarray:
-        """Zero-copy read-only view of a section. ``verify=True`` checks its digest first (once)."""
-        s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
+        """A section as an array.
+
+        ``verify=False``: a zero-copy read-only view of the map (SIGBUS if the file is
+        truncated while it is used; a change in place shows through).
+        ``verify=True``: :meth:`read` — a private copy whose bytes were hashed and matched.
+        """
+        s = self._info(name_or_info)
         if verify:
-            self.verify_section(s)
-        arr = np.frombuffer(self._buffer(), dtype=DTYPES[s.dtype], count=math.prod(s.shape), offset=s.offset)
+            return self.read(s, verify=True)
+        arr = np.frombuffer(self._map(), dtype=DTYPES[s.dtype], count=math.prod(s.shape), offset=s.offset)
         return arr.reshape(s.shape)
 
     __getitem__ = array
 
-    def verify_section(self, name_or_info: str | SectionInfo, *, force: bool = False, cancelled=None, progress=None) -> bool:
-        """Check one section's digest (once per open unless ``force``). Hashes in chunks so a
-        multi-GB section can report ``progress(nbytes)`` and stop when ``cancelled()``;
-        returns False when cancelled, True when verified."""
-        s = name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
-        if s.name in self._verified and not force:
-            return True
+    def read(self, name_or_info: str | SectionInfo, *, verify: bool = True, start: int = 0, count: int | None = None) -> np.ndarray:
+        """A private copy of a section, read with pread (typed errors, never SIGBUS).
+
+        Whole section: shaped like it; with ``verify`` the copy is hashed and must match
+        the stored digest. ``start``/``count`` (elements, C order) read a flat slice,
+        which has no digest of its own: ``verify`` must then be False.
+        """
+        s = self._info(name_or_info)
+        itemsize = DTYPES[s.dtype].itemsize
+        total = math.prod(s.shape)
+        partial = start != 0 or count is not None
+        if partial and verify:
+            raise ValueError("a slice of a section has no digest: read it with verify=False, or verify the section")
+        count = total - start if count is None else count
+        if not (0 <= start <= total and 0 <= count <= total - start):
+            raise IndexError(f"{self.path}: {s.name}: elements [{start}, {start + count}) outside [0, {total})")
+        out = np.empty(count, dtype=DTYPES[s.dtype])
+        buf = memoryview(out.view(np.uint8))
+        self._read(s.offset + start * itemsize, count * itemsize, buf)
+        if verify:
+            got = xxhash.xxh3_128_hexdigest(buf)
+            if got != s.digest:
+                raise DigestMismatchError(self.path, f"sections[{s.name!r}].digest", s.digest, got)
+        return out if partial else out.reshape(s.shape)
+
+    def iter_chunks(self, name_or_info: str | SectionInfo, chunk_elements: int = 1 << 20, *, verify: bool = True,
+                    cancelled=None) -> Iterator[tuple[int, np.ndarray]]:
+        """``(flat start, 1-D copy)`` over a section in C order, by pread: bounded memory for
+        any section size. With ``verify`` the chunks are hashed as they are read and the
+        last step raises :class:`DigestMismatchError` if the section does not match (a
+        consumer reports nothing as final before the iteration ends). Stops early, without
+        a verdict, when ``cancelled()`` returns true."""
+        s = self._info(name_or_info)
+        dt = DTYPES[s.dtype]
+        total = math.prod(s.shape)
+        h = xxhash.xxh3_128() if verify else None
+        step = max(1, chunk_elements)
+        for start in range(0, total, step):
+            if cancelled is not None and cancelled():
+                return
+            n = min(step, total - start)
+            chunk = np.empty(n, dtype=dt)
+            view = memoryview(chunk.view(np.uint8))
+            self._read(s.offset + start * dt.itemsize, n * dt.itemsize, view)
+            if h is not None:
+                h.update(view)
+            yield start, chunk
+        if h is not None and h.hexdigest() != s.digest:
+            raise DigestMismatchError(self.path, f"sections[{s.name!r}].digest", s.digest, h.hexdigest())
+
+    def section_bytes(self, name_or_info: str | SectionInfo) -> "SectionBytes":
+        """The bytes of a section as a lazy, pread-backed sequence (``len``, slices): for
+        hex views of sections of any size, with typed errors instead of SIGBUS."""
+        return SectionBytes(self, self._info(name_or_info))
+
+    def verify_section(self, name_or_info: str | SectionInfo, *, force: bool = True, cancelled=None, progress=None) -> bool:
+        """Read and hash one section, every call (nothing is cached: a file changed since
+        an earlier verification fails now). Hashes in 2 MiB chunks, so a multi-GB section
+        can report ``progress(nbytes)`` and stop when ``cancelled()``; returns False when
+        cancelled, True when verified. (``force`` is accepted for compatibility.)"""
+        s = self._info(name_or_info)
         h = xxhash.xxh3_128()
         for start in range(0, s.length, _VERIFY_CHUNK):
             if cancelled is not None and cancelled():
@@ -408,7 +509,6 @@ class Snapshot:
         got = h.hexdigest()
         if got != s.digest:
             raise DigestMismatchError(self.path, f"sections[{s.name!r}].digest", s.digest, got)
-        self._verified.add(s.name)
         return True
 
     def padding_ranges(self) -> list[tuple[int, int]]:
@@ -447,11 +547,12 @@ class Snapshot:
                 raise err
 
     def record(self, *, verify: bool = True) -> RequestRecord:
-        """The request record, with its arrays copied out of the file."""
+        """The request record, its arrays read with pread; with ``verify`` (the default)
+        every record section is hashed on every call, and what is returned is what was hashed."""
         arrays = {}
         for s in self.sections:
             if not s.is_state:
-                arrays[s.kind] = np.array(self.array(s, verify=verify))
+                arrays[s.kind] = self.read(s, verify=verify)
         rng = arrays.pop("rng_state", None)
         return RequestRecord(
             prompt_ids=arrays["prompt_ids"],
@@ -467,7 +568,7 @@ class Snapshot:
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
-        if self._mm is not None:
+        if getattr(self, "_mm", None) is not None:
             try:
                 self._mm.close()
             except BufferError:  # views still alive; the map goes when they do
@@ -482,6 +583,27 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return f"<hsnap.Snapshot {self.path!r} v{self.version[0]}.{self.version[1]} {len(self.sections)} sections, {self.payload_bytes} payload bytes>"
+
+
+class SectionBytes:
+    """A section's bytes, read on demand with pread (see :meth:`Snapshot.section_bytes`)."""
+
+    __slots__ = ("snap", "info")
+
+    def __init__(self, snap: Snapshot, info: SectionInfo) -> None:
+        self.snap, self.info = snap, info
+
+    def __len__(self) -> int:
+        return self.info.length
+
+    def __getitem__(self, key) -> bytes:
+        if not isinstance(key, slice):
+            raise TypeError("SectionBytes takes slices")
+        a, b, step = key.indices(self.info.length)
+        if step != 1:
+            raise ValueError("SectionBytes takes contiguous slices")
+        n = max(0, b - a)
+        return bytes(self.snap._read(self.info.offset + a, n)) if n else b""
 
 
 def section_digest(data) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import IncompatibleSnapshotError, MalformedHeaderError
+from .errors import IncompatibleSnapshotError, MalformedHeaderError, Phrase
 from .spec import DTYPES, MAX_NDIM
 
 _MAX_INT = 2**53 - 1
@@ -338,6 +338,35 @@ def geometry_differences(expected: Geometry, found: Geometry, ignore=()) -> list
 # ---------------------------------------------------------------------------- request
 
 
+_TOKEN_ID_MAX = (1 << 31) - 1  # ids are stored as int32
+
+
+def _token_ids(value, name: str) -> np.ndarray:
+    """Token ids as int32, refusing what int32 would change (wrap-around, fractions)."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise MalformedHeaderError(None, f"request.{name}", "integer token ids", Phrase(f"{type(value).__name__} ({e})")) from None
+    if arr.size == 0:
+        return np.zeros(arr.shape, dtype=np.int32)
+    if arr.dtype.kind not in "iu":
+        raise MalformedHeaderError(None, f"request.{name}", "integer token ids", str(arr.dtype))
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _TOKEN_ID_MAX:
+        raise MalformedHeaderError(None, f"request.{name}", f"ids in 0..{_TOKEN_ID_MAX}", lo if lo < 0 else hi)
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _floats(value, name: str) -> np.ndarray:
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise MalformedHeaderError(None, f"request.{name}", "numbers", Phrase(f"{type(value).__name__} ({e})")) from None
+    if arr.size and arr.dtype.kind not in "fiu":
+        raise MalformedHeaderError(None, f"request.{name}", "numbers", str(arr.dtype))
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
 @dataclass
 class RequestRecord:
     """One request as the scheduler knows it, at a committed token boundary.
@@ -369,16 +398,19 @@ class RequestRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.prompt_ids = np.ascontiguousarray(self.prompt_ids, dtype=np.int32).reshape(-1)
-        self.output_ids = np.ascontiguousarray(self.output_ids, dtype=np.int32).reshape(-1)
+        # Converted with checks: a silent cast would store another request than the one given.
+        self.prompt_ids = _token_ids(self.prompt_ids, "prompt_ids").reshape(-1)
+        self.output_ids = _token_ids(self.output_ids, "output_ids").reshape(-1)
         if self.output_logprobs is not None:
-            self.output_logprobs = np.ascontiguousarray(self.output_logprobs, dtype=np.float32).reshape(-1)
-        for name in ("top_logprob_ids", "top_logprob_values"):
-            v = getattr(self, name)
-            if v is not None:
-                setattr(self, name, np.ascontiguousarray(v, dtype=np.int32 if name.endswith("ids") else np.float32))
+            self.output_logprobs = _floats(self.output_logprobs, "output_logprobs").reshape(-1)
+        if self.top_logprob_ids is not None:
+            self.top_logprob_ids = _token_ids(self.top_logprob_ids, "top_logprob_ids")
+        if self.top_logprob_values is not None:
+            self.top_logprob_values = _floats(self.top_logprob_values, "top_logprob_values")
+        if isinstance(self.stop_strings, (str, bytes)) or not all(isinstance(x, str) for x in self.stop_strings):
+            raise MalformedHeaderError(None, "request.stop.stop_strings", "a list of strings", self.stop_strings)
         self.stop_strings = tuple(self.stop_strings)
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_token_ids = tuple(int(t) for t in _token_ids(list(self.stop_token_ids), "stop.stop_token_ids"))
 
     @property
     def remaining_budget(self) -> int | None:

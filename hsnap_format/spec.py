@@ -132,9 +132,22 @@ def rank_file_name(rank: int) -> str:
     return f"rank-{rank}.hsnap"
 
 
-# Temporary names: recognisable (``hsnap gc``) and never a snapshot's final name.
+# Temporary names: recognisable (``hsnap gc``) and never a snapshot's final name
+# (the writers refuse final names of these forms).
 TMP_FILE_MARK = ".hsnap-tmp-"
 STAGING_DIR_MARK = ".hsnap-staging-"
+
+# What ``hsnap gc`` proves before it removes anything (a name alone proves nothing:
+# anyone can give any name to a committed snapshot). Spec section 8.1.
+# * A temporary file starts with PENDING_MAGIC from its creation until commit writes
+#   the real preamble over it; a committed file can never start with it (a reader
+#   refuses it as "an unfinished write").
+# * A staging directory holds PENDING_MARKER (content PENDING_MARKER_TEXT) from its
+#   creation until its manifest is in place; commit removes the marker only after
+#   manifest.json exists, so at every instant a staging directory holds one or both.
+PENDING_MAGIC = b"\x89HSNTMP\n"
+PENDING_MARKER = ".hsnap-pending"
+PENDING_MARKER_TEXT = b"hsnap staging directory: not committed\n"
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

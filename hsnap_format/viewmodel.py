@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import re
-
 from .manifest import SnapshotSet
 from .reader import Snapshot
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def escape(text) -> str:
-    """Make a string from a file safe for a terminal (no escape sequences, no bidi tricks)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", str(text))
+from .errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
 
 
 def rank_summary(snap: Snapshot) -> dict:

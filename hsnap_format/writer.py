@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from . import _fs, canonical
-from .errors import HsnapError, HsnapIOError, MalformedHeaderError, SnapshotExistsError, WriterStateError
+from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, SnapshotExistsError, WriterStateError
 from .layout import SectionSpec, record_sections, state_sections
 from .records import Geometry, Identity, RequestRecord
 from .spec import (
@@ -110,10 +110,21 @@ def _fill_digests(planned: bytes, digests: Sequence[str]) -> bytes | None:
     return b"".join(out)
 
 
-def _byte_view(data) -> memoryview:
+def _byte_view(data, spec: SectionSpec, path) -> memoryview:
+    """The bytes to write for a section (or a chunk of one).
+
+    An array must be of the section's element type, or raw bytes (uint8): another type
+    of the same width would be written as if it were the section's (float16 read back
+    as bfloat16), so it is refused. Other objects must export a C-contiguous buffer.
+    """
     if isinstance(data, np.ndarray):  # bf16/fp8 (ml_dtypes) arrays export no buffer: view as bytes
+        if data.dtype != DTYPES[spec.dtype] and data.dtype != np.uint8:
+            raise WriterStateError(path, f"sections[{spec.name}].dtype", f"{spec.dtype} (or raw bytes as uint8)", str(data.dtype))
         return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    return memoryview(data).cast("B")
+    try:
+        return memoryview(data).cast("B")
+    except TypeError as e:  # a list, a str, a non-contiguous view...
+        raise WriterStateError(path, f"sections[{spec.name}].data", "a numpy array or a C-contiguous buffer", Phrase(f"{type(data).__name__} ({e})")) from None
 
 
 class WriterState(enum.Enum):
@@ -187,11 +198,11 @@ class SnapshotWriter:
         self._planned_header = header  # zero digests; commit fills them in
         self.file_length = end + TRAILER.size
         self.payload_bytes = sum(section_nbytes(s) for s in specs if SECTION_KINDS[s.kind].state)
+        _fs.check_final_name(self.path)
         if os.path.lexists(self.path):
-            raise SnapshotExistsError(self.path, "path", "no file or directory", "one exists")
-        self._tmp = _fs.temp_name(self.path)
-        try:
-            self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
+        try:  # marked as an unfinished write from its first byte (what hsnap gc checks)
+            self._tmp, self._fd = _fs.create_temp_file(self.path, mode)
         except OSError as e:
             raise HsnapIOError(self.path, "create", e) from None
         self.state = WriterState.OPEN
@@ -238,7 +249,11 @@ class SnapshotWriter:
 
     def write_chunk(self, data) -> None:
         self._require(WriterState.IN_SECTION, call="write_chunk")
-        view = _byte_view(data)
+        try:
+            view = _byte_view(data, self.specs[self._next], self.path)
+        except WriterStateError:
+            self.abort()
+            raise
         expected = self._table[self._next]["length"]
         if self._written + view.nbytes > expected:
             self.abort()
@@ -287,7 +302,7 @@ class SnapshotWriter:
         self._require(WriterState.OPEN, call="commit")
         self.write_record_sections()
         if self.next_section is not None:
-            raise WriterStateError(self.path, "commit", "all sections written", f"next is {self.next_section.name}")
+            raise WriterStateError(self.path, "commit", "all sections written", Phrase(f"next is {self.next_section.name}"))
         data_offset, end = self._data_offset, self.file_length - TRAILER.size
         header = _fill_digests(self._planned_header, self._digests)
         if header is None:  # digests are fixed-width: the planned offsets still hold, encode once
@@ -305,12 +320,21 @@ class SnapshotWriter:
         tra = TRAILER.pack(TRAILER_MAGIC, self.file_length, len(self.specs), root_digest, bytes(16), 0)
         tra = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
         try:
-            _fs.pwrite_all(self._fd, pre + header, 0)
+            # Everything but the magic first: until the magic replaces PENDING_MAGIC the
+            # file is provably unfinished (what hsnap gc checks, spec 8.1), so a crash
+            # during the long fsync leaves a leftover gc may remove. The magic costs one
+            # more small data sync (~0.2 ms here); only between it and the rename is a
+            # complete file under a temporary name, which gc lists and keeps.
+            _fs.pwrite_all(self._fd, pre[len(MAGIC):] + header, len(MAGIC))
             _fs.pwrite_all(self._fd, tra, end)
             _fs.phase("before-fsync")
             if fsync:
                 os.fsync(self._fd)
             _fs.phase("after-fsync")
+            _fs.pwrite_all(self._fd, MAGIC, 0)
+            if fsync:
+                os.fdatasync(self._fd)
+            _fs.phase("magic-written")
             os.close(self._fd)
             self._fd = -1
         except OSError as e:

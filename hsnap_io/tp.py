@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from hsnap_format import HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
+from hsnap_format.errors import Phrase
+from hsnap_format import _fs
 from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
 
 from .export import export_request
@@ -42,7 +44,7 @@ def _agree(ok: bool, group, path: str, cleanup=None) -> bool:
     except RuntimeError as e:  # a peer died: gloo/NCCL fail the collective
         if cleanup is not None:
             cleanup()
-        raise RankFailedError(path, "tp group", "every rank alive", f"collective failed: {str(e).splitlines()[0][:200]}") from None
+        raise RankFailedError(path, "tp group", "every rank alive", Phrase(f"collective failed: {str(e).splitlines()[0][:200]}")) from None
     return bool(flag.item())
 
 
@@ -63,14 +65,17 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
     error: BaseException | None = None
     if rank == 0:
         try:
+            _fs.check_final_name(final)
             if os.path.lexists(final):
-                raise SnapshotExistsError(final, "path", "no file or directory", "one exists")
-            os.mkdir(staging, 0o700)
+                raise SnapshotExistsError(final, "path", "no file or directory", Phrase("one exists"))
+            _fs.make_staging_dir(staging, 0o700)  # with the marker hsnap gc checks
         except BaseException as e:  # noqa: BLE001 - reported after the collective
             error = e
-    drop_staging = (lambda: shutil.rmtree(staging, ignore_errors=True)) if rank == 0 else None
+    # Only what this rank 0 created is ever removed: a staging directory that already
+    # existed (another export with the same snapshot id) is someone else's.
+    drop_staging = (lambda: shutil.rmtree(staging, ignore_errors=True)) if rank == 0 and error is None else None
     if not _agree(error is None, group, final, drop_staging):
-        raise error or RankFailedError(final, "staging directory", "created by rank 0", "rank 0 failed")
+        raise error or RankFailedError(final, "staging directory", "created by rank 0", Phrase("rank 0 failed"))
     try:
         export_request(os.path.join(staging, rank_file_name(rank)), identity=identity, record=record, **kw)
     except BaseException as e:  # noqa: BLE001
@@ -87,7 +92,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
             shutil.rmtree(staging, ignore_errors=True)
     committed = _agree(error is None and all_ok, group, final)
     if not committed:
-        raise error or RankFailedError(final, "export", "every rank written", "another rank failed; nothing committed")
+        raise error or RankFailedError(final, "export", "every rank written", Phrase("another rank failed; nothing committed"))
     return manifest
 
 

@@ -383,8 +383,11 @@ CASES = {
     "features_not_object": (H(_set("features", [])), MalformedHeaderError, "header.features"),
     "features_required_not_list": (H(_set("features", {"required": "x", "optional": []})), MalformedHeaderError, "header.features"),
     "unknown_required_feature": (H(_set("features.required", ["zstd-sections"])), UnsupportedFeatureError, "header.features.required"),
-    "required_feature_unhashable": (H(_set("features.required", [["zstd"]])), UnsupportedFeatureError, "header.features.required"),
-    "required_feature_number": (H(_set("features.required", [1])), UnsupportedFeatureError, "header.features.required"),
+    "required_feature_unhashable": (H(_set("features.required", [["zstd"]])), MalformedHeaderError, "header.features.required"),
+    "required_feature_number": (H(_set("features.required", [1])), MalformedHeaderError, "header.features.required"),
+    # issue 10 item 5: a number among the optional features was accepted (and crashed the viewer)
+    "item5_optional_feature_number": (H(_set("features.optional", [7])), MalformedHeaderError, "header.features.optional"),
+    "item5_optional_feature_list": (H(_set("features.optional", [["x"]])), MalformedHeaderError, "header.features.optional"),
     "digest_sha256": (H(_set("digest", "sha256")), UnsupportedFeatureError, "header.digest"),
     "digest_unhashable": (H(_set("digest", ["xxh3-128"])), UnsupportedFeatureError, "header.digest"),
     # section table

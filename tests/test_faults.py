@@ -80,14 +80,16 @@ def _export_fails(src, tmp_path, field):
 
 @pytest.mark.parametrize("n", [1, 3, 7])
 def test_export_write_enospc_mid_sections(src, tmp_path, monkeypatch, n):
-    monkeypatch.setattr(os, "pwrite", _nth(os.pwrite, n, ENOSPC))
+    # section bytes start at data_offset (>= 4096); byte 0 holds the pending mark, written at create
+    monkeypatch.setattr(os, "pwrite", _nth(os.pwrite, n, ENOSPC, match=lambda fd, data, off: off >= 4096))
     err, left = _export_fails(src, tmp_path, "write")
     assert left == [] and "No space left" in str(err)
 
 
-def test_export_header_write_eio(src, tmp_path, monkeypatch):
-    monkeypatch.setattr(os, "pwrite", _nth(os.pwrite, 1, EIO, match=lambda fd, data, off: off == 0))
-    err, left = _export_fails(src, tmp_path, "commit")
+@pytest.mark.parametrize("what,n,offset", [("pending mark", 1, 0), ("preamble+header", 1, 8), ("magic", 2, 0)])
+def test_export_header_write_eio(src, tmp_path, monkeypatch, what, n, offset):
+    monkeypatch.setattr(os, "pwrite", _nth(os.pwrite, n, EIO, match=lambda fd, data, off: off == offset))
+    err, left = _export_fails(src, tmp_path, "create" if what == "pending mark" else "commit")
     assert left == []
 
 

@@ -37,6 +37,21 @@ def _tmp(d, final, pid, rand="0a1b2c3d"):
     return d / f".{final}.hsnap-tmp-{pid}-{rand}"
 
 
+def _pending(path, data=b"", age=0.0):
+    """A temporary file as a writer leaves it: the unfinished-write mark, then data."""
+    from hsnap_format import _fs
+
+    return _touch(path, _fs.pending_preamble("test") + data, age)
+
+
+def _staging(path):
+    """A staging directory as a writer makes it (with its marker)."""
+    from hsnap_format import _fs
+
+    _fs.make_staging_dir(str(path))
+    return path
+
+
 def _committed(d):
     """A committed rank file and a committed snapshot directory."""
     cc.write_single(str(d / "req.hsnap"))
@@ -66,8 +81,8 @@ def test_dead_writers_leftovers_are_removed_and_nothing_else(tmp_path):
     _touch(tmp_path / "notes.txt")
     _touch(tmp_path / ".hidden")
     dead = _dead_pid()
-    _touch(_tmp(tmp_path, "a.hsnap", dead), bytes(5000))
-    (tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d").mkdir()
+    _pending(_tmp(tmp_path, "a.hsnap", dead), bytes(5000))
+    _staging(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d")
     _touch(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / "rank-0.hsnap")
     _touch(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / f".rank-1.hsnap.hsnap-tmp-{dead}-00000000")
     listed = hgc.collect(tmp_path)
@@ -85,7 +100,7 @@ def test_dead_writers_leftovers_are_removed_and_nothing_else(tmp_path):
 
 
 def test_a_running_writer_is_kept_unless_older_than_says_so(tmp_path):
-    mine = _touch(_tmp(tmp_path, "a.hsnap", os.getpid()), age=100)
+    mine = _pending(_tmp(tmp_path, "a.hsnap", os.getpid()), age=100)
     items = hgc.collect(tmp_path, remove=True)
     assert [(i.action, i.alive) for i in items] == [("kept", True)] and "--older-than" in items[0].reason
     assert [i.action for i in hgc.collect(tmp_path, remove=True, older_than=1000)] == ["kept"]  # too young
@@ -103,13 +118,12 @@ def test_committed_snapshots_survive_older_than_zero(tmp_path):
 
 
 def test_tp_staging_without_pid(tmp_path):
-    st = tmp_path / ".snap.hsnap-staging-tp-snap"
-    st.mkdir()
+    st = _staging(tmp_path / ".snap.hsnap-staging-tp-snap")
     cc.write_single(str(st / "rank-0.hsnap"))
     [item] = hgc.collect(tmp_path, remove=True)
     assert (item.action, item.pids, item.alive) == ("kept", [], None) and "no pid" in item.reason
     # a rank still writing inside keeps it even with --older-than unless old enough
-    _touch(_tmp(st, "rank-1.hsnap", os.getpid()))
+    _pending(_tmp(st, "rank-1.hsnap", os.getpid()))
     [item] = hgc.collect(tmp_path, remove=True, older_than=60)
     assert (item.action, item.pids, item.alive) == ("kept", [os.getpid()], True)
     [item] = hgc.collect(tmp_path, remove=True, older_than=0)
@@ -117,10 +131,9 @@ def test_tp_staging_without_pid(tmp_path):
 
 
 def test_staging_with_a_dead_ranks_temporary_is_removable(tmp_path):
-    st = tmp_path / ".snap.hsnap-staging-tp-snap"
-    st.mkdir()
+    st = _staging(tmp_path / ".snap.hsnap-staging-tp-snap")
     cc.write_single(str(st / "rank-0.hsnap"))
-    _touch(_tmp(st, "rank-1.hsnap", _dead_pid()))
+    _pending(_tmp(st, "rank-1.hsnap", _dead_pid()))
     [item] = hgc.collect(tmp_path, remove=True)
     assert item.action == "removed"
 
@@ -145,8 +158,7 @@ def test_symlinks_inside_a_staging_directory_are_unlinked_not_followed(tmp_path)
     victim = _touch(outside / "victim")
     d = tmp_path / "snaps"
     d.mkdir()
-    st = d / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d"
-    st.mkdir()
+    st = _staging(d / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d")
     os.symlink(victim, st / "rank-0.hsnap")
     os.symlink(outside, st / "dirlink")
     [item] = hgc.collect(d, remove=True)
@@ -156,7 +168,7 @@ def test_symlinks_inside_a_staging_directory_are_unlinked_not_followed(tmp_path)
 
 def test_leftovers_inside_a_committed_snapshot_directory(tmp_path):
     cc.write_set(str(tmp_path / "set"))
-    t = _touch(_tmp(tmp_path / "set", "rank-0.hsnap", _dead_pid()))
+    t = _pending(_tmp(tmp_path / "set", "rank-0.hsnap", _dead_pid()))
     [item] = hgc.collect(tmp_path, remove=True)
     assert item.path == t and item.action == "removed"
     with hf.open(tmp_path / "set") as s:
@@ -213,8 +225,8 @@ def test_a_writer_committing_first_wins_over_gc(tmp_path):
 def test_cli(tmp_path, capsys):
     _committed(tmp_path)
     dead = _dead_pid()
-    _touch(_tmp(tmp_path, "a.hsnap", dead))
-    _touch(_tmp(tmp_path, "b.hsnap", os.getpid()))
+    _pending(_tmp(tmp_path, "a.hsnap", dead))
+    _pending(_tmp(tmp_path, "b.hsnap", os.getpid()))
     assert cli.main(["gc", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "would remove" in out and f"writer {dead} not running" in out and "2 leftovers" in out
@@ -241,8 +253,7 @@ def test_a_staging_directory_swapped_after_the_scan_is_not_followed(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
     for swap in ("symlink", "directory"):
-        st = d / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d"
-        st.mkdir()
+        st = _staging(d / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d")
         _touch(st / "rank-0.hsnap")
         [item] = hgc.scan(d)
         os.rename(st, tmp_path / "moved")
@@ -252,7 +263,7 @@ def test_a_staging_directory_swapped_after_the_scan_is_not_followed(tmp_path):
             st.mkdir()
             _touch(st / "other")
         hgc._remove_staging(item)
-        assert item.action == "failed" and "left alone" in item.reason, item
+        assert item.action == "failed" and "changed between scan and removal" in item.reason, item
         assert os.listdir(victim) == ["precious"]
         for n in os.listdir(d):
             p = d / n

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hsnap-view: {describe_error(app.error[1])}", file=sys.stderr)
         return 2
     app.run()
-    return 0
+    return app.return_code or 0  # a crash inside the app is a failure, not exit 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ sections keyed by rank and name, and their grouping by layer."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from itertools import groupby
@@ -11,6 +12,7 @@ import numpy as np
 
 from hsnap_format import HsnapError, SectionInfo, Snapshot, SnapshotSet, open_snapshot
 from hsnap_format.diff import rank_map
+from hsnap_format.stats import section_stats
 
 # section kind -> how it is named on screen
 KIND_LABELS = {
@@ -114,11 +116,22 @@ class Document:
     def snapshot(self, ref: SectionRef) -> Snapshot:
         return self.ranks[ref.rank]
 
-    def array(self, ref: SectionRef) -> np.ndarray:
-        return self.ranks[ref.rank].array(ref.info)
+    # Every read below uses pread (typed errors): a file truncated while the viewer has
+    # it open must give a message, never SIGBUS through a mapped view.
+    def head(self, ref: SectionRef, rows: int) -> np.ndarray:
+        """The first ``rows`` rows along the last axis, shaped ``[rows', last]`` (a small copy)."""
+        shape = ref.info.shape
+        last = shape[-1] if shape else 1
+        total = math.prod(shape)
+        arr = self.ranks[ref.rank].read(ref.info, verify=False, count=min(total, rows * last))
+        return arr.reshape(-1, last) if last else arr.reshape(0, 0)
 
-    def raw(self, ref: SectionRef) -> memoryview:
-        return self.ranks[ref.rank].raw(ref.info)
+    def raw(self, ref: SectionRef):
+        """The section's bytes, read on demand (``len`` and slices)."""
+        return self.ranks[ref.rank].section_bytes(ref.info)
+
+    def stats(self, ref: SectionRef, cancelled=None):
+        return section_stats(self.ranks[ref.rank], ref.info, cancelled=cancelled)
 
     def section_label(self, ref: SectionRef) -> str:
         where = f"rank {ref.rank} · " if self.multi_rank else ""
@@ -146,11 +159,11 @@ class Document:
         return out
 
     def record_array(self, kind: str, rank: int | None = None) -> np.ndarray | None:
-        """A request-record section by kind (zero-copy), or None when the file has none."""
+        """A request-record section by kind (a copy, read with pread), or None when the file has none."""
         snap = self.ranks[min(self.ranks) if rank is None else rank]
         for s in snap.sections:
             if s.kind == kind:
-                return snap.array(s)
+                return snap.read(s, verify=False)
         return None
 
     def close(self) -> None:

@@ -267,3 +267,40 @@ async def test_golden_vectors_open_verify_and_match_their_description(vector):
         if against:
             assert "compatible" in plain(app.screen.query_one("#compat-verdict", Static))
             assert "INCOMPATIBLE" not in plain(app.screen.query_one("#compat-verdict", Static))
+
+
+async def test_item2_verify_again_after_an_in_place_change_shows_the_mismatch(in_fixtures, tmp_path):
+    """issue 10 item 2: the viewer's "Verify digests" re-reads the bytes every time
+    (it showed all ok on a handle that had verified the file before it changed)."""
+    import shutil
+
+    path = tmp_path / "h.hsnap"
+    shutil.copy("hybrid.hsnap", path)
+    app = make_app(str(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        panel = app.screen.query_one(DigestPanel)
+        assert panel.mismatches == []
+        info = next(s for s in app.document.first.sections if s.name == "attn.0.k")
+        with open(path, "r+b") as f:
+            f.seek(info.offset)
+            b = f.read(1)
+            f.seek(info.offset)
+            f.write(bytes([b[0] ^ 1]))
+        await pilot.press("v")
+        await settle(app, pilot)
+        assert panel.mismatches == ["0:attn.0.k"]
+
+
+def test_item5_a_non_string_optional_feature_is_refused_not_a_crash_with_exit_0(tmp_path, capsys):
+    """issue 10 item 5: the viewer crashed at start with a TypeError and still exited 0."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import craft
+
+    data = open(os.path.join(_VECTOR_DIR, "hybrid.hsnap"), "rb").read()
+    bad = craft.mutate_header(data, lambda h: h["features"].__setitem__("optional", [7]))
+    p = craft.write(tmp_path / "bad.hsnap", bad)
+    assert main([p]) == 2
+    assert "header.features.optional" in capsys.readouterr().err

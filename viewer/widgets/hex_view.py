@@ -9,9 +9,12 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from hsnap_format import HsnapError
+
 BYTES_PER_LINE = 16
 _OFFSET = Style(color="cyan")
 _ASCII = Style(dim=True)
+_ERROR = Style(color="red")
 
 
 def hex_parts(data: bytes, offset: int) -> tuple[str, str, str]:
@@ -31,10 +34,10 @@ class HexView(ScrollView, can_focus=True):
 
     def __init__(self, **kw) -> None:
         super().__init__(**kw)
-        self._data: memoryview | None = None
+        self._data = None  # a section's bytes: len() and slices (pread-backed in the app)
         self._base = 0
 
-    def show(self, data: memoryview | None, base_offset: int = 0) -> None:
+    def show(self, data, base_offset: int = 0) -> None:
         """Show ``data`` (a section's bytes) labelled from ``base_offset``; None clears."""
         self._data, self._base = data, base_offset
         lines = 0 if data is None else (len(data) + BYTES_PER_LINE - 1) // BYTES_PER_LINE
@@ -49,6 +52,10 @@ class HexView(ScrollView, can_focus=True):
         if data is None or row * BYTES_PER_LINE >= len(data):
             return Strip.blank(self.size.width)
         start = row * BYTES_PER_LINE
-        off, hexes, text = hex_parts(bytes(data[start : start + BYTES_PER_LINE]), self._base + start)
+        try:
+            chunk = bytes(data[start : start + BYTES_PER_LINE])
+        except HsnapError as e:  # pread-backed: a truncated file is a line of text, not a crash
+            return Strip([Segment(f"{self._base + start:012x}  unreadable: {e.field}", _ERROR)]).crop(scroll_x, scroll_x + self.size.width)
+        off, hexes, text = hex_parts(chunk, self._base + start)
         strip = Strip([Segment(off, _OFFSET), Segment(hexes), Segment(text, _ASCII)])
         return strip.crop(scroll_x, scroll_x + self.size.width)

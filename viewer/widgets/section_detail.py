@@ -16,7 +16,8 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual.worker import get_current_worker
 
-from hsnap_format.stats import Cancelled, SectionStats, array_stats, is_float
+from hsnap_format import HsnapError
+from hsnap_format.stats import Cancelled, SectionStats, is_float
 
 from ..model import Document, SectionRef, alignment
 from ..text import describe_error, fmt_num, safe
@@ -49,12 +50,14 @@ def stats_table(stats: SectionStats) -> Table:
     return table
 
 
-def sample_text(arr: np.ndarray) -> Text:
-    """The first rows along the last axis, each labelled with its index."""
+def sample_text(arr: np.ndarray, shape: tuple[int, ...] | None = None) -> Text:
+    """The first rows along the last axis, each labelled with its index in ``shape``
+    (the section's shape; ``arr`` may hold only its first rows)."""
+    shape = arr.shape if shape is None else tuple(shape)
     if arr.size == 0:
         return Text("(empty)", style="dim")
-    rows = arr.reshape(-1, arr.shape[-1]) if arr.ndim > 1 else arr.reshape(1, -1)
-    lead = arr.shape[:-1] if arr.ndim > 1 else ()
+    rows = arr.reshape(-1, shape[-1]) if len(shape) > 1 else arr.reshape(1, -1)
+    lead = shape[:-1] if len(shape) > 1 else ()
     out = Text(no_wrap=True, overflow="crop")  # a narrow pane crops rows, never wraps them
     for i in range(min(SAMPLE_ROWS, rows.shape[0])):
         row = rows[i, :SAMPLE_COLS]
@@ -65,8 +68,9 @@ def sample_text(arr: np.ndarray) -> Text:
         if rows.shape[1] > SAMPLE_COLS:
             out.append("  …", style="dim")
         out.append("\n")
-    if rows.shape[0] > SAMPLE_ROWS:
-        out.append(f"… {rows.shape[0] - SAMPLE_ROWS:,} more rows", style="dim")
+    total_rows = math.prod(lead) if lead else 1
+    if total_rows > SAMPLE_ROWS:
+        out.append(f"… {total_rows - SAMPLE_ROWS:,} more rows", style="dim")
     return out
 
 
@@ -104,9 +108,11 @@ class SectionDetail(Vertical):
         head.append_text(safe(s.digest, "dim"))
         self.query_one("#detail-head", Static).update(head)
         self.query_one("#detail-stats", Static).update(Text("computing statistics…", style="dim"))
-        arr = self.doc.array(ref)
         sample = Text("first values (C order)\n", style="bold", no_wrap=True)
-        sample.append_text(sample_text(arr))
+        try:
+            sample.append_text(sample_text(self.doc.head(ref, SAMPLE_ROWS + 1), s.shape))
+        except HsnapError as e:  # e.g. the file was truncated after open: say so, keep running
+            sample.append_text(Text(describe_error(e), style="red"))
         self.query_one("#detail-sample", Static).update(sample)
         self.query_one(HexView).show(self.doc.raw(ref), s.offset)
         self._compute(ref)
@@ -115,7 +121,7 @@ class SectionDetail(Vertical):
     def _compute(self, ref: SectionRef) -> None:
         worker = get_current_worker()
         try:
-            stats = array_stats(self.doc.array(ref), cancelled=lambda: worker.is_cancelled)
+            stats = self.doc.stats(ref, cancelled=lambda: worker.is_cancelled)
         except Cancelled:
             return
         except Exception as e:  # shown, not raised: a bad section must not end the app
