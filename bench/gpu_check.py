@@ -7,7 +7,11 @@
      same root digest, same bytes;
   3. restores the file through the cupy path into fresh CUDA pools (other data in
      their free slots) and checks every restored row byte for byte against the source;
-  4. measures export against pinned device-to-host cudaMemcpy bandwidth and restore
+  4. moves every dtype hsnap names (float8 included: no kernel may be missing) out of
+     and into fragmented rows through CudaEngine on EVERY visible GPU while torch's and
+     cupy's current device stay 0 (a TP rank's pools on cuda:N), byte for byte against
+     the CPU engine;
+  5. measures export against pinned device-to-host cudaMemcpy bandwidth and restore
      against pinned host-to-device bandwidth (target >= 0.8x each), plus the engines
      alone (no file: a null sink / an in-RAM source) to separate the copy engine
      from the host-side page-cache copies.
@@ -48,7 +52,7 @@ class Failed(Exception):
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    return t.unsqueeze(-1).view(torch.uint8).reshape(-1)
 
 
 def request_rows(pools, row: int, tokens: int, slots=None) -> dict[str, torch.Tensor]:
@@ -56,7 +60,9 @@ def request_rows(pools, row: int, tokens: int, slots=None) -> dict[str, torch.Te
 
     v = view(pools)
     s = slots or request_slots(v, row, tokens)
-    return {b.name: _bytes(b.buffer.index_select(0, s.rows(b.space).to(b.buffer.device))) for b in v.bindings}
+    from hsnap_io.transfer import raw_rows  # raw words: no dtype lacks the gather kernel
+
+    return {b.name: _bytes(raw_rows(b.buffer).index_select(0, s.rows(b.space).to(b.buffer.device))) for b in v.bindings}
 
 
 def mirror(src, dst) -> None:
@@ -107,6 +113,43 @@ def cpu_parts(tokens: int, d: str) -> None:
     check_same_export(a, b, pa, pb, "CPU export twice")
     check_restore(src, row, tokens, pa, "cpu")
     print(f"CPU parts OK at {tokens} tokens: two exports identical ({len(a.digests)} sections), restore byte-identical")
+
+
+def engine_dtype_check() -> None:
+    """Step 4: every dtype, fragmented rows, through CudaEngine on every GPU, current device 0."""
+    import cupy
+
+    from hsnap_io.adapters import TORCH_DTYPES
+    from hsnap_io.transfer import CudaEngine, HostEngine
+
+    rows = torch.tensor([7, 3, 30, 9, 31])
+    gen = torch.Generator().manual_seed(5)
+    torch.cuda.set_device(0)
+    with cupy.cuda.Device(0):
+        for index in range(torch.cuda.device_count()):
+            dev = torch.device("cuda", index)
+            eng = CudaEngine(dev, staging_bytes=256)  # small: chunking and buffer reuse
+            if eng.index != index:
+                raise Failed(f"CudaEngine for {dev} runs on device {eng.index}")
+            for dtype in TORCH_DTYPES:
+                raw = torch.randint(0, 2 if dtype == torch.bool else 256, (40, 3, 8), generator=gen, dtype=torch.int16).to(torch.uint8)
+                host = raw.view(dtype) if dtype.itemsize == 1 else raw.view(-1).view(dtype).view(40, 3, -1)
+                buf = host.to(dev)
+                want, got = bytearray(), bytearray()
+                HostEngine().export_section(host, rows, lambda d, f, last: want.extend(bytes(d)))
+                eng.export_section(buf, rows.to(dev), lambda d, f, last: got.extend(bytes(d)))
+                eng.finish_export()
+                if got != want:
+                    raise Failed(f"CudaEngine export on {dev}, {dtype}: bytes differ from the CPU engine")
+                new = np.frombuffer(bytes(reversed(want)), dtype=np.uint8)
+                eng.import_section(buf, rows.to(dev), new)
+                eng.finish_import()
+                HostEngine().import_section(host, rows, new)
+                if not torch.equal(_bytes(buf.cpu()), _bytes(host)):
+                    raise Failed(f"CudaEngine import on {dev}, {dtype}: pool bytes differ from the CPU engine's")
+            if torch.cuda.current_device() != 0 or cupy.cuda.runtime.getDevice() != 0:
+                raise Failed(f"CudaEngine on {dev} left the current device changed")
+    print(f"engine OK: {len(TORCH_DTYPES)} dtypes x {torch.cuda.device_count()} device(s), fragmented rows, byte-identical to the CPU engine", flush=True)
 
 
 def med(f, repeats: int) -> float:
@@ -263,6 +306,7 @@ def main(argv=None) -> int:
         print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; dir {d}", flush=True)
         table: list = []
         try:
+            engine_dtype_check()
             for t in args.tokens:
                 gpu_run(t, d, args.repeats, table)
         except Failed as e:

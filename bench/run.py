@@ -15,10 +15,12 @@ median of ``--repeats`` rounds after ``--warmup`` rounds is reported.
 
 export (source: the request's rows in the pools; destination: a fresh file in --dir)
   hsnap       export_request(..., fsync=F): gather + xxh3-128 digests + pwrite
-  raw write   one os.write() of file_length bytes from a ready buffer  (the limit)
+  raw write   one os.write() of file_length bytes from a ready buffer
   raw falloc+write  the same after posix_fallocate of the whole file, as hsnap does (on
-              ext4 this makes buffered writes ~2x cheaper); the targets are judged
-              against the FASTER of the two raw writes
+              ext4 this makes buffered writes ~2x cheaper)
+  raw pwrite 2MiB, raw falloc+pwrite 2MiB  the same bytes in 2 MiB pwrite() calls (cache-
+              sized, as hsnap's export), without and with posix_fallocate
+              -- the limit is the FASTEST of the four raw writers, named in the report
   save_file   gather ({name: buf.index_select(0, rows)}) + safetensors.torch.save_file
   torch.save  gather + torch.save(dict)
   -- "fsync" rows: each contender fsyncs its file and then the directory, as hsnap does;
@@ -321,6 +323,23 @@ class Case:
 # ---------------------------------------------------------------------------
 
 
+# The export limit: the fastest way this machine puts the same bytes, already gathered in
+# memory, into a file (same fsyncs as hsnap). Every way is measured and the best one is
+# the limit — a "limit" that loses to the product would be the wrong limit.
+RAW_WRITERS = {  # name -> (posix_fallocate first, pwrite chunk bytes or None for one write())
+    "raw write": (False, None),
+    "raw falloc+write": (True, None),
+    "raw pwrite 2MiB": (False, 2 << 20),
+    "raw falloc+pwrite 2MiB": (True, 2 << 20),
+}
+
+
+def best_raw(t: dict[str, float]) -> tuple[str, float]:
+    """(name, time) of the fastest raw writer in a {contender: median time} map."""
+    name = min(RAW_WRITERS, key=lambda k: t[k])
+    return name, t[name]
+
+
 def export_contenders(case: Case, names: Names, fsync: bool) -> dict[str, Callable[[], float]]:
     from safetensors.torch import save_file
 
@@ -339,18 +358,22 @@ def export_contenders(case: Case, names: Names, fsync: bool) -> dict[str, Callab
         unlink(p)
         return dt
 
-    def raw_write(prealloc: bool) -> Callable[[], float]:
-        return lambda: _raw_write(prealloc)
+    def raw_write(prealloc: bool, chunk: int | None = None) -> Callable[[], float]:
+        return lambda: _raw_write(prealloc, chunk)
 
-    def _raw_write(prealloc: bool) -> float:
+    def _raw_write(prealloc: bool, chunk: int | None) -> float:
         p = names(".raw")
         t = time.perf_counter()
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         if prealloc:
             os.posix_fallocate(fd, 0, len(raw))
         mv, done = memoryview(raw), 0
-        while done < len(mv):
-            done += os.write(fd, mv[done:])
+        if chunk is None:  # one write() of everything
+            while done < len(mv):
+                done += os.write(fd, mv[done:])
+        else:  # pwrite in cache-sized chunks, as hsnap's export does
+            while done < len(mv):
+                done += os.pwrite(fd, mv[done : done + chunk], done)
         if fsync:
             os.fsync(fd)
         os.close(fd)
@@ -382,8 +405,7 @@ def export_contenders(case: Case, names: Names, fsync: bool) -> dict[str, Callab
 
     return {
         f"export/{suffix}/hsnap": hsnap,
-        f"export/{suffix}/raw write": raw_write(False),
-        f"export/{suffix}/raw falloc+write": raw_write(True),
+        **{f"export/{suffix}/{name}": raw_write(prealloc, chunk) for name, (prealloc, chunk) in RAW_WRITERS.items()},
         f"export/{suffix}/save_file": st_save,
         f"export/{suffix}/torch.save": pt_save,
     }
@@ -750,20 +772,21 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
             if not t:
                 continue
             g = med(c.times["gather"]) if "gather" in c.times else float("nan")
-            lim = min(t["raw write"], t["raw falloc+write"])
+            winner, lim = best_raw(t)
             rows.append([
                 f"{c.tokens:,}", fmt_bytes(c.payload), fmt_t(t["hsnap"]), f"{c.file_length / t['hsnap'] / 1e9:.2f}",
-                fmt_t(t["raw write"]), fmt_t(t["raw falloc+write"]), fmt_t(t["save_file"]), fmt_t(t["torch.save"]), fmt_t(g),
-                f"{lim / t['hsnap']:.2f}", f"{t['raw write'] / t['hsnap']:.2f}", f"{t['save_file'] / t['hsnap']:.2f}", f"{t['torch.save'] / t['hsnap']:.2f}",
+                *(fmt_t(t[k]) for k in RAW_WRITERS), winner, fmt_t(t["save_file"]), fmt_t(t["torch.save"]), fmt_t(g),
+                f"{lim / t['hsnap']:.2f}", f"{t['save_file'] / t['hsnap']:.2f}", f"{t['torch.save'] / t['hsnap']:.2f}",
                 f"{t['save_file'] / lim:.2f} / {t['torch.save'] / lim:.2f}",
             ])
             R.verdict(f"export {fs_mode} {c.tokens:,} tok: hsnap/best raw write >= {T_EXPORT_VS_RAW}", lim / t["hsnap"] >= T_EXPORT_VS_RAW, f"{lim / t['hsnap']:.2f}")
             for peer in ("save_file", "torch.save"):
                 R.verdict(f"export {fs_mode} {c.tokens:,} tok: {peer}/hsnap >= {T_EXPORT_VS_PEER}", t[peer] / t["hsnap"] >= T_EXPORT_VS_PEER, f"{t[peer] / t['hsnap']:.2f}")
-        R.table(["tokens", "payload", "hsnap", "hsnap GB/s", "raw write", "raw falloc+write", "save_file", "torch.save", "gather",
-                 "hsnap/best raw", "hsnap/raw write", "save_file/hsnap", "torch.save/hsnap", "ceiling (peer/best raw)"], rows)
+        R.table(["tokens", "payload", "hsnap", "hsnap GB/s", *RAW_WRITERS, "best raw", "save_file", "torch.save", "gather",
+                 "hsnap/best raw", "save_file/hsnap", "torch.save/hsnap", "ceiling (peer/best raw)"], rows)
         if fs_mode == "fsync":
-            R.add("`hsnap/best raw` = t(faster raw write) / t(hsnap), what the target is judged on; `hsnap/raw write` against the plain write() alone. "
+            R.add("`hsnap/best raw` = t(fastest raw writer) / t(hsnap), what the target is judged on; `best raw` names the writer that won "
+                  "(one write() or 2 MiB pwrites, each with and without posix_fallocate, from bytes already gathered in memory). "
                   "`ceiling (peer/best raw)`: the best peer/hsnap ratio any writer could reach (one as fast as the raw write): "
                   "where it is under 2, the 2x target is out of reach by construction.")
             R.add()
@@ -838,19 +861,19 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
         return med(c.times[k])
 
     if "export/nofsync/hsnap" in small.times:
-        lim = min(t(small, "export/nofsync/raw write"), t(small, "export/nofsync/raw falloc+write"))
+        lim = min(t(small, f"export/nofsync/{k}") for k in RAW_WRITERS)
         out.append(
             f"Export at {small.tokens:,} tokens: hsnap takes {fmt_t(t(small, 'export/nofsync/hsnap'))} without fsync against "
             f"{fmt_t(lim)} for the best raw write: a fixed per-file cost (header planned and encoded twice for 83 sections, "
             f"83 begin/digest/end steps, fallocate, rename) that the raw write does not pay; with fsync it is diluted "
-            f"({fmt_t(t(small, 'export/fsync/hsnap'))} vs {fmt_t(min(t(small, 'export/fsync/raw write'), t(small, 'export/fsync/raw falloc+write')))})."
+            f"({fmt_t(t(small, 'export/fsync/hsnap'))} vs {fmt_t(min(t(small, f'export/fsync/{k}') for k in RAW_WRITERS))})."
         )
         capped = []
         for c in cases:
             for mode in ("fsync", "nofsync"):
                 if f"export/{mode}/hsnap" not in c.times:
                     continue
-                lim = min(t(c, f"export/{mode}/raw write"), t(c, f"export/{mode}/raw falloc+write"))
+                lim = min(t(c, f"export/{mode}/{k}") for k in RAW_WRITERS)
                 for peer in ("save_file", "torch.save"):
                     if t(c, f"export/{mode}/{peer}") / lim < T_EXPORT_VS_PEER:
                         capped.append(f"{peer} {mode} {c.tokens:,} tok ({t(c, f'export/{mode}/{peer}') / lim:.2f})")
@@ -862,7 +885,7 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
     if "export/fsync/hsnap" in big.times:
         spread = ", ".join(
             f"{k.split('/')[2]} {fmt_t(min(big.times[k]))}–{fmt_t(max(big.times[k]))}"
-            for k in ("export/fsync/hsnap", "export/fsync/raw write", "export/fsync/raw falloc+write")
+            for k in ("export/fsync/hsnap", *(f"export/fsync/{w}" for w in RAW_WRITERS))
         )
         out.append(f"The fsync rows follow the shared disk's fsync latency; at {big.tokens:,} tokens the rounds spread over {spread}.")
     if "restore/hsnap exact rollback" in big.times:

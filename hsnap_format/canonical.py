@@ -130,15 +130,121 @@ def _depth_ok(data: bytes, max_depth: int) -> bool:
     return True
 
 
+# Spec 4: integer literals over 400 digits are refused. No canonical number is longer
+# (a double's ECMAScript form is at most 25 characters), so the same bound applies to
+# every number literal and keeps conversion cost bounded.
+MAX_NUMBER_LITERAL = 400
+
+
 def _parse_int(text: str):
-    if len(text) > 400:
-        raise CanonicalError("integer literal too long")
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_NUMBER_LITERAL:
+        raise CanonicalError(f"integer literal of {digits} digits (at most {MAX_NUMBER_LITERAL})")
     value = int(text)
-    return value if abs(value) <= MAX_SAFE_INTEGER else float(value)
+    if abs(value) <= MAX_SAFE_INTEGER:
+        return value
+    # Beyond 2**53 - 1 a literal denotes the IEEE double it rounds to (spec 4); from
+    # 309 digits on that is beyond the largest double: refused like Infinity.
+    try:
+        return float(value)
+    except OverflowError:
+        raise CanonicalError(f"integer literal of {digits} digits is beyond the double range") from None
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_LITERAL:
+        raise CanonicalError(f"number literal of {len(text)} characters (at most {MAX_NUMBER_LITERAL})")
+    value = float(text)  # a string never overflows: 1e400 gives inf, refused here
+    if not math.isfinite(value):
+        raise CanonicalError(f"number {text[:32]} is beyond the double range")
+    return value
+
+
+# Fast path (issue 15): the C decoder and encoder do the work; the pure-Python
+# ``_encode`` above stays the definition and decides every case the fast path does not
+# prove. Accepting needs all of:
+#   * ``json.loads`` without hooks but parse_float/parse_constant succeeds;
+#   * no number literal of 16 or more digits (ints near or beyond 2**53, which JCS
+#     reads as doubles, and over-long literals go to the full path);
+#   * every float literal already in its ECMAScript form (``_number``) — checked per
+#     literal, so JCS would print each float exactly as it stands;
+#   * the bytes are ASCII (so every key is ASCII, as JCS requires);
+#   * ``json.dumps(obj, sort_keys, no whitespace)`` gives ``data`` back. With the float
+#     literals fixed above, JCS and ``json.dumps`` differ only in floats and key checks,
+#     so this is ``dumps(obj) == data``. Duplicate keys shrink the dict (mismatch),
+#     whitespace, escapes like ``\/`` or ``\u0041``, trailing data all mismatch or fail.
+# Whatever fails or differs falls back to the full path below, which gives the same
+# verdict and message as before; a mismatch found here is never a refusal by itself.
+# A number literal of 16+ digits starts the text or follows ':' ',' '[' (then maybe '-'):
+# digits read as '0' and those three as '!', it is '!0000000000000000' or '!-000...'.
+# (A string that happens to spell one only sends the header to the full path.)
+_NUMBER_VIEW = bytes.maketrans(b"123456789:,[", b"000000000!!!")
+_LONG_NUMBER = (b"!" + b"0" * 16, b"!-" + b"0" * 16)
+
+
+def _has_long_number(data: bytes) -> bool:
+    view = b"!" + data.translate(_NUMBER_VIEW)
+    return _LONG_NUMBER[0] in view or _LONG_NUMBER[1] in view
+
+
+_NOT_QUOTE_OR_BRACKET = bytes(b for b in range(256) if b not in b'"[]{}')
+_BRACKETS_AS_SQUARE = bytes.maketrans(b"{}", b"[]")
+
+
+class _NotFast(Exception):
+    pass
+
+
+def _float_fast(text: str) -> float:
+    value = float(text) if len(text) <= MAX_NUMBER_LITERAL else math.nan
+    if not math.isfinite(value) or _number(value) != text:
+        raise _NotFast
+    return value
+
+
+def _canonical_depth(data: bytes, limit: int) -> int:
+    """Nesting depth of ``data`` (at most ``limit + 1``), which must already be canonical
+    JSON. Inside its strings a backslash starts an escape pair and every quote is escaped,
+    so dropping ``\\\\`` then ``\\"`` leaves only the quotes that delimit strings; of the
+    brackets outside them, each pass drops the innermost pairs: passes = depth."""
+    if b"\\" in data:
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    # Quotes and brackets only. Left to right, a string without brackets is a '""' pair;
+    # a string with one keeps its opening quote, so no quote left = no bracket in a string.
+    skeleton = data.translate(_BRACKETS_AS_SQUARE, _NOT_QUOTE_OR_BRACKET).replace(b'""', b"")
+    if b'"' in skeleton:
+        skeleton = b"".join(data.split(b'"')[::2]).translate(_BRACKETS_AS_SQUARE, _NOT_QUOTE_OR_BRACKET)
+    depth = 0
+    while skeleton and depth <= limit:
+        skeleton = skeleton.replace(b"[]", b"")
+        depth += 1
+    return depth
+
+
+def _not_fast(_name):
+    raise _NotFast
+
+
+def _loads_fast(data: bytes, max_depth: int):
+    if not data.isascii() or _has_long_number(data):
+        raise _NotFast
+    text = data.decode("ascii")
+    obj = json.loads(text, parse_float=_float_fast, parse_constant=_not_fast)
+    if json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) != text:
+        raise _NotFast
+    if _canonical_depth(data, max_depth) > max_depth:
+        raise CanonicalError(f"nesting deeper than {max_depth}")
+    return obj
 
 
 def loads(data: bytes, *, max_depth: int = 16) -> Any:
     """Decode canonical JSON bytes, refusing anything :func:`dumps` would not produce."""
+    try:
+        return _loads_fast(data, max_depth)
+    except CanonicalError:
+        raise
+    except Exception:  # noqa: BLE001 - not proven canonical here: the full path decides
+        pass
     if not _depth_ok(data, max_depth):
         raise CanonicalError(f"nesting deeper than {max_depth}")
     try:
@@ -147,11 +253,15 @@ def loads(data: bytes, *, max_depth: int = 16) -> Any:
         raise CanonicalError(f"not UTF-8 at byte {e.start}") from None
     try:
         obj = json.loads(
-            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=_parse_int
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
         )
     except CanonicalError:
         raise
-    except (ValueError, RecursionError) as e:
+    except (ValueError, RecursionError, OverflowError) as e:  # every decoding failure is a CanonicalError
         raise CanonicalError(f"not JSON: {e}") from None
     if dumps(obj) != data:
         raise CanonicalError("not in canonical form (RFC 8785)")

@@ -7,18 +7,64 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 
-from . import open_snapshot
+import numpy as np
+
+from . import MAJOR, MINOR, __version__, open_snapshot
 from .errors import HsnapError
 from .manifest import SnapshotSet
 from .reader import Snapshot
-from .viewmodel import escape, snapshot_summary
+from .spec import DTYPES
+from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
 
 
 def _ranks(snap) -> list[Snapshot]:
     return list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
+
+
+def _heads(n: int) -> str:
+    return plural(n, "head")
+
+
+def _print_rank(r: dict, first: bool) -> None:
+    ident, req, g = r["identity"], r["request"], r["geometry"]
+    if not first:
+        print()
+    print(f"== {escape(r['path'])}  (hsnap {r['version']}, rank {ident['tp_rank']}/{ident['tp_size']})")
+    engine = ident["engine"]
+    commit = f" ({escape(engine['commit'])})" if engine.get("commit") else ""
+    weights = " ".join(escape(x) for x in (ident.get("weights_version"), ident.get("weights_hash")) if x)
+    print(f"model {escape(ident['model_id'])}  weights {weights or '-'}  engine {escape(engine['name'])} {escape(engine['version'])}{commit}")
+    print(f"snapshot {escape(ident['snapshot_id'])}  created {escape(ident['created_at'])}  device {escape(ident['device'])}")
+    if g["attention"]:
+        a = g["attention"]
+        stored = "" if a["storage_dtype"] == a["dtype"] else f" (stored as {a['storage_dtype']})"
+        swa = f" + {len(a['swa_layers'])} sliding-window" if a["swa_layers"] else ""
+        print(f"attention {a['kind']}: {plural(len(a['layers']), 'layer')}{swa}, {_heads(a['heads'])} per rank, "
+              f"K dim {a['k_head_dim']}, V dim {a['v_head_dim']}, {a['dtype']}{stored}, page size {a['page_size']}")
+    if g["mamba"]:
+        m = g["mamba"]
+        conv = ", ".join("×".join(map(str, c)) for c in m["conv_shapes"])
+        print(f"mamba/GDN: {plural(len(m['layers']), 'layer')}, conv [{conv}] {m['conv_dtype']}, "
+              f"temporal {'×'.join(map(str, m['temporal_shape']))} {m['temporal_dtype']}, conv sliced on axis {m['conv_slice_axis']}")
+    budget = req["remaining_budget"]
+    print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, "
+          f"streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")
+    secs = r["sections"]
+    w = max([len("name")] + [len(escape(s["name"])) for s in secs])
+    kw = max([len("kind")] + [len(s["kind"]) for s in secs])
+    shw = max([len("shape")] + [len("×".join(map(str, s["shape"]))) for s in secs])
+    print(f"{'name':<{w}}  {'kind':<{kw}} {'layer':>5}  {'dtype':<15} {'shape':<{shw}} {'offset':>12} {'bytes':>12} {'size':>10}  digest")
+    for s in secs:
+        layer = "" if s["layer"] is None else s["layer"]
+        shape = "×".join(map(str, s["shape"]))
+        print(f"{escape(s['name']):<{w}}  {s['kind']:<{kw}} {layer:>5}  {s['dtype']:<15} {shape:<{shw}} {s['offset']:>12} {s['length']:>12} "
+              f"{fmt_bytes(s['length']):>10}  {s['digest']}")
+    print(f"total {r['file_length']} bytes, payload {r['payload_bytes']} bytes ({fmt_bytes(r['file_length'])} file, "
+          f"{fmt_bytes(r['payload_bytes'])} state payload), {len(secs)} sections, root digest {r['root_digest']}")
 
 
 def cmd_info(args) -> int:
@@ -29,53 +75,77 @@ def cmd_info(args) -> int:
             return 0
         if isinstance(snap, SnapshotSet):
             m = summary["manifest"]
-            print(f"snapshot directory {escape(args.path)}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, state position {m['state_position']}")
-        for r in summary["ranks"]:
-            ident, req = r["identity"], r["request"]
-            print(f"\n== {escape(r['path'])}  (hsnap {r['version']}, rank {ident['tp_rank']}/{ident['tp_size']})")
-            print(f"model {escape(ident['model_id'])} weights {escape(ident['weights_version'])} engine {escape(ident['engine']['name'])} {escape(ident['engine']['version'])} ({escape(ident['engine']['commit'])})")
-            print(f"snapshot {escape(ident['snapshot_id'])} created {escape(ident['created_at'])} device {escape(ident['device'])}")
-            g = r["geometry"]
-            if g["attention"]:
-                a = g["attention"]
-                print(f"attention {a['kind']}: {len(a['layers'])} full + {len(a['swa_layers'])} swa layers, {a['heads']} heads, K {a['k_head_dim']} V {a['v_head_dim']}, {a['dtype']} (stored {a['storage_dtype']}), page {a['page_size']}")
-            if g["mamba"]:
-                m = g["mamba"]
-                print(f"mamba: {len(m['layers'])} layers, conv {m['conv_shapes']} {m['conv_dtype']}, temporal {m['temporal_shape']} {m['temporal_dtype']}, slice axis {m['conv_slice_axis']}")
-            print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, streamed {req['streamed']['tokens']}, remaining budget {req['remaining_budget']}")
-            print(f"{'name':<26} {'kind':<16} {'layer':>5} {'dtype':<14} {'shape':<18} {'offset':>12} {'bytes':>12}  digest")
-            for s in r["sections"]:
-                layer = "" if s["layer"] is None else s["layer"]
-                print(f"{escape(s['name']):<26} {s['kind']:<16} {layer:>5} {s['dtype']:<14} {str(s['shape']):<18} {s['offset']:>12} {s['length']:>12}  {s['digest']}")
-            print(f"total {r['file_length']} bytes, payload {r['payload_bytes']} bytes, {len(r['sections'])} sections, root digest {r['root_digest']}")
+            total = sum(r["file_length"] for r in summary["ranks"])
+            print(f"snapshot directory {escape(args.path)}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, "
+                  f"state position {m['state_position']}, {fmt_bytes(total)} in {plural(len(summary['ranks']), 'rank file')}")
+            print()
+        for i, r in enumerate(summary["ranks"]):
+            _print_rank(r, first=i == 0)
     return 0
+
+
+def _failure(e: HsnapError) -> dict:
+    return {"error": type(e).__name__, "path": e.path, "field": e.field, "message": str(e)}
 
 
 def cmd_verify(args) -> int:
+    """Every rank, every section, the padding: report each failure (``--first``: stop at one)."""
+    failures: list[HsnapError] = []
+    n = 0
     try:
         with open_snapshot(args.path) as snap:
             for s in _ranks(snap):
-                s.verify()
-            n = sum(len(s.sections) for s in _ranks(snap))
-    except HsnapError as e:
-        if args.json:
-            print(json.dumps({"ok": False, "error": type(e).__name__, "path": e.path, "field": e.field, "message": str(e)}))
-        else:
-            print(f"FAILED {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
-        return 1
+                n += len(s.sections)
+                for info, err in s.iter_verify(cancelled=lambda: args.first and bool(failures)):
+                    if err is not None:
+                        failures.append(err)
+                if args.first and failures:
+                    break
+                try:
+                    s.check_padding()
+                except HsnapError as e:
+                    failures.append(e)
+                if args.first and failures:
+                    break
+    except HsnapError as e:  # refused at open: nothing else can be checked
+        failures, n = [e], 0
     if args.json:
-        print(json.dumps({"ok": True, "path": args.path, "sections": n}))
+        out = {"ok": not failures, "path": args.path, "sections": n, "errors": [_failure(e) for e in failures]}
+        if failures:
+            out.update(_failure(failures[0]))  # the first failure at the top level, as before
+        print(json.dumps(out))
+    elif failures:
+        for e in failures:
+            print(f"FAILED {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
+        if len(failures) > 1:
+            print(f"FAILED {escape(args.path)}: {len(failures)} problems", file=sys.stderr)
     else:
         print(f"OK {escape(args.path)}: {n} sections verified")
-    return 0
+    return 1 if failures else 0
+
+
+def _hint(e: BaseException) -> str:
+    hint = leftover_hint(e)
+    return f" ({hint})" if hint else ""
+
+
+# status -> order in the printed diff: what needs attention first
+_DIFF_ORDER = {"digest-mismatch": 0, "shape-mismatch": 1, "only-in-A": 2, "only-in-B": 2, "differ": 3, "equal": 4}
+_NAMES_IN_SUMMARY = 5
 
 
 def _fmt(v) -> str:
     return "-" if v is None else f"{v:.6g}" if isinstance(v, float) else escape(v)
 
 
+def _names(labels: list[str]) -> str:
+    more = f", … {len(labels) - _NAMES_IN_SUMMARY} more" if len(labels) > _NAMES_IN_SUMMARY else ""
+    return ", ".join(escape(x) for x in labels[:_NAMES_IN_SUMMARY]) + more
+
+
 def _print_diff(report, args) -> None:
-    """h5diff-like text: header differences, then one line per section (differing ones unless -v)."""
+    """h5diff-like text: header differences, then one line per section (the troubled ones
+    first; equal ones only with -v), then a summary naming what differs."""
     for rank, h in report.headers.items():
         where = f"rank {rank} " if report.multi_rank else ""
         for part, rows in (("identity", h.identity), ("geometry", h.geometry), ("request", h.request), ("info", h.info)):
@@ -83,20 +153,24 @@ def _print_diff(report, args) -> None:
                 print(f"{where}{part}: {escape(field)}: A {escape(repr(a))} != B {escape(repr(b))}")
     if report.ranks_a != report.ranks_b:
         print(f"ranks: A {list(report.ranks_a)} != B {list(report.ranks_b)}")
-    print(f"{'section':<34} {'status':<15} {'max_abs':>11} {'max_rel':>11} {'differing':>19}  first difference")
-    for d in report.sections:
-        if d.same and not args.verbose:
-            continue
+    shown = sorted((d for d in report.sections if args.verbose or not d.same), key=lambda d: _DIFF_ORDER.get(d.status, 5))
+    w = max([len("section")] + [len(escape(report.label(d))) for d in shown])
+    print(f"{'section':<{w}} {'status':<15} {'max_abs':>11} {'max_rel':>11} {'differing':>19}  first difference")
+    for d in shown:
         count = f"{d.count_differ}/{d.elements}" if d.status in ("equal", "differ") else ""
-        first = "" if d.first_diff is None else f"{list(d.first_diff)}: A {_fmt(d.first_a)} B {_fmt(d.first_b)}"
+        first = "" if d.first_diff is None else f"{list(d.first_diff)}: {fmt_value_pair(d.first_a, d.first_b, d.dtype_a, d.dtype_b)}"
         if d.status == "shape-mismatch":
             first = f"A {list(d.shape_a)} B {list(d.shape_b)}"
+        elif d.status == "digest-mismatch":
+            first = f"{d.corrupt} fails its own digest: its bytes are not what was written"
         elif d.dtype_mismatch:
             first = f"dtype A {d.dtype_a} B {d.dtype_b}; " + first
-        print(f"{escape(report.label(d)):<34} {d.status:<15} {_fmt(d.max_abs_diff):>11} {_fmt(d.max_rel_diff):>11} {count:>19}  {first}")
-    n = len(report.differing)
+        print(f"{escape(report.label(d)):<{w}} {d.status:<15} {_fmt(d.max_abs_diff):>11} {_fmt(d.max_rel_diff):>11} {count:>19}  {first}")
+    differing = sorted(report.differing, key=lambda d: _DIFF_ORDER.get(d.status, 5))
+    n = len(differing)
     verdict = "same" if report.same else "DIFFER"
-    print(f"{n} of {len(report.sections)} sections differ (atol {report.atol:g}, rtol {report.rtol:g}); snapshots {verdict}")
+    names = f": {_names([report.label(d) for d in differing])}" if differing else ""
+    print(f"{n} of {len(report.sections)} sections differ{names} (atol {report.atol:g}, rtol {report.rtol:g}); snapshots {verdict}")
 
 
 def cmd_diff(args) -> int:
@@ -107,7 +181,7 @@ def cmd_diff(args) -> int:
         with open_snapshot(args.a) as a, open_snapshot(args.b) as b:
             report = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol, stop_at_first=args.names_only)
     except (HsnapError, ValueError) as e:
-        print(f"hsnap diff: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
+        print(f"hsnap diff: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
         return 2
     corrupt = report.corrupt
     if args.json:
@@ -128,10 +202,44 @@ def cmd_diff(args) -> int:
     return 0 if report.same else 1
 
 
+def cmd_export(args) -> int:
+    """One section to .npy, or every section (--all) to a directory of .npy or one .safetensors file."""
+    from . import export_npy as ex
+
+    with open_snapshot(args.path) as snap:
+        if args.all:
+            if args.section:
+                print("hsnap export: give either SECTION or --all", file=sys.stderr)
+                return 2
+            out = args.output or (os.path.basename(os.path.normpath(args.path)).rsplit(".", 1)[0] + "-npy")
+            if out.endswith(".safetensors"):
+                done = ex.export_safetensors(snap, out, force=args.force)
+            else:
+                done = ex.export_all_npy(snap, out, raw=args.raw, force=args.force)
+            print(f"exported {len(done)} sections to {escape(out)} ({fmt_bytes(sum(math.prod(e.shape) * DTYPES[e.dtype].itemsize for e in done))})")
+            return 0
+        if not args.section:
+            print("hsnap export: name a SECTION (hsnap info lists them) or give --all", file=sys.stderr)
+            return 2
+        if args.output and args.output.endswith(".safetensors"):
+            print("hsnap export: a single section goes to .npy; use --all for safetensors", file=sys.stderr)
+            return 2
+        rank, s, info = ex.find_section(snap, args.section, args.rank)
+        out = args.output or info.name + ".npy"
+        e = ex.export_npy(s, info, out, raw=args.raw, force=args.force)
+        note = "" if e.stored_as == np.dtype(DTYPES[info.dtype]).name else f" as {e.stored_as}"
+        print(f"exported {escape(info.name)} ({info.dtype} {'×'.join(map(str, info.shape))}{note}, digest verified) to {escape(out)}")
+    return 0
+
+
 def cmd_gc(args) -> int:
     """List (or with --remove, remove) leftovers of interrupted writes; exit 1 if a removal failed."""
     from . import gc
 
+    if "://" in args.dir:  # an object-store prefix: stale multipart uploads, unfinished sets
+        from .cli_remote import gc_url
+
+        return gc_url(args)
     try:
         items = gc.collect(args.dir, remove=args.remove, older_than=args.older_than)
     except OSError as e:
@@ -152,6 +260,7 @@ def cmd_gc(args) -> int:
 # name -> (module:function, help) for subcommands living in optional packages
 _EXTERNAL = {
     "demo": ("hsnap_io.demo.run:main", "continue a tiny hybrid model in a fresh process (needs hsnap[sglang])"),
+    "cp": ("hsnap_format.cli_remote:cp_main", "copy a snapshot between paths and s3:// URLs, verifying (needs hsnap[remote] for URLs)"),
 }
 
 
@@ -177,13 +286,18 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"hsnap {argv[0]}: not available ({e}); install the matching extra", file=sys.stderr)
             return 2
         return getattr(module, func)(argv[1:])
-    p = argparse.ArgumentParser(prog="hsnap", description="hsnap request snapshots")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name, fn, help_ in (("info", cmd_info, "identity, geometry, sections, request summary"), ("verify", cmd_verify, "check every byte; exit 0 when intact")):
-        sp = sub.add_parser(name, help=help_)
-        sp.add_argument("path", help="a rank file or a snapshot directory")
-        sp.add_argument("--json", action="store_true")
-        sp.set_defaults(fn=fn)
+    p = argparse.ArgumentParser(prog="hsnap", description="hsnap request snapshots: inspect, verify, compare, export, clean up")
+    p.add_argument("--version", action="version", version=f"hsnap {__version__} (format {MAJOR}.{MINOR})")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sp = sub.add_parser("info", help="identity, geometry, sections, request summary")
+    sp.add_argument("path", help="a rank file or a snapshot directory")
+    sp.add_argument("--json", action="store_true", help="the whole summary as JSON (sizes in bytes)")
+    sp.set_defaults(fn=cmd_info)
+    sp = sub.add_parser("verify", help="check every byte; exit 0 when intact, else one line per failing section or field")
+    sp.add_argument("path", help="a rank file or a snapshot directory")
+    sp.add_argument("--json", action="store_true", help='{"ok": ..., "errors": [...]} on stdout')
+    sp.add_argument("--first", action="store_true", help="stop at the first failure")
+    sp.set_defaults(fn=cmd_verify)
     sp = sub.add_parser("diff", help="compare two snapshots section by section; exit 0 same, 1 differ, 2 error")
     sp.add_argument("a", help="snapshot A: a rank file or a snapshot directory")
     sp.add_argument("b", help="snapshot B")
@@ -193,12 +307,24 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--names-only", action="store_true", help="print only the names of differing sections and fields")
     sp.add_argument("-v", "--verbose", action="store_true", help="list equal sections too")
     sp.set_defaults(fn=cmd_diff)
+    sp = sub.add_parser("export", help="sections to .npy (one, or --all to a directory) or --all to one .safetensors file",
+                        description="Export verified section data. bf16/fp8 sections become float32 in .npy (exact; --raw keeps "
+                                    "their bits as uint16/uint8); safetensors keeps bf16 and fp8 as they are. Never overwrites "
+                                    "without --force.")
+    sp.add_argument("path", help="a rank file or a snapshot directory")
+    sp.add_argument("section", nargs="?", help="a section name (attn.3.k; rank1/attn.3.k in a directory)")
+    sp.add_argument("-o", "--output", metavar="OUT", help="SECTION: a .npy path (default NAME.npy); --all: a directory or a .safetensors file")
+    sp.add_argument("--all", action="store_true", help="every section of every rank")
+    sp.add_argument("--rank", type=int, default=None, help="the rank of SECTION in a snapshot directory (default: the lowest)")
+    sp.add_argument("--raw", action="store_true", help=".npy: bf16/fp8 as their bit patterns instead of float32")
+    sp.add_argument("--force", action="store_true", help="replace an existing output file")
+    sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("gc", help="list or remove leftover temporary files of interrupted writes (never a committed snapshot)")
     sp.add_argument("dir", help="a directory that snapshots are written into")
     sp.add_argument("--remove", action="store_true", help="remove what is listed as removable (default: only list)")
     sp.add_argument("--older-than", type=float, metavar="SECONDS", default=None,
                     help="removable when unmodified this long, even if its writer pid is running or unknown (other hosts, TP staging)")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="the list as JSON")
     sp.set_defaults(fn=cmd_gc)
     for name, (_, help_) in _EXTERNAL.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -206,7 +332,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except HsnapError as e:
-        print(f"hsnap {args.cmd}: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
+        print(f"hsnap {args.cmd}: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
         return 1
 
 

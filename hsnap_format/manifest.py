@@ -49,7 +49,7 @@ class Manifest:
     state_position: int
     tp_size: int
     ranks: tuple[RankEntry, ...]
-    version: tuple[int, int] = (MAJOR, MINOR)
+    version: tuple[int, int] = (MAJOR, 0)  # the manifest is unchanged in 1.1 (spec 10.1)
 
     def encode(self) -> bytes:
         body = canonical.dumps(
@@ -86,7 +86,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     if not isinstance(obj, dict) or obj.get("format") != MANIFEST_FORMAT:
         raise MalformedManifestError(path, "format", MANIFEST_FORMAT, obj.get("format") if isinstance(obj, dict) else obj)
     ver = obj.get("version")
-    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in ver)):
+    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ver)):
         raise MalformedManifestError(path, "version", "[major, minor]", ver)
     if ver[0] != MAJOR:
         raise UnsupportedVersionError(path, "version", f"major {MAJOR}", f"{ver[0]}.{ver[1]}")
@@ -98,6 +98,8 @@ def decode_manifest(data: bytes, path) -> Manifest:
         return v
 
     snapshot_id, pos, tp = need("snapshot_id", str), need("state_position", int), need("tp_size", int, 1)
+    if tp > 1 << 16:  # spec 10.1: the bound of identity.tp_size; checked before the ranks list is walked
+        raise MalformedManifestError(path, "tp_size", "1..65536", tp)
     ranks = obj.get("ranks")
     if not isinstance(ranks, list) or len(ranks) != tp:
         raise MalformedManifestError(path, "ranks", f"{tp} entries", ranks if not isinstance(ranks, list) else len(ranks))
@@ -164,7 +166,7 @@ class SnapshotSet:
     def _open_rank(self, entry: RankEntry) -> Snapshot:
         fpath = os.path.join(self.path, entry.file)
         try:
-            snap = Snapshot(fpath)
+            snap = self._open_file(fpath)
         except HsnapIOError as e:
             if isinstance(e.os_error, FileNotFoundError):
                 raise MalformedManifestError(fpath, f"ranks[{entry.rank}].file", "present", Phrase("missing")) from None
@@ -183,6 +185,9 @@ class SnapshotSet:
                 snap.close()
                 raise MalformedManifestError(fpath, f"rank {entry.rank} {field} (manifest vs rank file)", exp, found)
         return snap
+
+    def _open_file(self, fpath: str) -> Snapshot:  # a ranged-GET Snapshot in hsnap_format.remote
+        return Snapshot(fpath)
 
     def rank(self, r: int) -> Snapshot:
         return self.ranks[r]
@@ -292,7 +297,11 @@ class SetWriter:
 
 
 def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
-    """Open a rank file or a snapshot directory."""
+    """Open a rank file or a snapshot directory, or their object-store URL (s3://bucket/key)."""
+    if "://" in os.fspath(path):  # hsnap[remote]; imported only for URLs
+        from .remote import open_url
+
+        return open_url(os.fspath(path), **kw)
     # A link given as the path itself is followed (e.g. "latest"); links inside a
     # snapshot directory are refused by SnapshotSet, and rank files open O_NOFOLLOW.
     p = os.path.realpath(os.fspath(path)) if os.path.islink(os.fspath(path)) else os.fspath(path)

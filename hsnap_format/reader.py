@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import math
 import mmap
+import operator
 import os
+import re
 import stat
 from dataclasses import dataclass
 from typing import Iterator
@@ -30,7 +32,7 @@ from .errors import (
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
-from .layout import SectionSpec, record_sections, state_sections
+from .layout import SectionSpec, record_sections, state_section_rows
 from .records import Geometry, Identity, RequestRecord, request_header_fields
 from .spec import (
     ALIGNMENT,
@@ -80,6 +82,17 @@ class SectionInfo:
     @property
     def axes(self) -> tuple[str, ...] | None:
         return SECTION_KINDS[self.kind].axes
+
+
+_new = object.__new__
+
+
+def _section_info(index, name, kind, layer, dtype, shape, offset, length, digest) -> SectionInfo:
+    """``SectionInfo(...)`` without the frozen dataclass's nine ``object.__setattr__``
+    calls (a third of an open's section table cost); same type, fields, equality, hash."""
+    s = _new(SectionInfo)
+    s.__dict__.update(index=index, name=name, kind=kind, layer=layer, dtype=dtype, shape=shape, offset=offset, length=length, digest=digest)
+    return s
 
 
 def _check64(block: bytes) -> int:
@@ -154,7 +167,54 @@ def parse_header(data: bytes, path) -> dict:
     return obj
 
 
+_SECTION_FIELDS = ("name", "kind", "layer", "dtype", "shape", "offset", "length", "digest")
+_SECTION_GET = operator.itemgetter(*_SECTION_FIELDS)
+_HEX = re.compile("[0-9a-f]*").fullmatch
+_ITEMSIZE = {name: dt.itemsize for name, dt in DTYPES.items()}
+
+
+def _sections_fast(table, data_offset: int, end: int) -> tuple[SectionInfo, ...] | None:
+    """The section table when every entry passes every check of :func:`parse_sections`
+    (the same checks, column by column, or stricter: exact types), else None — then
+    parse_sections checks entry by entry for the error. Most of an open was spent here."""
+    if type(table) is not list or len(table) > MAX_SECTIONS or not table:
+        return None
+    if set(map(type, table)) != {dict} or set(map(len, table)) != {len(_SECTION_FIELDS)}:
+        return None
+    try:  # 8 entries, all 8 keys present: exactly the keys
+        rows = list(map(_SECTION_GET, table))
+    except KeyError:
+        return None
+    names, kinds, layers, dtypes, shapes, offsets, lengths, digests = zip(*rows)
+    if (set(map(type, names)) != {str} or len(set(names)) != len(names)
+            or set(map(type, kinds)) != {str} or not set(kinds) <= SECTION_KINDS.keys()
+            or set(map(type, dtypes)) != {str} or not set(dtypes) <= DTYPES.keys()
+            or not set(map(type, layers)) <= {int, type(None)}
+            or set(map(type, shapes)) != {list} or max(map(len, shapes)) > 8
+            or not set(map(type, offsets)) == set(map(type, lengths)) == {int}
+            or set(map(type, digests)) != {str} or set(map(len, digests)) != {32} or not _HEX(
+                "".join(digests))):
+        return None
+    numbered = [x for x in layers if x is not None]
+    if numbered and (min(numbered) < 0 or max(numbered) >= 1 << 16):
+        return None
+    dims = [d for shape in shapes for d in shape]
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) >= 1 << 40):
+        return None
+    cursor, mask = data_offset, ALIGNMENT - 1
+    for shape, dtype, offset, length in zip(shapes, dtypes, offsets, lengths):
+        if offset != cursor or length != math.prod(shape) * _ITEMSIZE[dtype]:
+            return None
+        cursor = (offset + length + mask) & ~mask
+    if offset + length != end:  # the last section ends at the trailer, unpadded
+        return None
+    return tuple(map(_section_info, range(len(rows)), names, kinds, layers, dtypes, map(tuple, shapes), offsets, lengths, digests))
+
+
 def parse_sections(table, path, data_offset: int, end: int) -> tuple[SectionInfo, ...]:
+    fast = _sections_fast(table, data_offset, end)
+    if fast is not None:
+        return fast
     if not isinstance(table, list) or len(table) > MAX_SECTIONS:
         raise MalformedHeaderError(path, "header.sections", f"a list of at most {MAX_SECTIONS}", type(table).__name__)
     out, cursor, names = [], data_offset, set()
@@ -227,29 +287,7 @@ class Snapshot:
             if not stat.S_ISREG(st.st_mode):
                 raise MalformedHeaderError(self.path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
             self.size = st.st_size
-            block = os.pread(fd, PREAMBLE.size, 0)
-            self.preamble = pre = parse_preamble(block, self.path, self.size)
-            header = os.pread(fd, pre.header_length, HEADER_OFFSET)
-            if len(header) != pre.header_length:
-                raise TruncatedError(self.path, "header", pre.header_length, len(header))
-            if xxhash.xxh3_128_digest(header) != pre.header_digest:
-                raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
-            self.header_bytes = header
-            self.header = parse_header(header, self.path)
-            trailer_at = pre.file_length - TRAILER.size
-            tra = os.pread(fd, TRAILER.size, trailer_at)
-            self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, trailer_at)
-            self._check_trailer(tra)
-            self.identity = Identity.from_header(self.header["identity"], self.path)
-            self.geometry = Geometry.from_header(self.header["geometry"], self.path)
-            req = request_header_fields(self.header["request"], self.path)
-            self._request_fields, self._request_counts = req["fields"], req["counts"]
-            self.swa_start = self._int_field("swa_start")
-            att = self.geometry.attention
-            if self.swa_start and (att is None or att.kind != "swa"):
-                raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
-            self._check_layout()
-            self._by_name = {s.name: s for s in self.sections}
+            self._load(lambda n, at: os.pread(fd, n, at))
         except OSError as e:
             os.close(fd)
             raise HsnapIOError(self.path, "read", e) from None
@@ -263,6 +301,33 @@ class Snapshot:
         self._fd = fd
         self._stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         self._scratch = bytearray()
+
+    def _load(self, pread) -> None:
+        """Parse and check preamble, header and trailer; ``pread(n, offset)`` reads the
+        source (a descriptor here; ranged GETs in hsnap_format.remote). Needs ``self.size``."""
+        block = pread(PREAMBLE.size, 0)
+        self.preamble = pre = parse_preamble(block, self.path, self.size)
+        header = pread(pre.header_length, HEADER_OFFSET)
+        if len(header) != pre.header_length:
+            raise TruncatedError(self.path, "header", pre.header_length, len(header))
+        if xxhash.xxh3_128_digest(header) != pre.header_digest:
+            raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
+        self.header_bytes = header
+        self.header = parse_header(header, self.path)
+        trailer_at = pre.file_length - TRAILER.size
+        tra = pread(TRAILER.size, trailer_at)
+        self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, trailer_at)
+        self._check_trailer(tra)
+        self.identity = Identity.from_header(self.header["identity"], self.path)
+        self.geometry = Geometry.from_header(self.header["geometry"], self.path)
+        req = request_header_fields(self.header["request"], self.path)
+        self._request_fields, self._request_counts = req["fields"], req["counts"]
+        self.swa_start = self._int_field("swa_start")
+        att = self.geometry.attention
+        if self.swa_start and (att is None or att.kind != "swa"):
+            raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
+        self._check_layout()
+        self._by_name = {s.name: s for s in self.sections}
 
     def __del__(self) -> None:  # an unclosed Snapshot must not leak its descriptor
         try:
@@ -294,8 +359,7 @@ class Snapshot:
             raise MalformedHeaderError(p, "trailer.reserved", "zero", reserved.hex())
         h = xxhash.xxh3_128()
         h.update(self.preamble.header_digest)
-        for s in self.sections:
-            h.update(bytes.fromhex(s.digest))
+        h.update(bytes.fromhex("".join(s.digest for s in self.sections)))  # = one update per digest
         if h.digest() != root:
             raise DigestMismatchError(p, "trailer.root_digest", root.hex(), h.hexdigest())
         self.root_digest = root.hex()
@@ -311,9 +375,12 @@ class Snapshot:
         n = _expected_section_count(self.geometry, c, rng is not None)
         if n != len(self.sections):
             raise MalformedHeaderError(self.path, "sections", f"{n} sections (from geometry/request)", len(self.sections))
-        expected = state_sections(self.geometry, self._request_fields["state_position"], self.swa_start) + record_sections(
-            c["prompt_tokens"], c["output_tokens"], c["has_logprobs"], c["top_logprobs_k"], rng
-        )
+        records = record_sections(c["prompt_tokens"], c["output_tokens"], c["has_logprobs"], c["top_logprobs_k"], rng)
+        rows = state_section_rows(self.geometry, self._request_fields["state_position"], self.swa_start)
+        rows += [(r.name, r.kind, r.layer, r.dtype, r.shape) for r in records]
+        if rows == [(s.name, s.kind, s.layer, s.dtype, s.shape) for s in self.sections]:
+            return
+        expected = [SectionSpec(*r) for r in rows]  # the slow comparison, for the message
         found = [SectionSpec(s.name, s.kind, s.layer, s.dtype, s.shape) for s in self.sections]
         if expected != found:
             for i, (e, f) in enumerate(zip(expected + [None] * len(found), found + [None] * len(expected))):

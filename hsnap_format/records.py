@@ -78,8 +78,8 @@ class _Fields:
 
     def strs(self, key, default=dataclasses.MISSING, max_len=1024) -> tuple[str, ...]:
         v = self.raw(key, default)
-        if not isinstance(v, list) or len(v) > max_len or not all(isinstance(i, str) for i in v):
-            raise self._err(key, "a list of strings", v)
+        if not isinstance(v, list) or len(v) > max_len or not all(isinstance(i, str) and len(i) <= 4096 for i in v):
+            raise self._err(key, "a list of strings (each at most 4,096 code points)", v)
         return tuple(v)
 
     def dtype(self, key) -> str:
@@ -89,7 +89,7 @@ class _Fields:
         return v
 
     def shape(self, key) -> tuple[int, ...]:
-        return self.ints(key, max_len=MAX_NDIM, hi=1 << 40)
+        return self.ints(key, max_len=MAX_NDIM, hi=(1 << 40) - 1)  # as the section table's dims (spec 5.2, 5.5)
 
     def sub(self, key, default=dataclasses.MISSING) -> "_Fields":
         return _Fields(self.raw(key, default), f"{self.where}.{key}", self.path)
@@ -285,20 +285,120 @@ class MambaGeometry:
         )
 
 
+_MAX_PARTS = 64  # a GDN conv has 3 parts, Mamba2 x|B|C 3; room for more, not for a flood
+
+
+@dataclass(frozen=True)
+class ShardAxis:
+    """How one rank's sections of one state kind relate to the global tensor (format 1.1,
+    spec 5.7): along ``axis`` of the section shape, the rank's extent is the concatenation
+    of ``parts``, each ``(global_offset, length, replicas)`` — a run of the global axis
+    (``global_size`` long) that ``replicas`` ranks of the TP group hold."""
+
+    axis: int
+    global_size: int
+    parts: tuple[tuple[int, int, int], ...]
+
+    @property
+    def local_size(self) -> int:
+        return sum(n for _, n, _ in self.parts)
+
+    def to_header(self) -> dict:
+        return {"axis": self.axis, "global": self.global_size, "parts": [list(p) for p in self.parts]}
+
+    @classmethod
+    def from_header(cls, obj, where: str, path=None) -> "ShardAxis":
+        f = _Fields(obj, where, path)
+        axis = f.int("axis", hi=MAX_NDIM - 1)
+        size = f.int("global", lo=1, hi=1 << 40)
+        raw = f.raw("parts")
+        if not isinstance(raw, list) or not 1 <= len(raw) <= _MAX_PARTS:
+            raise MalformedHeaderError(path, f"{where}.parts", f"a list of 1 to {_MAX_PARTS} [offset, length, replicas]", raw)
+        parts, cursor = [], 0
+        for i, p in enumerate(raw):
+            ok = isinstance(p, list) and len(p) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in p)
+            if not ok or p[1] < 1 or not 1 <= p[2] <= 1 << 16 or p[0] < cursor or p[0] + p[1] > size:
+                expected = f"[offset >= {cursor}, length >= 1, replicas 1..65536] with offset + length <= global {size}"
+                raise MalformedHeaderError(path, f"{where}.parts[{i}]", expected, p)
+            cursor = p[0] + p[1]  # ascending, not overlapping
+            parts.append(tuple(p))
+        return cls(axis, size, tuple(parts))
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Format 1.1 ``geometry.sharding``: this rank's share of each state kind. ``None`` for a
+    kind means "not described" (a re-sharding restore refuses that kind by name)."""
+
+    attention: ShardAxis | None = None  # attn_*, swa_*, mla_kv: axis 1 (heads)
+    conv: tuple[ShardAxis, ...] | None = None  # one per conv component: axis conv_slice_axis
+    temporal: ShardAxis | None = None
+
+    def to_header(self) -> dict:
+        return {
+            "attention": None if self.attention is None else self.attention.to_header(),
+            "conv": None if self.conv is None else [c.to_header() for c in self.conv],
+            "temporal": None if self.temporal is None else self.temporal.to_header(),
+        }
+
+    @classmethod
+    def from_header(cls, obj, attention: "AttentionGeometry | None", mamba: "MambaGeometry | None", path=None) -> "Sharding":
+        f = _Fields(obj, "geometry.sharding", path)
+        att, conv, tem = f.raw("attention", None), f.raw("conv", None), f.raw("temporal", None)
+        w = "geometry.sharding"
+        out = cls(
+            attention=None if att is None else ShardAxis.from_header(att, f"{w}.attention", path),
+            conv=None if conv is None else _conv_axes(conv, path),
+            temporal=None if tem is None else ShardAxis.from_header(tem, f"{w}.temporal", path),
+        )
+        # each description agrees with the shapes it describes (table: field, present, axis rule, local extent)
+        checks = []
+        if out.attention is not None:
+            if attention is None:
+                raise MalformedHeaderError(path, f"{w}.attention", "null (geometry.attention is null)", "present")
+            checks.append((f"{w}.attention", out.attention, 1, (0, attention.heads, 0)))
+        if out.conv is not None or out.temporal is not None:
+            if mamba is None:
+                raise MalformedHeaderError(path, f"{w}.conv/temporal", "null (geometry.mamba is null)", "present")
+        if out.conv is not None:
+            if len(out.conv) != len(mamba.conv_shapes):
+                raise MalformedHeaderError(path, f"{w}.conv", f"{len(mamba.conv_shapes)} entries (one per conv_shapes)", len(out.conv))
+            for i, c in enumerate(out.conv):
+                checks.append((f"{w}.conv[{i}]", c, mamba.conv_slice_axis, mamba.conv_shapes[i]))
+        if out.temporal is not None:
+            checks.append((f"{w}.temporal", out.temporal, out.temporal.axis, mamba.temporal_shape))
+        for where, ax, axis, shape in checks:
+            if ax.axis != axis or axis >= len(shape):
+                raise MalformedHeaderError(path, f"{where}.axis", f"{axis} (< ndim {len(shape)})", ax.axis)
+            if ax.local_size != shape[axis]:
+                raise MalformedHeaderError(path, f"{where}.parts", f"lengths summing to the section extent {shape[axis]}", ax.local_size)
+        return out
+
+
+def _conv_axes(conv, path) -> tuple[ShardAxis, ...]:
+    if not isinstance(conv, list) or not 1 <= len(conv) <= 8:
+        raise MalformedHeaderError(path, "geometry.sharding.conv", "null or a list of 1 to 8 descriptions", conv)
+    return tuple(ShardAxis.from_header(c, f"geometry.sharding.conv[{i}]", path) for i, c in enumerate(conv))
+
+
 @dataclass(frozen=True)
 class Geometry:
     attention: AttentionGeometry | None
     mamba: MambaGeometry | None = None
     start_layer: int = 0
     num_layers: int = 0  # layers of the model on this rank (pipeline stage)
+    sharding: Sharding | None = None  # format 1.1; written only when set (a 1.0 file has none)
 
     def to_header(self) -> dict:
-        return {
+        out = {
             "attention": None if self.attention is None else self.attention.to_header(),
             "mamba": None if self.mamba is None else self.mamba.to_header(),
             "start_layer": self.start_layer,
             "num_layers": self.num_layers,
         }
+        if self.sharding is not None:
+            out["sharding"] = self.sharding.to_header()
+        return out
 
     @classmethod
     def from_header(cls, obj, path=None) -> "Geometry":
@@ -310,6 +410,9 @@ class Geometry:
             start_layer=f.int("start_layer", 0, hi=1 << 16),
             num_layers=f.int("num_layers", 0, hi=1 << 16),
         )
+        sh = f.raw("sharding", None)
+        if sh is not None:
+            g = dataclasses.replace(g, sharding=Sharding.from_header(sh, g.attention, g.mamba, path))
         ids = list(g.attention.layers + g.attention.swa_layers if g.attention else ()) + list(
             g.mamba.layers if g.mamba else ()
         )
@@ -320,6 +423,7 @@ class Geometry:
     def flat(self) -> dict[str, Any]:
         """Dotted field -> value, for field-by-field comparison."""
         out: dict[str, Any] = {"geometry.start_layer": self.start_layer, "geometry.num_layers": self.num_layers}
+        # sharding (1.1) is not a per-rank shape: a restore compares it by its own rules
         for part, obj in (("attention", self.attention), ("mamba", self.mamba)):
             out[f"geometry.{part}"] = None if obj is None else "present"
             if obj is None:
@@ -540,6 +644,8 @@ __all__ = [
     "AttentionGeometry",
     "MambaGeometry",
     "Geometry",
+    "ShardAxis",
+    "Sharding",
     "RequestRecord",
     "IncompatibleSnapshotError",
     "identity_differences",

@@ -29,7 +29,7 @@ import numpy as np
 MAGIC = b"\x89HSN\r\n\x1a\n"
 TRAILER_MAGIC = b"HSNAPEND"
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # the newest minor this library reads and writes (spec section 9)
 BYTE_ORDER_MARK = 0x0A0B0C0D  # reads back as another number on a big-endian misread
 
 # magic, major, minor, byte-order mark, header_length, data_offset,
@@ -56,8 +56,15 @@ DEFAULT_DIGEST = "xxh3-128"
 DIGEST_HEX_LENGTH = 32
 
 # Features: a reader refuses a file that requires one it does not know, and
-# ignores unknown optional ones. v1.0 defines these optional features.
-KNOWN_FEATURES = frozenset({"sampler-rng-state", "top-logprobs"})
+# ignores unknown optional ones. Feature -> the minor that defined it: a writer
+# stamps a file with the least minor that covers what it uses (spec section 9), so
+# a file without 1.1 content stays byte-identical to what a 1.0 writer wrote.
+FEATURE_MINOR = {
+    "sampler-rng-state": 0,  # request.rng_state
+    "top-logprobs": 0,  # request.top_logprob_ids / _values
+    "tp-sharding": 1,  # geometry.sharding (spec 5.7)
+}
+KNOWN_FEATURES = frozenset(FEATURE_MINOR)
 
 # Logical element types: name -> numpy dtype. bf16 and fp8 come from ml_dtypes,
 # so sections of those types are usable arrays, not raw integers.

@@ -1,11 +1,29 @@
-"""Plain-data summaries of snapshots for the CLI, ``--json`` and the viewer."""
+"""Plain data for the CLI, ``--json`` and the viewer (no TUI here): snapshot
+summaries, numbers printed so that two different values never read the same,
+index/slice expressions, per-row norms of state sections, and a partial view of
+a rank file whose header is intact but whose data is not all there."""
 
 from __future__ import annotations
 
-from .manifest import SnapshotSet
-from .reader import Snapshot
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
+import xxhash
+
+from .errors import BadMagicError, DigestMismatchError, HsnapError, HsnapIOError, MalformedHeaderError, Phrase, TruncatedError
 from .errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
+from .manifest import SnapshotSet
+from .reader import Snapshot, SectionInfo, parse_header, parse_preamble, parse_sections
+from .records import Geometry, Identity, request_header_fields
+from .spec import DTYPES, HEADER_OFFSET, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
+from .stats import Cancelled, is_float
+
+# ---------------------------------------------------------------------------- summaries
 
 
 def rank_summary(snap: Snapshot) -> dict:
@@ -37,3 +55,337 @@ def snapshot_summary(snap) -> dict:
             "ranks": [rank_summary(s) for s in snap.ranks.values()],
         }
     return {"manifest": None, "ranks": [rank_summary(snap)]}
+
+
+def fmt_bytes(n: int) -> str:
+    """1023 -> '1023 B', 81408 -> '79.5 KiB' (binary units, one decimal)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    return f"{n} {word if n == 1 else many or word + 's'}"
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def fmt_value(v, dtype: str | None = None) -> str:
+    """A value as it is stored: float16/32/64 with the fewest digits that read back
+    to the same value of that type (so two different values never print alike);
+    bf16/fp8 with 6 significant digits (more than their precision); ints exactly."""
+    if v is None:
+        return "-"
+    dt = DTYPES.get(dtype) if dtype else None
+    if isinstance(v, (bool, np.bool_)):
+        return str(bool(v))
+    if isinstance(v, (int, np.integer)) and not (dt is not None and is_float(dt)):
+        return str(int(v))
+    x = float(v)
+    if math.isnan(x) or math.isinf(x):
+        return str(x)
+    if dt is None or not is_float(dt):
+        return repr(x)
+    return str(np.asarray(x).astype(dt)[()])  # numpy: shortest round trip; ml_dtypes: %g
+
+
+def value_bits(v, dtype: str) -> str | None:
+    """The stored bit pattern of a value of a float or int dtype, in hex (``0xbf204a3c``)."""
+    dt = DTYPES.get(dtype)
+    if dt is None or v is None:
+        return None
+    raw = np.asarray(v).astype(dt).reshape(1).view(np.dtype(f"<u{dt.itemsize}"))[0]
+    return f"0x{int(raw):0{2 * dt.itemsize}x}"
+
+
+def ulp_distance(a, b, dtype: str) -> int | None:
+    """How many representable values of ``dtype`` lie from a to b (1: neighbours);
+    None for NaN, non-float dtypes or mixed signs of infinity."""
+    dt = DTYPES.get(dtype)
+    if dt is None or not is_float(dt) or a is None or b is None:
+        return None
+    if math.isnan(float(a)) or math.isnan(float(b)):
+        return None
+    bits = 8 * dt.itemsize
+    sign = 1 << (bits - 1)
+
+    def ordered(x) -> int:  # sign-magnitude bits -> a line where neighbours differ by 1
+        u = int(np.asarray(x).astype(dt).reshape(1).view(np.dtype(f"<u{dt.itemsize}"))[0])
+        return -(u & (sign - 1)) if u & sign else u
+
+    return abs(ordered(a) - ordered(b))
+
+
+def fmt_value_pair(a, b, dtype_a: str | None, dtype_b: str | None) -> str:
+    """``A -0.6261478 B -0.62614775 (1 ulp, bits 0xbf204a3c/0xbf204a3b)``: enough to tell them apart."""
+    text = f"A {fmt_value(a, dtype_a)} B {fmt_value(b, dtype_b)}"
+    if dtype_a and dtype_a == dtype_b and a is not None and b is not None:
+        extra = []
+        ulp = ulp_distance(a, b, dtype_a)
+        if ulp is not None:
+            extra.append(plural(ulp, "ulp", "ulp"))
+        ba, bb = value_bits(a, dtype_a), value_bits(b, dtype_a)
+        if ba is not None and ba != bb:
+            extra.append(f"bits {ba}/{bb}")
+        if extra:
+            text += f" ({', '.join(extra)})"
+    return text
+
+
+# ---------------------------------------------------------------------------- hints
+
+
+def leftover_hint(error: BaseException) -> str | None:
+    """A pointer to ``hsnap gc`` when what failed to open looks like the leftover of an
+    interrupted write (a temporary name, a staging directory, or a file of zeros)."""
+    if not isinstance(error, HsnapError) or not error.path:
+        return None
+    base = os.path.basename(os.path.normpath(error.path))
+    looks_temp = TMP_FILE_MARK in base or STAGING_DIR_MARK in base
+    zeros = isinstance(error, BadMagicError) and isinstance(error.found, (bytes, bytearray)) and not any(error.found)
+    if (looks_temp or zeros) and "hsnap gc" not in str(error):
+        where = os.path.dirname(os.path.normpath(error.path)) or "."
+        return f"this looks like the leftover of an interrupted write: `hsnap gc {where}` lists what is safe to remove"
+    return None
+
+
+# ---------------------------------------------------------------------------- selections
+
+
+class SelectionError(ValueError):
+    """An index or slice expression typed by the user does not fit the section."""
+
+
+_SELECTION = re.compile(r"\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._/-]*)?\s*(?:\[(?P<body>[^\]]*)\])?\s*\Z")
+_INT = re.compile(r"\s*[-+]?\d+\s*\Z")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Per axis an int (a fixed index) or a ``range`` (a slice, normalized)."""
+
+    name: str | None
+    axes: tuple[int | range, ...]
+
+    @property
+    def is_point(self) -> bool:
+        return all(isinstance(a, int) for a in self.axes)
+
+    def __str__(self) -> str:
+        def one(a):
+            if isinstance(a, int):
+                return str(a)
+            step = "" if a.step == 1 else f":{a.step}"
+            return f"{a.start}:{a.stop}{step}"
+
+        return f"{self.name or ''}[{', '.join(one(a) for a in self.axes)}]"
+
+
+def parse_selection(text: str) -> tuple[str | None, list[str] | None]:
+    """``attn.3.k[100:120, 0, :8]`` -> ("attn.3.k", ["100:120", "0", ":8"]); parsed, never eval'd."""
+    m = _SELECTION.match(text)
+    if m is None or (m.group("name") is None and m.group("body") is None):
+        raise SelectionError(f"{text!r}: expected name[i, j:k, ...] or [i, j:k, ...]")
+    body = m.group("body")
+    return m.group("name"), None if body is None else [p for p in body.split(",")]
+
+
+def resolve_selection(name: str | None, parts: list[str] | None, shape: tuple[int, ...]) -> Selection:
+    """Apply parsed parts to ``shape``: missing trailing axes are whole (``:``), negative
+    indices count from the end; anything outside the shape is a :class:`SelectionError`."""
+    parts = [] if parts is None else [p for p in parts if p.strip() or len(parts) > 1]
+    if len(parts) > len(shape):
+        raise SelectionError(f"{len(parts)} indices for {len(shape)} axes (shape {list(shape)})")
+    axes: list[int | range] = []
+    for i, n in enumerate(shape):
+        p = parts[i].strip() if i < len(parts) else ":"
+        if _INT.match(p):
+            k = int(p)
+            k = k + n if k < 0 else k
+            if not 0 <= k < n:
+                raise SelectionError(f"axis {i}: index {p} outside 0..{n - 1}")
+            axes.append(k)
+            continue
+        bits = p.split(":")
+        if len(bits) not in (2, 3) or not all(b.strip() == "" or _INT.match(b) for b in bits):
+            raise SelectionError(f"axis {i}: {p!r} is neither an index nor a slice a:b[:step]")
+        start, stop, *step = (None if b.strip() == "" else int(b) for b in bits)
+        step = step[0] if step else None
+        if step is not None and step <= 0:
+            raise SelectionError(f"axis {i}: step {step} (only positive steps)")
+        r = range(n)[slice(start, stop, step)]
+        if len(r) == 0:
+            raise SelectionError(f"axis {i}: {p!r} selects nothing of 0..{n - 1}")
+        axes.append(r)
+    return Selection(name, tuple(axes))
+
+
+# ---------------------------------------------------------------------------- norms
+
+
+# state kind -> (family label, what its first axis is); norms are over every other axis
+NORM_FAMILIES = {
+    "attn_k": ("attention K", "token"),
+    "attn_v": ("attention V", "token"),
+    "swa_k": ("SWA K", "token"),
+    "swa_v": ("SWA V", "token"),
+    "mla_kv": ("MLA latent", "token"),
+    "conv": ("conv state", "channel"),
+    "temporal": ("temporal state", "head"),
+}
+
+NORM_READ_BYTES = 8 << 20  # whole rows, about this much per pread
+
+
+def row_norms(snap: Snapshot, info: SectionInfo, cancelled: Callable[[], bool] | None = None) -> np.ndarray:
+    """L2 norm of every slice along the section's first axis (per token for K/V, per head
+    for temporal state), in float64, read with pread (never a map). NaN/Inf propagate."""
+    shape = info.shape
+    rows = shape[0] if shape else 1
+    per_row = math.prod(shape[1:]) if len(shape) > 1 else 1
+    out = np.zeros(rows, dtype=np.float64)
+    if per_row == 0 or rows == 0:
+        return out
+    step = max(1, NORM_READ_BYTES // max(1, per_row * DTYPES[info.dtype].itemsize))
+    for r in range(0, rows, step):
+        if cancelled is not None and cancelled():
+            raise Cancelled()
+        n = min(step, rows - r)
+        chunk = snap.read(info, verify=False, start=r * per_row, count=n * per_row)
+        x = chunk.astype(np.float64).reshape(n, per_row)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out[r : r + n] = np.sqrt(np.einsum("ij,ij->i", x, x))
+    return out
+
+
+@dataclass(frozen=True)
+class NormRow:
+    layer: int
+    name: str
+    key: str
+    norms: np.ndarray
+
+    @property
+    def all_zero(self) -> bool:
+        return self.norms.size > 0 and not np.any(self.norms)
+
+
+def norm_groups(sections) -> dict[str, list[SectionInfo]]:
+    """State sections grouped by family (``attention K · per token``, ``conv state 0 · per
+    channel``...) in the order of NORM_FAMILIES, layers in file order: one heatmap per
+    group, one row per layer."""
+    order = list(NORM_FAMILIES)
+    keyed: dict[tuple[int, str], list[SectionInfo]] = {}
+    for s in sections:
+        fam = NORM_FAMILIES.get(s.kind)
+        if fam is None:
+            continue
+        label, axis = fam
+        if s.kind == "conv":
+            label = f"{label} {s.name.rsplit('.', 1)[-1]}"
+        keyed.setdefault((order.index(s.kind), f"{label} · per {axis}"), []).append(s)
+    return {label: secs for (_, label), secs in sorted(keyed.items())}
+
+
+# ---------------------------------------------------------------------------- partial view
+
+
+class PartialSnapshot(Snapshot):
+    """A rank file whose preamble and header are intact but whose data is not all there:
+    truncated (a copy cut short) or an unfinished write (header written, magic not).
+
+    It reads like a :class:`Snapshot` (pread only): a section that lies beyond the end of
+    the file gives :class:`TruncatedError`, so the viewer can show which sections are
+    intact (their digests still decide) and which are missing. Never used to restore."""
+
+    def __init__(self, path) -> None:  # noqa: C901  (mirrors Snapshot.__init__, tolerant of the end)
+        self.path = os.fspath(path)
+        self._mm = None
+        self._fd = -1
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            raise HsnapIOError(self.path, "open", e) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise MalformedHeaderError(self.path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
+            self.size = st.st_size
+            block = os.pread(fd, PREAMBLE.size, 0)
+            self.unfinished = block[: len(PENDING_MAGIC)] == PENDING_MAGIC
+            if self.unfinished:  # commit writes everything but the magic first
+                block = MAGIC + block[len(MAGIC):]
+            if len(block) < PREAMBLE.size:
+                raise TruncatedError(self.path, "preamble", PREAMBLE.size, len(block))
+            declared = PREAMBLE.unpack(block)[7]
+            self.preamble = pre = parse_preamble(block, self.path, declared)  # every check but the size
+            header = os.pread(fd, pre.header_length, HEADER_OFFSET)
+            if len(header) != pre.header_length:
+                raise TruncatedError(self.path, "header", pre.header_length, len(header))
+            if xxhash.xxh3_128_digest(header) != pre.header_digest:
+                raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
+            self.header_bytes = header
+            self.header = parse_header(header, self.path)
+            trailer_at = pre.file_length - TRAILER.size
+            self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, trailer_at)
+            tra = os.pread(fd, TRAILER.size, trailer_at) if self.size >= pre.file_length else b""
+            self.root_digest = None
+            if len(tra) == TRAILER.size:
+                try:
+                    self._check_trailer(tra)
+                except HsnapError:
+                    self.root_digest = None
+            self.identity = Identity.from_header(self.header["identity"], self.path)
+            self.geometry = Geometry.from_header(self.header["geometry"], self.path)
+            req = request_header_fields(self.header["request"], self.path)
+            self._request_fields, self._request_counts = req["fields"], req["counts"]
+            self.swa_start = self._int_field("swa_start")
+            self._check_layout()
+            self._by_name = {s.name: s for s in self.sections}
+        except OSError as e:
+            os.close(fd)
+            raise HsnapIOError(self.path, "read", e) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self._stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self._scratch = bytearray()
+
+    @property
+    def state(self) -> str:
+        return "unfinished write" if self.unfinished else "truncated" if self.size < self.file_length else "complete"
+
+    def present(self, info: SectionInfo) -> bool:
+        """Whether every byte of the section is in the file (its digest then decides)."""
+        return info.offset + info.length <= self.size
+
+    def describe(self) -> str:
+        intact = sum(self.present(s) for s in self.sections)
+        if self.unfinished:
+            what = "an unfinished write (the writer stopped before its commit; `hsnap gc` lists it)"
+        else:
+            what = f"truncated: {self.size:,} of {self.file_length:,} bytes"
+        return f"{what}; {intact} of {len(self.sections)} sections present, their digests decide"
+
+
+def open_partial(path) -> PartialSnapshot:
+    """A partial view of a rank file that :func:`open_snapshot` refused as truncated or
+    unfinished; raises :class:`HsnapError` when not even the header is intact."""
+    return PartialSnapshot(path)
+
+
+def salvageable(error: BaseException) -> bool:
+    """Whether a refusal is one a partial view may help with (data missing, header maybe intact)."""
+    if isinstance(error, TruncatedError) and error.field in ("file_length",):
+        return True
+    return isinstance(error, BadMagicError) and error.found == PENDING_MAGIC
+
+
+__all__ = [
+    "escape", "rank_summary", "snapshot_summary", "fmt_bytes", "plural", "fmt_value", "value_bits", "ulp_distance",
+    "fmt_value_pair", "leftover_hint", "SelectionError", "Selection", "parse_selection", "resolve_selection",
+    "NORM_FAMILIES", "row_norms", "NormRow", "norm_groups", "PartialSnapshot", "open_partial", "salvageable",
+]

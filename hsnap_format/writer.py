@@ -32,7 +32,7 @@ from .spec import (
     MAGIC,
     MAJOR,
     MAX_HEADER_BYTES,
-    MINOR,
+    FEATURE_MINOR,
     NAME_RE,
     PREAMBLE,
     SECTION_KINDS,
@@ -176,6 +176,10 @@ class SnapshotWriter:
             optional.add("sampler-rng-state")
         if record.top_logprobs_k:
             optional.add("top-logprobs")
+        if geometry.sharding is not None:
+            optional.add("tp-sharding")
+        # the least minor that covers the content (spec 9): a file without 1.1 content is a 1.0 file
+        self.minor = max((FEATURE_MINOR.get(f, 0) for f in optional), default=0)
         request = record.to_header()
         request["swa_start"] = swa_start
         self._body: dict[str, Any] = {
@@ -198,6 +202,15 @@ class SnapshotWriter:
         self._planned_header = header  # zero digests; commit fills them in
         self.file_length = end + TRAILER.size
         self.payload_bytes = sum(section_nbytes(s) for s in specs if SECTION_KINDS[s.kind].state)
+        self._next = 0
+        self._hasher = None
+        self._cursor = 0
+        self._written = 0
+        self._create(mode, preallocate)
+
+    # -- the target: a temporary file renamed at commit (hsnap_format.remote overrides
+    #    these four for a multipart upload whose completion is the commit)
+    def _create(self, mode: int, preallocate: bool) -> None:
         _fs.check_final_name(self.path)
         if os.path.lexists(self.path):
             raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
@@ -206,10 +219,6 @@ class SnapshotWriter:
         except OSError as e:
             raise HsnapIOError(self.path, "create", e) from None
         self.state = WriterState.OPEN
-        self._next = 0
-        self._hasher = None
-        self._cursor = 0
-        self._written = 0
         try:
             if preallocate:  # a full disk fails here, before any work
                 try:
@@ -222,6 +231,9 @@ class SnapshotWriter:
         except OSError as e:
             self.abort()
             raise HsnapIOError(self.path, "preallocate", e) from None
+
+    def _write_at(self, view: memoryview, offset: int) -> None:
+        _fs.pwrite_all(self._fd, view, offset)
 
     # -- state machine helpers
     def _require(self, *states: WriterState, call: str) -> None:
@@ -260,7 +272,7 @@ class SnapshotWriter:
             raise WriterStateError(self.path, f"sections[{self.specs[self._next].name}].length", expected, self._written + view.nbytes)
         self._hasher.update(view)
         try:
-            _fs.pwrite_all(self._fd, view, self._cursor)
+            self._write_at(view, self._cursor)
             _fs.phase("chunk")
         except OSError as e:
             self.abort()
@@ -315,10 +327,17 @@ class SnapshotWriter:
         for d in self._digests:
             root.update(bytes.fromhex(d))
         root_digest = root.digest()
-        pre = PREAMBLE.pack(MAGIC, MAJOR, MINOR, BYTE_ORDER_MARK, len(header), data_offset, header_digest, self.file_length, 0)
+        pre = PREAMBLE.pack(MAGIC, MAJOR, self.minor, BYTE_ORDER_MARK, len(header), data_offset, header_digest, self.file_length, 0)
         pre = pre[:56] + xxhash.xxh3_64_digest(pre[:56])[::-1]  # digest() is big-endian; store LE
         tra = TRAILER.pack(TRAILER_MAGIC, self.file_length, len(self.specs), root_digest, bytes(16), 0)
         tra = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
+        self._publish(pre, header, tra, end, fsync)
+        self.state = WriterState.COMMITTED
+        _fs.phase("committed")
+        return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
+
+    def _publish(self, pre: bytes, header: bytes, tra: bytes, end: int, fsync: bool) -> None:
+        """Make the finished file visible under its final name (the commit point)."""
         try:
             # Everything but the magic first: until the magic replaces PENDING_MAGIC the
             # file is provably unfinished (what hsnap gc checks, spec 8.1), so a crash
@@ -359,15 +378,15 @@ class SnapshotWriter:
                 except OSError:
                     pass
                 raise HsnapIOError(self.path, "fsync directory", e) from None
-        self.state = WriterState.COMMITTED
-        _fs.phase("committed")
-        return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
 
     def abort(self) -> None:
         """Drop the temporary file. Safe to call in any state; a no-op once committed."""
         if self.state in (WriterState.COMMITTED, WriterState.ABORTED):
             return
         self.state = WriterState.ABORTED
+        self._discard()
+
+    def _discard(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             try:
                 os.close(self._fd)

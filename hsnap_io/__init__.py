@@ -24,6 +24,11 @@ _EXPORTS = {
     "KV_ADAPTERS": "adapters",
     "export_request_tp": "tp",
     "restore_request_tp": "tp",
+    "snapshot_req": "sglang",
+    "resume_req": "sglang",
+    "UnsupportedRequestError": "sglang",
+    "retract_to_disk": "retract",
+    "load_retracted": "retract",
 }
 
 __all__ = sorted(_EXPORTS)

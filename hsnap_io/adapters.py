@@ -124,6 +124,11 @@ def mla_view(pool) -> KVView:
 
 
 def swa_view(pool) -> KVView:
+    # SWA rows are found through full_to_swa_index_mapping; a per-request ring or
+    # window rows (no mapping) would export the wrong rows: refuse before writing
+    for attr in ("swa_req_ring_size", "request_window"):
+        if getattr(pool, attr, None) is not None:
+            raise UnsupportedPoolError(None, f"SWAKVPool.{attr}", "None (paged SWA slots through full_to_swa_index_mapping)", "set (per-request SWA rows)")
     full = sorted(g for g, (_, is_swa) in pool.layers_mapping.items() if not is_swa)
     swa = sorted(g for g, (_, is_swa) in pool.layers_mapping.items() if is_swa)
     full_dense = [g for g, _ in sorted(((g, pool.layers_mapping[g][0]) for g in full), key=lambda t: t[1])]

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 import torch
 
 from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, SnapshotWriter
+from hsnap_format.remote import snapshot_writer
 
 from .adapters import PoolView, view_pools
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
@@ -62,17 +63,25 @@ def export_request(
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     fsync: bool = True,
     mode: int = 0o600,
+    sharding=None,
+    storage_options=None,
 ) -> CommitInfo:
     """Write the request's KV rows, Mamba slot and record to ``path``; return the commit info.
 
     The source slots are only read. Free them after this returns (the file is
-    durable under its final name by then), never before.
+    durable under its final name by then), never before. ``sharding`` (format 1.1,
+    :func:`hsnap_io.reshard.describe`) records this rank's share of the global state,
+    which a restore at another TP size needs.
     """
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    if sharding is not None:  # format 1.1: this rank's share of the global state (hsnap_io.reshard.describe)
+        view = dataclasses.replace(view, geometry=dataclasses.replace(view.geometry, sharding=sharding))
     slots = request_slots(view, req_pool_idx, record.state_position, swa_start, path)
     identity = complete_identity(identity)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-    with SnapshotWriter(path, identity=identity, geometry=view.geometry, record=record, swa_start=swa_start, mode=mode) as w:
+    # an s3:// URL streams a multipart upload whose completion is the commit (hsnap_format.remote)
+    with snapshot_writer(path, storage_options=storage_options, identity=identity, geometry=view.geometry, record=record,
+                         swa_start=swa_start, mode=mode) as w:
         planned = [s.name for s in w.pending_state_sections()]
         bound = [b.name for b in view.bindings]
         if planned != bound:  # adapters and layout disagree: a bug, never a silent file

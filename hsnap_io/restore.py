@@ -3,12 +3,16 @@
 Order of work, so that a refusal leaves the pools untouched:
   1. open (preamble, header, trailer), pick this rank's file;
   2. compare identity and per-request geometry with the target — every differing
-     field is named; pool capacity is not part of identity;
-  3. check capacity (rows, token slots or pages, SWA slots, mamba slots, context length);
+     field is named; pool capacity is not part of identity, nor is the page size
+     (sections are per token, spec 5.2: any target page size takes them), nor a
+     storage type that is only the byte view of the same element format;
+  3. check capacity in the target's own pages (rows, token slots, SWA slots, mamba
+     slots, context length);
   4. verify every digest and the padding (``verify=True``);
   --- nothing above touches the pools ---
-  5. allocate, remembering the allocators' state; 6. upload section by section,
-     remembering what each touched slot held; on any failure both are put back.
+  5. allocate as SGLang does for a new request (whole pages of the target), remembering
+     the allocators' state; 6. upload section by section, remembering what each touched
+     slot held; on any failure both are put back and a typed error names the section.
   Steps 5-6 hold :func:`pool_lock` (one per pool set): SGLang's allocators are not
   thread-safe, and the rollback restores the allocators' whole earlier state.
 """
@@ -40,15 +44,22 @@ from hsnap_format import (
     numerics_differences,
     open_snapshot,
 )
+from hsnap_format.remote import is_url, open_url
+from hsnap_format.spec import DTYPES
 
 from .adapters import PoolView, view_pools
 from .export import RequestSlots
-from .statecheck import PoolCheckpoint
+from .statecheck import PoolCheckpoint, RollbackError
 from .transfer import DEFAULT_STAGING_BYTES, FileRange, engine_for
 
 
 class NumericsWarning(UserWarning):
     """The snapshot was written in another numerics environment: bit-exactness is not expected."""
+
+
+class UploadError(HsnapError):
+    """The upload failed after allocation (not an I/O error: that is HsnapIOError);
+    every allocation was given back. ``field`` names the section being uploaded."""
 
 
 @dataclass
@@ -63,10 +74,22 @@ class RestoredRequest:
     snapshot_id: str
     bytes_uploaded: int
     numerics_differences: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # SWA pools: positions below this own no SWA slot (SGLang's req.kv.swa_evict_floor).
+    # It is the snapshot's swa_start rounded down to the target's page: positions
+    # swa_evict_floor..swa_start-1 hold SWA slots whose bytes are not the snapshot's
+    # (they left the window before the snapshot; attention never reads them).
+    swa_evict_floor: int = 0
+    # re-sharded restores (TP N -> TP M): bytes read from the source files to assemble the
+    # shard (digest verification not counted), and which source ranks supplied them
+    source_bytes_read: int = 0
+    source_ranks: tuple[int, ...] = ()
 
 
-def _open_rank(path, rank: int | None) -> tuple[Snapshot, SnapshotSet | None]:
+def _open_rank(path, rank: int | None, storage_options=None) -> tuple[Snapshot, SnapshotSet | None]:
     p = os.fspath(path)
+    if is_url(p):  # s3://bucket/key (one rank object) or s3://bucket/prefix (a set)
+        s = open_url(p, ranks=[0 if rank is None else rank], storage_options=storage_options)
+        return (next(iter(s.ranks.values())), s) if isinstance(s, SnapshotSet) else (s, None)
     if os.path.isdir(p):
         r = 0 if rank is None else rank
         s = open_snapshot(p, ranks=[r])
@@ -77,16 +100,40 @@ def _open_rank(path, rank: int | None) -> tuple[Snapshot, SnapshotSet | None]:
     return open_snapshot(p), None
 
 
+# Geometry fields a restore does not compare as plain values: the page size is the
+# pool's allocation unit (sections are per token, spec 5.2), and the storage type is
+# compared by _storage_differs.
+_NOT_COMPARED = ("geometry.num_layers", "geometry.attention.page_size", "geometry.attention.storage_dtype")
+
+
+def _storage_differs(target, snap) -> bool:
+    """True when the attention storage types really differ. Same element format
+    (``dtype``, compared separately), storage either that format itself or its byte
+    view (``uint8`` for a 1-byte format, as SGLang stores fp8): the section bytes are
+    the same either way and are copied as raw bytes."""
+    if target is None or snap is None or target.storage_dtype == snap.storage_dtype:
+        return False
+    same_bytes = {target.dtype, "uint8"} if DTYPES[target.dtype].itemsize == 1 else {target.dtype}
+    return target.dtype != snap.dtype or not {target.storage_dtype, snap.storage_dtype} <= same_bytes
+
+
 def check_compatible(snap: Snapshot, view: PoolView, expected: Identity | None) -> list[tuple[str, Any, Any]]:
     diffs = [] if expected is None else identity_differences(expected, snap.identity)
-    diffs += geometry_differences(view.geometry, snap.geometry, ignore=("geometry.num_layers",))
+    diffs += geometry_differences(view.geometry, snap.geometry, ignore=_NOT_COMPARED)
+    target, found = view.geometry.attention, snap.geometry.attention
+    if _storage_differs(target, found):
+        diffs.append(("geometry.attention.storage_dtype", target.storage_dtype, found.storage_dtype))
     if diffs:
         raise IncompatibleSnapshotError(snap.path, diffs)
     return [] if expected is None else numerics_differences(expected, snap.identity)
 
 
+def _target_page(view: PoolView) -> int:
+    return view.geometry.attention.page_size if view.geometry.attention is not None else 1
+
+
 def check_capacity(snap: Snapshot, view: PoolView) -> None:
-    pos, page = snap.state_position, snap.geometry.attention.page_size if snap.geometry.attention else 1
+    pos, page = snap.state_position, _target_page(view)  # pages of the target, whatever the snapshot's
     rtp, alloc = view.req_to_token_pool, view.allocator
     short = []
     history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
@@ -103,10 +150,6 @@ def check_capacity(snap: Snapshot, view: PoolView) -> None:
             need.append(("swa token slots", math.ceil(pos / page) * page, alloc.swa_available_size()))
     if view.mamba_pool is not None:
         need.append(("mamba slots", 1, rtp.mamba_allocator.available_size()))
-    if view.geometry.attention is not None and view.geometry.attention.swa_layers and page > 1:
-        from .adapters import UnsupportedPoolError
-
-        raise UnsupportedPoolError(snap.path, "geometry.attention.page_size", "1 for SWA pools (paged SWA restore is not implemented)", page)
     for what, want, have in need:
         if have < want:
             short.append(f"{what}: need {want}, free {have}")
@@ -114,24 +157,47 @@ def check_capacity(snap: Snapshot, view: PoolView) -> None:
         raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
 
 
-def _allocate(view: PoolView, pos: int, swa_start: int, page: int, path, checkpoint: PoolCheckpoint) -> tuple[int, RequestSlots]:
+def _alloc_token_slots(alloc, pos: int, page: int):
+    """``pos`` fresh token slots, handed out as SGLang hands them to a new request: page
+    1 ``alloc(pos)``; paged, a prefill without prefix (``alloc_extend``): whole pages,
+    token i at ``page_i * page + i % page`` — the layout SGLang's paged kernels assume,
+    and the only paged path of its SWA allocator (``alloc`` asserts page 1 there)."""
+    if page == 1:
+        return alloc.alloc(pos)
+    dev = getattr(alloc, "device", "cpu")
+    zero, seq = torch.zeros(1, dtype=torch.int64), torch.tensor([pos], dtype=torch.int64)
+    last_loc = torch.full((1,), -1, dtype=torch.int64, device=dev)
+    return alloc.alloc_extend(zero.to(dev), zero, seq.to(dev), seq, last_loc, pos)
+
+
+def _allocate(view: PoolView, pos: int, swa_start: int, path, checkpoint: PoolCheckpoint) -> tuple[int, RequestSlots, int]:
+    """Request row, token slots (and SWA slots), mamba slot; returns the SWA evict floor too.
+
+    Every index space a binding uses gets a tensor, empty when ``pos`` is 0: a request
+    with no committed position still has (empty) attention and SWA sections."""
     rtp, alloc = view.req_to_token_pool, view.allocator
+    page = _target_page(view)
     rows = rtp.alloc_rows(1)
     if not rows:
         raise CapacityError(path, "req_to_token_pool rows", 1, 0)
     row = rows[0]
+    att = view.geometry.attention
     token = torch.empty(0, dtype=torch.int64)
-    swa = None
-    if view.geometry.attention is not None and pos:
-        got = alloc.alloc(math.ceil(pos / page) * page)
+    swa = torch.empty(0, dtype=torch.int64) if att is not None and att.swa_layers else None
+    floor = 0
+    if att is not None and pos:
+        got = _alloc_token_slots(alloc, pos, page)
         if got is None:
             raise CapacityError(path, "token slots", math.ceil(pos / page) * page, alloc.available_size())
         token = got[:pos].to(torch.int64)
-        if view.geometry.attention.swa_layers:
-            if swa_start:
-                alloc.free_swa(token[:swa_start])  # positions that slid out of the window own no SWA slot
+        if swa is not None:
+            # positions that slid out of the window own no SWA slot; SGLang frees SWA
+            # slots in whole pages, so the partial page below swa_start keeps them
+            floor = swa_start // page * page
+            if floor:
+                alloc.free_swa_segment(token[:floor], start_pos=0)
             swa = view.kv_pool.translate_loc_from_full_to_swa(token[swa_start:]).to(torch.int64)
-        checkpoint.remember_rows(rtp.req_to_token, torch.tensor([row]))
+        checkpoint.remember_rows(rtp.req_to_token, torch.tensor([row]), "req_to_token_pool.req_to_token")
         rtp.req_to_token[row, :pos] = token.to(rtp.req_to_token.dtype)
     mamba = None
     if view.mamba_pool is not None:
@@ -139,9 +205,9 @@ def _allocate(view: PoolView, pos: int, swa_start: int, page: int, path, checkpo
         if got is None:
             raise CapacityError(path, "mamba slots", 1, 0)
         mamba = got.reshape(1).to(torch.int64)
-        checkpoint.remember_rows(rtp.req_index_to_mamba_index_mapping, torch.tensor([row]))
+        checkpoint.remember_rows(rtp.req_index_to_mamba_index_mapping, torch.tensor([row]), "req_to_token_pool.req_index_to_mamba_index_mapping")
         rtp.req_index_to_mamba_index_mapping[row] = int(mamba[0])
-    return row, RequestSlots(token, swa, mamba)
+    return row, RequestSlots(token, swa, mamba), floor
 
 
 def restore_request(
@@ -154,6 +220,9 @@ def restore_request(
     verify: bool = True,
     exact_rollback: bool = False,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    sharding=None,
+    tp_size: int | None = None,
+    storage_options=None,
 ) -> RestoredRequest:
     """Load a snapshot into fresh slots. ``identity`` is the target's own identity (the
     strict fields must match); ``None`` skips the identity check (geometry is always checked).
@@ -165,11 +234,23 @@ def restore_request(
     every allocation — free lists, mappings, the request row — exactly; the bytes of
     the freed slots, which nothing reads before writing them, are put back only with
     ``exact_rollback=True``, which costs a copy of the whole payload (bench/RESULTS.md).
+
+    Across TP sizes: ``sharding`` is the target rank's own description
+    (:func:`hsnap_io.reshard.describe` of its model at its TP size). Given it, a snapshot
+    directory written at another TP size is re-sharded (:mod:`hsnap_io.reshard`): this
+    rank reads only its heads/channels from the source rank files it needs, after
+    verifying every source section it depends on; all the guarantees above hold. The
+    target TP size is ``identity.tp_size`` (``tp_size`` when ``identity`` is None).
     """
     if rank is None and identity is not None:
         rank = identity.tp_rank
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
-    snap, snapset = _open_rank(path, rank)
+    target_tp = identity.tp_size if identity is not None else tp_size
+    if sharding is not None and os.path.isdir(os.fspath(path)):
+        resharded = _maybe_reshard(path, view, identity, sharding, target_tp, rank, verify, exact_rollback, staging_bytes)
+        if resharded is not None:
+            return resharded
+    snap, snapset = _open_rank(path, rank, storage_options)
     try:
         numerics = check_compatible(snap, view, identity)
         if numerics:
@@ -182,15 +263,39 @@ def restore_request(
                 stacklevel=2,
             )
         check_capacity(snap, view)
-        if verify:
+        # An object store is read once: each section is hashed as it lands in the slots
+        # and a mismatch rolls back like any upload failure (exact_rollback=True keeps
+        # the pools byte-identical); a file is verified whole first, then uploaded.
+        streamed = getattr(snap, "verifies_while_reading", False)
+        if verify and not streamed:
             try:
                 snap.verify()
             except OSError as e:
                 raise HsnapIOError(snap.path, "read", e) from None
-        record = snap.record(verify=False)  # covered by verify() when asked
-        return _upload(snap, view, record, numerics, staging_bytes, exact_rollback)
+        record = snap.record(verify=verify and streamed)  # a file's record is covered by verify()
+        return _upload(snap, view, record, numerics, staging_bytes, exact_rollback, verify and streamed)
     finally:
         (snapset or snap).close()
+
+
+def _maybe_reshard(path, view, identity, sharding, target_tp, rank, verify, exact_rollback, staging_bytes):
+    """A set written at another TP size goes through :mod:`hsnap_io.reshard` (the caller
+    gave ``sharding``, its own rank's description); the same TP size takes the plain path."""
+    p = os.fspath(path)
+    with open_snapshot(p, ranks=[]) as head:  # the manifest only
+        source_tp = head.manifest.tp_size
+    if target_tp is None or source_tp == target_tp:
+        return None
+    from .reshard import restore_resharded
+
+    if rank is None or not 0 <= rank < target_tp:
+        raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"0..{target_tp - 1}", rank)])
+    snapset = open_snapshot(p)
+    try:
+        return restore_resharded(snapset, view, identity=identity, target=sharding, target_tp=target_tp, target_rank=rank,
+                                 verify=verify, exact_rollback=exact_rollback, staging_bytes=staging_bytes)
+    finally:
+        snapset.close()
 
 
 _POOL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
@@ -221,40 +326,47 @@ def pool_lock(req_to_token_pool) -> threading.RLock:
     return lock
 
 
-def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool) -> RestoredRequest:
+def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool,
+            check_digests: bool = False) -> RestoredRequest:
     with pool_lock(view.req_to_token_pool):
-        return _upload_locked(snap, view, record, numerics, staging_bytes, exact_rollback)
+        return _upload_locked(snap, view, record, numerics, staging_bytes, exact_rollback, check_digests)
 
 
-def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool) -> RestoredRequest:
+def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool,
+                   check_digests: bool = False) -> RestoredRequest:
     pos = snap.state_position
-    page = snap.geometry.attention.page_size if snap.geometry.attention else 1
     snap.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
     checkpoint = PoolCheckpoint(view)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-    fd = snap.fileno()
+    ranged = getattr(snap, "section_range", None)  # an object: ranged GETs, hashed on the way in
+    fd = None if ranged else snap.fileno()
     uploaded = 0
+    where = "allocation"
     try:
-        row, slots = _allocate(view, pos, snap.swa_start, page, snap.path, checkpoint)
+        row, slots, floor = _allocate(view, pos, snap.swa_start, snap.path, checkpoint)
         for b in view.bindings:
+            where = f"sections[{b.name}]"
             rows = slots.rows(b.space)
             info = snap.section(b.name)
             if exact_rollback:
-                checkpoint.remember_rows(b.buffer, rows)
+                checkpoint.remember_rows(b.buffer, rows, b.name)
             if engine.reads_files:  # pread into the slots: nothing mapped, an I/O error is an OSError
-                src = FileRange(fd, info.offset, info.length)
-            else:
+                src = ranged(info) if ranged else FileRange(fd, info.offset, info.length)
+            else:  # (an object's raw() is a verified copy of the section)
                 src = np.frombuffer(snap.raw(info), dtype=np.uint8)
             engine.import_section(b.buffer, rows.to(b.buffer.device), src)
+            if check_digests and ranged and engine.reads_files:
+                src.finish()  # DigestMismatchError: rolled back below
             uploaded += info.length
+        where = "finish upload"
         engine.finish_import()
     except BaseException as e:
-        try:
-            engine.finish_import()
-        finally:
-            checkpoint.rollback()
+        _give_back(engine, checkpoint, snap.path, e)
         if isinstance(e, OSError):
             raise HsnapIOError(snap.path, "read", e) from None
+        if isinstance(e, Exception) and not isinstance(e, HsnapError):
+            # a typed refusal whatever failed (a torch kernel, an allocator assertion)
+            raise UploadError(snap.path, where, detail=f"{type(e).__name__}: {e}; every allocation was given back") from e
         raise
     return RestoredRequest(
         req_pool_idx=row,
@@ -265,7 +377,22 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
         snapshot_id=snap.identity.snapshot_id,
         bytes_uploaded=uploaded,
         numerics_differences=numerics,
+        swa_evict_floor=floor,
     )
 
 
-__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "HsnapError", "pool_lock"]
+def _give_back(engine, checkpoint: PoolCheckpoint, path, cause: BaseException) -> None:
+    """Drain the engine, then roll back — the rollback runs even when draining fails.
+    A rollback that cannot put everything back wins over ``cause`` (chained to it):
+    the caller must learn that the pools are not as they were."""
+    try:
+        engine.finish_import()
+    except Exception:  # noqa: BLE001 - the rollback below matters more; cause is re-raised
+        pass
+    try:
+        checkpoint.rollback(path)
+    except RollbackError as r:
+        raise r from cause
+
+
+__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "UploadError", "RollbackError", "HsnapError", "pool_lock"]

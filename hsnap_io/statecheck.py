@@ -5,15 +5,29 @@ tensor, list and scalar attribute of the request pool, the token allocator (and
 its sub-allocators) and the mamba slot allocator — and (2) the previous bytes of
 every slot row a restore is about to overwrite. ``rollback()`` puts all of it
 back, so the pools are byte-identical to before, free lists included.
+
+The rollback cannot stop halfway: it puts back the allocator state first (plain
+attribute and same-shape integer copies), then every remembered row, each step
+guarded, and rows move as raw words (:func:`~hsnap_io.transfer.raw_rows`), so no
+element type lacks the kernel. A step that still fails does not stop the others;
+:class:`RollbackError` then names every part that could not be put back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hsnap_format import HsnapError
+
 from .adapters import PoolView
+from .transfer import raw_rows
 
 _SCALARS = (int, float, bool, str, type(None))
+
+
+class RollbackError(HsnapError):
+    """A failed restore could not put every part of the pools back (named in ``found``);
+    everything else was put back. The pools need attention before further use."""
 
 
 def _is_allocator(value) -> bool:
@@ -23,7 +37,7 @@ def _is_allocator(value) -> bool:
 class PoolCheckpoint:
     def __init__(self, view: PoolView) -> None:
         self._attrs: list[tuple[object, str, object, object]] = []
-        self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (what, raw rows, rows, saved)
         rtp = view.req_to_token_pool
         self._capture(rtp, skip={"req_to_token", "req_index_to_mamba_index_mapping", "mamba_pool", "mamba_allocator"})
         self._capture(view.allocator, skip={"_kvcache"}, recurse=True)
@@ -44,22 +58,37 @@ class PoolCheckpoint:
             elif recurse and depth < 2 and _is_allocator(value):
                 self._capture(value, skip={"_kvcache"}, recurse=True, depth=depth + 1)
 
-    def remember_rows(self, buffer: torch.Tensor, rows: torch.Tensor) -> None:
-        """Call before overwriting ``buffer[rows]``."""
+    def remember_rows(self, buffer: torch.Tensor, rows: torch.Tensor, what: str = "rows") -> None:
+        """Call before overwriting ``buffer[rows]``; ``what`` names it in a RollbackError."""
+        raw = raw_rows(buffer)
         rows = rows.to(buffer.device)
-        self._rows.append((buffer, rows, buffer.index_select(0, rows)))
+        self._rows.append((what, raw, rows, raw.index_select(0, rows)))
 
-    def rollback(self) -> None:
-        for buffer, rows, saved in reversed(self._rows):
-            buffer.index_copy_(0, rows, saved)
+    def rollback(self, path=None) -> None:
+        """Put everything back; raise :class:`RollbackError` naming what could not be."""
+        failed: list[str] = []
+        first: BaseException | None = None
+        # allocator state first: these steps cannot hit a missing kernel or a shape change
         for obj, name, original, saved in self._attrs:
-            if isinstance(original, torch.Tensor):
-                original.copy_(saved)  # in place: other holders (e.g. the KV pool's mapping) share it
-                setattr(obj, name, original)
-            elif isinstance(original, list):
-                original[:] = saved
-                setattr(obj, name, original)
-            else:
-                setattr(obj, name, saved)
+            try:
+                if isinstance(original, torch.Tensor):
+                    original.copy_(saved)  # in place: other holders (e.g. the KV pool's mapping) share it
+                    setattr(obj, name, original)
+                elif isinstance(original, list):
+                    original[:] = saved
+                    setattr(obj, name, original)
+                else:
+                    setattr(obj, name, saved)
+            except Exception as e:  # noqa: BLE001 - keep putting the rest back
+                failed.append(f"{type(obj).__name__}.{name}")
+                first = first or e
+        for what, raw, rows, saved in reversed(self._rows):
+            try:
+                raw.index_copy_(0, rows, saved)
+            except Exception as e:  # noqa: BLE001
+                failed.append(what)
+                first = first or e
         self._rows.clear()
         self._attrs.clear()
+        if failed:
+            raise RollbackError(path, "rollback", "every allocation and remembered row put back", "not put back: " + ", ".join(failed)) from first

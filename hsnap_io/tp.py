@@ -97,7 +97,8 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
 
 
 def restore_request_tp(path, *, identity: Identity, group=None, **kw) -> RestoredRequest:
-    """Each rank loads its own file of a snapshot directory (TP size must match)."""
+    """Each rank loads its own file of a snapshot directory; with ``sharding=`` (this rank's
+    :func:`hsnap_io.reshard.describe`) a set written at another TP size is re-sharded."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (identity.tp_rank, identity.tp_size) != (rank, world):
         raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))

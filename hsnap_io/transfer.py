@@ -16,19 +16,27 @@ pinned host staging buffers on a side stream, so the device-to-host copy of
 chunk i+1 overlaps the digest and write of chunk i; host memory stays at two
 staging buffers whatever the snapshot size. Restore copies mapped file bytes into
 a pinned buffer, uploads them with cupy on the side stream (double-buffered), and
-scatters into the slots on that stream.
+scatters into the slots on that stream, every call under the pools' device.
+
+Both engines gather and scatter rows as raw integer words (:func:`raw_rows`), never
+in the pool's element type: byte-exact for every dtype, and no dtype without a
+kernel (float8 ``index_copy_`` on CPU) can fail a restore or its rollback.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from .adapters import UnsupportedPoolError
 
 DEFAULT_STAGING_BYTES = 64 << 20
 # CPU export chunk: gather -> digest -> pwrite while the chunk is still in cache.
@@ -45,6 +53,43 @@ def _row_chunks(n_rows: int, row_bytes: int, staging_bytes: int) -> Iterator[tup
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
+
+
+# Widest first: on CPU an int64 index_copy_ of 1 KiB rows runs ~6x faster than uint8.
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def raw_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s rows as raw integer words over the same memory: ``[rows, ..., words]``.
+
+    Every gather and scatter of pool rows (both engines, the rollback) goes through
+    this view, never through the pool's own dtype: torch lacks ``index_copy_`` for
+    some element types (every float8 on CPU), integer kernels exist on every device,
+    and copying words is byte-exact whatever the element format. The widest word the
+    row layout allows is used; uint8 when nothing wider divides it.
+    """
+    b = t.unsqueeze(-1).view(torch.uint8)  # [rows, ..., itemsize]: never widens the row axis away
+    if b.dim() > 2:
+        try:
+            b = b.view(b.shape[0], -1)  # one byte row per slot when a row's bytes are contiguous
+        except RuntimeError:
+            pass
+    for w in _WORDS:
+        if b.shape[-1] % w.itemsize == 0:
+            try:
+                return b.view(w)
+            except RuntimeError:  # storage offset or strides not a multiple of the word
+                continue
+    return b
+
+
+def rows_of(raw: torch.Tensor, data: torch.Tensor, n: int) -> torch.Tensor:
+    """Contiguous section bytes ``data`` as ``n`` rows shaped like :func:`raw_rows` ``raw``."""
+    return data.reshape(-1).view(torch.uint8).view(raw.dtype).view(n, *raw.shape[1:])
+
+
+def _row_bytes(buffer: torch.Tensor) -> int:
+    return math.prod(buffer.shape[1:]) * buffer.element_size()
 
 
 def _run_start(rows: torch.Tensor) -> int | None:
@@ -67,6 +112,10 @@ class FileRange:
     fd: int
     offset: int
     length: int
+
+    def readinto(self, view: memoryview, at: int) -> None:
+        """Bytes [at, at+len(view)) of the range (hsnap_format.remote.SectionRange has the same call)."""
+        _pread_into(self.fd, view, self.offset + at)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
@@ -110,17 +159,18 @@ class HostEngine:
 
     def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
         """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk."""
-        row_bytes = buffer[0].numel() * buffer.element_size()
+        row_bytes = _row_bytes(buffer)
         run = self._run_start(buffer, rows)
         chunks = list(_row_chunks(len(rows), row_bytes, self.chunk_bytes)) or [(0, 0)]
         direct = run is not None and buffer.is_contiguous()
+        raw = None if direct else raw_rows(buffer)
         for i, (a, b) in enumerate(chunks):
             if direct:  # the slots are one run: hand the pool's own bytes over, no gather copy
-                out = buffer[run + a : run + b]
+                out = _as_bytes(buffer[run + a : run + b])
             else:
-                out = self._staging((b - a) * row_bytes).view(buffer.dtype).view(b - a, *buffer.shape[1:])
-                torch.index_select(buffer, 0, rows[a:b], out=out)
-            sink(out.reshape(-1).view(torch.uint8).numpy(), i == 0, i == len(chunks) - 1)
+                out = self._staging((b - a) * row_bytes)
+                torch.index_select(raw, 0, rows[a:b], out=rows_of(raw, out, b - a))
+            sink(out.numpy(), i == 0, i == len(chunks) - 1)
 
     def finish_export(self) -> None:
         pass
@@ -128,37 +178,65 @@ class HostEngine:
     def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src) -> None:
         """Scatter the section bytes ``src`` — a :class:`FileRange`, or a uint8 array such
         as a mapped view — into ``buffer[rows]``."""
-        if isinstance(src, FileRange):
+        if hasattr(src, "readinto"):  # a FileRange, or ranged GETs of an object
             return self._import_file(buffer, rows, src)
         with warnings.catch_warnings():  # the mapped view is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(src)
-        data = data.view(buffer.dtype).view(len(rows), *buffer.shape[1:])
+        raw = raw_rows(buffer)
+        data = rows_of(raw, data, len(rows))
         run = self._run_start(buffer, rows)
         if run is not None:
-            buffer[run : run + len(rows)].copy_(data)  # same bytes as index_copy_, one memcpy
+            raw[run : run + len(rows)].copy_(data)  # same bytes as index_copy_, one memcpy
         else:
-            buffer.index_copy_(0, rows, data)
+            raw.index_copy_(0, rows, data)
 
     def _import_file(self, buffer: torch.Tensor, rows: torch.Tensor, src: FileRange) -> None:
-        row_bytes = buffer[0].numel() * buffer.element_size() if buffer.shape[0] else 0
+        row_bytes = _row_bytes(buffer)
         if len(rows) * row_bytes != src.length:
             raise ValueError(f"{len(rows)} rows of {row_bytes} bytes != section length {src.length}")
         run = self._run_start(buffer, rows)
         if run is not None and buffer.is_contiguous():  # the slots are one run: read straight into them
-            _pread_into(src.fd, memoryview(buffer[run : run + len(rows)].reshape(-1).view(torch.uint8).numpy()), src.offset)
+            src.readinto(memoryview(_as_bytes(buffer[run : run + len(rows)]).numpy()), 0)
             return
+        raw = raw_rows(buffer)
         for a, b in _row_chunks(len(rows), row_bytes, self.chunk_bytes):
             chunk = self._staging((b - a) * row_bytes)
-            _pread_into(src.fd, memoryview(chunk.numpy()), src.offset + a * row_bytes)
-            buffer.index_copy_(0, rows[a:b], chunk.view(buffer.dtype).view(b - a, *buffer.shape[1:]))
+            src.readinto(memoryview(chunk.numpy()), a * row_bytes)
+            raw.index_copy_(0, rows[a:b], rows_of(raw, chunk, b - a))
 
     def finish_import(self) -> None:
         pass
 
 
+def cuda_device_index(device: torch.device | str, current: int) -> int:
+    """The CUDA ordinal that pools on ``device`` live on: its index, or ``current``
+    (torch's current device) for a bare ``cuda``. Every cupy call of :class:`CudaEngine`
+    runs under this device — cupy's own current device is not the pools' on a TP rank
+    other than 0 (pools on ``cuda:1``), and a copy issued on another device's stream
+    is wrong."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"not a CUDA device: {device}")
+    return int(current) if device.index is None else int(device.index)
+
+
+def pool_device(devices) -> torch.device:
+    """The one device every pool buffer is on. Buffers on several devices (``cuda:0``
+    and ``cuda:1``, or CPU and CUDA) are refused: one engine copies on one device."""
+    found = list(dict.fromkeys(torch.device(d) for d in devices))
+    if len(found) != 1:
+        raise UnsupportedPoolError(None, "pool devices", "every pool buffer on one device", sorted(str(d) for d in found))
+    return found[0]
+
+
 class CudaEngine:
-    """Pinned staging, a side stream, cupy uploads. Needs CUDA pools and cupy."""
+    """Pinned staging, a side stream, cupy uploads. Needs CUDA pools and cupy.
+
+    Every call runs under the pools' device (torch and cupy alike: see
+    :func:`cuda_device_index`). Rows move as raw words (:func:`raw_rows`), so no
+    element type can miss a gather or scatter kernel.
+    """
 
     name = "cuda"
     reads_files = False  # uploads from the mapped file through pinned staging
@@ -167,15 +245,24 @@ class CudaEngine:
         import cupy  # hsnap[gpu]
 
         self.cupy = cupy
-        self.device = device
+        self.index = cuda_device_index(device, torch.cuda.current_device())
+        self.device = torch.device("cuda", self.index)
         self.staging_bytes = staging_bytes
-        self.stream = torch.cuda.Stream(device=device)
-        self.pinned = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.ready = [torch.cuda.Event() for _ in range(2)]  # D2H done / H2D consumed
+        with self._on_device():
+            self.stream = torch.cuda.Stream(device=self.device)
+            self.pinned = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.ready = [torch.cuda.Event() for _ in range(2)]  # D2H done / H2D consumed
+            self._dev = [torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.in_use = [False, False]
         self._slot = 0
         self._pending: list[tuple[int, int, object, bool, bool]] = []  # (slot, nbytes, sink, first, last)
-        self._dev = [torch.empty(staging_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def _on_device(self) -> ExitStack:
+        """torch's and cupy's current device set to the pools' device for the block."""
+        stack = ExitStack()
+        stack.enter_context(torch.cuda.device(self.index))
+        stack.enter_context(self.cupy.cuda.Device(self.index))
+        return stack
 
     # ---- export: device -> pinned host, overlapped with the writer
     def _drain_one(self) -> None:
@@ -185,7 +272,12 @@ class CudaEngine:
         self.in_use[slot] = False
 
     def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
-        row_bytes = buffer[0].numel() * buffer.element_size()
+        with self._on_device():
+            self._export_section(buffer, rows, sink)
+
+    def _export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
+        row_bytes = _row_bytes(buffer)
+        raw = raw_rows(buffer)
         rows = rows.to(buffer.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
         chunks = list(_row_chunks(len(rows), row_bytes, self.staging_bytes)) or [(0, 0)]
@@ -195,7 +287,7 @@ class CudaEngine:
                 self._drain_one()  # writes the older chunk while the newer one copies
             nbytes = (b - a) * row_bytes
             with torch.cuda.stream(self.stream):
-                gathered = buffer.index_select(0, rows[a:b])
+                gathered = raw.index_select(0, rows[a:b])
                 self.pinned[slot][:nbytes].copy_(_as_bytes(gathered), non_blocking=True)
                 self.ready[slot].record(self.stream)
             self.in_use[slot] = True
@@ -209,8 +301,13 @@ class CudaEngine:
 
     # ---- restore: mapped file -> pinned -> device (cupy) -> scatter into slots
     def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
+        with self._on_device():
+            self._import_section(buffer, rows, src)
+
+    def _import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
         cp = self.cupy
-        row_bytes = buffer[0].numel() * buffer.element_size()
+        row_bytes = _row_bytes(buffer)
+        raw = raw_rows(buffer)
         rows = rows.to(buffer.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
         for a, b in _row_chunks(len(rows), row_bytes, self.staging_bytes):
@@ -225,22 +322,23 @@ class CudaEngine:
                 dev.data_ptr(), host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice, self.stream.cuda_stream
             )
             with torch.cuda.stream(self.stream):
-                data = dev[:nbytes].view(buffer.dtype).view(b - a, *buffer.shape[1:])
-                buffer.index_copy_(0, rows[a:b], data)
+                raw.index_copy_(0, rows[a:b], rows_of(raw, dev[:nbytes], b - a))
                 self.ready[slot].record(self.stream)
             self.in_use[slot] = True
             self._slot ^= 1
 
     def finish_import(self) -> None:
-        self.stream.synchronize()
-        self.in_use = [False, False]
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        with self._on_device():
+            self.stream.synchronize()
+            self.in_use = [False, False]
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def engine_for(buffers: list[torch.Tensor], staging_bytes: int = DEFAULT_STAGING_BYTES):
-    devices = {b.device.type for b in buffers}
-    if devices <= {"cpu"}:
+    """The copy engine for pools whose buffers are ``buffers`` (all on one device)."""
+    device = pool_device(b.device for b in buffers) if buffers else torch.device("cpu")
+    if device.type == "cpu":
         return HostEngine(staging_bytes)
-    if devices == {"cuda"}:
-        return CudaEngine(buffers[0].device, staging_bytes)
-    raise ValueError(f"pools on unsupported devices: {sorted(devices)}")
+    if device.type == "cuda":
+        return CudaEngine(device, staging_bytes)
+    raise UnsupportedPoolError(None, "pool devices", "cpu or cuda", str(device))

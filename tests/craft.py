@@ -9,7 +9,9 @@ Independent of the writer on purpose: only ``hsnap_format.spec`` constants and
 from __future__ import annotations
 
 import copy
+import json
 import os
+import re
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -165,3 +167,99 @@ def write(path, data: bytes) -> str:
 
 
 __all__ = ["Parts", "split", "check64", "root_digest", "pack_preamble", "pack_trailer", "rebuild", "mutate_header", "flip", "write", "ALIGNMENT"]
+
+
+# ---------------------------------------------------------------------------------------
+# Re-signing arbitrary bytes (scripts/mutate.py): a mutant keeps whatever structure its
+# bytes have, and only the integrity fields are made honest again, so it reaches the
+# structural and semantic checks behind them.
+
+_TABLE_DIGEST = re.compile(rb'"digest":"([0-9a-f]{32})"')
+
+
+def lay_out(data: bytes, header: bytes, data_offset: int, *, honest_lengths: bool = True) -> bytes:
+    """``data``'s sections and trailer behind a new ``header`` whose data starts at ``data_offset``
+    (the caller shifted the table's offsets). ``honest_lengths`` sets header_length, data_offset
+    and file_length (preamble and trailer) to the new layout; the integrity fields keep their old
+    values either way (:func:`resign` recomputes them)."""
+    p = split(data)
+    pad = max(0, data_offset - HEADER_OFFSET - len(header))
+    flen = HEADER_OFFSET + len(header) + pad + len(p.body) + TRAILER.size
+    if honest_lengths:
+        p = replace(p, header_length=len(header), data_offset=data_offset, file_length=flen, trailer_file_length=flen)
+    return pack_preamble(p, p.preamble_check) + header + bytes(pad) + p.body + pack_trailer(p, p.trailer_check)
+
+
+def _fresh_table_digests(header: bytes, data: bytes) -> tuple[bytes, list[bytes]]:
+    """``header`` with each table digest recomputed from the bytes its entry names (when the
+    header parses and its ranges lie in ``data``), and the digests the root digest covers."""
+    found = list(_TABLE_DIGEST.finditer(header))
+    try:
+        obj = json.loads(header.decode("utf-8"))
+        table = obj["sections"] if isinstance(obj, dict) and isinstance(obj.get("sections"), list) else None
+    except (ValueError, RecursionError, KeyError):
+        table = None
+    if table is None or len(found) != len(table):  # cannot pair digests with entries: keep them
+        return header, [bytes.fromhex(m.group(1).decode()) for m in found]
+    out, digests, at = [], [], 0
+    for m, e in zip(found, table):
+        d = m.group(1)
+        off, ln = (e.get("offset"), e.get("length")) if isinstance(e, dict) else (None, None)
+        if type(off) is int and type(ln) is int and 0 <= off and 0 <= ln <= 1 << 26 and off + ln <= len(data):
+            d = xxhash.xxh3_128_hexdigest(data[off : off + ln]).encode()
+        out += [header[at : m.start(1)], d]
+        at = m.end(1)
+        digests.append(bytes.fromhex(d.decode()))
+    out.append(header[at:])
+    return b"".join(out), digests
+
+
+def resign(data: bytes) -> bytes:
+    """Recompute every integrity field of ``data`` as its bytes lay it out, whatever else is
+    wrong with it: each table digest (from the bytes the entry names), the header digest, the
+    preamble check, the root digest and the trailer check (of the trailer the preamble's
+    file_length points to, else the last 64 bytes). Lengths, offsets and counts stay as they are."""
+    if len(data) < PREAMBLE.size:
+        return data
+    b = bytearray(data)
+    hlen, flen = PREAMBLE.unpack(data[: PREAMBLE.size])[4], PREAMBLE.unpack(data[: PREAMBLE.size])[7]
+    hend = min(len(b), HEADER_OFFSET + hlen)
+    header, digests = _fresh_table_digests(bytes(b[HEADER_OFFSET:hend]), data)
+    b[HEADER_OFFSET:hend] = header
+    hdig = xxhash.xxh3_128_digest(header)
+    t = flen - TRAILER.size if TRAILER.size <= flen <= len(b) else len(b) - TRAILER.size
+    if t >= PREAMBLE.size:
+        b[t + 24 : t + 40] = root_digest(hdig, [d.hex() for d in digests])
+        b[t + 56 : t + 64] = check64(bytes(b[t : t + 56])).to_bytes(8, "little")
+    b[32:48] = hdig
+    b[56:64] = check64(bytes(b[:56])).to_bytes(8, "little")
+    return bytes(b)
+
+
+def resign_manifest(data: bytes) -> bytes:
+    """A manifest with its digest line (line 2) recomputed from line 1; everything else kept."""
+    nl = data.find(b"\n")
+    if nl < 0:
+        return data
+    body, rest = data[: nl + 1], data[nl + 1 :]
+    nl2 = rest.find(b"\n")
+    return body + b"xxh3-128 " + xxhash.xxh3_128_hexdigest(body).encode() + (rest[nl2:] if nl2 >= 0 else b"")
+
+
+def manifest_for(manifest: bytes, rank: int, rank_file: bytes) -> bytes:
+    """``manifest`` (a valid one) with entry ``rank`` bound to ``rank_file`` as its bytes say
+    (root digest from the trailer the preamble points to, length from the preamble), re-signed."""
+    obj = canonical.loads(manifest.split(b"\n", 1)[0])
+    if len(rank_file) >= PREAMBLE.size:
+        flen = PREAMBLE.unpack(rank_file[: PREAMBLE.size])[7]
+        t = flen - TRAILER.size if TRAILER.size <= flen <= len(rank_file) else len(rank_file) - TRAILER.size
+        entry = obj["ranks"][rank]
+        entry["length"] = flen if flen <= MAX_SAFE_LENGTH else entry["length"]
+        if t >= 0:
+            entry["root_digest"] = rank_file[t + 24 : t + 40].hex()
+    return resign_manifest(canonical.dumps(obj) + b"\n" + manifest.split(b"\n", 1)[1])
+
+
+MAX_SAFE_LENGTH = canonical.MAX_SAFE_INTEGER
+
+__all__ += ["lay_out", "resign", "resign_manifest", "manifest_for"]

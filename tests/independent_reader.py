@@ -1,4 +1,4 @@
-"""An independent hsnap v1 reader, written from ``spec/hsnap-v1.md`` alone.
+"""An independent hsnap v1 reader (format 1.1), written from ``spec/hsnap-v1.md`` alone.
 
 It deliberately imports nothing from this repository (no ``hsnap_format``,
 ``hsnap_io``, ``viewer``) and no ``ml_dtypes``: it exists to show that the
@@ -21,8 +21,12 @@ Every violation raises ``HsnapSpecError`` (a plain ``ValueError``) whose
 ``"TruncatedError"``, ...) and whose message is one line,
 ``file: field: expected X, found Y`` (spec 7.3).
 
-Where the spec leaves a choice open, the choice made here is marked
-``SPEC GAP`` in a comment.
+Where the 1.0 text left a choice open, the comment ``SPEC GAP`` marked the
+choice made; 1.1 closed them (spec section 14), and each such place now cites
+the section that decides it (``spec 1.1 <section>``). Format 1.1 adds the
+optional feature ``tp-sharding`` (``geometry.sharding``, spec 5.7), validated
+here, and ``reassemble_global`` rebuilds a global tensor from a directory's
+rank files with it.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ MAX_SAFE_INT = 2**53 - 1
 MAX_INT_DIGITS = 400
 MAX_STR = 4096
 
-KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs"}
+KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # spec 9
 KNOWN_DIGESTS = {"xxh3-128"}
 SECTION_KEYS = {"name", "kind", "layer", "dtype", "shape", "offset", "length", "digest"}
 TOP_KEYS = {"format", "features", "digest", "identity", "geometry", "request", "sections"}
@@ -407,8 +411,9 @@ class _V:
         return v
 
     def str(self, v, fld, maxlen=MAX_STR):
-        if not isinstance(v, str) or len(v) > maxlen:
-            self.fail(fld, f"a string of at most {maxlen} characters", _show(v))
+        # spec 1.1 4/5: length in code points (Python's len of a str)
+        if not isinstance(v, str) or (maxlen is not None and len(v) > maxlen):
+            self.fail(fld, f"a string of at most {maxlen} code points", _show(v))
         return v
 
     def bool(self, v, fld):
@@ -447,8 +452,7 @@ class _V:
         for i, x in enumerate(v):
             self.int(x, f"{fld}[{i}]", 0, 65535)
         if len(set(v)) != len(v):
-            # SPEC GAP: duplicates inside one list are not addressed explicitly
-            # (they would give duplicate section names, which 5.5 forbids).
+            # spec 5.6: layer lists hold distinct ids
             self.fail(fld, "distinct layer ids", _show(v))
         return v
 
@@ -500,22 +504,27 @@ def _validate_geometry(v: _V, geo):
         v.dtype(v.get(att, "storage_dtype", a), f"{a}.storage_dtype")
         v.int(v.get(att, "page_size", a), f"{a}.page_size", 1, 2**20)
         swa_layers = v.layers(v.get(att, "swa_layers", a, []), f"{a}.swa_layers")
-        # SPEC GAP: 5.2 gives no default and no range for swa_window,
-        # kv_lora_rank, qk_rope_head_dim ("int or null"); absent -> null assumed.
-        v.int(v.get(att, "swa_window", a, None), f"{a}.swa_window", nullable=True)
+        # spec 5.6: absent swa_window, kv_lora_rank, qk_rope_head_dim mean null
+        swa_window = v.int(v.get(att, "swa_window", a, None), f"{a}.swa_window", nullable=True)
         lora = v.int(v.get(att, "kv_lora_rank", a, None), f"{a}.kv_lora_rank", nullable=True)
         rope = v.int(v.get(att, "qk_rope_head_dim", a, None), f"{a}.qk_rope_head_dim",
                      nullable=True)
-        # SPEC GAP: the "(swa only)", "(mla: 1)", "(mla: 0)", "(mla only)" notes of
-        # 5.2 are written as explanations, not as reader rules.  Enforced here.
+        # spec 1.1 5.6: kind rules; "set" = non-null (swa_layers: non-empty);
+        # swa does not require swa_window; a null MLA dimension counts as 0
         if kind != "swa" and swa_layers:
             v.fail(f"{a}.swa_layers", "[] unless kind is swa", _show(swa_layers))
+        if kind != "swa" and swa_window is not None:
+            v.fail(f"{a}.swa_window", "null unless kind is swa", swa_window)
+        if kind != "mla":
+            for k_, x in (("kv_lora_rank", lora), ("qk_rope_head_dim", rope)):
+                if x is not None:
+                    v.fail(f"{a}.{k_}", "null unless kind is mla", x)
         if kind == "mla":
             if heads != 1:
                 v.fail(f"{a}.heads", "1 for mla", heads)
             if vdim != 0:
                 v.fail(f"{a}.v_head_dim", "0 for mla", vdim)
-            if lora is None or rope is None or kdim != lora + rope:
+            if kdim != (lora or 0) + (rope or 0):
                 v.fail(f"{a}.k_head_dim", "kv_lora_rank + qk_rope_head_dim for mla",
                        f"{kdim} (kv_lora_rank {lora}, qk_rope_head_dim {rope})")
         for L in layers:
@@ -532,17 +541,95 @@ def _validate_geometry(v: _V, geo):
         if not isinstance(cs, list) or not 1 <= len(cs) <= 8:
             v.fail(f"{m}.conv_shapes", "1..8 shapes", _show(cs))
         for i, s in enumerate(cs):
-            # SPEC GAP: dims here are "<= 2^40" but a section shape dim must be
-            # "< 2^40" (5.5); the section-table check refuses 2^40 later.
-            v.shape(s, f"{m}.conv_shapes[{i}]", 2**40)
+            v.shape(s, f"{m}.conv_shapes[{i}]", 2**40 - 1)  # spec 1.1 5.2: 0 ..< 2^40
         v.dtype(v.get(mam, "conv_dtype", m), f"{m}.conv_dtype")
-        v.shape(v.get(mam, "temporal_shape", m), f"{m}.temporal_shape", 2**40)
+        v.shape(v.get(mam, "temporal_shape", m), f"{m}.temporal_shape", 2**40 - 1)
         v.dtype(v.get(mam, "temporal_dtype", m), f"{m}.temporal_dtype")
+        # spec 1.1 5.2: not tied to the conv rank (unless sharding.conv is present)
         v.int(v.get(mam, "conv_slice_axis", m, 0), f"{m}.conv_slice_axis", 0, 7)
         for L in layers:
             if L in owners:
                 v.fail(f"{m}.layers", f"layer {L} in one group only", owners[L])
             owners[L] = "mamba.layers"
+    sh = v.get(geo, "sharding", f, None)
+    if sh is not None:
+        _validate_sharding(v, sh, att, mam)
+
+
+def _validate_axis(v: _V, ax, fld: str, axis_rule, shape) -> None:
+    """spec 1.1 5.7: {"axis", "global", "parts": [[offset, length, replicas]...]}."""
+    v.obj(ax, fld)
+    axis = v.int(v.get(ax, "axis", fld), f"{fld}.axis", 0, 7)
+    glob = v.int(v.get(ax, "global", fld), f"{fld}.global", 1, 2**40)
+    parts = v.get(ax, "parts", fld)
+    if not isinstance(parts, list) or not 1 <= len(parts) <= 64:
+        v.fail(f"{fld}.parts", "1..64 parts", _show(parts))
+    end = total = 0
+    for i, p in enumerate(parts):
+        pf = f"{fld}.parts[{i}]"
+        if not isinstance(p, list) or len(p) != 3:
+            v.fail(pf, "[offset, length, replicas]", _show(p))
+        off = v.int(p[0], f"{pf}[0]", end, 2**40)
+        n = v.int(p[1], f"{pf}[1]", 1, 2**40)
+        v.int(p[2], f"{pf}[2]", 1, 65536)
+        if off + n > glob:
+            v.fail(pf, f"offset + length <= global ({glob})", off + n)
+        end, total = off + n, total + n
+    if axis_rule is not None and axis != axis_rule:
+        v.fail(f"{fld}.axis", axis_rule, axis)
+    if axis >= len(shape):
+        v.fail(f"{fld}.axis", f"< rank {len(shape)}", axis)
+    if total != shape[axis]:
+        v.fail(f"{fld}.parts", f"lengths summing to {shape[axis]}", total)
+
+
+def _validate_sharding(v: _V, sh, att, mam) -> None:
+    f = "geometry.sharding"
+    v.obj(sh, f)
+    a, c, t = sh.get("attention"), sh.get("conv"), sh.get("temporal")
+    if a is not None:
+        if att is None:
+            v.fail(f"{f}.attention", "null (geometry.attention is null)", "present")
+        _validate_axis(v, a, f"{f}.attention", 1, [None, att["heads"], None])
+    if (c is not None or t is not None) and mam is None:
+        v.fail(f"{f}.conv/temporal", "null (geometry.mamba is null)", "present")
+    if c is not None:
+        shapes = mam["conv_shapes"]
+        if not isinstance(c, list) or len(c) != len(shapes):
+            v.fail(f"{f}.conv", f"{len(shapes)} entries", _show(c))
+        for i, ax in enumerate(c):
+            _validate_axis(v, ax, f"{f}.conv[{i}]", mam.get("conv_slice_axis", 0), shapes[i])
+    if t is not None:
+        _validate_axis(v, t, f"{f}.temporal", None, mam["temporal_shape"])
+
+
+def reassemble_global(directory: "Directory", name: str) -> np.ndarray:
+    """The global tensor of state section ``name`` from every rank (spec 5.7): each rank's
+    parts written at their global offsets (replicas must agree)."""
+    out = None
+    key = {"attn": "attention", "swa": "attention", "mla": "attention"}
+    for snap in directory.ranks:
+        s = snap.section(name)
+        kind = s["kind"]
+        sh = snap.header["geometry"]["sharding"]
+        ax = sh["conv"][int(name.rsplit(".", 1)[1])] if kind == "conv" else sh[key.get(name.split(".")[0], "temporal")]
+        vals = s["values"]
+        shape = list(vals.shape)
+        shape[ax["axis"]] = ax["global"]
+        if out is None:
+            out = np.full(shape, np.nan)
+        local = 0
+        for off, n, _ in ax["parts"]:
+            dst = [slice(None)] * vals.ndim
+            src = list(dst)
+            dst[ax["axis"]], src[ax["axis"]] = slice(off, off + n), slice(local, local + n)
+            piece = np.asarray(vals[tuple(src)], dtype=np.float64)
+            have = out[tuple(dst)]
+            if not np.all(np.isnan(have)) and not np.array_equal(have, piece):
+                raise HsnapSpecError(MALFORMED_HEADER, snap.file, f"{name} replicas", "equal", "different")
+            out[tuple(dst)] = piece
+            local += n
+    return out
 
 
 def _validate_request(v: _V, req):
@@ -560,9 +647,8 @@ def _validate_request(v: _V, req):
     v.flat(v.get(req, "sampling", f, {}), f"{f}.sampling")
     stop = v.obj(v.get(req, "stop", f), f"{f}.stop")
     s = f"{f}.stop"
-    # SPEC GAP: stop.max_new_tokens has no default listed while its siblings do;
-    # treated as required here.
-    mnt = v.int(v.get(stop, "max_new_tokens", s), f"{s}.max_new_tokens", nullable=True)
+    # spec 5.6: absent max_new_tokens means null (no budget)
+    mnt = v.int(v.get(stop, "max_new_tokens", s, None), f"{s}.max_new_tokens", nullable=True)
     if mnt is not None and mnt < ot:
         v.fail(f"{s}.max_new_tokens", f">= output_tokens ({ot})", mnt)
     v.int(v.get(stop, "min_new_tokens", s, 0), f"{s}.min_new_tokens")
@@ -570,7 +656,7 @@ def _validate_request(v: _V, req):
     if not isinstance(ss, list) or len(ss) > 1024:
         v.fail(f"{s}.stop_strings", "at most 1024 strings", _show(ss))
     for i, x in enumerate(ss):
-        v.str(x, f"{s}.stop_strings[{i}]")
+        v.str(x, f"{s}.stop_strings[{i}]", maxlen=None)  # spec 1.1 5: no limit of its own
     sti = v.get(stop, "stop_token_ids", s, [])
     if not isinstance(sti, list) or len(sti) > 65536:
         v.fail(f"{s}.stop_token_ids", "at most 65536 ints", _show(sti))
@@ -720,8 +806,9 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
      preamble_check) = PREAMBLE.unpack(pre)
     # 5: preamble check
     if check64(pre) != preamble_check:
-        raise E(DIGEST_MISMATCH, "preamble.check", f"{check64(pre):016x}",
-                f"{preamble_check:016x}")
+        # spec 1.1 7.3: expected = stored, found = computed
+        raise E(DIGEST_MISMATCH, "preamble.check", f"{preamble_check:016x}",
+                f"{check64(pre):016x}")
     # 6: byte-order mark
     if bom != BYTE_ORDER_MARK:
         raise E(MALFORMED_HEADER, "byte_order", "0x0a0b0c0d", hex(bom))
@@ -747,7 +834,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     # 12: header digest
     hbytes = data[64:64 + header_length]
     if digest128(hbytes) != header_digest:
-        raise E(DIGEST_MISMATCH, "header_digest", digest128(hbytes).hex(), header_digest.hex())
+        raise E(DIGEST_MISMATCH, "header_digest", header_digest.hex(), digest128(hbytes).hex())
     # 13: canonical JSON, seven keys, format, features
     try:
         header = parse_canonical_json(hbytes)
@@ -762,10 +849,9 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     if header["format"] != "hsnap":
         raise E(MALFORMED_HEADER, "format", '"hsnap"', _show(header["format"]))
     feats = header["features"]
-    # SPEC GAP: "features well formed" - whether both keys are required and
-    # whether unknown keys inside "features" are allowed is not stated; both
-    # keys are required and no others accepted here.
-    if (not isinstance(feats, dict) or set(feats) != {"required", "optional"}
+    # spec 1.1 5.6: both keys, arrays of strings only; other keys ignored;
+    # duplicates allowed; an optional list that disagrees with the content is no error
+    if (not isinstance(feats, dict) or not {"required", "optional"} <= set(feats)
             or not all(isinstance(feats[k], list) and all(isinstance(x, str) for x in feats[k])
                        for k in ("required", "optional"))):
         raise E(MALFORMED_HEADER, "features",
@@ -775,7 +861,8 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
         if feat not in KNOWN_FEATURES:
             raise E(UNSUPPORTED_FEATURE, "features.required", sorted(KNOWN_FEATURES),
                     _show(feat))
-    if header["digest"] not in KNOWN_DIGESTS:
+    # spec 1.1 5.6: a digest that is not a known name, of any JSON type: UnsupportedFeature
+    if not isinstance(header["digest"], str) or header["digest"] not in KNOWN_DIGESTS:
         raise E(UNSUPPORTED_FEATURE, "digest", '"xxh3-128"', _show(header["digest"]))
     # 15: section table
     table = header["sections"]
@@ -816,7 +903,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
         if cursor > file_length - 64:
             v.fail(f"{fld}.length", f"to end by the trailer at {file_length - 64}",
                    f"end at {cursor}")
-    # SPEC GAP: 5.5 does not say where an empty table "ends"; data_offset is used.
+    # spec 5.5: with no sections the trailer starts at data_offset
     if cursor != file_length - 64:
         v.fail("sections", f"the last section to end at file_length - 64 = "
                            f"{file_length - 64}", f"end at {cursor}")
@@ -824,7 +911,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     tr = data[file_length - 64:file_length]
     t_magic, t_len, t_count, root_digest, reserved, trailer_check = TRAILER.unpack(tr)
     if check64(tr) != trailer_check:
-        raise E(DIGEST_MISMATCH, "trailer.check", f"{check64(tr):016x}", f"{trailer_check:016x}")
+        raise E(DIGEST_MISMATCH, "trailer.check", f"{trailer_check:016x}", f"{check64(tr):016x}")
     # 17: trailer fields
     if t_magic != TRAILER_MAGIC:
         raise E(MALFORMED_HEADER, "trailer.magic", TRAILER_MAGIC, t_magic)
@@ -837,7 +924,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     # 18: root digest
     root = digest128(header_digest + b"".join(bytes.fromhex(s["digest"]) for s in table))
     if root != root_digest:
-        raise E(DIGEST_MISMATCH, "trailer.root_digest", root.hex(), root_digest.hex())
+        raise E(DIGEST_MISMATCH, "trailer.root_digest", root_digest.hex(), root.hex())
     # 19: identity / geometry / request
     _validate_identity(v, header["identity"])
     _validate_geometry(v, header["geometry"])
@@ -969,11 +1056,15 @@ def read_directory(path, *, verify: bool = True) -> Directory:
 def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
     """10.1/10.2 checks on manifest.json's bytes; returns (object, digest hex)."""
     M = lambda fld, exp, found: HsnapSpecError(MALFORMED_MANIFEST, dname, fld, exp, found)  # noqa: E731
-    if text.count(b"\n") != 2 or not text.endswith(b"\n"):
-        nls = text.count(b"\n")
+    # spec 1.1 10.2: not ending in \n (any number of lines) or < 2 lines: truncated;
+    # then more than two lines: malformed
+    nls = text.count(b"\n")
+    if not text.endswith(b"\n") or nls < 2:
         ends = "ends" if text.endswith(b"\n") else "does not end"
         raise HsnapSpecError(TRUNCATED, dname, "manifest.json", "two \\n-terminated lines",
                              f"{nls} newlines, {ends} in \\n")
+    if nls != 2:
+        raise M("manifest.json lines", 2, nls)
     nl = text.index(b"\n") + 1
     line1, line2 = text[:nl], text[nl:]
     prefix = b"xxh3-128 "
@@ -994,8 +1085,7 @@ def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
         raise M("manifest.json", "canonical JSON (section 4)", str(e)) from None
     if not isinstance(m, dict):
         raise M("manifest.json", "an object", type(m).__name__)
-    # SPEC GAP: 10.1 does not say whether unknown top-level manifest keys are
-    # ignored (rank entries are "exactly" four keys); they are ignored here.
+    # spec 1.1 10.1: unknown top-level keys are ignored; rank entries are exact
     for k in ("format", "version", "snapshot_id", "state_position", "tp_size", "ranks"):
         if k not in m:
             raise M(k, "present", "missing")
@@ -1009,8 +1099,7 @@ def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
         raise HsnapSpecError(UNSUPPORTED_VERSION, dname, "version", "[1, *]", _show(ver))
     v.str(m["snapshot_id"], "snapshot_id")
     v.int(m["state_position"], "state_position")
-    # SPEC GAP: manifest tp_size has no upper bound (identity.tp_size <= 65536).
-    tp = v.int(m["tp_size"], "tp_size", 1)
+    tp = v.int(m["tp_size"], "tp_size", 1, 65536)  # spec 1.1 10.1
     ranks = m["ranks"]
     if not isinstance(ranks, list) or len(ranks) != tp:
         raise M("ranks", f"an array of {tp} objects", _show(ranks))

@@ -17,6 +17,12 @@ Constructor calls used (device="cpu", enable_memory_saver=False everywhere):
   "mha"      MHATokenToKVPool(size, page_size, dtype, head_num, head_dim, layer_num, device,
                  enable_memory_saver=False, enable_alt_stream=False)
   "mha_fp8"  same with dtype=torch.float8_e4m3fn (buffers are stored as uint8)
+  "mha_fp8_native"  "mha_fp8" with native float8_e4m3fn storage: SGLang 0.5.23's
+             KVCache.__init__ stores every fp8 dtype as uint8, but pools that keep fp8
+             natively exist (MHATokenToKVPoolMXFP8's main buffers; the testers' CPU fp8
+             pool of issue 10 item 9). Built from the same SGLang pool: store_dtype set to
+             the fp8 dtype and every k/v buffer viewed in place as it (same memory, same
+             bytes). torch has no CPU index_copy_ for float8: the case hsnap must survive.
   "mla"      MLATokenToKVPool(size, page_size, dtype, kv_lora_rank, qk_rope_head_dim,
                  layer_num, device, enable_memory_saver=False)
   "swa"      SWAKVPool(size, size_swa, page_size, dtype, head_num, head_dim,
@@ -74,6 +80,8 @@ import torch
 from hsnap_io._sglang_env import import_sglang
 
 KINDS = ("mha", "mla", "swa", "hybrid_linear", "swa_mamba", "mha_fp8")
+# Built on request only (not iterated by the pool-fixture tests): see "mha_fp8_native".
+EXTRA_KINDS = ("mha_fp8_native",)
 
 DEVICE = "cpu"
 
@@ -83,6 +91,7 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz)
 _DEFAULTS: Dict[str, Dict[str, Any]] = {
     "mha": dict(layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16),
     "mha_fp8": dict(layer_num=3, head_num=2, head_dim=16, dtype=torch.float8_e4m3fn),
+    "mha_fp8_native": dict(layer_num=3, head_num=2, head_dim=16, dtype=torch.float8_e4m3fn),
     "mla": dict(layer_num=2, kv_lora_rank=32, qk_rope_head_dim=8, dtype=torch.bfloat16),
     "swa": dict(
         head_num=2,
@@ -180,7 +189,7 @@ class RequestRecord:
 
 def _geom(kind: str, size: int, overrides: Dict[str, Any]) -> Dict[str, Any]:
     if kind not in _DEFAULTS:
-        raise ValueError(f"unknown pool kind {kind!r}; expected one of {KINDS}")
+        raise ValueError(f"unknown pool kind {kind!r}; expected one of {KINDS + EXTRA_KINDS}")
     g = {**_COMMON, **_DEFAULTS[kind]}
     unknown = set(overrides) - set(g)
     if unknown:
@@ -259,7 +268,7 @@ def build(kind: str, *, size: int, page_size: int = 1, seed: Optional[int] = 0, 
             size=g["max_reqs"], max_context_len=g["max_context_len"], device=DEVICE, enable_memory_saver=False
         )
 
-    if kind in ("mha", "mha_fp8"):
+    if kind in ("mha", "mha_fp8", "mha_fp8_native"):
         kv = mp.MHATokenToKVPool(
             size=size,
             page_size=page_size,
@@ -271,6 +280,8 @@ def build(kind: str, *, size: int, page_size: int = 1, seed: Optional[int] = 0, 
             enable_memory_saver=False,
             enable_alt_stream=False,
         )
+        if kind == "mha_fp8_native":
+            _store_natively(kv)
         alloc = _token_allocator(sg, size, page_size, dtype, kv, g["need_sort"])
     elif kind == "mla":
         kv = mp.MLATokenToKVPool(
@@ -344,6 +355,32 @@ def build(kind: str, *, size: int, page_size: int = 1, seed: Optional[int] = 0, 
     return ps
 
 
+def _store_natively(kv) -> None:
+    """View an fp8 MHA pool's uint8 buffers in place as its fp8 dtype (see "mha_fp8_native")."""
+    assert kv.store_dtype == torch.uint8 and kv.dtype in _FP8_DTYPES, (kv.store_dtype, kv.dtype)
+    kv.store_dtype = kv.dtype
+    kv.k_buffer = [b.view(kv.dtype) for b in kv.k_buffer]
+    kv.v_buffer = [b.view(kv.dtype) for b in kv.v_buffer]
+
+
+def fragment(ps: PoolSet, *, stride: int = 2) -> torch.Tensor:
+    """Make the free token list fragmented, as on a live server: allocate every free
+    token slot (whole pages, both sides of an SWA pool), then give back every
+    ``stride``-th page. A request allocated afterwards gets slots that are no run, so
+    restores take the scatter (index_copy_) path. Returns the slots kept allocated.
+    The freed slots keep their (seeded random) bytes."""
+    alloc = ps.token_to_kv_pool_allocator
+    n = alloc.available_size()  # SWA: min of the full and SWA sides
+    n -= n % ps.page_size
+    if n < 2 * ps.page_size:
+        raise RuntimeError(f"too few free slots to fragment: {n}")
+    idx = _alloc_tokens(ps, n).to(torch.int64).view(-1, ps.page_size)
+    keep = torch.ones(len(idx), dtype=torch.bool)
+    keep[::stride] = False
+    alloc.free(idx[~keep].reshape(-1))
+    return idx[keep].reshape(-1)
+
+
 # ---------------------------------------------------------------------------
 # buffers (name -> tensor) per kind
 # ---------------------------------------------------------------------------
@@ -362,7 +399,7 @@ def _kv_layer_buffers(ps: PoolSet):
     full_to_swa_index_mapping[full slot]).
     """
     kv, g, out = ps.kv_pool, ps.geom, []
-    if ps.kind in ("mha", "mha_fp8"):
+    if ps.kind in ("mha", "mha_fp8", "mha_fp8_native"):
         for name, k, v in _mha_layers(kv, range(kv.start_layer, kv.start_layer + kv.layer_num)):
             out.append((name, "full", [("k", k), ("v", v)]))
     elif ps.kind == "mla":
@@ -430,11 +467,11 @@ def _mix(*parts: int) -> int:
 
 
 def _random_like(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.uint8:
-        # fp8 store dtype: random bytes, minus the e4m3fn NaN encodings (0x7F, 0xFF).
+    if dtype == torch.uint8 or dtype in _FP8_DTYPES:
+        # fp8 (stored as uint8 or natively): random bytes, minus the e4m3fn NaN encodings (0x7F, 0xFF).
         t = torch.randint(0, 256, shape, generator=gen, dtype=torch.int16)
         t = torch.where((t & 0x7F) == 0x7F, t - 1, t)
-        return t.to(torch.uint8)
+        return t.to(torch.uint8).view(dtype)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
     info = torch.iinfo(dtype)
@@ -487,8 +524,8 @@ def alloc_request(
     allocated, so the pools are left untouched).
     """
     sg = import_sglang()
-    if not 0 < n_tokens <= ps.req_to_token_pool.max_context_len:
-        raise ValueError(f"n_tokens={n_tokens} outside 1..max_context_len")
+    if not 0 <= n_tokens <= ps.req_to_token_pool.max_context_len:
+        raise ValueError(f"n_tokens={n_tokens} outside 0..max_context_len")
     rp = ps.req_to_token_pool
     # Check capacity first: a failed alloc would still have bumped req_generation.
     if rp.available_size() < 1:
@@ -503,7 +540,8 @@ def alloc_request(
     if rows is None:
         raise RuntimeError("req_to_token pool exhausted")
     row = int(rows[0])
-    idx = _alloc_tokens(ps, n_tokens)
+    # n_tokens 0: a request with a row (and mamba slot) but no committed position yet
+    idx = _alloc_tokens(ps, n_tokens) if n_tokens else torch.empty(0, dtype=torch.int64)
     if idx is None:
         _free_req_row(ps, req)
         raise RuntimeError(f"token pool exhausted allocating {n_tokens} tokens")

@@ -71,6 +71,15 @@ def test_demo_succeeds(demo):
 def test_greedy_continuation_is_exact(demo):
     v = demo["report"]["variants"]["greedy"]
     _check_exact(v)
+    # on SGLang's own Req: the client's stream continues at the offset it stopped at, the
+    # reasoning state (mid-reasoning at the pause) carries, the restored Mamba slot is kept
+    assert v["api"] == "sglang.Req"
+    st = v["stream"]
+    assert st["continuous"] and st["repeated"] == st["missing"] == 0 and st["first_resumed_chunk_starts_at"] == K
+    rs = v["reasoning"]
+    assert v["checks"]["reasoning_state_carried"] and not rs["at_pause"]["reasoning_over"]
+    assert rs["final"] == rs["reference_final"]
+    assert v["checks"]["restored_state_not_cleared"]
     # restored at other slots of pools of another capacity
     e, s = v["export"]["slots"], v["restore"]["slots"]
     assert s["pool_token_capacity"] != e["pool_token_capacity"]
@@ -99,7 +108,8 @@ def test_snapshot_left_on_disk_with_record_and_identity(demo):
     assert rec.state_position == len(rec.prompt_ids) + K - 1 == v["state_position"]
     assert rec.max_new_tokens == N and rec.streamed_tokens == K and rec.remaining_budget == N - K
     assert rec.output_logprobs is not None and len(rec.output_logprobs) == K
-    assert rec.rng_state is None and rec.sampling["temperature"] == 0.0
+    # a live SGLang Req: greedy in SGLang's normal form (temperature 1.0, top_k 1), no per-request generator
+    assert rec.rng_state is None and rec.sampling["top_k"] == 1 and rec.extra["sglang.format"] == "sglang-req/1"
     assert ident.model_id == "hsnap-demo/tiny-qwen3_5"
     assert ident.weights_version == r["model"]["weights_version"] and ident.weights_version.startswith("sha256:")
     assert ident.engine.name == "sglang" and ident.engine.version == "0.5.23"

@@ -172,7 +172,7 @@ def test_hybrid_roundtrip_and_section_order(tmp_path):
         assert {s.name: s.digest for s in snap.sections} == info.digests
         assert snap.file_length == info.file_length
         assert snap.header_bytes == canonical.dumps(snap.header)
-        assert snap.version == (hf.MAJOR, hf.MINOR)
+        assert snap.version == (hf.MAJOR, 0)  # no 1.1 content: a writer stamps minor 0 (spec 9)
         assert snap.identity == identity()
         assert snap.geometry == hybrid_geometry()
         snap.verify()

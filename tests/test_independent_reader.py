@@ -151,9 +151,10 @@ def test_two_rank_directory():
 def test_every_vector_has_a_description():
     hsnaps = sorted(p.stem for p in VECTORS.glob("*.hsnap"))
     assert hsnaps == sorted(SINGLE)
-    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank"])
-    assert sorted(p.name for p in (VECTORS / "two-rank").iterdir()) == [
-        "manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
+    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank", "hybrid-tp2"])
+    for d in ("two-rank", "hybrid-tp2"):
+        assert sorted(p.name for p in (VECTORS / d).iterdir()) == [
+            "manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
 
 
 # ---------------------------------------------------------------------------
@@ -475,3 +476,53 @@ def test_manifest_negatives(two_rank):
     (two_rank / "extra-link").unlink()
     m.unlink()
     assert _dir_error(two_rank).kind == "MalformedManifestError"
+
+
+# ---------------------------------------------------------------------------
+# Format 1.1: geometry.sharding (spec 5.7), the hybrid-tp2 vector
+# ---------------------------------------------------------------------------
+
+
+def test_hybrid_tp2_vector_is_1_1_and_reassembles():
+    desc = _desc("hybrid-tp2")
+    d = VECTORS / desc["directory"]
+    res = ir.read_directory(d)
+    for snap, rdesc in zip(res.ranks, desc["ranks"]):
+        assert (snap.major, snap.minor) == (1, 1)
+        assert snap.header["features"]["optional"] == ["tp-sharding"]
+        _check_against_description(snap, rdesc, (d / rdesc["file"]).read_bytes())
+    # the description alone rebuilds the global tensors (values of the vector's description)
+    conv = ir.reassemble_global(res, "mamba.0.conv.0")
+    assert conv.tolist() == [[c + j / 2 for j in range(2)] for c in range(6)]
+    assert ir.reassemble_global(res, "mamba.0.temporal").reshape(-1).tolist() == [0.25, 1.25]
+    k = ir.reassemble_global(res, "attn.1.k")
+    assert k.tolist() == [[[10 * t + h + dd / 4 for dd in range(2)] for h in range(2)] for t in range(2)]
+
+
+def _rank1(edit) -> bytes:
+    data = (VECTORS / "hybrid-tp2" / "rank-1.hsnap").read_bytes()
+    hl = struct.unpack("<Q", data[16:24])[0]
+    h = json.loads(data[64:64 + hl])
+    edit(h["geometry"]["sharding"])
+    return _reseal(data, _enc(h))
+
+
+@pytest.mark.parametrize("label,edit,field", [
+    ("parts overlap", lambda sh: sh["conv"][0].update(parts=[[1, 1, 1], [1, 1, 1], [5, 1, 1]]), "geometry.sharding.conv[0].parts[1][0]"),
+    ("parts beyond global", lambda sh: sh["temporal"].update(parts=[[2, 1, 1]]), "geometry.sharding.temporal.parts[0]"),
+    ("lengths != heads", lambda sh: sh["attention"].update(parts=[[0, 2, 1]]), "geometry.sharding.attention.parts"),
+    ("attention axis 0", lambda sh: sh["attention"].update(axis=0), "geometry.sharding.attention.axis"),
+    ("conv axis != conv_slice_axis", lambda sh: sh["conv"][0].update(axis=1), "geometry.sharding.conv[0].axis"),
+    ("replicas 0", lambda sh: sh["temporal"].update(parts=[[1, 1, 0]]), "geometry.sharding.temporal.parts[0][2]"),
+    ("conv entries != conv_shapes", lambda sh: sh.update(conv=[]), "geometry.sharding.conv"),
+])
+def test_sharding_description_refused(label, edit, field):
+    with pytest.raises(ir.HsnapSpecError) as e:
+        ir.parse_snapshot(_rank1(edit), label)
+    assert (e.value.kind, e.value.field) == ("MalformedHeaderError", field)
+
+
+def test_undescribed_kinds_are_allowed():
+    """Spec 5.7: a null kind is "not described", not an error."""
+    ir.parse_snapshot(_rank1(lambda sh: sh.update(conv=None, temporal=None)), "x")
+    ir.parse_snapshot(_rank1(lambda sh: sh.clear()), "x")

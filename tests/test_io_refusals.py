@@ -64,11 +64,13 @@ def test_wrong_layout_is_refused(snap_path):
     assert "geometry.mamba" in fields and "geometry.attention.layers" in fields
 
 
-def test_wrong_page_size_is_refused(tmp_path):
+def test_other_head_count_is_refused_whatever_the_page_size(tmp_path):
+    # the page size is no geometry difference (spec 5.2; tests/test_hardening_io.py item 11)
     p = str(tmp_path / "mha16.hsnap")
     _export(p, "mha", 16)
-    err = _restore_refused(p, target("mha", 64), hf.IncompatibleSnapshotError)
-    assert ("geometry.attention.page_size", 64, 16) in err.differences
+    other = sp.build("mha", size=1024, page_size=64, seed=9, head_num=4)
+    err = _restore_refused(p, other, hf.IncompatibleSnapshotError)
+    assert err.differences == [("geometry.attention.heads", 4, 2)]
 
 
 def test_newer_major_version_is_refused(snap_path, tmp_path):

@@ -25,6 +25,7 @@ from hsnap_format.spec import DTYPES
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
 SINGLE = ("attention-only", "hybrid", "mla-fp8")
+SETS = ("two-rank", "hybrid-tp2")  # directories; hybrid-tp2 is the format-1.1 vector
 HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "sections")
 TABLE_KEYS = ("name", "kind", "layer", "dtype", "shape", "offset", "length", "digest")
 
@@ -43,8 +44,9 @@ def load(name: str) -> dict:
 def rank_vectors():
     """(id, path, description) for every rank file among the vectors."""
     out = [(n, VEC / load(n)["file"], load(n)) for n in SINGLE]
-    two = load("two-rank")
-    out += [(f"two-rank/{r['file']}", VEC / two["directory"] / r["file"], r) for r in two["ranks"]]
+    for name in SETS:
+        d = load(name)
+        out += [(f"{name}/{r['file']}", VEC / d["directory"] / r["file"], r) for r in d["ranks"]]
     return out
 
 
@@ -61,7 +63,7 @@ def test_every_vector_regenerates_byte_for_byte():
 def test_generate_check_command():
     r = subprocess.run([sys.executable, str(VEC / "generate.py"), "--check"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK 4 vectors")
+    assert r.stdout.startswith("OK 5 vectors")
 
 
 def test_vectors_are_tiny():
@@ -167,7 +169,7 @@ NUMPY = {"bfloat16": ml_dtypes.bfloat16, "float8_e4m3fn": ml_dtypes.float8_e4m3f
 def independent_decode(data: bytes) -> dict:
     """Decode a rank file following spec/hsnap-v1.md alone."""
     magic, major, minor, bom, hlen, doff, hdig, flen, check = struct.unpack_from("<8sHHIQQ16sQQ", data, 0)
-    assert magic == b"\x89HSN\r\n\x1a\n" and bom == 0x0A0B0C0D and (major, minor) == (1, 0)
+    assert magic == b"\x89HSN\r\n\x1a\n" and bom == 0x0A0B0C0D and major == 1  # any minor (spec 9)
     assert check == int.from_bytes(xxhash.xxh3_64_digest(data[:56]), "big")
     assert data[56:64] == xxhash.xxh3_64_digest(data[:56])[::-1]  # the u64, little-endian
     assert flen == len(data) and doff % 4096 == 0 and doff >= 64 + hlen
@@ -212,3 +214,300 @@ def test_spec_worked_example_matches_the_vector():
     assert [n for n, _ in lines] == ["0", "1", "2", "3"]
     dumped = bytes.fromhex("".join(h.replace(" ", "") for _, h in lines))
     assert dumped == (VEC / "attention-only.hsnap").read_bytes()[:64]
+
+
+# ----------------------------------------------------------------------------- format 1.1 compatibility
+
+
+def test_one_zero_vectors_are_one_zero_files_read_by_the_one_one_reader():
+    """Spec 9: a 1.1 reader reads every 1.0 file; the 1.0 vectors stay minor 0, undescribed."""
+    from hsnap_format.spec import MINOR
+
+    assert MINOR == 1
+    for label, path, desc in RANKS:
+        if label.startswith("hybrid-tp2/"):
+            continue
+        with Snapshot(path) as snap:
+            assert snap.version == (1, 0) and desc["expected"]["version"] == [1, 0]
+            assert snap.geometry.sharding is None
+            assert "sharding" not in snap.header["geometry"]
+            snap.verify()
+
+
+def _one_zero_rules(data: bytes) -> dict:
+    """A reader that knows only the 1.0 rules (spec 1.0, section 9): any minor, features
+    {sampler-rng-state, top-logprobs}, unknown keys ignored, the 1.0 section plan."""
+    out = independent_decode(data)
+    h = out["header"]
+    known = {"sampler-rng-state", "top-logprobs"}
+    assert all(f in known for f in h["features"]["required"]), "1.0 refuses unknown required features"
+    g = h["geometry"]
+    plan = []  # spec 1.0 5.4, state sections only
+    att, mam = g.get("attention"), g.get("mamba")
+    owner = {L: "attn" for L in (att or {}).get("layers", [])} | {L: "mamba" for L in (mam or {}).get("layers", [])}
+    pos = h["request"]["state_position"]
+    for L in sorted(owner):
+        if owner[L] == "attn":
+            plan += [(f"attn.{L}.k", [pos, att["heads"], att["k_head_dim"]]), (f"attn.{L}.v", [pos, att["heads"], att["v_head_dim"]])]
+        else:
+            plan += [(f"mamba.{L}.conv.{i}", c) for i, c in enumerate(mam["conv_shapes"])] + [(f"mamba.{L}.temporal", mam["temporal_shape"])]
+    got = [(s["name"], s["shape"]) for s in h["sections"] if s["layer"] is not None]
+    assert got == plan
+    return out
+
+
+def test_one_one_vector_through_one_zero_rules():
+    """Spec 9: the 1.1 vector uses no new required feature, so a 1.0 reader reads it fully."""
+    d = load("hybrid-tp2")
+    for r in d["ranks"]:
+        data = (VEC / d["directory"] / r["file"]).read_bytes()
+        assert struct.unpack_from("<HH", data, 8) == (1, 1)  # minor 1 in the preamble
+        out = _one_zero_rules(data)
+        assert out["header"]["features"] == {"optional": ["tp-sharding"], "required": []}
+        for s in r["sections"]:
+            assert _numbers(out["arrays"][s["name"]]) == s["values"]
+
+
+def test_one_one_vector_reassembles_without_the_model():
+    """The 1.1 description alone rebuilds the global tensors of the hybrid-tp2 vector."""
+    d = load("hybrid-tp2")
+    path = VEC / d["directory"]
+    with SnapshotSet(path) as ss:
+        glob: dict[str, np.ndarray] = {}
+        for r in range(ss.manifest.tp_size):
+            snap = ss.rank(r)
+            sh = snap.geometry.sharding
+            for s in snap.sections:
+                if not s.is_state:
+                    continue
+                ax = sh.attention if s.kind.startswith("attn") else sh.conv[0] if s.kind == "conv" else sh.temporal
+                arr = snap.read(s)
+                shape = list(arr.shape)
+                shape[ax.axis] = ax.global_size
+                g = glob.setdefault(s.name, np.full(shape, np.nan, dtype=np.float64))
+                local = 0
+                for off, n, _ in ax.parts:
+                    idx = [slice(None)] * arr.ndim
+                    src = list(idx)
+                    idx[ax.axis], src[ax.axis] = slice(off, off + n), slice(local, local + n)
+                    g[tuple(idx)] = arr[tuple(src)].astype(np.float64)
+                    local += n
+    # the vector's global state (see its description): conv channel c column j = c + j/2,
+    # temporal head h = 0.25 + h, K token t head h dim d = 10t + h + d/4, V its negation
+    assert glob["mamba.0.conv.0"].tolist() == [[c + j / 2 for j in range(2)] for c in range(6)]
+    assert glob["mamba.0.temporal"].reshape(-1).tolist() == [0.25, 1.25]
+    k = [[[10 * t + h + dd / 4 for dd in range(2)] for h in range(2)] for t in range(2)]
+    assert glob["attn.1.k"].tolist() == k
+    assert glob["attn.1.v"].tolist() == (-np.array(k)).tolist()
+
+
+# ----------------------------------------------------------------------------- 1.1: where readers could differ
+
+
+def _ir():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import independent_reader
+
+    return independent_reader
+
+
+def _reseal(data: bytes, header: bytes) -> bytes:
+    """``data`` with another header (fitting before data_offset), every digest and check
+    recomputed: only the header's content can be refused."""
+    _m, major, minor, bom, _hl, doff, _hd, flen, _pc = struct.unpack_from("<8sHHIQQ16sQQ", data)
+    assert 64 + len(header) <= doff
+    hd = xxhash.xxh3_128_digest(header)
+    pre = struct.pack("<8sHHIQQ16sQ", data[:8], major, minor, bom, len(header), doff, hd, flen)
+    pre += struct.pack("<Q", xxhash.xxh3_64_intdigest(pre))
+    try:
+        table = json.loads(header)["sections"]
+        root = xxhash.xxh3_128_digest(hd + b"".join(bytes.fromhex(s["digest"]) for s in table))
+        count = len(table)
+    except Exception:
+        root, count = data[-40:-24], struct.unpack("<Q", data[-48:-40])[0]
+    tr = struct.pack("<8sQQ16s16s", b"HSNAPEND", flen, count, root, bytes(16))
+    tr += struct.pack("<Q", xxhash.xxh3_64_intdigest(tr))
+    return pre + header + bytes(doff - 64 - len(header)) + data[doff : flen - 64] + tr
+
+
+def _edited(name: str, fn) -> bytes:
+    from hsnap_format import canonical
+
+    data = (VEC / f"{name}.hsnap").read_bytes()
+    hl = struct.unpack_from("<Q", data, 16)[0]
+    h = json.loads(data[64 : 64 + hl])
+    out = fn(h)
+    return _reseal(data, out if isinstance(out, bytes) else canonical.dumps(h))
+
+
+def _raw_header(name: str, edit) -> bytes:
+    data = (VEC / f"{name}.hsnap").read_bytes()
+    hl = struct.unpack_from("<Q", data, 16)[0]
+    return _reseal(data, edit(data[64 : 64 + hl]))
+
+
+def _flip_at(name: str, *positions) -> bytes:
+    data = bytearray((VEC / f"{name}.hsnap").read_bytes())
+    for p in positions:
+        data[p] ^= 0x5A
+    return bytes(data)
+
+
+def _flip_tail(data: bytes, back: int) -> bytes:
+    """Flip a byte ``back`` bytes before the end (inside the trailer's check)."""
+    b = bytearray(data)
+    b[-back] ^= 0x5A
+    return bytes(b)
+
+
+def _both(data: bytes, tmp_path) -> tuple[str | None, str | None, tuple]:
+    """(reference class, independent class, (reference field, independent field))."""
+    from hsnap_format.errors import HsnapError
+
+    p = tmp_path / "x.hsnap"
+    p.write_bytes(data)
+    ref = ind = rf = jf = None
+    try:
+        with Snapshot(p) as s:
+            s.verify()
+    except HsnapError as e:
+        ref, rf = type(e).__name__, e.field
+    try:
+        _ir().read_snapshot(p)
+    except _ir().HsnapSpecError as e:
+        ind, jf = e.kind, e.field
+    return ref, ind, (rf, jf)
+
+
+POINTS = [
+    # (spec 1.1 section 14 point, label, file bytes, expected class or None for "reads")
+    (2, "order: trailer check and a table offset both bad -> step 15 first",
+     lambda: _flip_tail(_edited("attention-only", lambda h: h["sections"][1].update(offset=8193)), 10),
+     "MalformedHeaderError"),
+    (3, "features: another key ignored", lambda: _edited("hybrid", lambda h: h["features"].update(x=[1])), None),
+    (3, "features: duplicates allowed", lambda: _edited("hybrid", lambda h: h["features"]["optional"].append("top-logprobs")), None),
+    (3, "features: non-string entry", lambda: _edited("hybrid", lambda h: h["features"]["optional"].append(1)), "MalformedHeaderError"),
+    (3, "features: optional missing", lambda: _edited("hybrid", lambda h: h["features"].pop("optional")), "MalformedHeaderError"),
+    (4, "digest: a number", lambda: _edited("hybrid", lambda h: h.update(digest=5)), "UnsupportedFeatureError"),
+    (4, "digest: null", lambda: _edited("hybrid", lambda h: h.update(digest=None)), "UnsupportedFeatureError"),
+    (5, "string length in code points: 1,500 x U+505C (4,500 bytes) is too long? no: fits 4,096",
+     lambda: _edited("attention-only", lambda h: h["identity"].update(engine={"name": "\u505c" * 500, "version": "", "commit": ""})), None),
+    (6, "null inside a flat-object array", lambda: _edited("hybrid", lambda h: h["request"]["sampling"].update(x=[1, None])), "MalformedHeaderError"),
+    (6, "null as a flat-object value", lambda: _edited("hybrid", lambda h: h["request"]["sampling"].update(x=None)), None),
+    (7, "conv_shapes dim 2^40", lambda: _edited("hybrid", lambda h: h["geometry"]["mamba"].update(conv_shapes=[[2**40, 3]])), "MalformedHeaderError"),
+    (8, "conv_slice_axis beyond the conv rank (no sharding)", lambda: _edited("hybrid", lambda h: h["geometry"]["mamba"].update(conv_slice_axis=5)), None),
+    (8, "layer ids outside start_layer/num_layers", lambda: _edited("hybrid", lambda h: h["geometry"].update(start_layer=7, num_layers=1)), None),
+    (8, "mamba temporal_dtype missing", lambda: _edited("hybrid", lambda h: h["geometry"]["mamba"].pop("temporal_dtype")), "MalformedHeaderError"),
+    (9, "mha with kv_lora_rank set", lambda: _edited("attention-only", lambda h: h["geometry"]["attention"].update(kv_lora_rank=4)), "MalformedHeaderError"),
+    (9, "mha with swa_window set", lambda: _edited("attention-only", lambda h: h["geometry"]["attention"].update(swa_window=4)), "MalformedHeaderError"),
+    (9, "mla with a null kv_lora_rank counting as 0", lambda: _edited("mla-fp8", lambda h: h["geometry"]["attention"].update(kv_lora_rank=None, qk_rope_head_dim=6)), None),
+    (10, "top_logprobs_k > 0 without the top-logprobs name", lambda: _edited("hybrid", lambda h: h["features"].update(optional=["sampler-rng-state"])), None),
+    (10, "tp-sharding named without a description", lambda: _edited("hybrid", lambda h: h["features"]["optional"].append("tp-sharding")), None),
+    (11, "bool for an int", lambda: _edited("hybrid", lambda h: h["request"].update(top_logprobs_k=True)), "MalformedHeaderError"),
+    (11, "integer literal of 401 digits", lambda: _raw_header("attention-only", lambda b: b.replace(b'"temperature":0', b'"temperature":' + b"1" * 401)), "MalformedHeaderError"),
+    (12, "padding: two bad bytes -> the first; before a bad section", lambda: _flip_at("attention-only", 64 + 2154 + 7, 64 + 2154 + 9, 4096 + 3), "DigestMismatchError"),
+    (14, "1e-6 written 1e-6 is not canonical", lambda: _raw_header("hybrid", lambda b: b.replace(b'"min_p":0.00001', b'"min_p":1e-5')), "MalformedHeaderError"),
+]
+
+
+@pytest.mark.parametrize("point,label,make,kind", POINTS, ids=[f"{p[0]}-{p[1][:40]}" for p in POINTS])
+def test_both_readers_agree_on_the_points_of_spec_14(point, label, make, kind, tmp_path):
+    ref, ind, fields = _both(make(), tmp_path)
+    assert ref == ind == kind, (label, ref, ind, fields)
+    if point == 12:
+        assert fields == ("padding at byte 2225", "padding at byte 2225")
+
+
+def test_digest_mismatch_message_is_stored_then_computed(tmp_path):
+    """Spec 7.3 (point 13): expected = the stored digest, found = the computed one."""
+    d = load("attention-only")
+    stored = d["sections"][0]["digest"]
+    p = tmp_path / "x.hsnap"
+    p.write_bytes(_flip_at("attention-only", 4096))
+    with Snapshot(p) as s, pytest.raises(Exception) as e:
+        s.verify()
+    assert f"expected {stored}" in str(e.value)
+    with pytest.raises(_ir().HsnapSpecError) as e2:
+        _ir().read_snapshot(p)
+    assert f"expected {stored}" in str(e2.value)
+
+
+def test_open_failures_step_1(tmp_path):
+    """Spec 7.1 step 1 (point 1): no such file -> HsnapIOError; a directory -> MalformedHeaderError."""
+    from hsnap_format.errors import HsnapIOError, MalformedHeaderError
+
+    with pytest.raises(HsnapIOError):
+        Snapshot(tmp_path / "missing.hsnap")
+    with pytest.raises(MalformedHeaderError, match="path"):
+        Snapshot(tmp_path)
+    for target, kind in ((tmp_path / "missing.hsnap", "HsnapIOError"), (tmp_path, "MalformedHeaderError")):
+        with pytest.raises(_ir().HsnapSpecError) as e:
+            _ir().read_snapshot(target)
+        assert e.value.kind == kind
+
+
+@pytest.mark.parametrize("label,edit,kind", [
+    ("unknown top-level key", lambda l1: l1.replace(b'{"format"', b'{"aaa":1,"format"'), None),
+    ("tp_size over 65536", lambda l1: l1.replace(b'"tp_size":2', b'"tp_size":70000'), "MalformedManifestError"),
+])
+def test_manifest_points(label, edit, kind, tmp_path):
+    """Spec 10.1/10.2 (point 15) with both readers."""
+    import shutil
+
+    from hsnap_format.errors import HsnapError
+
+    d = tmp_path / "s"
+    shutil.copytree(VEC / "two-rank", d)
+    line1 = (d / "manifest.json").read_bytes().split(b"\n")[0]
+    new = edit(line1)
+    (d / "manifest.json").write_bytes(new + b"\nxxh3-128 " + xxhash.xxh3_128_hexdigest(new + b"\n").encode() + b"\n")
+    ref = ind = None
+    try:
+        SnapshotSet(d).close()
+    except HsnapError as e:
+        ref = type(e).__name__
+    try:
+        _ir().read_directory(d)
+    except _ir().HsnapSpecError as e:
+        ind = e.kind
+    assert ref == ind == kind
+
+
+@pytest.mark.parametrize("text,kind", [
+    (b"a\nb\nc", "TruncatedError"),  # no final newline, whatever the line count
+    (b"a\nb\nc\n", "MalformedManifestError"),
+])
+def test_manifest_line_rules(text, kind, tmp_path):
+    from hsnap_format.errors import HsnapError
+
+    d = tmp_path / "s"
+    import shutil
+
+    shutil.copytree(VEC / "two-rank", d)
+    (d / "manifest.json").write_bytes(text)
+    with pytest.raises(HsnapError) as e:
+        SnapshotSet(d)
+    with pytest.raises(_ir().HsnapSpecError) as e2:
+        _ir().read_directory(d)
+    assert type(e.value).__name__ == e2.value.kind == kind
+
+
+@pytest.mark.parametrize("label,edit,kind", [
+    ("parts overlap", lambda sh: sh["conv"][0].update(parts=[[1, 1, 1], [1, 1, 1], [5, 1, 1]]), "MalformedHeaderError"),
+    ("parts beyond global", lambda sh: sh["temporal"].update(parts=[[2, 1, 1]]), "MalformedHeaderError"),
+    ("lengths != heads", lambda sh: sh["attention"].update(parts=[[0, 2, 1]]), "MalformedHeaderError"),
+    ("conv axis != conv_slice_axis", lambda sh: sh["conv"][0].update(axis=1), "MalformedHeaderError"),
+    ("replicas 0", lambda sh: sh["temporal"].update(parts=[[1, 1, 0]]), "MalformedHeaderError"),
+    ("a bool as an offset", lambda sh: sh["temporal"].update(parts=[[True, 1, 1]]), "MalformedHeaderError"),
+    ("undescribed conv", lambda sh: sh.update(conv=None), None),
+])
+def test_both_readers_agree_on_sharding(label, edit, kind, tmp_path):
+    """Spec 5.7 with both readers, on rank 1 of the 1.1 vector."""
+    from hsnap_format import canonical
+
+    data = (VEC / "hybrid-tp2" / "rank-1.hsnap").read_bytes()
+    hl = struct.unpack_from("<Q", data, 16)[0]
+    h = json.loads(data[64 : 64 + hl])
+    edit(h["geometry"]["sharding"])
+    ref, ind, fields = _both(_reseal(data, canonical.dumps(h)), tmp_path)
+    assert ref == ind == kind, (label, fields)

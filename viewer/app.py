@@ -3,12 +3,19 @@
     hsnap-view PATH [OTHER] [--against REF] [--tokenizer TOK] [--atol X] [--rtol Y]
 
 PATH (and OTHER, for diff mode) is a rank file or a snapshot directory. Snapshots
-are read only through hsnap_format's public API; no torch, no SGLang.
+are read only through hsnap_format's public API, always with pread (a file cut
+short under the viewer gives a message, never SIGBUS); no torch, no SGLang.
+
+Every way out gives the terminal back: ``q``, Ctrl-C, SIGTERM, SIGHUP and SIGINT end
+the app through Textual's own shutdown (which leaves the alternate screen), and an
+error escaping it still resets the terminal before the one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +26,8 @@ from textual.screen import Screen
 
 from .commands import SectionCommands
 from .compat import Reference, load_reference
+from hsnap_format.viewmodel import leftover_hint
+
 from .model import Document, display_name, try_open
 from .screens.diff import DiffScreen
 from .screens.error import ErrorScreen
@@ -46,6 +55,7 @@ class HsnapViewApp(App):
     COMMANDS = App.COMMANDS | {SectionCommands}
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False),  # a viewer: Ctrl-C leaves, as users expect
         Binding("question_mark,f1", "help", "Help"),
     ]
 
@@ -58,6 +68,7 @@ class HsnapViewApp(App):
         self.decoder: Callable[[int], str] | None = None
         self.error: tuple[str, BaseException] | None = None  # (display name, error): what stops the app
         self.warnings: list[str] = []  # shown as notifications once running
+        self.tokenizer_error: str | None = None
         self._load()
 
     # -- loading (cheap: headers only; runs before the first frame)
@@ -85,6 +96,7 @@ class HsnapViewApp(App):
             try:
                 self.decoder = load_decoder(cfg.tokenizer)
             except TokenizerUnavailable as e:
+                self.tokenizer_error = str(e)
                 self.warnings.append(f"no token text: {e}")
 
     def on_mount(self) -> None:
@@ -113,6 +125,32 @@ class HsnapViewApp(App):
     def action_open_diff(self) -> None:
         if self.other is not None and not isinstance(self.screen, DiffScreen):
             self.push_screen(DiffScreen(self.document, self.other, atol=self.config.atol, rtol=self.config.rtol))
+
+    def open_diff_with(self, path: str) -> None:
+        """Diff mode against a snapshot chosen from inside the app (``d`` with one file open)."""
+        doc, err = try_open(os.path.expanduser(path))
+        if err is not None:
+            self.notify(describe_error(err) + _hint(err), title="Cannot diff", severity="error", markup=False)
+            return
+        if self.other is not None:
+            self.other.close()
+        self.other = doc
+        main = self.main_screen
+        if main is not None:
+            main.can_diff = True
+            main.refresh_bindings()
+        self.action_open_diff()
+
+    def open_section_at(self, key: str, index: tuple[int, ...] | None) -> None:
+        """From the diff table: the section of A on the main screen, its grid at ``index``."""
+        main = self.main_screen
+        if main is None:
+            return
+        while self.screen is not main:
+            self.pop_screen()
+        main.select_section(key, cursor=index, mark=index)
+        if index is not None:
+            self.notify(f"first difference at {list(index)} (marked red)", timeout=4)
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -144,8 +182,61 @@ def make_app(path, other=None, *, against=None, tokenizer=None, page_size: int =
     ))
 
 
+def _hint(e: BaseException) -> str:
+    hint = leftover_hint(e)
+    return f" ({hint})" if hint else ""
+
+
+# what a terminal needs to be usable again if the app could not restore it itself:
+# leave the alternate screen, show the cursor, stop mouse reporting, reset colours
+TERMINAL_RESET = "\x1b[?1049l\x1b[?25h\x1b[?1000l\x1b[?1002l\x1b[?1003l\x1b[?1006l\x1b[?2004l\x1b[0m"
+EXIT_SIGNALS = ("SIGTERM", "SIGHUP", "SIGINT")  # SIGINT from outside (kill -INT): 130, as the CLI
+
+
+def _exit_on_signals(app: HsnapViewApp) -> dict:
+    """SIGTERM/SIGHUP/SIGINT end the app through its own shutdown (exit status 128 + signal)."""
+    previous = {}
+
+    def handler(signum, frame):
+        loop = app._loop  # the running app's loop; call_soon_threadsafe is safe from a signal handler
+        if loop is not None and loop.is_running():
+            loop.call_soon_threadsafe(lambda: app.exit(return_code=128 + signum))
+        else:  # not started or already stopping: leave the ordinary way
+            raise SystemExit(128 + signum)
+
+    for name in EXIT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+    return previous
+
+
+def _reset_terminal() -> None:
+    """Textual normally restores the terminal itself (it draws on stderr); make sure of it."""
+    for stream in (sys.__stderr__, sys.__stdout__):
+        try:
+            if stream is not None and stream.isatty():
+                stream.write(TERMINAL_RESET)
+                stream.flush()
+                return
+        except (OSError, ValueError):
+            continue
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hsnap-view", description="Terminal viewer for hsnap request snapshots.")
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the app took the terminal (loading a big file)
+        print("hsnap-view: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hsnap-view", description="Terminal viewer for hsnap request snapshots.",
+                                epilog="Keys: ? in the app. Docs: README (Command line).")
     p.add_argument("path", help="a rank file or a snapshot directory")
     p.add_argument("other", nargs="?", help="a second snapshot: diff mode")
     p.add_argument("--against", metavar="REF", help="check compatibility against a snapshot or an identity .json file")
@@ -158,9 +249,20 @@ def main(argv: list[str] | None = None) -> int:
     app = make_app(args.path, args.other, against=args.against, tokenizer=args.tokenizer, page_size=max(1, args.page_size),
                    atol=args.atol, rtol=args.rtol, verify_on_open=not args.no_verify)
     if app.error is not None:
-        print(f"hsnap-view: {describe_error(app.error[1])}", file=sys.stderr)
+        print(f"hsnap-view: {describe_error(app.error[1])}{_hint(app.error[1])}", file=sys.stderr)
         return 2
-    app.run()
+    if app.tokenizer_error is not None:  # asked for by name: a typo is an error, not a silent fallback
+        print(f"hsnap-view: --tokenizer: {app.tokenizer_error}", file=sys.stderr)
+        return 2
+    previous = _exit_on_signals(app)
+    try:
+        app.run()
+    except BaseException:
+        _reset_terminal()
+        raise
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
     return app.return_code or 0  # a crash inside the app is a failure, not exit 0
 
 

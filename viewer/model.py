@@ -3,9 +3,8 @@ sections keyed by rank and name, and their grouping by layer."""
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 import numpy as np
@@ -13,6 +12,11 @@ import numpy as np
 from hsnap_format import HsnapError, SectionInfo, Snapshot, SnapshotSet, open_snapshot
 from hsnap_format.diff import rank_map
 from hsnap_format.stats import section_stats
+from hsnap_format.viewmodel import PartialSnapshot, fmt_bytes, salvageable
+
+# digest status of a section, as the Digests tab, the tree and the Section tab show it
+OK, MISMATCH, MISSING, PENDING = "ok", "MISMATCH", "MISSING", "pending"
+PROBLEMS = (MISMATCH, MISSING)
 
 # section kind -> how it is named on screen
 KIND_LABELS = {
@@ -52,16 +56,15 @@ def display_name(path) -> str:
     return name + "/" if os.path.isdir(p) else name
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 def alignment(offset: int, cap: int = 1 << 20) -> int:
     """The largest power of two dividing ``offset`` (capped)."""
     return cap if offset == 0 else min(offset & -offset, cap)
+
+
+def aligned_to(offset: int) -> str:
+    """What the offset happens to be a multiple of (a fact, not a requirement): '4 KiB', '1 MiB+'."""
+    a = alignment(offset)
+    return fmt_bytes(a).replace(".0 ", " ") + ("+" if a == 1 << 20 else "")
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,10 @@ class SectionRef:
 
     rank: int
     info: SectionInfo
+    key: str = field(init=False, compare=False)  # computed once: tables ask for it per drawn row
 
-    @property
-    def key(self) -> str:
-        return f"{self.rank}:{self.info.name}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", f"{self.rank}:{self.info.name}")
 
     @property
     def kind_label(self) -> str:
@@ -88,16 +91,49 @@ class Group:
 
 
 class Document:
-    """An opened rank file or snapshot directory. Raises :class:`HsnapError` if unreadable."""
+    """An opened rank file or snapshot directory. Raises :class:`HsnapError` if unreadable.
 
-    def __init__(self, path) -> None:
+    A rank file that is truncated or an unfinished write, but whose header is intact,
+    opens as a partial view (``partial`` says what is wrong; missing sections are marked)."""
+
+    def __init__(self, path, *, source: Snapshot | SnapshotSet | None = None) -> None:
         self.path = os.fspath(path)
         self.label = display_name(path)
-        self.source: Snapshot | SnapshotSet = open_snapshot(self.path)
+        self.source: Snapshot | SnapshotSet = open_snapshot(self.path) if source is None else source
         self.ranks: dict[int, Snapshot] = rank_map(self.source)
         self.manifest = self.source.manifest if isinstance(self.source, SnapshotSet) else None
         self.refs = tuple(SectionRef(r, s) for r, snap in sorted(self.ranks.items()) for s in snap.sections)
         self._by_key = {ref.key: ref for ref in self.refs}
+        self.partial: str | None = self.source.describe() if isinstance(self.source, PartialSnapshot) else None
+        # digest verdicts, filled by the scan: key -> OK / MISMATCH / MISSING / PENDING
+        self.status: dict[str, str] = {ref.key: PENDING for ref in self.refs}
+        self.status_detail: dict[str, str] = {}
+        if isinstance(self.source, PartialSnapshot):
+            for ref in self.refs:
+                if not self.source.present(ref.info):
+                    self.status[ref.key] = MISSING
+
+    @classmethod
+    def open(cls, path) -> "Document":
+        """Open ``path``; a truncated or unfinished rank file with an intact header opens partially."""
+        try:
+            return cls(path)
+        except HsnapError as e:
+            if not (salvageable(e) and os.path.isfile(os.fspath(path))):
+                raise
+            try:
+                source = PartialSnapshot(path)
+            except HsnapError:
+                raise e from None
+            return cls(path, source=source)
+
+    def present(self, ref: SectionRef) -> bool:
+        src = self.ranks[ref.rank]
+        return src.present(ref.info) if isinstance(src, PartialSnapshot) else True
+
+    def problems(self) -> list[str]:
+        """Keys of sections that failed their digest or are missing, in file order."""
+        return [k for k, st in self.status.items() if st in PROBLEMS]
 
     @property
     def multi_rank(self) -> bool:
@@ -118,13 +154,9 @@ class Document:
 
     # Every read below uses pread (typed errors): a file truncated while the viewer has
     # it open must give a message, never SIGBUS through a mapped view.
-    def head(self, ref: SectionRef, rows: int) -> np.ndarray:
-        """The first ``rows`` rows along the last axis, shaped ``[rows', last]`` (a small copy)."""
-        shape = ref.info.shape
-        last = shape[-1] if shape else 1
-        total = math.prod(shape)
-        arr = self.ranks[ref.rank].read(ref.info, verify=False, count=min(total, rows * last))
-        return arr.reshape(-1, last) if last else arr.reshape(0, 0)
+    def read_flat(self, ref: SectionRef, start: int, count: int) -> np.ndarray:
+        """Elements [start, start+count) in C order (pread; unverified: a view, not a verdict)."""
+        return self.ranks[ref.rank].read(ref.info, verify=False, start=start, count=count)
 
     def raw(self, ref: SectionRef):
         """The section's bytes, read on demand (``len`` and slices)."""
@@ -172,6 +204,6 @@ class Document:
 
 def try_open(path) -> tuple[Document | None, HsnapError | None]:
     try:
-        return Document(path), None
+        return Document.open(path), None
     except HsnapError as e:
         return None, e

@@ -23,10 +23,14 @@ def _tokenizer_file(spec: str) -> str:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         raise TokenizerUnavailable(f"{spec}: not a tokenizer.json file or directory") from None
-    found = try_to_load_from_cache(spec, "tokenizer.json")
+    try:
+        found = try_to_load_from_cache(spec, "tokenizer.json")
+    except Exception:  # HFValidationError for a path that is not a repo id (/nonexistent)
+        found = None
     if isinstance(found, str):
         return found
-    raise TokenizerUnavailable(f"{spec}: no tokenizer.json here or in the local Hugging Face cache (offline)")
+    raise TokenizerUnavailable(f"{spec}: no such tokenizer.json file or directory, and not a repo id in the local "
+                               "Hugging Face cache (offline)")
 
 
 def load_decoder(spec: str) -> Decoder:

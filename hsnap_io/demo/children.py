@@ -5,13 +5,17 @@ pickle anywhere.  Every child pins the torch thread count first (bit-exactness d
 
 * ``reference``: uninterrupted greedy / sampled generation of N tokens.
 * ``export``: generate k tokens, write the model's attention KV and GDN conv / recurrent state into real SGLang pools
-  (``HybridReqToTokenPool`` + ``HybridLinearKVPool``) at the request's slots, export the request with
-  :func:`hsnap_io.export_request`, free the slots, exit.  With ``--negative-dir`` also the sources of the negative
-  client: one snapshot file and a committed 2-rank snapshot directory.
+  (``HybridReqToTokenPool`` + ``HybridLinearKVPool``) at the request's slots.  A greedy request is SGLang's own
+  ``Req`` (constructor, ``HybridReqToTokenPool.alloc``, outputs / logprobs / reasoning / stream offsets advanced as
+  the scheduler advances them), snapshotted with :func:`hsnap_io.sglang.snapshot_req` and released with SGLang's
+  ``release_kv_cache``; a sampled one keeps the demo's own sampler state, which no SGLang ``Req`` holds, and goes
+  through :func:`hsnap_io.export_request` with a hand-built record.  Then exit.  With ``--negative-dir`` also the
+  sources of the negative client: one snapshot file and a committed 2-rank snapshot directory.
 * ``resume``: a fresh process.  Builds pools of another capacity with other slots in use (every buffer filled with
-  noise), restores with :func:`hsnap_io.restore_request`, rebuilds the model's cache from the restored slots and
-  continues to N tokens.  It is given only the snapshot path: prompt, outputs so far, sampling parameters, budget
-  and sampler state all come from the snapshot.
+  noise), gets a live ``Req`` from :func:`hsnap_io.sglang.resume_req` (a sampled snapshot: :func:`hsnap_io.restore_request`),
+  rebuilds the model's cache from the slots in ``req.kv`` and continues to N tokens, streaming from the offsets.
+  It is given only the snapshot path: prompt, outputs so far, sampling parameters, budget, stream offsets,
+  reasoning state (and a sampled snapshot's sampler state) all come from the snapshot.
 * ``negative``: restores bad snapshots (wrong weights, wrong layout, missing rank file, corrupted section) and
   checks that each is refused with its typed error and that the target pools are untouched.
 """
@@ -199,8 +203,44 @@ class Demo:
         }
 
 
+    def export_req(self, path: str, pools, part, name: str, prompt, n: int, identity) -> dict[str, Any]:
+        """The paused request as SGLang's own Req in the pools -> snapshot_req -> SGLang's release."""
+        from hsnap_io.sglang import snapshot_req
+
+        from . import reqs
+        from .model import cache_to_pool_tensors, write_to_pools
+
+        req = reqs.new_req(name, prompt, n, self.geom.vocab_size)
+        tok = reqs.admit(pools, req, part.seq_len)  # SGLang's HybridReqToTokenPool.alloc: row + mamba slot
+        write_to_pools(pools.req_to_token_pool, pools.allocator, tok, int(req.kv.mamba_pool_idx), cache_to_pool_tensors(part.cache, self.geom))
+        req.kv.mamba_needs_clear = False  # the prefill forward wrote the slot (SGLang clears the flag there)
+        chunks = [c for t, lp in zip(part.token_ids, part.logprobs) if (c := reqs.advance(req, t, lp)) is not None]
+        t = time.perf_counter()
+        info = snapshot_req(path, req, req_to_token_pool=pools.req_to_token_pool, token_to_kv_pool_allocator=pools.allocator, identity=identity)
+        seconds = time.perf_counter() - t
+        where = _slots_summary(tok, req.kv.req_pool_idx, int(req.kv.mamba_pool_idx), pools)
+        free_before = (pools.allocator.available_size(), pools.req_to_token_pool.mamba_allocator.available_size())
+        reqs.release(pools, req)  # the file is durable under its final name: SGLang's release_kv_cache
+        free_after = (pools.allocator.available_size(), pools.req_to_token_pool.mamba_allocator.available_size())
+        return {
+            "api": "sglang.Req",
+            "rid": req.rid,
+            "path": info.path,
+            "file_length": info.file_length,
+            "payload_bytes": info.payload_bytes,
+            "root_digest": info.root_digest,
+            "snapshot_id": identity.snapshot_id,
+            "export_seconds": seconds,
+            "slots": where,
+            "stream_chunks": chunks,
+            "reasoning": reqs.reasoning(req),
+            "released": {"token_slots_freed": free_after[0] - free_before[0], "mamba_slots_freed": free_after[1] - free_before[1],
+                         "req_pool_idx_after": req.kv.req_pool_idx},
+        }
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--child", required=True, choices=["reference", "export", "resume", "negative"])
+    p.add_argument("--child", required=True, choices=["reference", "export", "resume", "negative", "reshard-export", "reshard-resume"])
     p.add_argument("--result", required=True, help="JSON file to write")
     p.add_argument("--arch", default="qwen3_5")
     p.add_argument("--model-seed", type=int, default=0)
@@ -220,6 +260,8 @@ def child_main(argv: list[str]) -> int:
     p.add_argument("--variant", nargs=3, action="append", default=[], metavar=("NAME", "TEMPERATURE", "SEED"))
     p.add_argument("--snapshot", nargs=2, action="append", default=[], metavar=("NAME", "PATH"))
     p.add_argument("--negative-dir")
+    p.add_argument("--set", help="snapshot directory (--reshard)")
+    p.add_argument("--reshard-src", type=int, help="TP size of the set to write (--reshard)")
     args = p.parse_args(argv)
     _pin_threads(args.threads)  # before any torch work
     t_import = time.perf_counter()
@@ -228,7 +270,10 @@ def child_main(argv: list[str]) -> int:
     import_sglang()
     demo = Demo(args.arch, args.model_seed, args.threads)
     setup = time.perf_counter() - t_import
-    fn = {"reference": _reference, "export": _export, "resume": _resume, "negative": _negative}[args.child]
+    from . import reshard_demo
+
+    fn = {"reference": _reference, "export": _export, "resume": _resume, "negative": _negative,
+          "reshard-export": reshard_demo.child_export, "reshard-resume": reshard_demo.child_resume}[args.child]
     t = time.perf_counter()
     result = fn(demo, args)
     result.update(
@@ -254,9 +299,13 @@ def _variants(args) -> list[tuple[str, float, int | None]]:
 
 def _reference(demo: Demo, args) -> dict[str, Any]:
     out = {}
+    from . import reqs
+
     for name, temperature, seed in _variants(args):
         g = demo.dec.generate(args.prompt, args.n, temperature=temperature, seed=seed if temperature > 0 else None)
         out[name] = {
+            "reasoning_at_k": reqs.reasoning_of(g.token_ids[: args.k], demo.geom.vocab_size),
+            "reasoning_final": reqs.reasoning_of(g.token_ids, demo.geom.vocab_size),
             "token_ids": g.token_ids,
             "logprobs": g.logprobs,
             "positions_forwarded": g.positions,
@@ -276,8 +325,12 @@ def _export(demo: Demo, args) -> dict[str, Any]:
     for name, temperature, seed in _variants(args):
         path = paths[name]
         part = demo.pause(args.prompt, args.k, temperature, seed)
-        record = demo.record(name, args.prompt, part, args.n, args.k, temperature, seed)
-        res = demo.export(path, pools, part, record, demo.identity())
+        if temperature == 0:
+            res = demo.export_req(path, pools, part, name, args.prompt, args.n, demo.identity())
+        else:  # the demo's own sampler state: no SGLang Req holds one (docs/sglang.md, "Sampler RNG")
+            record = demo.record(name, args.prompt, part, args.n, args.k, temperature, seed)
+            res = demo.export(path, pools, part, record, demo.identity())
+            res["api"] = "record"
         res.update(
             token_ids=part.token_ids,
             logprobs=part.logprobs,
@@ -331,6 +384,9 @@ def _resume(demo: Demo, args) -> dict[str, Any]:
     identity = demo.identity()  # this process's own: same model and weights, maybe other numerics
     out = {}
     for name, path in args.snapshot:
+        if _is_req_snapshot(path):
+            out[name] = _resume_req(demo, pools, occupants, identity, path)
+            continue
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericsWarning)
             t = time.perf_counter()
@@ -380,8 +436,86 @@ def _resume(demo: Demo, args) -> dict[str, Any]:
             "restore_seconds": restore_seconds,
             "slots": _slots_summary(tok, restored.req_pool_idx, mid, pools),
             "other_requests": [_slots_summary(o.token_indices, o.req_pool_idx, o.mamba_idx, pools) for o in occupants],
+            "api": "record",
         }
     return {"variants": out}
+
+
+def _is_req_snapshot(path: str) -> bool:
+    import hsnap_format as hf
+    from hsnap_io.sglang import FORMAT, FORMAT_KEY
+
+    with hf.open(path) as snap:
+        return snap.request.get("extra", {}).get(FORMAT_KEY) == FORMAT
+
+
+def _resume_req(demo: Demo, pools, occupants, identity, path: str) -> dict[str, Any]:
+    """A live SGLang Req from the snapshot alone; the model continues from the slots in req.kv."""
+    import torch
+
+    from hsnap_io import NumericsWarning
+    from hsnap_io.sglang import resume_req
+
+    from . import reqs
+    from .model import pool_tensors_to_cache, read_from_pools, request_slots
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", NumericsWarning)
+        t = time.perf_counter()
+        req = resume_req(path, req_to_token_pool=pools.req_to_token_pool, token_to_kv_pool_allocator=pools.allocator, identity=identity)
+        restore_seconds = time.perf_counter() - t
+    numerics_warnings = [str(w.message) for w in caught if issubclass(w.category, NumericsWarning)]
+    restored = req.hsnap_restored
+    seq = req.kv.kv_committed_len
+    tok, mid = request_slots(pools.req_to_token_pool, req.kv.req_pool_idx, seq)
+    if not torch.equal(tok, restored.token_indices) or mid != int(req.kv.mamba_pool_idx):
+        raise AssertionError("req.kv disagrees with the pool's tables")
+    if req.sampling_params.top_k != 1:
+        raise AssertionError("the demo's Req path is greedy (SGLang's normal form: top_k 1)")
+    flags = {"mamba_needs_clear": req.kv.mamba_needs_clear, "mamba_cow_src_index": req.kv.mamba_cow_src_index,
+             "kv_committed_len": seq, "kv_allocated_len": req.kv.kv_allocated_len, "seqlen": req.seqlen}
+    at_resume = reqs.reasoning(req)
+    streamed_at_resume = req.send_token_offset
+    cache = pool_tensors_to_cache(read_from_pools(pools.req_to_token_pool, pools.allocator, tok, mid, demo.geom), demo.geom, seq)
+    fed0 = len(demo.dec.fed_ranges)
+    g = demo.dec.generate(
+        list(req.origin_input_ids),  # only its length is used: to check the cache; nothing of it is fed
+        int(req.sampling_params.max_new_tokens),
+        temperature=0.0,
+        cache=cache,
+        start_outputs=list(req.output_ids),
+        start_logprobs=list(req.logprob.output_token_logprobs_val),
+    )
+    fed = demo.dec.fed_ranges[fed0:]
+    restored_outputs = len(req.output_ids)
+    chunks = [c for t, lp in zip(g.new_token_ids, g.new_logprobs) if (c := reqs.advance(req, t, lp)) is not None]
+    return {
+        "api": "sglang.Req",
+        "rid": req.rid,
+        "token_ids": [int(t) for t in req.output_ids],
+        "logprobs": [float(x) for x in req.logprob.output_token_logprobs_val],
+        "restored_outputs": restored_outputs,
+        "max_new_tokens": int(req.sampling_params.max_new_tokens),
+        "state_position": seq,
+        "positions_forwarded": g.positions,
+        "forward_calls": g.forward_calls,
+        "first_position_fed": fed[0][0] if fed else None,
+        "history_positions_recomputed": sum(max(0, min(s + n, seq) - s) for s, n in fed),
+        "rng_state_sha256": None,
+        "rng_state_restored": False,
+        "numerics_warnings": numerics_warnings,
+        "numerics_differences": [list(d) for d in restored.numerics_differences],
+        "snapshot_id": restored.snapshot_id,
+        "bytes_uploaded": restored.bytes_uploaded,
+        "restore_seconds": restore_seconds,
+        "slots": _slots_summary(tok, req.kv.req_pool_idx, mid, pools),
+        "other_requests": [_slots_summary(o.token_indices, o.req_pool_idx, o.mamba_idx, pools) for o in occupants],
+        "flags": flags,
+        "streamed_at_resume": streamed_at_resume,
+        "stream_chunks": chunks,
+        "reasoning_at_resume": at_resume,
+        "reasoning_final": reqs.reasoning(req),
+    }
 
 
 # ------------------------------------------------------------------------------------------------ negative

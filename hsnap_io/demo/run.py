@@ -96,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--negative", action="store_true", help="run the negative client only")
     mode.add_argument("--all", action="store_true", help="greedy + sampled + negative client in one run")
+    p.add_argument("--reshard", metavar="SRC:DST", help="export the paused request as a TP SRC snapshot set and resume it at TP DST (2:1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--workdir", help="keep the children's JSON results and logs here (default: a temporary dir)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per child process (default 600)")
@@ -277,8 +278,27 @@ def _variant_report(v: Variant, n: int, k: int, ref: dict, exp: dict, res: dict)
     }
     if v.sampled:
         checks["sampler_state_equal"] = res["rng_state_sha256"] == ref["rng_state_sha256"] and res["rng_state_restored"]
+    stream = reasoning = None
+    if res.get("api") == "sglang.Req":
+        stream = _stream_report(exp["stream_chunks"], res["stream_chunks"], a, ref["logprobs"], res["streamed_at_resume"])
+        reasoning = {
+            "at_pause": exp["reasoning"],
+            "at_resume": res["reasoning_at_resume"],
+            "final": res["reasoning_final"],
+            "reference_at_pause": ref["reasoning_at_k"],
+            "reference_final": ref["reasoning_final"],
+        }
+        checks["stream_continuous"] = stream["continuous"]
+        checks["reasoning_state_carried"] = (
+            reasoning["at_resume"] == reasoning["at_pause"] == reasoning["reference_at_pause"]
+            and reasoning["final"] == reasoning["reference_final"]
+        )
+        checks["restored_state_not_cleared"] = res["flags"]["mamba_needs_clear"] is False and res["flags"]["mamba_cow_src_index"] is None
     return {
         "ok": all(checks.values()),
+        "api": res.get("api", "record"),
+        "stream": stream,
+        "reasoning": reasoning,
         "checks": checks,
         "temperature": v.temperature,
         "seed": v.seed,
@@ -307,6 +327,33 @@ def _variant_report(v: Variant, n: int, k: int, ref: dict, exp: dict, res: dict)
             "restore_seconds": res["restore_seconds"],
         },
         "snapshot": _snapshot_report(v.path, exp),
+    }
+
+
+def _stream_report(before: list[dict], after: list[dict], ref_ids: list[int], ref_lps: list[float], offset: int) -> dict[str, Any]:
+    """What the client received, chunk by chunk, before the pause and from the resumed request:
+    every chunk must start where the previous one ended (no repeated, no missing token or logprob)."""
+    pos = lp_pos = repeated = missing = 0
+    ids: list[int] = []
+    lps: list[float] = []
+    for c in before + after:
+        for start, cur in ((c["start"], pos), (c["logprob_start"], lp_pos)):
+            repeated += max(0, cur - start)
+            missing += max(0, start - cur)
+        ids += c["token_ids"]
+        lps += c["logprobs"]
+        pos, lp_pos = c["start"] + len(c["token_ids"]), c["logprob_start"] + len(c["logprobs"])
+    first = after[0]["start"] if after else None
+    return {
+        "chunks_before_pause": len(before),
+        "chunks_after_resume": len(after),
+        "tokens_received_before_pause": sum(len(c["token_ids"]) for c in before),
+        "send_token_offset_at_resume": offset,
+        "first_resumed_chunk_starts_at": first,
+        "repeated": repeated,
+        "missing": missing,
+        "received_equals_reference": ids == ref_ids and lps == ref_lps,
+        "continuous": repeated == 0 and missing == 0 and ids == ref_ids and lps == ref_lps and first == offset,
     }
 
 
@@ -472,6 +519,23 @@ def format_report(r: dict[str, Any]) -> str:
                    f"positions in {v['forward_calls']} calls = N-k {v['expected_forwarded']}, first position fed "
                    f"{v['first_position_fed']} = state position {v['state_position']}; the reference forwarded "
                    f"{v['reference_positions_forwarded']})")
+        out.append(f"  request object:        {'SGLang Req (snapshot_req / resume_req)' if v['api'] == 'sglang.Req' else 'hand-built record (export_request / restore_request)'}")
+        if v["stream"] is not None:
+            st = v["stream"]
+            out.append(f"  stream continuity:     {_yes(st['continuous'])}: {st['tokens_received_before_pause']} tokens in {st['chunks_before_pause']} chunks "
+                       f"before the pause, the resumed stream starts at token {st['first_resumed_chunk_starts_at']} "
+                       f"(send_token_offset {st['send_token_offset_at_resume']}), {st['chunks_after_resume']} chunks after; "
+                       f"repeated {st['repeated']}, missing {st['missing']}")
+        if v["reasoning"] is not None:
+            rs = v["reasoning"]
+            p, fin, ref = rs["at_pause"], rs["final"], rs["reference_final"]
+            out.append(f"  reasoning state:       {_yes(v['checks']['reasoning_state_carried'])}: paused after {p['reasoning_tokens']} reasoning tokens "
+                       f"({'finished' if p['reasoning_over'] else 'mid-reasoning'}, {p['think_end_match_len']} id(s) of the think-end sequence matched); "
+                       f"resumed with the same; final {fin['reasoning_tokens']} reasoning tokens, "
+                       f"{'finished' if fin['reasoning_over'] else 'unfinished'} = reference {ref['reasoning_tokens']}, "
+                       f"{'finished' if ref['reasoning_over'] else 'unfinished'}")
+        if "restored_state_not_cleared" in v["checks"]:
+            out.append(f"  restored Mamba slot:   kept (mamba_needs_clear False, no pending COW): {_yes(v['checks']['restored_state_not_cleared'])}")
         if "sampler_state_equal" in v["checks"]:
             out.append(f"  sampler state:         restored from the snapshot; final generator state equal: "
                        f"{_yes(v['checks']['sampler_state_equal'])}")
@@ -534,8 +598,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return child_main(argv)
     args = _parser().parse_args(argv)
+    if args.reshard:
+        from . import reshard_demo
+
+        run, fmt = reshard_demo.run, reshard_demo.format_report
+    else:
+        run, fmt = run_demo, format_report
     try:
-        report = run_demo(args)
+        report = run(args)
     except DemoError as e:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}, indent=2))
@@ -545,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=_json_default))
     else:
-        print(format_report(report))
+        print(fmt(report))
     return 0 if report["ok"] else 1
 
 

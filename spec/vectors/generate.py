@@ -20,8 +20,9 @@ back by this tool)   shape, offset, length, digest), ``hex`` (the section's
 
 The bytes depend only on the description: ``created_at`` and ``snapshot_id``
 are part of it, temporary names never reach the file, and the writer is
-deterministic. ``two-rank.json`` describes a directory: a manifest and one
-rank description per rank.
+deterministic. ``two-rank.json`` and ``hybrid-tp2.json`` describe directories: a
+manifest and one rank description per rank. ``hybrid-tp2`` is the format-1.1 vector
+(``geometry.sharding``, feature ``tp-sharding``, preamble minor 1).
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ from hsnap_format.reader import Snapshot  # noqa: E402
 from hsnap_format.spec import DTYPES, MANIFEST_NAME, PREAMBLE, TRAILER  # noqa: E402
 from hsnap_format.writer import write_snapshot  # noqa: E402
 
-VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank")
+VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank", "hybrid-tp2")
 HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "sections")
-AUTO_FEATURES = {"sampler-rng-state", "top-logprobs"}  # added by the writer itself
+AUTO_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # added by the writer itself
 
 
 class VectorError(Exception):
@@ -150,7 +151,7 @@ def describe_rank(path: Path, desc: dict) -> dict:
 
 def build(name: str, desc: dict, outdir: Path) -> dict:
     """Write vector ``name`` under ``outdir``; return its full description."""
-    if name == "two-rank":
+    if "directory" in desc:  # a TP set: two-rank (1.0), hybrid-tp2 (1.1, geometry.sharding)
         target = outdir / desc["directory"]
         sw = SetWriter(target, staging=None)
         try:
@@ -206,7 +207,7 @@ def load(name: str) -> dict:
 
 
 def artifact(name: str, desc: dict) -> str:
-    return desc["directory"] if name == "two-rank" else desc["file"]
+    return desc["directory"] if "directory" in desc else desc["file"]
 
 
 # ----------------------------------------------------------------------------- main

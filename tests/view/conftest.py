@@ -9,7 +9,7 @@ pytest.importorskip("textual")
 
 from textual.widgets import Input  # noqa: E402
 
-from view_fixtures import build_fixtures  # noqa: E402
+from view_fixtures import build_big, build_fixtures  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,12 @@ def fixtures_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("hsnap-view")
     build_fixtures(str(root))
     return root
+
+
+@pytest.fixture(scope="session")
+def big_snapshot(tmp_path_factory) -> str:
+    """10,006 sections in two rank files, written once per session (about 1-2 s)."""
+    return build_big(str(tmp_path_factory.mktemp("hsnap-view-big")))
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from hsnap_view.widgets.digest_panel import DigestPanel
 from hsnap_view.widgets.request_panel import RequestPanel
 from hsnap_view.widgets.section_detail import SectionDetail
 from hsnap_view.widgets.section_tree import SectionTree
+from hsnap_view.widgets.vtable import VTable
 
 SIZE = (130, 40)
 _VECTOR_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "spec", "vectors")
@@ -66,7 +67,7 @@ async def test_selecting_a_section_shows_its_stats(in_fixtures):
 async def test_geometry_table_row_opens_the_section(in_fixtures):
     app = make_app("hybrid.hsnap", verify_on_open=False)
     async with app.run_test(size=SIZE) as pilot:
-        table = app.screen.query_one("#geometry-table", DataTable)
+        table = app.screen.query_one("#geometry-table", VTable)
         table.focus()
         table.move_cursor(row=3)
         await pilot.press("enter")
@@ -81,7 +82,7 @@ async def test_corrupted_copy_shows_mismatch_on_the_right_section(in_fixtures):
         panel = app.screen.query_one(DigestPanel)
         assert panel.mismatches == [f"0:{CORRUPT_SECTION}"]
         assert set(panel.status.values()) == {"ok", "MISMATCH"}
-        table = panel.query_one(DataTable)
+        table = panel.query_one(VTable)
         assert table.get_cell(f"0:{CORRUPT_SECTION}", "status").plain == "MISMATCH"
         assert table.get_cell("0:attn.0.k", "status").plain == "ok"
         tree = app.screen.query_one(SectionTree)
@@ -100,9 +101,9 @@ async def test_verification_can_be_cancelled(in_fixtures):
         snap, gate = app.document.first, threading.Event()
         verify_section = snap.verify_section
 
-        def held(info):
+        def held(info, **kw):  # finishes its section whatever happens meanwhile
             gate.wait(10)
-            verify_section(info)
+            return verify_section(info)
 
         snap.verify_section = held  # iter_verify calls it per section
         await pilot.press("v")
@@ -136,7 +137,7 @@ async def test_diff_mode(in_fixtures):
         assert len(status) == 11
         assert {n for n, s in status.items() if s != "equal"} == set(CHANGED_SECTIONS)
         assert screen.results["0:attn.2.k"].first_diff == (5, 1, 3)
-        table = screen.query_one("#section-diffs", DataTable)
+        table = screen.query_one("#section-diffs", VTable)
         assert table.get_cell("0:mamba.3.temporal", "status").plain == "differ"
         await pilot.press("escape")
         await pilot.pause()

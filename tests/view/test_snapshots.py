@@ -39,3 +39,25 @@ def test_section_detail_bf16(in_fixtures, snap_compare):
 def test_diff_mode(in_fixtures, snap_compare):
     """hsnap-view A B: per-section status, max diffs and first differing element."""
     assert snap_compare(make_app("hybrid.hsnap", "hybrid-b.hsnap", verify_on_open=False), terminal_size=SIZE, run_before=_settle)
+
+
+def test_norm_heatmap_shows_a_zeroed_layer(in_fixtures, snap_compare):
+    """Map tab of zeroed.hsnap: mamba.3.temporal is all zero (red 0 cells, ALL ZERO) and
+    token 7 of attn.2.v is zero (one red 0 in an otherwise coloured line)."""
+
+    from hsnap_view.widgets.norm_map import NormMapView
+    from view_fixtures import ZEROED_ROW, ZEROED_SECTION
+
+    async def run_before(pilot):
+        await _settle(pilot)
+        await pilot.press("7")
+        await _settle(pilot)
+        view = pilot.app.screen.query_one(NormMapView)
+        rows = {r.name: (g, i) for g in view.groups for i, r in enumerate(view.groups[g].rows)}
+        zeroed = view.row_text(*rows[ZEROED_SECTION])
+        assert "ALL ZERO" in zeroed and zeroed.count("0") >= 2
+        stale = view.row_text(*rows[ZEROED_ROW[0]])
+        assert "1 zero" in stale and "ALL ZERO" not in stale
+        assert "ZERO" not in view.row_text(*rows["mamba.1.temporal"])
+
+    assert snap_compare(make_app("zeroed.hsnap", verify_on_open=False), terminal_size=SIZE, run_before=run_before)

@@ -15,25 +15,41 @@ A read-only viewer for hsnap request snapshots (a rank file or a snapshot direct
 
 | key | does |
 |---|---|
-| `v` | verify every section digest (background; progress on the Digests tab) |
-| `x` | cancel the running scan |
-| `d` | diff mode, when two snapshots were given (`hsnap-view A B`) |
+| `1`–`7` | Geometry, Section, Digests, Identity, Request, Hex, Map tabs |
+| `enter` | open the selected section (tree, geometry table, diff table) |
+| `t` | hide / show the section tree (hidden at start below 100 columns) |
+| `/` | search sections by name or label; `n` / `N` next / previous match |
+| `g` | go to: `[5, 1, 3]` an element, `[100:120, 0, :8]` a slice, `attn.3.k[0, :, :]` another section; on the Request tab a history position |
+| `o` | Request tab: the first output token |
+| `[` `]` `<` `>` | Request tab: previous / next / first / last page of the token history |
+| `r` | next rank (snapshot directories): Identity and Map tabs |
+| `e` | export the open section to a `.npy` file (digest checked; bf16/fp8 as float32) |
+| `y` | copy the value under the grid cursor, or the section's digest |
+| `v` / `x` | verify every digest (background; Digests tab) / cancel |
+| `d` | diff mode: against the second snapshot given, or one you name |
 | `c` | check compatibility against another snapshot or an identity `.json` |
-| `[` `]` | previous / next page of the token history (Request tab) |
-| `1`–`5` | Geometry, Section, Digests, Identity, Request tabs |
-| `enter` | open the selected section (tree or geometry table) |
-| `ctrl+p` | command palette: type a layer or a section name to jump to it |
+| `ctrl+p` | command palette: jump to a layer or a section |
 | `?` / `f1` | this help; `escape` closes it |
-| `q` | quit |
+| `q` / `ctrl+c` | quit |
 
-**Section** shows, for the selected section only: statistics over its finite values
-(NaN, ±Inf and zeros counted apart; bf16 and fp8 computed in float64, chunk by chunk),
-the first values, and a hex view with absolute file offsets.
+**Section** hashes the section while computing its statistics over finite values
+(NaN, ±Inf and zeros counted apart; bf16/fp8 in float64) and the norm of every
+slice along its first axis (per token for K/V), and shows a red banner when the
+bytes do not match the stored digest. The value grid reads only visible rows; the
+top line gives the cursor value exactly, with its bits.
 
-**Diff** compares section by section in float64: status (equal, differ, only-in-A,
-only-in-B, shape-mismatch), largest absolute and relative difference, and the first
-differing element, plus identity, geometry and request differences.
-The same comparison is `hsnap diff A B` (exit 0 same, 1 differ, 2 error).
+**Map** draws, per family (K, V, conv, temporal), one line per layer and one cell
+per token / channel / head, coloured by L2 norm: an all-zero slice is a red `0`,
+NaN/Inf a magenta `!`. A zeroed recurrent state still yields plausible tokens;
+here it shows.
+
+**Digests** lists sections that fail their digest (or are missing from a
+truncated file) first, and names them in the summary.
+
+**Diff** compares section by section in float64: status, largest absolute and
+relative difference, the first differing element with both values (digits enough
+to tell them apart, ulp distance, bits). Troubled sections come first; `enter`
+opens A's section at the first difference. Same as `hsnap diff A B`.
 """
 
 

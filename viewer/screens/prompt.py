@@ -1,4 +1,4 @@
-"""A one-line path prompt (modal); dismisses with the text, or None on escape."""
+"""A one-line prompt (modal); dismisses with the text, or None on escape."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from textual.widgets import Input, Label
 class PathPrompt(ModalScreen[str | None]):
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, question: str) -> None:
+    def __init__(self, question: str, *, placeholder: str = "path", value: str = "") -> None:
         super().__init__()
-        self.question = question
+        self.question, self.placeholder, self.value = question, placeholder, value
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt"):
             yield Label(self.question, markup=False)
-            yield Input(placeholder="path", id="prompt-input")
+            yield Input(value=self.value, placeholder=self.placeholder, id="prompt-input")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value.strip() or None)

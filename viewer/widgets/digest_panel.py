@@ -1,38 +1,60 @@
 """Digest verification in a background thread: a progress bar (by bytes) and a
-status per section: ok / MISMATCH / pending. Cancellable between sections."""
+status per section (ok / MISMATCH / MISSING / pending), problems listed first and
+named in the summary line. Cancellable between sections and between 2 MiB chunks.
+
+The scan is linear in the number of sections: results travel in batches (a few
+per second, not one message per section), counts are kept as they change, and
+the table draws only its visible rows.
+"""
 
 from __future__ import annotations
+
+import time
 
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
-from textual.widgets import DataTable, ProgressBar, Static
+from textual.widgets import ProgressBar, Static
 from textual.worker import Worker, get_current_worker
 
-from hsnap_format import DigestMismatchError, HsnapError
+from hsnap_format import DigestMismatchError, HsnapError, TruncatedError
 
-from ..model import Document
+from ..model import MISMATCH, MISSING, OK, PENDING, PROBLEMS, Document
 from ..text import describe_error, safe
+from .vtable import Column, VTable
 
-OK, MISMATCH, PENDING = "ok", "MISMATCH", "pending"
-STATUS_STYLES = {OK: "green", MISMATCH: "bold red", PENDING: "dim"}
+STATUS_STYLES = {OK: "green", MISMATCH: "bold red", MISSING: "bold red", PENDING: "dim"}
+BATCH_SECONDS = 0.1  # how often results reach the screen while scanning
+NAMES_IN_SUMMARY = 4
+
+# refusal -> (status, detail) of a section that did not verify; anything else is a MISMATCH
+VERDICTS = {
+    DigestMismatchError: lambda e: (MISMATCH, f"computed {e.found}"),
+    TruncatedError: lambda e: (MISSING, "beyond the end of the file"),
+}
 
 
-def _detail(err: HsnapError | None) -> str:
+def _verdict(err: HsnapError | None) -> tuple[str, str]:
+    """(status, detail) of a verified section."""
     if err is None:
-        return ""
-    return f"computed {err.found}" if isinstance(err, DigestMismatchError) else describe_error(err)
+        return OK, ""
+    rule = next((f for t, f in VERDICTS.items() if isinstance(err, t)), None)
+    return rule(err) if rule else (MISMATCH, describe_error(err))
 
 
 class DigestPanel(Vertical):
     class Checked(Message):
-        """One section verified (posted from the worker thread)."""
+        """Sections verified since the last batch: ``[(key, status)]`` (posted from the worker thread)."""
 
-        def __init__(self, key: str, status: str, nbytes: int, detail: str = "") -> None:
+        def __init__(self, results: list[tuple[str, str, str]], nbytes: int) -> None:
             super().__init__()
-            self.key, self.status, self.nbytes, self.detail = key, status, nbytes, detail
+            self.results, self.nbytes = results, nbytes
+
+        @property
+        def keys(self) -> list[str]:
+            return [k for k, _, _ in self.results]
 
     class Finished(Message):
         def __init__(self, cancelled: bool, padding: str) -> None:
@@ -42,28 +64,48 @@ class DigestPanel(Vertical):
     def __init__(self, doc: Document, **kw) -> None:
         super().__init__(**kw)
         self.doc = doc
-        self.status: dict[str, str] = {ref.key: PENDING for ref in doc.refs}
+        self.status = doc.status  # shared with the tree, the tables and the Section tab
+        self._counts = {s: 0 for s in STATUS_STYLES}
+        for st in self.status.values():
+            self._counts[st] += 1
         self._worker: Worker | None = None
         self._note = "not verified yet: press v"
 
     def compose(self) -> ComposeResult:
         yield Static(id="digest-summary")
         yield ProgressBar(total=sum(r.info.length for r in self.doc.refs) or 1, show_eta=False, id="digest-progress")
-        yield DataTable(cursor_type="row", id="digest-table")
+        rank = [Column("rank", "rank", 4, "right")] if self.doc.multi_rank else []
+        columns = rank + [
+            Column("section", "section", max([7, *(len(r.info.name) for r in self.doc.refs)])),
+            Column("status", "status", 8),
+            Column("digest", "stored digest", 32),
+            Column("detail", "detail", 44),
+        ]
+        yield VTable(columns, self._cell, keys=self._order(), id="digest-table")
 
     def on_mount(self) -> None:
-        table = self.query_one(DataTable)
-        rank = ("rank",) if self.doc.multi_rank else ()
-        for label in (*rank, "section", "stored digest", "status", "detail"):
-            table.add_column(label, key=label)
-        for ref in self.doc.refs:
-            table.add_row(*([Text(str(ref.rank))] if rank else []), safe(ref.info.name), safe(ref.info.digest, "dim"),
-                          self._status_text(PENDING), Text(""), key=ref.key)
         self._summarize()
 
-    @staticmethod
-    def _status_text(status: str) -> Text:
-        return Text(status, style=STATUS_STYLES[status])
+    def _cell(self, key: str, column: str):
+        ref = self.doc.ref(key)
+        st = self.status[key]
+        if column == "rank":
+            return Text(str(ref.rank))
+        if column == "section":
+            return safe(ref.info.name, "bold red" if st in PROBLEMS else "")
+        if column == "status":
+            return Text(st, style=STATUS_STYLES[st])
+        if column == "digest":
+            return safe(ref.info.digest, "dim")
+        return Text(self.doc.status_detail.get(key, ""), style="red")
+
+    def _order(self) -> list[str]:
+        """Problems first (what a user opened this tab for), then file order."""
+        problems = self.doc.problems()
+        if not problems:
+            return [r.key for r in self.doc.refs]
+        bad = set(problems)
+        return problems + [r.key for r in self.doc.refs if r.key not in bad]
 
     @property
     def running(self) -> bool:
@@ -73,21 +115,44 @@ class DigestPanel(Vertical):
     def mismatches(self) -> list[str]:
         return [k for k, s in self.status.items() if s == MISMATCH]
 
-    def _summarize(self) -> None:
-        counts = {s: sum(v == s for v in self.status.values()) for s in (OK, MISMATCH, PENDING)}
+    def summary_text(self) -> Text:
+        c = self._counts
         text = Text()
-        text.append(f"{counts[OK]} ok", style="green")
-        text.append("  ")
-        text.append(f"{counts[MISMATCH]} MISMATCH", style="bold red" if counts[MISMATCH] else "")
-        text.append(f"  {counts[PENDING]} pending  ·  {self._note}")
-        self.query_one("#digest-summary", Static).update(text)
+        text.append(f"{c[OK]} ok", style="green")
+        for st in PROBLEMS:
+            if c[st] or st == MISMATCH:
+                text.append("  ")
+                text.append(f"{c[st]} {st}", style="bold red" if c[st] else "")
+        text.append(f"  {c[PENDING]} pending  ·  {self._note}")
+        problems = self.doc.problems()
+        if problems:
+            names = ", ".join(self.doc.ref(k).info.name for k in problems[:NAMES_IN_SUMMARY])
+            more = f" and {len(problems) - NAMES_IN_SUMMARY} more" if len(problems) > NAMES_IN_SUMMARY else ""
+            text.append("\nnot intact: ", style="bold red")
+            text.append_text(safe(names + more, "bold red"))
+        return text
+
+    def _summarize(self) -> None:
+        self.query_one("#digest-summary", Static).update(self.summary_text())
+
+    def _set(self, key: str, status: str, detail: str = "") -> None:
+        old = self.status[key]
+        self._counts[old] -= 1
+        self._counts[status] += 1
+        self.status[key] = status
+        if detail:
+            self.doc.status_detail[key] = detail
+        else:
+            self.doc.status_detail.pop(key, None)
 
     def start(self) -> None:
-        """(Re)start the scan from the first section."""
-        table = self.query_one(DataTable)
-        for key in self.status:
-            self.status[key] = PENDING
-            table.update_cell(key, "status", self._status_text(PENDING))
+        """(Re)start the scan from the first section (missing sections stay missing)."""
+        if self.running:
+            self._worker.cancel()
+        for key in list(self.status):
+            if self.status[key] != MISSING:
+                self._set(key, PENDING)
+        self.query_one(VTable).set_rows(self._order(), fit=False)
         self.query_one(ProgressBar).update(progress=0)
         self._note = "verifying…"
         self._summarize()
@@ -100,24 +165,69 @@ class DigestPanel(Vertical):
     @work(thread=True, exclusive=True, group="verify")
     def _scan(self) -> None:
         worker = get_current_worker()
+        cancelled = lambda: worker.is_cancelled  # noqa: E731
+        batch: list[tuple[str, str, str]] = []
+        nbytes = [0]
+        last = time.monotonic()
         padding = []
+
+        def progress(n: int) -> None:
+            nbytes[0] += n
+
+        def flush(force: bool = False) -> None:
+            nonlocal batch, last
+            if batch or nbytes[0]:
+                if force or time.monotonic() - last >= BATCH_SECONDS:
+                    self.post_message(self.Checked(batch, nbytes[0]))
+                    batch, nbytes[0], last = [], 0, time.monotonic()
+
         for rank, snap in sorted(self.doc.ranks.items()):
-            for info, err in snap.iter_verify(cancelled=lambda: worker.is_cancelled):
-                self.post_message(self.Checked(f"{rank}:{info.name}", OK if err is None else MISMATCH, info.length, _detail(err)))
+            for info in snap.sections:
+                if worker.is_cancelled:
+                    break
+                key = f"{rank}:{info.name}"
+                if self.status.get(key) == MISSING:
+                    nbytes[0] += info.length
+                    continue
+                try:
+                    done = snap.verify_section(info, cancelled=cancelled, progress=progress)
+                    err = None
+                except HsnapError as e:
+                    done, err = True, e
+                if not done:
+                    break
+                status, detail = _verdict(err)
+                batch.append((key, status, detail))
+                flush()
             if worker.is_cancelled:
                 break
-            try:
-                snap.check_padding()
-            except HsnapError as e:
-                padding.append(describe_error(e))
-        self.post_message(self.Finished(worker.is_cancelled, "; ".join(padding) or "padding all zero"))
+            if self.doc.partial is None:
+                try:
+                    snap.check_padding()
+                except HsnapError as e:
+                    padding.append(describe_error(e))
+        flush(force=True)
+        note = "; ".join(padding) or ("padding all zero" if self.doc.partial is None else "padding not checked (partial file)")
+        self.post_message(self.Finished(worker.is_cancelled, note))
+
+    def record(self, key: str, status: str, detail: str = "") -> None:
+        """A verdict reached elsewhere (the Section tab hashes what it shows)."""
+        self._apply([(key, status, detail)])
+        self._summarize()
+
+    def _apply(self, results) -> None:
+        reorder = False
+        for key, status, detail in results:
+            reorder = reorder or (status in PROBLEMS) != (self.status[key] in PROBLEMS)
+            self._set(key, status, detail)
+        table = self.query_one(VTable)
+        if reorder:
+            table.set_rows(self._order(), fit=False)
+        else:
+            table.refresh()
 
     def on_digest_panel_checked(self, event: Checked) -> None:
-        self.status[event.key] = event.status
-        table = self.query_one(DataTable)
-        table.update_cell(event.key, "status", self._status_text(event.status), update_width=True)
-        if event.detail:
-            table.update_cell(event.key, "detail", Text(event.detail, style="red"), update_width=True)
+        self._apply(event.results)
         self.query_one(ProgressBar).advance(event.nbytes)
         self._summarize()  # the event bubbles on to the screen (tree marks)
 

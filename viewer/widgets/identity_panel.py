@@ -3,6 +3,8 @@ field compatibility check against it (another snapshot or a JSON identity)."""
 
 from __future__ import annotations
 
+import os
+
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -10,8 +12,10 @@ from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
+from hsnap_format.viewmodel import fmt_bytes
+
 from ..compat import Reference, compat_rows, is_compatible
-from ..model import Document, fmt_bytes
+from ..model import Document
 from ..text import safe
 
 VERDICT_STYLES = {"same": "green", "DIFFERS": "bold red"}
@@ -26,17 +30,23 @@ def _kv_table(rows) -> Table:
     return table
 
 
-def identity_rows(doc: Document) -> list[tuple[str, object]]:
-    snap = doc.first
+def identity_rows(doc: Document, rank: int | None = None) -> list[tuple[str, object]]:
+    rank = min(doc.ranks) if rank is None else rank
+    snap = doc.ranks[rank]
     ident, header = snap.identity, snap.header
+    tp = Text(f"rank {ident.tp_rank} of {ident.tp_size}")
+    if len(doc.ranks) > 1:
+        tp.append(f"  ·  this snapshot holds ranks {', '.join(map(str, sorted(doc.ranks)))}", style="bold")
+        tp.append("  (r: next rank)", style="dim")
+    engine = f"{ident.engine.name} {ident.engine.version}" + (f" ({ident.engine.commit})" if ident.engine.commit else "")
     rows = [
-        ("file", doc.label),
+        ("file", os.path.basename(snap.path) if doc.multi_rank else doc.label),
         ("format", f"hsnap {snap.version[0]}.{snap.version[1]}, digest {header['digest']}"),
         ("features", ", ".join(header["features"]["required"] + header["features"]["optional"]) or "none"),
         ("model", ident.model_id),
         ("weights", f"{ident.weights_version} {ident.weights_hash}".strip()),
-        ("engine", f"{ident.engine.name} {ident.engine.version} ({ident.engine.commit})"),
-        ("tensor parallel", f"rank {ident.tp_rank} of {ident.tp_size}"),
+        ("engine", engine),
+        ("tensor parallel", tp),
         ("device", ident.device),
         ("snapshot id", ident.snapshot_id),
         ("created at", ident.created_at),
@@ -46,24 +56,33 @@ def identity_rows(doc: Document) -> list[tuple[str, object]]:
     if doc.manifest is not None:
         m = doc.manifest
         rows.append(("manifest", f"id {m.snapshot_id}, tp {m.tp_size}, state position {m.state_position}"))
-    for rank, s in sorted(doc.ranks.items()):
-        rows.append((f"rank {rank}", f"{fmt_bytes(s.file_length)} file, {fmt_bytes(s.payload_bytes)} payload, root {s.root_digest}"))
+    if doc.partial:
+        rows.append(("PARTIAL", Text(doc.partial, style="bold red")))
+    for r, s in sorted(doc.ranks.items()):
+        here = Text(f"{fmt_bytes(s.file_length)} file, {fmt_bytes(s.payload_bytes)} payload, root {s.root_digest or 'unknown'}",
+                    style="bold" if r == rank else "")
+        rows.append((f"rank {r}" + (" (shown)" if r == rank and len(doc.ranks) > 1 else ""), here))
     return rows
 
 
 class IdentityPanel(VerticalScroll):
     reference: reactive[Reference | None] = reactive(None, init=False)
+    rank: reactive[int | None] = reactive(None, init=False)
 
     def __init__(self, doc: Document, **kw) -> None:
         super().__init__(**kw)
         self.doc = doc
 
     def compose(self) -> ComposeResult:
-        yield Static(_kv_table(identity_rows(self.doc)), id="identity-fields")
+        yield Static(_kv_table(identity_rows(self.doc, self.rank)), id="identity-fields")
         yield Static(id="compat-verdict")
         yield DataTable(cursor_type="row", id="compat-table")
 
     def on_mount(self) -> None:
+        self.watch_reference(self.reference)
+
+    def watch_rank(self, rank: int | None) -> None:
+        self.query_one("#identity-fields", Static).update(_kv_table(identity_rows(self.doc, rank)))
         self.watch_reference(self.reference)
 
     def watch_reference(self, ref: Reference | None) -> None:
@@ -75,7 +94,7 @@ class IdentityPanel(VerticalScroll):
         if ref is None:
             verdict.update(Text("No reference: press c to check against a snapshot or an identity JSON file.", style="dim"))
             return
-        snap = self.doc.first
+        snap = self.doc.ranks[min(self.doc.ranks) if self.rank is None else self.rank]
         rows = compat_rows(snap.identity, snap.geometry, ref)
         head = Text("compatibility with ")
         head.append_text(safe(ref.label, "bold"))

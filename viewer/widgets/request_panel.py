@@ -1,5 +1,10 @@
 """The request record: sampling, stop conditions, streamed progress, remaining
-budget, output logprobs as a sparkline, and the token history page by page."""
+budget, output logprobs as a sparkline, and the token history page by page.
+
+The summary takes at most part of the pane (it scrolls; sampling and the
+engine's extra fields fold away), so the token table always has room, at 80×24
+too; ``g`` goes to a position, ``o`` to the first output token, ``<``/``>`` to
+the first/last page."""
 
 from __future__ import annotations
 
@@ -9,14 +14,20 @@ import numpy as np
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.reactive import reactive
-from textual.widgets import DataTable, Sparkline, Static
+from textual.widgets import Collapsible, DataTable, Sparkline, Static
+
+from hsnap_format import HsnapError
 
 from ..model import Document
-from ..text import fmt_num, safe
+from ..text import describe_error, fmt_num, safe
 
 MAX_SPARK_POINTS = 4096
+
+
+def _map_text(items: dict) -> Text:
+    return safe(", ".join(f"{k}={v}" for k, v in sorted(items.items())) or "none")
 
 
 def _request_table(req: dict) -> Table:
@@ -26,7 +37,6 @@ def _request_table(req: dict) -> Table:
     rows = [
         ("request id", safe(req.get("rid", ""))),
         ("tokens", Text(f"prompt {req.get('prompt_tokens')} + output {n_out}, state position {req.get('state_position')}")),
-        ("sampling", safe(", ".join(f"{k}={v}" for k, v in sorted(req.get("sampling", {}).items())) or "defaults")),
         ("stop", safe(f"max_new_tokens={stop.get('max_new_tokens')}, min_new_tokens={stop.get('min_new_tokens')}, "
                       f"ignore_eos={stop.get('ignore_eos')}, token ids {stop.get('stop_token_ids')}, strings {stop.get('stop_strings')!r}")),
         ("streamed", Text(f"{streamed.get('tokens', 0)} of {n_out} output tokens{pct}, {streamed.get('text_chars', 0)} chars, "
@@ -34,9 +44,6 @@ def _request_table(req: dict) -> Table:
                           f"{' (finished)' if streamed.get('reasoning_finished') else ''}")),
         ("remaining budget", Text(fmt_num(req.get("remaining_budget")))),
     ]
-    extra = req.get("extra", {})
-    if extra:
-        rows.append(("extra", safe(", ".join(f"{k}={v}" for k, v in sorted(extra.items())))))
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
@@ -53,11 +60,23 @@ class RequestPanel(Vertical):
         self.doc = doc
         self.decoder = decoder
         self.page_size = page_size
-        self.prompt = doc.record_array("prompt_ids")
-        self.output = doc.record_array("output_ids")
-        self.logprobs = doc.record_array("output_logprobs")
-        self.top_ids = doc.record_array("top_logprob_ids")
-        self.top_values = doc.record_array("top_logprob_values")
+        self.errors: list[str] = []
+        self.prompt = self._record("prompt_ids", empty=True)
+        self.output = self._record("output_ids", empty=True)
+        self.logprobs = self._record("output_logprobs")
+        self.top_ids = self._record("top_logprob_ids")
+        self.top_values = self._record("top_logprob_values")
+        if self.top_ids is None or self.top_values is None:
+            self.top_ids = self.top_values = None
+
+    def _record(self, kind: str, empty: bool = False):
+        """A record section, or None (empty for token ids) when the file lacks or cannot give it."""
+        try:
+            arr = self.doc.record_array(kind)
+        except HsnapError as e:  # a partial file: say so, show the rest
+            self.errors.append(describe_error(e))
+            arr = None
+        return np.zeros(0, dtype=np.int32) if arr is None and empty else arr
 
     @property
     def total(self) -> int:
@@ -67,14 +86,26 @@ class RequestPanel(Vertical):
     def pages(self) -> int:
         return max(1, -(-self.total // self.page_size))
 
+    @property
+    def n_prompt(self) -> int:
+        return len(self.prompt)
+
     def compose(self) -> ComposeResult:
-        yield Static(_request_table(self.doc.first.request), id="request-summary")
-        if self.logprobs is not None and len(self.logprobs):
-            lp = self.logprobs
-            yield Static(Text(f"output logprobs: min {fmt_num(float(lp.min()))}, max {fmt_num(float(lp.max()))}, "
-                              f"mean {fmt_num(float(lp.mean(dtype=np.float64)))}", style="bold"), id="logprob-label")
-            step = max(1, len(lp) // MAX_SPARK_POINTS)
-            yield Sparkline([float(v) for v in lp[::step]], id="logprobs")
+        req = self.doc.first.request
+        with VerticalScroll(id="request-head"):
+            yield Static(_request_table(req), id="request-summary")
+            for key, title in (("sampling", "sampling"), ("extra", "extra (engine fields)")):
+                items = req.get(key, {})
+                with Collapsible(title=f"{title}: {len(items)}", collapsed=True, id=f"request-{key}"):
+                    yield Static(_map_text(items))
+            if self.logprobs is not None and len(self.logprobs):
+                lp = self.logprobs
+                yield Static(Text(f"output logprobs: min {fmt_num(float(lp.min()))}, max {fmt_num(float(lp.max()))}, "
+                                  f"mean {fmt_num(float(lp.mean(dtype=np.float64)))}", style="bold"), id="logprob-label")
+                step = max(1, len(lp) // MAX_SPARK_POINTS)
+                yield Sparkline([float(v) for v in lp[::step]], id="logprobs")
+        if self.errors:
+            yield Static(Text("record not all readable: " + "; ".join(self.errors), style="bold red"), id="request-errors")
         yield Static(id="token-page")
         yield DataTable(cursor_type="row", zebra_stripes=True, id="tokens")
 
@@ -115,8 +146,9 @@ class RequestPanel(Vertical):
         for pos in range(start, stop):
             table.add_row(*self._row(pos))
         label = Text(f"tokens {start}–{max(start, stop - 1)} of {self.total}  ·  page {page + 1}/{self.pages}", style="bold")
-        if self.pages > 1:
-            label.append("  ([ previous, ] next)", style="dim")
+        label.append(f"  ·  outputs from {self.n_prompt}", style="")
+        hint = "  [ ] page  < > first/last  " if self.pages > 1 else "  "
+        label.append(hint + "o outputs  g position", style="dim")
         self.query_one("#token-page", Static).update(label)
 
     def validate_page(self, page: int) -> int:
@@ -127,3 +159,19 @@ class RequestPanel(Vertical):
 
     def previous_page(self) -> None:
         self.page -= 1
+
+    def goto_position(self, pos: int) -> int:
+        """Show the page holding history position ``pos`` with the cursor on it (clamped)."""
+        pos = min(max(0, pos), max(0, self.total - 1))
+        page = pos // self.page_size
+        if page != self.page:
+            self.page = page
+        else:
+            self.watch_page(page)
+        table = self.query_one("#tokens", DataTable)
+        table.move_cursor(row=pos - page * self.page_size, animate=False)
+        table.focus()
+        return pos
+
+    def goto_outputs(self) -> int:
+        return self.goto_position(self.n_prompt)

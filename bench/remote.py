@@ -1,0 +1,204 @@
+"""hsnap on an object store: export to and restore from a real SeaweedFS on loopback.
+
+    python -m bench.remote [--tokens 53 4096 102400] [--repeats 3] [--clients]
+
+For each size (reference geometry, real SGLang pools on CPU, bench/run.py's helpers):
+  export  : export_request(s3://...)  vs the same client's plain multipart put of the
+            same bytes (hsnap_format.remote.MultipartUpload, same part size and
+            parallelism) vs export_request(local file)
+  restore : restore_request(s3://...) (every digest checked as the bytes land) vs the
+            same client's plain parallel ranged get of the same object into memory
+            (RangeReader.readinto) vs restore_request(local file)
+  open    : hsnap_format.open(url): wall time and GET round trips
+``--clients`` also compares the candidate clients on one 256 MiB object (botocore
+threads — what hsnap uses —, obstore, s3fs), when they are installed.
+
+Loopback caveat: client and server share this machine's cores (2 here) and no
+network is crossed, so absolute bandwidths are the server's CPU, not a network's;
+the ratios against the plain put/get of the same client are what carries over.
+Prints a markdown section for bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+import hsnap_format as hf  # noqa: E402
+from hsnap_format import remote  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _t(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def best(ts: list[float]) -> float:
+    return min(ts)
+
+
+def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: str) -> dict:
+    from bench import run as br
+    from hsnap_io import export_request, restore_request
+
+    src = br.build_reference_pools(tokens)
+    br.fill_pool(src)
+    row = br.alloc_request(src, tokens)
+    ident, rec = br.identity(), br.record(tokens)
+    o = remote.StorageOptions.of(opts)
+    res: dict = {"tokens": tokens}
+    t_url, t_put, t_loc = [], [], []
+    for i in range(repeats):
+        url = f"s3://{bucket}/t{tokens}-{i}.hsnap"
+        t_url.append(_t(lambda: export_request(url, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident, storage_options=opts)))
+        path = os.path.join(d, f"t{tokens}-{i}.hsnap")
+        t_loc.append(_t(lambda: export_request(path, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident)))
+        data = open(path, "rb").read()
+
+        def plain_put():
+            up = remote.MultipartUpload(f"s3://{bucket}/plain{tokens}-{i}", o)
+            p = o.part_bytes
+            for n, a in enumerate(range(0, len(data), p)):
+                up.submit(n + 1, memoryview(data)[a : a + p])
+            up.complete()
+
+        t_put.append(_t(plain_put))
+        res["bytes"] = len(data)
+        del data
+        if i:
+            os.unlink(path)
+    res.update(export_url=best(t_url), plain_put=best(t_put), export_local=best(t_loc))
+    del src
+
+    url, path = f"s3://{bucket}/t{tokens}-0.hsnap", os.path.join(d, f"t{tokens}-0.hsnap")
+    t_res, t_get, t_resl, t_open, trips = [], [], [], [], []
+    for i in range(repeats):
+        tgt = br.build_reference_pools(tokens)
+        t_res.append(_t(lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=opts)))
+        del tgt
+        tgt = br.build_reference_pools(tokens)
+        t_resl.append(_t(lambda: restore_request(path, **tgt.kwargs(), identity=ident)))
+        del tgt
+        buf = bytearray(res["bytes"])
+
+        def plain_get():
+            r = remote.RangeReader(f"s3://{bucket}/plain{tokens}-0", o)
+            r.readinto(memoryview(buf), 0)
+            r.close()
+
+        t_get.append(_t(plain_get))
+        del buf
+        t0 = time.perf_counter()
+        with hf.open(url, storage_options=opts) as s:
+            t_open.append(time.perf_counter() - t0)
+            trips.append(s.open_requests)
+    res.update(restore_url=best(t_res), plain_get=best(t_get), restore_local=best(t_resl), open=best(t_open), open_trips=max(trips))
+    return res
+
+
+def bench_clients(server, bucket: str, opts: dict, size: int = 256 * MiB) -> list[tuple[str, float, float]]:
+    """(client, put MB/s, parallel ranged get MB/s) on the same bytes."""
+    import concurrent.futures as cf
+
+    data = os.urandom(size)
+    o = remote.StorageOptions.of(opts)
+    C, P = o.chunk_bytes, o.parallel
+    out = []
+
+    def ours():
+        up = remote.MultipartUpload(f"s3://{bucket}/c-boto", o)
+        for n, a in enumerate(range(0, size, o.part_bytes)):
+            up.submit(n + 1, memoryview(data)[a : a + o.part_bytes])
+        up.complete()
+
+    buf = bytearray(size)
+    tp = _t(ours)
+    tg = _t(lambda: remote.RangeReader(f"s3://{bucket}/c-boto", o).readinto(memoryview(buf), 0))
+    assert bytes(buf) == data
+    out.append(("botocore, thread pool (hsnap)", size / tp / 1e6, size / tg / 1e6))
+    try:
+        import obstore
+        from obstore.store import S3Store
+
+        st = S3Store(bucket, endpoint=opts["endpoint_url"], access_key_id=opts["key"], secret_access_key=opts["secret"], region="us-east-1",
+                     client_options={"allow_http": True})
+        tp = _t(lambda: obstore.put(st, "c-obs", data, chunk_size=o.part_bytes, max_concurrency=P))
+
+        def get_obs():
+            mv = memoryview(buf)
+            with cf.ThreadPoolExecutor(P) as ex:
+                def one(a):
+                    mv[a : a + C] = obstore.get_range(st, "c-obs", start=a, length=min(C, size - a))
+                list(ex.map(one, range(0, size, C)))
+
+        tg = _t(get_obs)
+        assert bytes(buf) == data
+        out.append(("obstore 0.12.1, thread pool", size / tp / 1e6, size / tg / 1e6))
+    except ImportError:
+        out.append(("obstore (not installed)", float("nan"), float("nan")))
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(key=opts["key"], secret=opts["secret"], client_kwargs={"endpoint_url": opts["endpoint_url"], "region_name": "us-east-1"})
+        tp = _t(lambda: fs.pipe(f"{bucket}/c-s3fs", data))
+        starts = list(range(0, size, C))
+        tg = _t(lambda: fs.cat_ranges([f"{bucket}/c-s3fs"] * len(starts), starts, [min(a + C, size) for a in starts]))
+        out.append(("s3fs 2026.9.0, cat_ranges", size / tp / 1e6, size / tg / 1e6))
+    except ImportError:
+        out.append(("s3fs (not installed)", float("nan"), float("nan")))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[53, 4096, 102_400])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--big-repeats", type=int, default=1, help="repeats at sizes >= 256 MiB")
+    ap.add_argument("--clients", action="store_true")
+    args = ap.parse_args(argv)
+    import seaweed
+
+    root = tempfile.mkdtemp(prefix="hsnap-bench-remote-")
+    server = seaweed.Server(root, seaweed.weed_binary())
+    server.start()
+    try:
+        bucket = server.make_bucket()
+        opts = server.options(timeout=60.0)
+        rows = []
+        for tokens in args.tokens:
+            reps = args.repeats if tokens < 20_000 else args.big_repeats
+            r = bench_size(tokens, reps, server, bucket, opts, root)
+            rows.append(r)
+            print(f"# {tokens} tokens done: {r}", file=sys.stderr, flush=True)
+        clients = bench_clients(server, bucket, opts) if args.clients else []
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    print("| tokens | bytes | export URL | plain put | ratio | export local | restore URL | plain get | ratio | restore local | open | GETs at open |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        mb = r["bytes"] / 1e6
+        print(f"| {r['tokens']} | {r['bytes'] / MiB:.1f} MiB | {r['export_url']:.2f} s ({mb / r['export_url']:.0f} MB/s) | {r['plain_put']:.2f} s | "
+              f"{r['plain_put'] / r['export_url']:.2f}x | {r['export_local']:.2f} s | {r['restore_url']:.2f} s ({mb / r['restore_url']:.0f} MB/s) | "
+              f"{r['plain_get']:.2f} s | {r['plain_get'] / r['restore_url']:.2f}x | {r['restore_local']:.2f} s | {r['open'] * 1e3:.1f} ms | {r['open_trips']} |")
+    if clients:
+        print()
+        print("| client (same 256 MiB object) | put MB/s | parallel ranged get MB/s |")
+        print("|---|---:|---:|")
+        for name, p, g in clients:
+            print(f"| {name} | {p:.0f} | {g:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""The mutation run of issue 10 (scripts/mutate.py), small enough for CI, and the
+regressions it produced.
+
+``test_mutation_core_has_no_failures`` runs the script's core in this process on a
+fixed seed; the full run (50,000 mutants, worker processes with time and memory
+limits) is ``.venv/bin/python scripts/mutate.py --mutants 50000 --seed 1 --jobs 2``.
+The other tests show that the harness can fail (it reports a planted untyped
+exception, a planted acceptance, a hang and a dead worker), and pin what the runs
+found: ``test_item3_*`` is item 3 of the issue (309-400 digit integer literals raised
+an untyped OverflowError out of the canonical parser); ``test_found_*`` are files the
+reader accepted although the spec refuses them (accepted-but-changed in the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+import craft
+import hsnap_format
+from hsnap_format import canonical, cli
+from hsnap_format.errors import MalformedHeaderError, MalformedManifestError
+
+ROOT = Path(__file__).resolve().parents[1]
+VEC = ROOT / "spec" / "vectors"
+_spec = importlib.util.spec_from_file_location("hsnap_mutate", ROOT / "scripts" / "mutate.py")
+mutate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mutate)
+
+SEED = 20260110
+MUTANTS = 1000  # about 4 s on one core; the full run is 50,000
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return mutate.load_inputs()
+
+
+@pytest.fixture()
+def ctx(tmp_path):
+    return mutate.Context(str(tmp_path / "scratch"), cli_every=10)
+
+
+def _failures(tally) -> str:
+    return "\n".join(
+        f"#{f['i']} {f['cls']} {f['desc']['target']} {json.dumps(f['desc']['ops'])[:300]} re-signed={f['desc']['resign']}: "
+        f"{f.get('error', '')} {f.get('where', '')} {f.get('reason', '')} {f.get('message', '')[:200]}"
+        for f in tally.failures
+    )
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def test_mutation_core_has_no_failures(tmp_path):
+    tally = mutate.run(MUTANTS, SEED, jobs=0, timeout=20, cli_every=10, scratch=str(tmp_path))
+    assert tally.n == MUTANTS
+    assert tally.failed == 0, tally.totals_line() + "\n" + _failures(tally)
+    # the run covers what it claims to: every operator, target and variant ...
+    assert set(tally.by_operator) >= set(mutate.OPERATORS)
+    assert set(tally.by_target) == set(mutate.load_inputs()[0])
+    assert tally.by_variant["raw"]["typed"] > 0 and tally.by_variant["re-signed"]["typed"] > 0
+    # ... and re-signing gets mutants past the integrity layer to every layer of checks
+    for layer in ("framing", "json", "table", "features", "identity", "geometry", "request", "manifest"):
+        assert tally.typed_layers[layer] > 0, (layer, dict(tally.typed_layers))
+    assert tally.total["accepted-valid"] > 0
+    assert tally.cli_checked >= MUTANTS // 10 - 5
+
+
+def test_mutants_are_a_function_of_seed_and_index(inputs):
+    a = [mutate.generate(5, i, *inputs) for i in range(40)]
+    assert a == [mutate.generate(5, i, *inputs) for i in range(40)]
+    assert a != [mutate.generate(6, i, *inputs) for i in range(40)]
+    # a pair shares its ops: raw and re-signed variants of one mutation
+    assert all(a[2 * k]["ops"] == a[2 * k + 1]["ops"] and not a[2 * k]["resign"] and a[2 * k + 1]["resign"] for k in range(20))
+    # no mutant is the vector itself
+    for d in a:
+        assert mutate.build(dict(d, resign=False), *inputs)[d["target"]] != inputs[0][d["target"]]
+
+
+# ------------------------------------------------------------- the harness can fail
+
+
+def test_resign_is_the_identity_on_honest_files():
+    for p in sorted(VEC.glob("*.hsnap")) + sorted(VEC.glob("*/rank-*.hsnap")):
+        data = p.read_bytes()
+        assert craft.resign(data) == data, p
+    m = (VEC / "two-rank" / "manifest.json").read_bytes()
+    assert craft.resign_manifest(m) == m
+    for r in (0, 1):
+        assert craft.manifest_for(m, r, (VEC / "two-rank" / f"rank-{r}.hsnap").read_bytes()) == m
+
+
+def test_resigned_mutant_reaches_the_semantic_checks(inputs, ctx):
+    desc = {"i": 1, "target": "hybrid.hsnap", "resign": True, "operator": "j_number",
+            "ops": [{"op": "j.set", "path": ["request", "state_position"], "value": 99}]}
+    raw = mutate.examine(dict(desc, resign=False), ctx, cli=False)
+    assert (raw["cls"], raw["error"]) == ("typed", "DigestMismatchError")
+    r = mutate.examine(desc, ctx, cli=False)
+    assert (r["cls"], r["error"], r["field"]) == ("typed", "MalformedHeaderError", "request.state_position")
+
+
+def test_harness_reports_a_planted_untyped_exception(monkeypatch, ctx):
+    def planted(*a, **k):
+        raise KeyError("planted")
+
+    monkeypatch.setattr(canonical, "loads", planted)  # called by the reader's header parser
+    desc = {"i": 1, "target": "attention-only.hsnap", "resign": True, "operator": "j_add_key",
+            "ops": [{"op": "j.add", "path": ["request", "extra"], "key": "x", "value": 1}]}
+    r = mutate.examine(desc, ctx, cli=False)
+    assert (r["cls"], r["error"], r["stage"]) == ("untyped", "KeyError", "open")
+    assert r["where"].startswith("hsnap_format/reader.py"), r["where"]  # the deepest library frame
+    assert "planted" in r["traceback"]
+
+
+def test_harness_reports_a_planted_acceptance(ctx):
+    """Accepted raw bytes other than the vector's are a failure; the vector's own bytes are not."""
+    src = VEC / "attention-only.hsnap"
+    data = src.read_bytes()
+    flipped = craft.flip(data, craft.split(data).data_offset * 8)
+    desc = {"i": 1, "target": "attention-only.hsnap", "resign": False, "operator": "b_flip", "ops": []}
+    with hsnap_format.open(src) as snap:  # stands for a reader that accepted the flipped file
+        r = mutate._accepted(snap, str(src), {"attention-only.hsnap": flipped}, desc, ctx)
+        assert r["cls"] == "accepted-but-changed" and "raw mutant accepted" in r["reason"]
+        assert mutate._accepted(snap, str(src), {"attention-only.hsnap": data}, desc, ctx)["cls"] == "accepted-unchanged"
+
+
+def test_model_refuses_a_file_whose_meaning_differs_from_its_decoding(tmp_path, ctx):
+    """The spec model compares the mutant's bytes with what the writer writes for the decoded
+    content: a file accepted as meaning something else than it says is caught."""
+    src = VEC / "hybrid.hsnap"
+    data = src.read_bytes()
+    other = craft.mutate_header(data, lambda h: h["request"].__setitem__("rid", "someone-else"))
+    with hsnap_format.open(src) as snap:  # decoded: the original; bytes: another rid
+        why = mutate._rank_model(snap, other, ctx)
+        assert why is not None and why.startswith("request.rid"), why
+        assert mutate._rank_model(snap, data, ctx) is None
+    # what the spec lets differ is no difference: an unknown key, an absent key with a default, the minor version
+    extra = craft.mutate_header(data, lambda h: h["identity"].__setitem__("x-new", [1]))
+    no_device = craft.mutate_header(data, lambda h: h["identity"].pop("device") and None)
+    minor = craft.rebuild(data, minor=3)
+    for k, m in enumerate((extra, no_device, minor)):
+        p = craft.write(tmp_path / f"ok{k}.hsnap", m)
+        with hsnap_format.open(p) as snap:
+            assert mutate._rank_model(snap, m, ctx) is None
+    # an absent key decoded as anything but the spec's default is caught
+    hm = json.loads(craft.split(no_device).header)
+    hw = json.loads(craft.split(data).header)
+    hw["identity"]["device"] = "gpu"
+    assert mutate._meaning_diff(hm, hw, "", 0).startswith("identity.device: absent")
+    # and so are unknown keys where the spec allows none, and non-string features
+    hm = json.loads(craft.split(data).header)
+    hm["sections"][0]["x"] = 1
+    assert "unknown key" in mutate._meaning_diff(hm, json.loads(craft.split(data).header), "", 0)
+    hm = json.loads(craft.split(data).header)
+    hm["features"]["optional"].append(5)
+    assert "non-strings" in mutate._meaning_diff(hm, json.loads(craft.split(data).header), "", 0)
+
+
+def test_pool_reports_a_hang_and_a_dead_worker(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSNAP_MUTATE_INJECT", "2:hang,5:crash")
+    tally = mutate.run(8, SEED, jobs=1, timeout=2, mem_gib=2, cli_every=0, scratch=str(tmp_path))
+    assert tally.n == 8
+    assert tally.total["hang"] == 1 and tally.total["untyped"] == 1, tally.totals_line()
+    by_i = {f["i"]: f for f in tally.failures}
+    assert by_i[2]["cls"] == "hang" and by_i[5]["error"].startswith("worker died")
+    assert tally.total["typed"] + tally.total["accepted-unchanged"] + tally.total["accepted-valid"] == 6
+
+
+# -------------------------------------------------------------- item 3: huge literals
+
+HUGE = ["1" + "0" * 308 + "1", "9" * 309, "9" * 400, "-" + "9" * 350, "-" + "9" * 400]
+OUT_OF_RANGE = HUGE + ["1" + "0" * 400, "1e400", "-1e400", "1.7976931348623159e+308", "1" + "0" * 400 + ".5"]
+
+
+@pytest.mark.parametrize("literal", OUT_OF_RANGE, ids=lambda s: f"{s[:6]}..{len(s)}")
+def test_item3_canonical_refuses_out_of_range_literals_typed(literal):
+    for text in (literal, f"[{literal}]", '{"a":' + literal + "}"):
+        with pytest.raises(canonical.CanonicalError, match="range|digits|characters"):
+            canonical.loads(text.encode())
+
+
+@pytest.mark.parametrize("text", ["-0", "-0.0", "1.0", "1E5", "1e5", "01", "0.10", "1" + "0" * 308, "9007199254740993",
+                                  "[1e400]", "1e-400", "NaN", "-Infinity"])
+def test_item3_non_canonical_numbers_stay_refused(text):
+    with pytest.raises(canonical.CanonicalError):
+        canonical.loads(text.encode())
+
+
+@pytest.mark.parametrize("text,value", [("0", 0), ("-9007199254740991", -(2**53 - 1)), ("100000000000000000000", 1e20),
+                                        ("1e+21", 1e21), ("5e-324", 5e-324), ("1.7976931348623157e+308", 1.7976931348623157e308),
+                                        ("0.00001", 1e-5)])
+def test_item3_canonical_numbers_still_decode(text, value):
+    assert canonical.loads(text.encode()) == value
+
+
+def _with_literal(data: bytes, path, literal: str) -> bytes:
+    """``data`` re-signed with the value at ``path`` of its header replaced by a raw literal."""
+    desc_ops = [{"op": "j.lit", "path": path, "text": literal}]
+    return craft.resign(mutate._header_after_json_ops(data, desc_ops, True))
+
+
+@pytest.mark.parametrize("path", [["request", "state_position"], ["sections", 0, "offset"], ["identity", "tp_size"],
+                                  ["request", "sampling", "temperature"], ["geometry", "attention", "layers", 0]])
+@pytest.mark.parametrize("literal", HUGE[:2] + HUGE[3:4], ids=lambda s: f"{len(s)}chars")
+def test_item3_header_with_huge_integer_is_a_typed_refusal(tmp_path, path, literal):
+    p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "hybrid.hsnap").read_bytes(), path, literal))
+    with pytest.raises(MalformedHeaderError, match="double range") as e:
+        hsnap_format.open(p)
+    assert e.value.field == "header" and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["state_position", "tp_size"])
+def test_item3_manifest_with_huge_integer_is_a_typed_refusal(tmp_path, key):
+    d = tmp_path / "set"
+    d.mkdir()
+    for name in ("rank-0.hsnap", "rank-1.hsnap"):
+        (d / name).write_bytes((VEC / "two-rank" / name).read_bytes())
+    m = (VEC / "two-rank" / "manifest.json").read_bytes()
+    (d / "manifest.json").write_bytes(craft.resign_manifest(mutate._manifest_after_json_ops(m, [{"op": "j.lit", "path": [key], "text": "9" * 309}])))
+    with pytest.raises(MalformedManifestError, match="double range"):
+        hsnap_format.open(d)
+
+
+@pytest.mark.parametrize("command", ["info", "verify"])
+def test_item3_cli_says_one_line_without_traceback(tmp_path, command):
+    p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "attention-only.hsnap").read_bytes(), ["request", "state_position"], "9" * 309))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main([command, p])
+    assert rc == 1
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and "MalformedHeaderError" in lines[0] and "Traceback" not in err.getvalue(), err.getvalue()
+
+
+def test_item3_mutants_of_the_run_with_huge_literals_are_typed(inputs, ctx):
+    """The run's own operator (j_number with the 307-600 digit literals) over every target."""
+    n = 0
+    for target in inputs[0]:
+        for lit in [x for x in mutate.NUMBER_LITERALS if len(x.lstrip("-")) >= 300]:
+            obj = json.loads(inputs[0][target].partition(b"\n")[0] if mutate.is_manifest(target) else craft.split(inputs[0][target]).header)
+            for path, _ in [n_ for n_ in mutate._nodes(obj, mutate._is_num, root=False)][:2]:
+                desc = {"i": 1, "target": target, "resign": True, "operator": "j_number", "ops": [{"op": "j.lit", "path": path, "text": lit}]}
+                r = mutate.examine(desc, ctx, cli=False)
+                assert r["cls"] == "typed", (target, path, lit[:12], len(lit), r)
+                n += 1
+    assert n > 100
+
+
+def test_item3_viewer_refuses_with_one_line(tmp_path):
+    app = pytest.importorskip("hsnap_view.app")
+    p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "mla-fp8.hsnap").read_bytes(), ["request", "prompt_tokens"], "-" + "9" * 320))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = app.main([p])
+    assert rc == 2 and len(err.getvalue().strip().splitlines()) == 1 and "double range" in err.getvalue(), err.getvalue()
+
+
+# ------------------------------------------- what the 50,000-mutant run found (accepted-but-changed)
+
+
+def test_unknown_key_in_features_is_ignored(tmp_path):
+    """Spec 5.6 (as made normative for 1.1): other keys inside ``features`` are ignored, like
+    unknown keys of every header object but section entries (that is how a minor adds fields)."""
+    data = craft.mutate_header((VEC / "attention-only.hsnap").read_bytes(), lambda h: h["features"].__setitem__("zzz", []))
+    p = craft.write(tmp_path / "features-key.hsnap", data)
+    with hsnap_format.open(p) as snap:
+        snap.verify()
+        assert snap.header["features"]["zzz"] == []
+
+
+def test_found_manifest_negative_minor_is_refused(tmp_path):
+    """Spec 10.1/5: ``version`` is [int, int] and an int is >= 0; the reader accepted [1, -1] (7 of 50,000)."""
+    d = tmp_path / "set"
+    d.mkdir()
+    for name in ("rank-0.hsnap", "rank-1.hsnap"):
+        (d / name).write_bytes((VEC / "two-rank" / name).read_bytes())
+    m = (VEC / "two-rank" / "manifest.json").read_bytes()
+    (d / "manifest.json").write_bytes(craft.resign_manifest(mutate._manifest_after_json_ops(m, [{"op": "j.set", "path": ["version", 1], "value": -1}])))
+    with pytest.raises(MalformedManifestError) as e:
+        hsnap_format.open(d)
+    assert e.value.field == "version"
+
+
+def test_found_stop_string_over_4096_characters_is_refused(tmp_path):
+    """Spec 5: a "string" is at most 4096 characters unless stated, and stop_strings is
+    "≤ 1024 strings"; the reader (and so the writer) accepted a 4097-character stop string
+    (3 of 50,000, caught by the independent reader)."""
+    data = craft.mutate_header((VEC / "hybrid.hsnap").read_bytes(), lambda h: h["request"]["stop"]["stop_strings"].append("a" * 4097))
+    p = craft.write(tmp_path / "long-stop.hsnap", data)
+    with pytest.raises(MalformedHeaderError) as e:
+        hsnap_format.open(p)
+    assert e.value.field.startswith("request.stop.stop_strings")
