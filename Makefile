@@ -13,3 +13,4 @@ test: venv
 
 bench: venv
 	@.venv/bin/python -m bench.run $(BENCH_ARGS)
+	@.venv/bin/python -m bench.resume $(RESUME_ARGS)

@@ -16,7 +16,7 @@ threads — what hsnap uses —, obstore, s3fs), when they are installed.
 Loopback caveat: client and server share this machine's cores (2 here) and no
 network is crossed, so absolute bandwidths are the server's CPU, not a network's;
 the ratios against the plain put/get of the same client are what carries over.
-Prints a markdown section for bench/RESULTS.md.
+Prints a markdown section (kept in bench/REMOTE.md: bench.run rewrites RESULTS.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 
@@ -168,7 +169,7 @@ def _parse_float(text: str) -> float:
 #     reads as doubles, and over-long literals go to the full path);
 #   * every float literal already in its ECMAScript form (``_number``) — checked per
 #     literal, so JCS would print each float exactly as it stands;
-#   * the bytes are ASCII (so every key is ASCII, as JCS requires);
+#   * every key is ASCII, as JCS requires (implied when the bytes are; else checked);
 #   * ``json.dumps(obj, sort_keys, no whitespace)`` gives ``data`` back. With the float
 #     literals fixed above, JCS and ``json.dumps`` differ only in floats and key checks,
 #     so this is ``dumps(obj) == data``. Duplicate keys shrink the dict (mismatch),
@@ -182,9 +183,16 @@ _NUMBER_VIEW = bytes.maketrans(b"123456789:,[", b"000000000!!!")
 _LONG_NUMBER = (b"!" + b"0" * 16, b"!-" + b"0" * 16)
 
 
+# a number token ends at ',' ']' '}' or the end ('.', 'e', 'E' continue a float): a digit run
+# inside a string ("sha256:0123...ab") usually does not, and then stays on the fast path
+_LONG_NUMBER_TOKEN = re.compile(rb"(?:^|[:,\[])-?[0-9]{16,}(?:[,\]}.eE]|\Z)")
+
+
 def _has_long_number(data: bytes) -> bool:
     view = b"!" + data.translate(_NUMBER_VIEW)
-    return _LONG_NUMBER[0] in view or _LONG_NUMBER[1] in view
+    if _LONG_NUMBER[0] not in view and _LONG_NUMBER[1] not in view:
+        return False
+    return _LONG_NUMBER_TOKEN.search(data) is not None  # rare: the precise (slower) look
 
 
 _NOT_QUOTE_OR_BRACKET = bytes(b for b in range(256) if b not in b'"[]{}')
@@ -225,11 +233,23 @@ def _not_fast(_name):
     raise _NotFast
 
 
-def _loads_fast(data: bytes, max_depth: int):
-    if not data.isascii() or _has_long_number(data):
+def _ascii_keys(pairs):
+    if not all(k.isascii() for k, _ in pairs):
         raise _NotFast
-    text = data.decode("ascii")
-    obj = json.loads(text, parse_float=_float_fast, parse_constant=_not_fast)
+    return dict(pairs)
+
+
+def _loads_fast(data: bytes, max_depth: int):
+    # DEL: dumps() writes keys with ensure_ascii (\u007f) but values raw; the one-call
+    # check below cannot tell which, so such headers take the full path.
+    if _has_long_number(data) or b"\x7f" in data:
+        raise _NotFast
+    if data.isascii():  # every key is ASCII
+        text = data.decode("ascii")
+        obj = json.loads(text, parse_float=_float_fast, parse_constant=_not_fast)
+    else:  # keys are checked one object at a time (slower, still C parsing)
+        text = data.decode("utf-8")
+        obj = json.loads(text, parse_float=_float_fast, parse_constant=_not_fast, object_pairs_hook=_ascii_keys)
     if json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) != text:
         raise _NotFast
     if _canonical_depth(data, max_depth) > max_depth:

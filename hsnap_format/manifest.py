@@ -32,7 +32,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .reader import Snapshot
-from .spec import MAJOR, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, MINOR, RANK_FILE_RE, rank_file_name
+from .spec import MAJOR, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RE, rank_file_name
 
 
 @dataclass(frozen=True)

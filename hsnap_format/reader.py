@@ -266,6 +266,23 @@ def _expected_section_count(geometry: Geometry, counts: dict, has_rng: bool) -> 
     return n
 
 
+def _open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Open a rank file read-only, never following a final symlink and never waiting on a
+    FIFO (O_NONBLOCK); refuse anything but a regular file. Returns (descriptor, stat)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise HsnapIOError(path, "open", e) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MalformedHeaderError(path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 class Snapshot:
     """One committed rank file, mapped read-only.
 
@@ -277,15 +294,8 @@ class Snapshot:
         self.path = os.fspath(path)
         self._mm = None
         self._fd = -1
+        fd, st = _open_regular(self.path)
         try:
-            # O_NONBLOCK: a FIFO under a snapshot's name is refused below, not waited on
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
-            raise HsnapIOError(self.path, "open", e) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise MalformedHeaderError(self.path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
             self.size = st.st_size
             self._load(lambda n, at: os.pread(fd, n, at))
         except OSError as e:
@@ -303,10 +313,16 @@ class Snapshot:
         self._scratch = bytearray()
 
     def _load(self, pread) -> None:
-        """Parse and check preamble, header and trailer; ``pread(n, offset)`` reads the
-        source (a descriptor here; ranged GETs in hsnap_format.remote). Needs ``self.size``."""
-        block = pread(PREAMBLE.size, 0)
-        self.preamble = pre = parse_preamble(block, self.path, self.size)
+        """Parse and check preamble, header and trailer in the order of spec 7.1;
+        ``pread(n, offset)`` reads the source (a descriptor here; ranged GETs in
+        hsnap_format.remote). Needs ``self.size``."""
+        self._load_header(pread, pread(PREAMBLE.size, 0), self.size)
+        self._check_trailer(pread(TRAILER.size, self.preamble.file_length - TRAILER.size))
+        self._load_request()
+
+    def _load_header(self, pread, block: bytes, size: int) -> None:
+        """Preamble (``block``, checked against ``size``), header and section table."""
+        self.preamble = pre = parse_preamble(block, self.path, size)
         header = pread(pre.header_length, HEADER_OFFSET)
         if len(header) != pre.header_length:
             raise TruncatedError(self.path, "header", pre.header_length, len(header))
@@ -314,10 +330,10 @@ class Snapshot:
             raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
         self.header_bytes = header
         self.header = parse_header(header, self.path)
-        trailer_at = pre.file_length - TRAILER.size
-        tra = pread(TRAILER.size, trailer_at)
-        self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, trailer_at)
-        self._check_trailer(tra)
+        self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, pre.file_length - TRAILER.size)
+
+    def _load_request(self) -> None:
+        """Identity, geometry, request and the layout they imply (spec 7.1 step 19 on)."""
         self.identity = Identity.from_header(self.header["identity"], self.path)
         self.geometry = Geometry.from_header(self.header["geometry"], self.path)
         req = request_header_fields(self.header["request"], self.path)

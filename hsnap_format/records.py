@@ -344,7 +344,7 @@ class Sharding:
     @classmethod
     def from_header(cls, obj, attention: "AttentionGeometry | None", mamba: "MambaGeometry | None", path=None) -> "Sharding":
         f = _Fields(obj, "geometry.sharding", path)
-        att, conv, tem = f.raw("attention", None), f.raw("conv", None), f.raw("temporal", None)
+        att, conv, tem = f.raw("attention"), f.raw("conv"), f.raw("temporal")  # spec 5.7: present, AXIS or null
         w = "geometry.sharding"
         out = cls(
             attention=None if att is None else ShardAxis.from_header(att, f"{w}.attention", path),

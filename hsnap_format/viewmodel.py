@@ -8,19 +8,16 @@ from __future__ import annotations
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import xxhash
 
-from .errors import BadMagicError, DigestMismatchError, HsnapError, HsnapIOError, MalformedHeaderError, Phrase, TruncatedError
+from .errors import BadMagicError, HsnapError, TruncatedError
 from .errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
 from .manifest import SnapshotSet
-from .reader import Snapshot, SectionInfo, parse_header, parse_preamble, parse_sections
-from .records import Geometry, Identity, request_header_fields
-from .spec import DTYPES, HEADER_OFFSET, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
+from .reader import Snapshot, SectionInfo
+from .spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
 from .stats import Cancelled, is_float
 
 # ---------------------------------------------------------------------------- summaries
@@ -300,59 +297,25 @@ class PartialSnapshot(Snapshot):
     the file gives :class:`TruncatedError`, so the viewer can show which sections are
     intact (their digests still decide) and which are missing. Never used to restore."""
 
-    def __init__(self, path) -> None:  # noqa: C901  (mirrors Snapshot.__init__, tolerant of the end)
-        self.path = os.fspath(path)
-        self._mm = None
-        self._fd = -1
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        except OSError as e:
-            raise HsnapIOError(self.path, "open", e) from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise MalformedHeaderError(self.path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
-            self.size = st.st_size
-            block = os.pread(fd, PREAMBLE.size, 0)
-            self.unfinished = block[: len(PENDING_MAGIC)] == PENDING_MAGIC
-            if self.unfinished:  # commit writes everything but the magic first
-                block = MAGIC + block[len(MAGIC):]
-            if len(block) < PREAMBLE.size:
-                raise TruncatedError(self.path, "preamble", PREAMBLE.size, len(block))
-            declared = PREAMBLE.unpack(block)[7]
-            self.preamble = pre = parse_preamble(block, self.path, declared)  # every check but the size
-            header = os.pread(fd, pre.header_length, HEADER_OFFSET)
-            if len(header) != pre.header_length:
-                raise TruncatedError(self.path, "header", pre.header_length, len(header))
-            if xxhash.xxh3_128_digest(header) != pre.header_digest:
-                raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
-            self.header_bytes = header
-            self.header = parse_header(header, self.path)
-            trailer_at = pre.file_length - TRAILER.size
-            self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, trailer_at)
-            tra = os.pread(fd, TRAILER.size, trailer_at) if self.size >= pre.file_length else b""
-            self.root_digest = None
-            if len(tra) == TRAILER.size:
-                try:
-                    self._check_trailer(tra)
-                except HsnapError:
-                    self.root_digest = None
-            self.identity = Identity.from_header(self.header["identity"], self.path)
-            self.geometry = Geometry.from_header(self.header["geometry"], self.path)
-            req = request_header_fields(self.header["request"], self.path)
-            self._request_fields, self._request_counts = req["fields"], req["counts"]
-            self.swa_start = self._int_field("swa_start")
-            self._check_layout()
-            self._by_name = {s.name: s for s in self.sections}
-        except OSError as e:
-            os.close(fd)
-            raise HsnapIOError(self.path, "read", e) from None
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        self._scratch = bytearray()
+    def _load(self, pread) -> None:
+        """Snapshot's open-time checks, tolerant of the end of the file: the preamble is
+        checked against its own ``file_length``, and a missing trailer is allowed."""
+        block = pread(PREAMBLE.size, 0)
+        self.unfinished = block[: len(PENDING_MAGIC)] == PENDING_MAGIC
+        if self.unfinished:  # commit writes everything but the magic first
+            block = MAGIC + block[len(MAGIC):]
+        if len(block) < PREAMBLE.size:
+            raise TruncatedError(self.path, "preamble", PREAMBLE.size, len(block))
+        self._load_header(pread, block, PREAMBLE.unpack(block)[7])  # every preamble check but the size
+        pre = self.preamble
+        tra = pread(TRAILER.size, pre.file_length - TRAILER.size) if self.size >= pre.file_length else b""
+        self.root_digest = None
+        if len(tra) == TRAILER.size:
+            try:
+                self._check_trailer(tra)
+            except HsnapError:
+                self.root_digest = None
+        self._load_request()
 
     @property
     def state(self) -> str:

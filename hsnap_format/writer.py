@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import math
 import os
+import re
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -42,6 +43,24 @@ from .spec import (
 )
 
 _ZERO_DIGEST = "0" * 32
+WRITEBACK_BYTES = 2 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
+
+
+def _load_sync_file_range():
+    """libc's sync_file_range (Linux), or None: then the writer only fsyncs at commit."""
+    try:
+        import ctypes
+
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    f.restype = ctypes.c_int
+    return f
+
+
+_sync_file_range = _load_sync_file_range()
 
 
 def check_spec(spec: SectionSpec) -> None:
@@ -57,8 +76,10 @@ def section_nbytes(spec: SectionSpec) -> int:
     return math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
 
 
-def build_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str], data_offset: int) -> tuple[bytes, list[dict], int]:
-    """Encode the header for a given data_offset; returns (bytes, table, end of last section)."""
+def build_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str], data_offset: int,
+                 body_json: bytes | None = None) -> tuple[bytes, list[dict], int]:
+    """Encode the header for a given data_offset; returns (bytes, table, end of last section).
+    ``body_json``: ``canonical.dumps(body)``, when the caller already has it."""
     table, cursor = [], data_offset
     for spec, digest in zip(specs, digests):
         length = section_nbytes(spec)
@@ -75,14 +96,45 @@ def build_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str
             }
         )
         cursor = align_up(cursor + length) if spec is not specs[-1] else cursor + length
-    return canonical.dumps({**body, "sections": table}), table, cursor
+    rows = _table_json(table)
+    if rows is None or "sections" in body or any(k > "sections" for k in body):
+        return canonical.dumps({**body, "sections": table}), table, cursor
+    body_json = canonical.dumps(body) if body_json is None else body_json
+    # "sections" sorts after every other key: the canonical header is the body's, with it appended
+    return body_json[:-1] + (b',"sections":' if body else b'"sections":') + rows + b"}", table, cursor
+
+
+_PLAIN_LINES = re.compile(r"[A-Za-z0-9._\n-]*\Z").match  # strings canonical JSON writes as they are, one per line
+_MAX_SAFE = canonical.MAX_SAFE_INTEGER
+_STR_FIELDS = ("name", "kind", "dtype", "digest")
+
+
+def _table_json(table: list[dict]) -> bytes | None:
+    """``canonical.dumps(table)`` for the writer's own table (the bulk of a header: one
+    pure-Python encode of it was most of an export's fixed cost), or None when an entry has
+    a value this shortcut does not cover (then the caller encodes it all the long way).
+    Keys in canonical order; names, kinds, dtypes and digests need no escaping (checked);
+    every integer is a plain int within 2**53 (checked)."""
+    try:
+        strs = "\n".join(e[k] for e in table for k in _STR_FIELDS)
+    except TypeError:  # not a str
+        return None
+    ints = [v for e in table for v in (e["offset"], e["length"], *e["shape"])]
+    ints += [e["layer"] for e in table if e["layer"] is not None]
+    if strs.count("\n") != len(_STR_FIELDS) * len(table) - 1 or not _PLAIN_LINES(strs) or (ints and (set(map(type, ints)) != {int} or max(map(abs, ints)) > _MAX_SAFE)):
+        return None
+    return ("[" + ",".join(
+        f'{{"digest":"{e["digest"]}","dtype":"{e["dtype"]}","kind":"{e["kind"]}","layer":{"null" if e["layer"] is None else e["layer"]},'
+        f'"length":{e["length"]},"name":"{e["name"]}","offset":{e["offset"]},"shape":[{",".join(map(str, e["shape"]))}]}}'
+        for e in table) + "]").encode()
 
 
 def layout_header(body: dict, specs: Sequence[SectionSpec], digests: Sequence[str]) -> tuple[bytes, list[dict], int, int]:
     """Find the fixed point data_offset = align(64 + len(header)) (offsets' digits move the length)."""
     data_offset = ALIGNMENT
+    body_json = canonical.dumps(body)  # the same on every pass
     while True:
-        header, table, end = build_header(body, specs, digests, data_offset)
+        header, table, end = build_header(body, specs, digests, data_offset, body_json)
         need = align_up(HEADER_OFFSET + len(header))
         if need <= data_offset:
             return header, table, data_offset, end
@@ -154,8 +206,15 @@ class SnapshotWriter:
         mode: int = 0o600,
         features_optional: Iterable[str] = (),
         preallocate: bool = True,
+        writeback: bool = False,
     ) -> None:
         self.path = os.fspath(path)
+        # For a caller that will commit with fsync: start the kernel's writeback of every
+        # WRITEBACK_BYTES written (sync_file_range, asynchronous), so the data goes to the
+        # device while later sections are produced and commit's fsync waits for less
+        # (bench: 31 MiB written + fsynced in 14.8 instead of 20.7 ms). The commit protocol
+        # is unchanged: its fsync still makes everything durable, in the same order.
+        self._writeback_from = 0 if writeback and _sync_file_range is not None else None
         self.state = WriterState.ABORTED  # until the file exists
         record.validate(self.path)
         self.record = record
@@ -234,6 +293,11 @@ class SnapshotWriter:
 
     def _write_at(self, view: memoryview, offset: int) -> None:
         _fs.pwrite_all(self._fd, view, offset)
+        start = self._writeback_from
+        if start is not None and offset + view.nbytes - start >= WRITEBACK_BYTES:  # sections arrive in file order
+            end = offset + view.nbytes
+            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)  # a hint: errors are fsync's to report
+            self._writeback_from = end
 
     # -- state machine helpers
     def _require(self, *states: WriterState, call: str) -> None:

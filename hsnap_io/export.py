@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 import torch
 
 from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, SnapshotWriter
-from hsnap_format.remote import snapshot_writer
+from hsnap_format.remote import is_url, snapshot_writer
 
 from .adapters import PoolView, view_pools
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
@@ -80,8 +80,9 @@ def export_request(
     identity = complete_identity(identity)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     # an s3:// URL streams a multipart upload whose completion is the commit (hsnap_format.remote)
+    extra = {"writeback": fsync} if not is_url(os.fspath(path)) else {}  # a file to fsync: write back as it goes
     with snapshot_writer(path, storage_options=storage_options, identity=identity, geometry=view.geometry, record=record,
-                         swa_start=swa_start, mode=mode) as w:
+                         swa_start=swa_start, mode=mode, **extra) as w:
         planned = [s.name for s in w.pending_state_sections()]
         bound = [b.name for b in view.bindings]
         if planned != bound:  # adapters and layout disagree: a bug, never a silent file

@@ -27,7 +27,7 @@ import importlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -444,7 +444,7 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     """Restore ``snapset`` (TP N) into this target rank (TP M): see the module docstring."""
     import warnings
 
-    from .restore import NumericsWarning, _allocate, _give_back, check_capacity, pool_lock, RestoredRequest, UploadError
+    from .restore import NumericsWarning, _allocate, check_capacity, pool_lock, raise_upload_failure, RestoredRequest
     from .statecheck import PoolCheckpoint
     from .transfer import engine_for
     from hsnap_format import HsnapIOError
@@ -495,12 +495,7 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
             where = "finish upload"
             engine.finish_import()
         except BaseException as e:
-            _give_back(engine, checkpoint, path, e)
-            if isinstance(e, OSError):
-                raise HsnapIOError(path, "read", e) from None
-            if isinstance(e, Exception) and not isinstance(e, HsnapError):
-                raise UploadError(path, where, detail=f"{type(e).__name__}: {e}; every allocation was given back") from e
-            raise
+            raise_upload_failure(engine, checkpoint, path, e, where)
     return RestoredRequest(
         req_pool_idx=row,
         token_indices=slots.token,

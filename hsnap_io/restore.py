@@ -8,11 +8,14 @@ Order of work, so that a refusal leaves the pools untouched:
      storage type that is only the byte view of the same element format;
   3. check capacity in the target's own pages (rows, token slots, SWA slots, mamba
      slots, context length);
-  4. verify every digest and the padding (``verify=True``);
+  4. with ``verify=True``: the padding and the request record (and, for an engine that
+     does not read files — CUDA, from the map — every digest);
   --- nothing above touches the pools ---
   5. allocate as SGLang does for a new request (whole pages of the target), remembering
-     the allocators' state; 6. upload section by section, remembering what each touched
-     slot held; on any failure both are put back and a typed error names the section.
+     the allocators' state; 6. upload section by section, each state section hashed as
+     it lands in the slots (``verify=True``); on any failure — a digest mismatch
+     included — the allocations are put back (and, with ``exact_rollback``, what each
+     touched slot held) and a typed error names the section.
   Steps 5-6 hold :func:`pool_lock` (one per pool set): SGLang's allocators are not
   thread-safe, and the rollback restores the allocators' whole earlier state.
 """
@@ -29,9 +32,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from hsnap_format import (
     CapacityError,
+    DigestMismatchError,
     HsnapError,
     HsnapIOError,
     Identity,
@@ -39,6 +44,7 @@ from hsnap_format import (
     RequestRecord,
     Snapshot,
     SnapshotSet,
+    TruncatedError,
     geometry_differences,
     identity_differences,
     numerics_differences,
@@ -50,7 +56,7 @@ from hsnap_format.spec import DTYPES
 from .adapters import PoolView, view_pools
 from .export import RequestSlots
 from .statecheck import PoolCheckpoint, RollbackError
-from .transfer import DEFAULT_STAGING_BYTES, FileRange, engine_for
+from .transfer import DEFAULT_STAGING_BYTES, FileRange, _pread_into, engine_for
 
 
 class NumericsWarning(UserWarning):
@@ -217,7 +223,7 @@ def restore_request(
     token_to_kv_pool_allocator,
     identity: Identity | None,
     rank: int | None = None,
-    verify: bool = True,
+    verify: bool | str = True,
     exact_rollback: bool = False,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     sharding=None,
@@ -227,13 +233,27 @@ def restore_request(
     """Load a snapshot into fresh slots. ``identity`` is the target's own identity (the
     strict fields must match); ``None`` skips the identity check (geometry is always checked).
 
-    Raises a typed :class:`HsnapError` on any refusal. Every refusal that depends on
-    the snapshot (identity, geometry, capacity, and with ``verify`` every digest) comes
-    before anything is allocated, so the pools are then exactly as before, byte for
-    byte. A failure *during* the upload (an exception after verification) gives back
-    every allocation — free lists, mappings, the request row — exactly; the bytes of
-    the freed slots, which nothing reads before writing them, are put back only with
-    ``exact_rollback=True``, which costs a copy of the whole payload (bench/RESULTS.md).
+    Raises a typed :class:`HsnapError` on any refusal. Identity, geometry and capacity
+    are checked before anything is allocated. ``verify`` decides how digests are checked:
+
+    * ``True`` (default): every refusal leaves the pools exactly as they were, byte for
+      byte. A file is verified whole before anything is allocated, and each state
+      section is hashed again as it lands in the slots (what was hashed is what was
+      uploaded: a file changed between the check and the upload is caught and rolled
+      back — allocations exactly, the written free slots' old bytes only with
+      ``exact_rollback``). A source that can only be checked while it is read (an
+      object store) gets ``exact_rollback`` automatically, so a digest refusal is
+      byte-exact there too.
+    * ``"during"``: read once — padding and record first, each state section hashed as
+      it lands in the slots. Faster (bench/RESULTS.md); a digest mismatch then gives
+      back every allocation (free lists, mappings, request row) exactly, but the bytes
+      of the free slots it wrote come back only with ``exact_rollback=True``.
+    * ``False``: no digest is checked.
+
+    Any other failure *during* the upload gives back every allocation exactly; the freed
+    slots' bytes, which nothing reads before writing them, are put back only with
+    ``exact_rollback=True``, which costs a copy of the whole payload. (An engine that
+    uploads from the map — CUDA — always verifies every digest first.)
 
     Across TP sizes: ``sharding`` is the target rank's own description
     (:func:`hsnap_io.reshard.describe` of its model at its TP size). Given it, a snapshot
@@ -263,19 +283,32 @@ def restore_request(
                 stacklevel=2,
             )
         check_capacity(snap, view)
-        # An object store is read once: each section is hashed as it lands in the slots
-        # and a mismatch rolls back like any upload failure (exact_rollback=True keeps
-        # the pools byte-identical); a file is verified whole first, then uploaded.
-        streamed = getattr(snap, "verifies_while_reading", False)
-        if verify and not streamed:
-            try:
-                snap.verify()
-            except OSError as e:
-                raise HsnapIOError(snap.path, "read", e) from None
-        record = snap.record(verify=verify and streamed)  # a file's record is covered by verify()
-        return _upload(snap, view, record, numerics, staging_bytes, exact_rollback, verify and streamed)
+        engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+        mode = _VERIFY_MODES.get(verify)
+        if mode is None and verify not in _VERIFY_MODES:
+            raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
+        # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
+        # an object store's ranged GETs): what was hashed is exactly what is in the slots.
+        # An engine that does not read files (CUDA: uploads from the map) verifies first.
+        remote = getattr(snap, "verifies_while_reading", False)
+        during = mode is not None and (remote or engine.reads_files)
+        try:
+            if mode == "before" and not remote or mode is not None and not during:
+                snap.verify()  # every refusal before allocation: pools byte-identical
+            elif mode == "during" and not remote:
+                snap.check_padding()
+        except OSError as e:
+            raise HsnapIOError(snap.path, "read", e) from None
+        if mode == "before" and remote:
+            exact_rollback = True  # checked only while read: a digest refusal must still be byte-exact
+        record = snap.record(verify=during and (mode == "during" or remote))  # else verify() covered it
+        return _upload(snap, view, record, numerics, engine, exact_rollback, during)
     finally:
         (snapset or snap).close()
+
+
+# verify= argument -> how digests are checked (restore_request's docstring)
+_VERIFY_MODES = {True: "before", "before": "before", "during": "during", False: None}
 
 
 def _maybe_reshard(path, view, identity, sharding, target_tp, rank, verify, exact_rollback, staging_bytes):
@@ -326,18 +359,52 @@ def pool_lock(req_to_token_pool) -> threading.RLock:
     return lock
 
 
-def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool,
+_HASH_PIECE = 2 << 20  # hashed right after it lands, while still in cache
+
+
+class VerifiedFileRange:
+    """One section of an open snapshot file for a file-reading engine (``HostEngine``):
+    ``readinto(view, at)`` preads the section's bytes from ``at`` — in order — 2 MiB at a
+    time and hashes each piece right after it lands in ``view`` (the slots, or the
+    engine's staging chunk on its way to them); :meth:`finish` compares the digest.
+    The same call as :class:`hsnap_io.transfer.FileRange` and
+    ``hsnap_format.remote.SectionRange``."""
+
+    __slots__ = ("fd", "offset", "length", "info", "path", "_h", "_next")
+
+    def __init__(self, fd: int, info, path) -> None:
+        self.fd, self.offset, self.length, self.info, self.path = fd, info.offset, info.length, info, path
+        self._h = xxhash.xxh3_128()
+        self._next = 0
+
+    def readinto(self, view: memoryview, at: int) -> None:
+        if at != self._next:  # the digest is over the section in order
+            raise HsnapError(self.path, f"sections[{self.info.name!r}]", f"a read at byte {self._next}", at, detail="out of order")
+        for a in range(0, len(view), _HASH_PIECE):
+            piece = view[a : a + _HASH_PIECE]
+            _pread_into(self.fd, piece, self.offset + at + a)
+            self._h.update(piece)
+        self._next = at + len(view)
+
+    def finish(self) -> None:
+        if self._next != self.length:
+            raise TruncatedError(self.path, f"sections[{self.info.name!r}]", self.length, self._next)
+        got = self._h.hexdigest()
+        if got != self.info.digest:
+            raise DigestMismatchError(self.path, f"sections[{self.info.name!r}].digest", self.info.digest, got)
+
+
+def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
             check_digests: bool = False) -> RestoredRequest:
     with pool_lock(view.req_to_token_pool):
-        return _upload_locked(snap, view, record, numerics, staging_bytes, exact_rollback, check_digests)
+        return _upload_locked(snap, view, record, numerics, engine, exact_rollback, check_digests)
 
 
-def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, staging_bytes, exact_rollback: bool,
+def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
                    check_digests: bool = False) -> RestoredRequest:
     pos = snap.state_position
     snap.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
     checkpoint = PoolCheckpoint(view)
-    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     ranged = getattr(snap, "section_range", None)  # an object: ranged GETs, hashed on the way in
     fd = None if ranged else snap.fileno()
     uploaded = 0
@@ -351,23 +418,22 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
             if exact_rollback:
                 checkpoint.remember_rows(b.buffer, rows, b.name)
             if engine.reads_files:  # pread into the slots: nothing mapped, an I/O error is an OSError
-                src = ranged(info) if ranged else FileRange(fd, info.offset, info.length)
+                if ranged:
+                    src = ranged(info)
+                elif check_digests:
+                    src = VerifiedFileRange(fd, info, snap.path)
+                else:
+                    src = FileRange(fd, info.offset, info.length)
             else:  # (an object's raw() is a verified copy of the section)
                 src = np.frombuffer(snap.raw(info), dtype=np.uint8)
             engine.import_section(b.buffer, rows.to(b.buffer.device), src)
-            if check_digests and ranged and engine.reads_files:
+            if check_digests and engine.reads_files:
                 src.finish()  # DigestMismatchError: rolled back below
             uploaded += info.length
         where = "finish upload"
         engine.finish_import()
     except BaseException as e:
-        _give_back(engine, checkpoint, snap.path, e)
-        if isinstance(e, OSError):
-            raise HsnapIOError(snap.path, "read", e) from None
-        if isinstance(e, Exception) and not isinstance(e, HsnapError):
-            # a typed refusal whatever failed (a torch kernel, an allocator assertion)
-            raise UploadError(snap.path, where, detail=f"{type(e).__name__}: {e}; every allocation was given back") from e
-        raise
+        raise_upload_failure(engine, checkpoint, snap.path, e, where)
     return RestoredRequest(
         req_pool_idx=row,
         token_indices=slots.token,
@@ -379,6 +445,18 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
         numerics_differences=numerics,
         swa_evict_floor=floor,
     )
+
+
+def raise_upload_failure(engine, checkpoint: PoolCheckpoint, path, cause: BaseException, where: str):
+    """Give every allocation back (:func:`_give_back`), then raise ``cause`` typed: an
+    OSError as HsnapIOError, anything untyped (a torch kernel, an allocator assertion)
+    as UploadError naming ``where``; HsnapErrors and BaseExceptions as they are."""
+    _give_back(engine, checkpoint, path, cause)
+    if isinstance(cause, OSError):
+        raise HsnapIOError(path, "read", cause) from None
+    if isinstance(cause, Exception) and not isinstance(cause, HsnapError):
+        raise UploadError(path, where, detail=f"{type(cause).__name__}: {cause}; every allocation was given back") from cause
+    raise cause
 
 
 def _give_back(engine, checkpoint: PoolCheckpoint, path, cause: BaseException) -> None:
