@@ -150,6 +150,11 @@ class SnapshotSet:
         self.manifest = decode_manifest(data, mpath)
         if links:
             raise MalformedManifestError(self.path, links[0], "no symbolic links in a snapshot directory", Phrase("a symbolic link"))
+        self._open_ranks(ranks)
+
+    def _open_ranks(self, ranks: Sequence[int] | None) -> None:
+        """Open the selected ranks (all by default) into ``self.ranks``; on any failure
+        close what was opened."""
         tp = self.manifest.tp_size
         wanted = range(tp) if ranks is None else list(ranks)
         for r in wanted:  # no negative indexing, no IndexError: a rank this set does not have is named

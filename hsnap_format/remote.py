@@ -584,17 +584,7 @@ class RemoteSnapshotSet(SnapshotSet):
                 raise
             raise MalformedManifestError(self.path, MANIFEST_NAME, "present (the commit point)", Phrase("missing: not a committed snapshot")) from None
         self.manifest = decode_manifest(data, murl)
-        tp = self.manifest.tp_size
-        wanted = range(tp) if ranks is None else list(ranks)
-        for r in wanted:
-            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp:
-                raise MalformedManifestError(self.path, "ranks", f"rank numbers 0..{tp - 1} (tp_size {tp})", r)
-        try:
-            for r in wanted:
-                self.ranks[r] = self._open_rank(self.manifest.ranks[r])
-        except BaseException:
-            self.close()
-            raise
+        self._open_ranks(ranks)
 
     def _open_file(self, fpath: str) -> Snapshot:
         return RemoteSnapshot(fpath, storage_options=self.options)
