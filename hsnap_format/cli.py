@@ -245,6 +245,11 @@ def cmd_gc(args) -> int:
     except OSError as e:
         print(f"hsnap gc: {escape(args.dir)}: {e.strerror or e}", file=sys.stderr)
         return 2
+    return print_gc_report(args, items)
+
+
+def print_gc_report(args, items) -> int:
+    """The report of ``hsnap gc`` (local or URL); exit 1 if a removal failed."""
     failed = sum(i.action == "failed" for i in items)
     if args.json:
         print(json.dumps({"dir": args.dir, "remove": args.remove, "older_than": args.older_than, "leftovers": [i.to_dict() for i in items]}, indent=2, sort_keys=True))

@@ -198,17 +198,9 @@ def gc_url(args) -> int:
     except HsnapError as e:
         print(f"hsnap gc: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
         return 2
-    failed = sum(i.action == "failed" for i in items)
-    if args.json:
-        print(json.dumps({"dir": args.dir, "remove": args.remove, "older_than": args.older_than, "leftovers": [i.to_dict() for i in items]},
-                         indent=2, sort_keys=True))
-        return 1 if failed else 0
-    for i in items:
-        print(f"{i.action:<13} {i.kind:<8} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
-    n_rm = sum(i.action in ("removed", "would remove") for i in items)
-    verb = "removed" if args.remove else "removable (run with --remove)"
-    print(f"{len(items)} leftovers in {escape(args.dir)}: {n_rm} {verb}, {len(items) - n_rm - failed} kept, {failed} failed")
-    return 1 if failed else 0
+    from .cli import print_gc_report
+
+    return print_gc_report(args, items)
 
 
 __all__ = ["copy", "copy_snapshot", "cp_main", "gc_url", "LocalSink", "UrlSink"]

@@ -121,6 +121,24 @@ def decode_manifest(data: bytes, path) -> Manifest:
     return Manifest(snapshot_id, pos, tp, tuple(entries), (ver[0], ver[1]))
 
 
+def manifest_for(snaps: Sequence[Snapshot]) -> Manifest:
+    """The manifest binding the opened rank files ``snaps`` (rank order), after checking
+    that they agree on snapshot id and state position and name their own rank and size."""
+    tp_size, first = len(snaps), snaps[0]
+    manifest = Manifest(
+        snapshot_id=first.identity.snapshot_id,
+        state_position=first.state_position,
+        tp_size=tp_size,
+        ranks=tuple(RankEntry(r, rank_file_name(r), s.file_length, s.root_digest) for r, s in enumerate(snaps)),
+    )
+    for r, s in enumerate(snaps):
+        want = (manifest.snapshot_id, manifest.state_position, r, tp_size)
+        got = (s.identity.snapshot_id, s.state_position, s.identity.tp_rank, s.identity.tp_size)
+        if want != got:
+            raise MalformedManifestError(s.path, "snapshot_id/state_position/tp_rank/tp_size", want, got)
+    return manifest
+
+
 class SnapshotSet:
     """A committed multi-rank snapshot directory: ``.manifest`` and ``.ranks`` (one Snapshot each)."""
 
@@ -251,18 +269,7 @@ class SetWriter:
         try:
             for r in range(tp_size):
                 snaps.append(Snapshot(self.rank_path(r)))
-            first = snaps[0]
-            manifest = Manifest(
-                snapshot_id=first.identity.snapshot_id,
-                state_position=first.state_position,
-                tp_size=tp_size,
-                ranks=tuple(RankEntry(r, rank_file_name(r), s.file_length, s.root_digest) for r, s in enumerate(snaps)),
-            )
-            for r, s in enumerate(snaps):
-                want = (manifest.snapshot_id, manifest.state_position, r, tp_size)
-                got = (s.identity.snapshot_id, s.state_position, s.identity.tp_rank, s.identity.tp_size)
-                if want != got:
-                    raise MalformedManifestError(s.path, "snapshot_id/state_position/tp_rank/tp_size", want, got)
+            manifest = manifest_for(snaps)
         finally:
             for s in snaps:
                 s.close()
@@ -315,4 +322,4 @@ def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
     return Snapshot(p)
 
 
-__all__ = ["Manifest", "RankEntry", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "HsnapError"]
+__all__ = ["Manifest", "RankEntry", "manifest_for", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "HsnapError"]

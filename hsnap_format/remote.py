@@ -60,7 +60,7 @@ from .errors import (
     UnsupportedFeatureError,
 )
 from .gc import Leftover
-from .manifest import Manifest, RankEntry, SnapshotSet, decode_manifest
+from .manifest import Manifest, SnapshotSet, decode_manifest, manifest_for
 from .reader import Snapshot, SectionInfo
 from .spec import (
     HEADER_OFFSET,
@@ -813,14 +813,7 @@ class RemoteSetWriter:
         try:
             for r in range(tp_size):
                 snaps.append(RemoteSnapshot(self.rank_path(r), storage_options=self.options))
-            first = snaps[0]
-            manifest = Manifest(first.identity.snapshot_id, first.state_position, tp_size,
-                                tuple(RankEntry(r, rank_file_name(r), s.file_length, s.root_digest) for r, s in enumerate(snaps)))
-            for r, s in enumerate(snaps):
-                want = (manifest.snapshot_id, manifest.state_position, r, tp_size)
-                got = (s.identity.snapshot_id, s.state_position, s.identity.tp_rank, s.identity.tp_size)
-                if want != got:
-                    raise MalformedManifestError(s.path, "snapshot_id/state_position/tp_rank/tp_size", want, got)
+            manifest = manifest_for(snaps)
         finally:
             for s in snaps:
                 s.close()

@@ -26,8 +26,7 @@ import os
 from hsnap_format import CommitInfo, HsnapError, Identity
 
 from ._sglang_env import import_sglang
-from .export import export_request
-from .sglang import bind_restored, carried_kv, req_record
+from .sglang import _export_req, bind_restored, carried_kv
 
 
 def retract_to_disk(
@@ -51,17 +50,9 @@ def retract_to_disk(
     import_sglang()
     from sglang.srt.managers.schedule_batch import release_req
 
-    record, swa_start = req_record(req, path=path)
-    record.extra["sglang.Req.retraction_count"] = int(req.retraction_count) + 1
-    record.extra["sglang.Req.retracted_stain"] = True
-    info = export_request(
-        path,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        req_pool_idx=int(req.kv.req_pool_idx),
-        record=record,
-        identity=identity,
-        swa_start=swa_start,
+    info = _export_req(
+        path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        identity=identity, extra={"sglang.Req.retraction_count": int(req.retraction_count) + 1, "sglang.Req.retracted_stain": True},
         **export_kwargs,
     )
     # SGLang's retraction minus its in-memory backup (offload_kv=False): the file is the backup.

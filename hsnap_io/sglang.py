@@ -610,7 +610,15 @@ def snapshot_req(
     anything is written; the source pools and the request are only read. Free the
     source slots after this returns (the file is durable by then), never before.
     """
+    return _export_req(path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                       identity=identity, **export_kwargs)
+
+
+def _export_req(path, req, *, req_to_token_pool, token_to_kv_pool_allocator, identity: Identity, extra=None,
+                **export_kwargs) -> CommitInfo:
+    """:func:`snapshot_req`, with ``extra`` record entries (the retraction's counters)."""
     record, swa_start = req_record(req, path=path)
+    record.extra.update(extra or {})
     return export_request(
         path,
         req_to_token_pool=req_to_token_pool,
