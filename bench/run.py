@@ -778,7 +778,7 @@ class Report:
         return "\n".join(self.lines)
 
 
-def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: float) -> Report:
+def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: float, viewer_rounds: list[dict] | None = None) -> Report:
     R = Report()
     R.add("# hsnap benchmark results")
     R.add()
@@ -885,6 +885,14 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
             if r["what"].split()[1] == "hsnap" and "exact_rollback" not in r["what"]:
                 R.verdict(f"peak extra RSS {r['what']} <= {T_RSS_MIB} MiB", r["peak_extra_rss"] <= T_RSS_MIB * MiB, f"{r['peak_extra_rss'] / MiB:.1f} MiB")
         R.table(["operation", "peak extra RSS", "peak extra anon", "extra RSS after", "peak method"], rows)
+    if viewer_rounds:
+        from bench import viewer
+
+        R.add("## hsnap-view on a 10,006-section directory (bench/viewer.py; a fresh process per round, median)")
+        R.add()
+        R.table(viewer.HEAD, viewer.rows(viewer_rounds))
+        cpu = statistics.median(r["first_frame_cpu_s"] for r in viewer_rounds)
+        R.verdict(f"viewer first frame, 10,006 sections <= {viewer.T_FIRST_FRAME_CPU} CPU s", cpu <= viewer.T_FIRST_FRAME_CPU, f"{cpu:.2f} s")
     R.add("## Targets")
     R.add()
     R.table(["target", "result", "figure"], [[w, "PASS" if ok else "MISS", f] for w, ok, f in R.verdicts])
@@ -1079,8 +1087,18 @@ def main(argv=None) -> int:
     finally:
         if own_dir:
             shutil.rmtree(d, ignore_errors=True)
+    viewer_rounds = None
+    try:
+        import textual  # noqa: F401  (hsnap[view])
+    except ImportError as e:  # the viewer is not installed: its row is left out, said so
+        log(f"viewer: skipped ({e})")
+    else:
+        from bench import viewer
+
+        log("viewer: first frame of 10,006 sections")
+        viewer_rounds = viewer.measure(1 if args.quick else 5)
     info["load_end"] = os.getloadavg()
-    R = build_report(cases, rss, args, info, time.perf_counter() - t_start)
+    R = build_report(cases, rss, args, info, time.perf_counter() - t_start, viewer_rounds)
     print(R.text())
     print("\nTargets:")
     for w, ok, f in R.verdicts:

@@ -7,10 +7,10 @@ import ctypes.util
 import errno
 import os
 import secrets
-import shutil
+import stat
 
 from .errors import HsnapIOError, Phrase, ReservedNameError, SnapshotExistsError
-from .spec import PENDING_MAGIC, PENDING_MARKER, PENDING_MARKER_TEXT, STAGING_DIR_MARK, TMP_FILE_MARK
+from .spec import MANIFEST_NAME, PENDING_MAGIC, PENDING_MARKER, PENDING_MARKER_TEXT, RANK_FILE_RE, STAGING_DIR_MARK, TMP_FILE_MARK
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -30,9 +30,30 @@ def phase(name: str) -> None:
         phase_hook(name)
 
 
+# The most a temporary's name adds to the final name it stands for: "." before it and
+# ".hsnap-staging-<pid>-<8 hex>" after it, a pid having at most 10 digits (spec 8.1).
+PID_TAG_BYTES = 10 + 1 + 8
+FALLBACK_NAME_MAX = 255
+
+
+def name_max(directory: str) -> int:
+    """The filesystem's longest file name in bytes (NAME_MAX), 255 when it cannot say."""
+    try:
+        return os.pathconf(directory or ".", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return FALLBACK_NAME_MAX
+
+
 def temp_name(final: str, mark: str = TMP_FILE_MARK) -> str:
+    """``.<final name><mark><pid>-<8 hex>`` next to ``final``. The writers refuse final
+    names too long for this (check_final_path); for gc's own names (taking a leftover
+    whose writer had a shorter pid or tag) the final part is cut to fit NAME_MAX."""
     head, tail = os.path.split(os.path.abspath(final))
-    return os.path.join(head, f".{tail}{mark}{os.getpid()}-{secrets.token_hex(4)}")
+    suffix = f"{mark}{os.getpid()}-{secrets.token_hex(4)}"
+    room = name_max(head) - 1 - len(os.fsencode(suffix))
+    while len(os.fsencode(tail)) > room and len(tail) > 1:
+        tail = tail[:-1]
+    return os.path.join(head, f".{tail}{suffix}")
 
 
 def staging_name(final: str) -> str:
@@ -52,13 +73,65 @@ def check_final_name(path: str) -> None:
         raise ReservedNameError(path, "final name", f"a name without {TMP_FILE_MARK!r} or {STAGING_DIR_MARK!r} (reserved for unfinished writes)", base)
 
 
+def is_staging_dir(path: str) -> bool:
+    """A directory with a temporary's name or holding the staging marker: an unfinished
+    write's, which ``hsnap gc`` may reclaim (spec 8.1)."""
+    return is_reserved_name(os.path.basename(path)) or os.path.lexists(os.path.join(path, PENDING_MARKER))
+
+
+def is_set_member(name: str) -> bool:
+    """The names a set writer gives the files of its own staging directory."""
+    return name == MANIFEST_NAME or RANK_FILE_RE.match(name) is not None
+
+
+def check_final_path(path: str, *, tag_bytes: int = PID_TAG_BYTES) -> None:
+    """Refuse a local final path (spec 8.1, writers):
+
+    * a base name of a temporary's form (check_final_name);
+    * a base name too long for its temporary's name: at most NAME_MAX - 16 -
+      max(tag_bytes, 19) bytes (``tag_bytes``: a TP group's staging tag, its snapshot id);
+    * a path inside a staging directory: any ancestor directory (links resolved, up to
+      the root) whose name has a temporary's form, or a parent directory that holds the
+      marker — gc's to reclaim. A set's own files (``rank-N.hsnap``, ``manifest.json``)
+      directly inside its staging directory are the one exception (that directory's own
+      ancestors are checked).
+
+    Writers check at creation and again just before the commit rename; a directory
+    made a staging directory after that holds a file starting with the magic, which gc
+    never removes."""
+    check_final_name(path)
+    head, tail = os.path.split(os.path.abspath(path))
+    limit = name_max(head) - 1 - len(STAGING_DIR_MARK) - max(tag_bytes, PID_TAG_BYTES)
+    if len(os.fsencode(tail)) > limit:
+        raise ReservedNameError(path, "final name length", Phrase(
+            f"at most {limit} bytes (NAME_MAX {name_max(head)} less {name_max(head) - limit} for the temporary's '.' and "
+            f"'{STAGING_DIR_MARK}<tag>')"), Phrase(f"{len(os.fsencode(tail))} bytes"))
+    d = os.path.realpath(head)
+    staging = is_staging_dir(d)  # the parent, by name or marker; above it, by name (gc looks at no other)
+    member = is_set_member(tail)  # allowed directly inside one staging directory
+    while True:
+        if staging and not member:
+            raise ReservedNameError(path, "directory", Phrase(
+                f"no staging directory above it (named *{STAGING_DIR_MARK}*, *{TMP_FILE_MARK}* or holding {PENDING_MARKER})"), d)
+        member = False
+        up = os.path.dirname(d)
+        if up == d:
+            return
+        d = up
+        staging = is_reserved_name(os.path.basename(d))
+
+
 def pending_preamble(tag: str) -> bytes:
     """The first 64 bytes of a temporary file until commit (see spec.PENDING_MAGIC)."""
     return (PENDING_MAGIC + b"writer " + tag.encode("ascii", "replace")[:40]).ljust(64, b"\0")
 
 
-def create_temp_file(final: str, mode: int) -> tuple[str, int]:
-    """Create the temporary of ``final`` (O_EXCL) and mark it as an unfinished write."""
+def create_temp_file(final: str, mode: int, *, checked: bool = False) -> tuple[str, int]:
+    """Create the temporary of ``final`` (O_EXCL) and mark it as an unfinished write;
+    a final path :func:`check_final_path` refuses is refused here (every local writer),
+    unless the caller just ``checked`` it."""
+    if not checked:
+        check_final_path(final)
     tmp = temp_name(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
@@ -83,8 +156,55 @@ def make_staging_dir(path: str, mode: int = 0o700) -> None:
         finally:
             os.close(fd)
     except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_own_staging(path)
         raise
+
+
+def remove_own_staging(path: str) -> bool:
+    """A writer takes back the staging directory it made (abort): one by one, without
+    following links, the set's own files (``rank-N.hsnap``, ``manifest.json``) and
+    temporaries, then the marker, then the directory. Anything else (a directory, a
+    file of another name) stays, and so do the marker and the directory: gc lists it.
+    Returns True when the directory is gone. Never raises (an abort path)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    kept = False
+    try:
+        with os.scandir(fd) as it:
+            names = [e.name for e in it]
+        for name in names:
+            if name == PENDING_MARKER:
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            own = is_set_member(name) or TMP_FILE_MARK in name
+            if own and (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                try:
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    pass
+            kept = True
+        if not kept:
+            try:
+                os.unlink(PENDING_MARKER, dir_fd=fd)  # last: until the directory is empty it stays provable
+            except FileNotFoundError:
+                pass
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError:
+        return False
+    return True
 
 
 def drop_staging_marker(path: str) -> None:

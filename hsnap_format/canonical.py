@@ -78,7 +78,7 @@ def _encode(obj: Any, out: list[str], depth: int) -> None:
                 raise CanonicalError(f"object key {key!r} is not an ASCII string")
             if i:
                 out.append(",")
-            out.append(json.dumps(key))
+            out.append(json.dumps(key, ensure_ascii=False))  # as a value: DEL raw, not \u007f (spec 4)
             out.append(":")
             _encode(obj[key], out, depth + 1)
         out.append("}")
@@ -240,9 +240,7 @@ def _ascii_keys(pairs):
 
 
 def _loads_fast(data: bytes, max_depth: int):
-    # DEL: dumps() writes keys with ensure_ascii (\u007f) but values raw; the one-call
-    # check below cannot tell which, so such headers take the full path.
-    if _has_long_number(data) or b"\x7f" in data:
+    if _has_long_number(data):
         raise _NotFast
     if data.isascii():  # every key is ASCII
         text = data.decode("ascii")

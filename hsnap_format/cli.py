@@ -94,17 +94,9 @@ def cmd_verify(args) -> int:
     n = 0
     try:
         with open_snapshot(args.path) as snap:
-            for s in _ranks(snap):
+            for s in _ranks(snap):  # each rank in the order of spec 7.2: padding, then sections
                 n += len(s.sections)
-                for info, err in s.iter_verify(cancelled=lambda: args.first and bool(failures)):
-                    if err is not None:
-                        failures.append(err)
-                if args.first and failures:
-                    break
-                try:
-                    s.check_padding()
-                except HsnapError as e:
-                    failures.append(e)
+                failures += s.verify_failures(first=args.first)
                 if args.first and failures:
                     break
     except HsnapError as e:  # refused at open: nothing else can be checked
@@ -211,7 +203,8 @@ def cmd_export(args) -> int:
             if args.section:
                 print("hsnap export: give either SECTION or --all", file=sys.stderr)
                 return 2
-            out = args.output or (os.path.basename(os.path.normpath(args.path)).rsplit(".", 1)[0] + "-npy")
+            # the default is a directory by its trailing separator, whatever dots the snapshot's name has
+            out = args.output or (os.path.basename(os.path.normpath(args.path)).rsplit(".", 1)[0] + "-npy" + os.sep)
             if out.endswith(".safetensors"):
                 done = ex.export_safetensors(snap, out, force=args.force)
             else:
@@ -221,12 +214,9 @@ def cmd_export(args) -> int:
         if not args.section:
             print("hsnap export: name a SECTION (hsnap info lists them) or give --all", file=sys.stderr)
             return 2
-        if args.output and args.output.endswith(".safetensors"):
-            print("hsnap export: a single section goes to .npy; use --all for safetensors", file=sys.stderr)
-            return 2
         rank, s, info = ex.find_section(snap, args.section, args.rank)
         out = args.output or info.name + ".npy"
-        e = ex.export_npy(s, info, out, raw=args.raw, force=args.force)
+        e = ex.export_npy(s, info, out, raw=args.raw, force=args.force, source=snap)
         note = "" if e.stored_as == np.dtype(DTYPES[info.dtype]).name else f" as {e.stored_as}"
         print(f"exported {escape(info.name)} ({info.dtype} {'×'.join(map(str, info.shape))}{note}, digest verified) to {escape(out)}")
     return 0
@@ -240,8 +230,13 @@ def cmd_gc(args) -> int:
         from .cli_remote import gc_url
 
         return gc_url(args)
+    out = sys.stderr if args.json else sys.stdout  # --json: stdout is the document alone
+
+    def announce(path: str, nbytes: int) -> None:  # each file, with its size, before its unlink
+        print(f"removing {escape(path)}  {nbytes} bytes", file=out, flush=True)
+
     try:
-        items = gc.collect(args.dir, remove=args.remove, older_than=args.older_than)
+        items = gc.collect(args.dir, remove=args.remove, older_than=args.older_than, announce=announce)
     except OSError as e:
         print(f"hsnap gc: {escape(args.dir)}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -256,9 +251,14 @@ def print_gc_report(args, items) -> int:
         return 1 if failed else 0
     for i in items:
         print(f"{i.action:<13} {i.kind:<8} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
+        for f in getattr(i, "files", ()):  # every file examined, with its size and verdict
+            if f.path != i.path:
+                print(f"  {f.action:<12} {escape(f.path)}  {f.bytes} bytes, {escape(f.reason)}")
     n_rm = sum(i.action in ("removed", "would remove") for i in items)
     verb = "removed" if args.remove else "removable (run with --remove)"
-    print(f"{len(items)} leftovers in {escape(args.dir)}: {n_rm} {verb}, {len(items) - n_rm - failed} kept, {failed} failed")
+    gone = [f for i in items for f in getattr(i, "files", ()) if f.action in ("removed", "would remove")]
+    files = f"; {len(gone)} files, {sum(f.bytes for f in gone)} bytes {verb.split()[0]}" if gone else ""
+    print(f"{len(items)} leftovers in {escape(args.dir)}: {n_rm} {verb}, {len(items) - n_rm - failed} kept, {failed} failed{files}")
     return 1 if failed else 0
 
 
@@ -318,14 +318,15 @@ def _main(argv: list[str] | None = None) -> int:
                                     "without --force.")
     sp.add_argument("path", help="a rank file or a snapshot directory")
     sp.add_argument("section", nargs="?", help="a section name (attn.3.k; rank1/attn.3.k in a directory)")
-    sp.add_argument("-o", "--output", metavar="OUT", help="SECTION: a .npy path (default NAME.npy); --all: a directory or a .safetensors file")
+    sp.add_argument("-o", "--output", metavar="OUT", help="SECTION: a .npy path (default NAME.npy); --all: a directory (no extension, "
+                                                          "or ending in /; default NAME-npy/) or a .safetensors file")
     sp.add_argument("--all", action="store_true", help="every section of every rank")
     sp.add_argument("--rank", type=int, default=None, help="the rank of SECTION in a snapshot directory (default: the lowest)")
     sp.add_argument("--raw", action="store_true", help=".npy: bf16/fp8 as their bit patterns instead of float32")
-    sp.add_argument("--force", action="store_true", help="replace an existing output file")
+    sp.add_argument("--force", action="store_true", help="replace existing output files (never the input snapshot or anything inside it)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("gc", help="list or remove leftover temporary files of interrupted writes (never a committed snapshot)")
-    sp.add_argument("dir", help="a directory that snapshots are written into")
+    sp.add_argument("dir", help="a directory that snapshots are written into, or s3://bucket/prefix")
     sp.add_argument("--remove", action="store_true", help="remove what is listed as removable (default: only list)")
     sp.add_argument("--older-than", type=float, metavar="SECONDS", default=None,
                     help="removable when unmodified this long, even if its writer pid is running or unknown (other hosts, TP staging)")

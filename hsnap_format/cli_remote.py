@@ -56,6 +56,7 @@ class LocalSink:
             os.fdatasync(self.fd)
             os.close(self.fd)
             self.fd = -1
+            _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory (spec 8.1)
             _fs.rename_noreplace(self.tmp, self.path)
             _fs.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         except OSError as e:
@@ -78,8 +79,7 @@ class UrlSink:
         from . import remote
 
         self.url, self.options = url, options
-        _fs.check_final_name(remote.parse_url(url)[1] or "x")
-        remote._require_bucket(url, options)
+        remote.check_final_key(url, options)
         if remote._exists(url, options):
             raise SnapshotExistsError(url, "key", "no object", Phrase("one exists"))
         self.upload = remote.MultipartUpload(url, options)
@@ -94,11 +94,12 @@ class UrlSink:
             del self.buf[:p]
             self.part += 1
 
-    def commit(self) -> None:
+    def commit(self) -> str:
+        """Complete the upload; the ETag of the object made visible."""
         if self.buf or self.part == 1:
             self.upload.submit(self.part, bytes(self.buf))
         self.buf = bytearray()
-        self.upload.complete()
+        return self.upload.complete()
 
     def abort(self) -> None:
         self.upload.abort()
@@ -110,8 +111,10 @@ def _sink(dst: str, options):
     return UrlSink(dst, options) if remote.is_url(dst) else LocalSink(dst)
 
 
-def copy_snapshot(snap: Snapshot, dst: str, options=None) -> int:
-    """Copy one rank file/object to ``dst``, verifying while copying. Returns the bytes copied."""
+def copy_snapshot(snap: Snapshot, dst: str, options=None, committed: list | None = None) -> int:
+    """Copy one rank file/object to ``dst``, verifying while copying. Returns the bytes
+    copied; ``committed`` gets ``(dst, ETag)`` once an object is visible (what a set's
+    abort may delete: only what this copy made)."""
     from . import remote
 
     sink = _sink(dst, remote.StorageOptions.of(options))
@@ -135,10 +138,12 @@ def copy_snapshot(snap: Snapshot, dst: str, options=None) -> int:
         root = TRAILER.unpack(tra)[3]  # magic, file length, section count, root digest, ...
         if root != bytes.fromhex(snap.root_digest):
             raise MalformedHeaderError(snap.path, "trailer (changed since open)", snap.root_digest, root.hex())
-        sink.commit()
+        etag = sink.commit()
     except BaseException:
         sink.abort()
         raise
+    if committed is not None:
+        committed.append((dst, etag))
     return snap.file_length
 
 
@@ -158,9 +163,8 @@ def copy(src: str, dst: str, *, storage_options=None) -> int:
         total = 0
         try:
             for r in range(tp):
-                if remote.is_url(dst):
-                    w.written.append(w.rank_path(r))
-                total += copy_snapshot(snap.ranks[r], w.rank_path(r), storage_options)
+                total += copy_snapshot(snap.ranks[r], w.rank_path(r), storage_options,
+                                       committed=w.written if remote.is_url(dst) else None)
             w.commit(tp_size=tp)
         except BaseException:
             w.abort()
@@ -190,11 +194,18 @@ def cp_main(argv) -> int:
 
 
 def gc_url(args) -> int:
-    """``hsnap gc s3://bucket/prefix``: stale multipart uploads and unfinished sets."""
+    """``hsnap gc s3://bucket/prefix``: stale multipart uploads, unfinished writes, each
+    object proved one by one (remote.collect_url) and announced with its size before it
+    goes, as local gc does."""
     from . import remote
 
+    out = sys.stderr if args.json else sys.stdout  # --json: stdout is the document alone
+
+    def announce(path: str, nbytes: int) -> None:
+        print(f"removing {escape(path)}  {nbytes} bytes", file=out, flush=True)
+
     try:
-        items = remote.collect_url(args.dir, remove=args.remove, older_than=args.older_than)
+        items = remote.collect_url(args.dir, remove=args.remove, older_than=args.older_than, announce=announce)
     except HsnapError as e:
         print(f"hsnap gc: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
         return 2

@@ -147,6 +147,19 @@ class HsnapIOError(HsnapError):
         return (HsnapError, (self.path, self.field, None, None, self.detail))
 
 
+class WrongTypeError(HsnapError, TypeError):
+    """A public function got another type than it documents (a dict where a record class goes)."""
+
+
+def require_type(path, field: str, value: Any, cls: type, *, optional: bool = False) -> Any:
+    """``value`` if it is a ``cls`` (or None when ``optional``), else a typed refusal naming
+    the parameter and the class, before anything reads an attribute of it."""
+    if isinstance(value, cls) or optional and value is None:
+        return value
+    expected = f"{cls.__module__}.{cls.__qualname__}" + (" or None" if optional else "")
+    raise WrongTypeError(path, field, Phrase(expected), Phrase(type(value).__qualname__))
+
+
 __all__ = [
     "HsnapError",
     "Phrase",
@@ -164,4 +177,5 @@ __all__ = [
     "SnapshotExistsError",
     "ReservedNameError",
     "HsnapIOError",
+    "WrongTypeError",
 ]

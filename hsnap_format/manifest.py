@@ -12,8 +12,8 @@ Manifest file (``manifest.json``), two lines::
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import stat
 from dataclasses import dataclass
 from typing import Sequence
@@ -144,6 +144,7 @@ class SnapshotSet:
 
     def __init__(self, path: str | os.PathLike[str], *, ranks: Sequence[int] | None = None) -> None:
         self.path = os.fspath(path)
+        _refuse_link(self.path)
         mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
             st = os.lstat(mpath)
@@ -239,7 +240,7 @@ class SetWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, staging: str | None = None, mode: int = 0o700) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        _fs.check_final_name(self.path)
+        _fs.check_final_path(self.path)  # the name, its length, no staging directory above it (spec 8.1)
         if os.path.lexists(self.path):
             raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
         self.mode = mode
@@ -290,6 +291,7 @@ class SetWriter:
             if fsync:
                 _fs.fsync_dir(self.staging)
             _fs.phase("before-dir-rename")
+            _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory
             _fs.rename_noreplace(self.staging, self.path)
         except HsnapError:  # SnapshotExistsError is an OSError too: keep its type
             raise
@@ -298,25 +300,45 @@ class SetWriter:
         if fsync:
             try:
                 _fs.fsync_dir(os.path.dirname(self.path))
-            except OSError as e:  # not durable: give the name back (see SnapshotWriter.commit)
-                shutil.rmtree(self.path, ignore_errors=True)
+            except OSError as e:  # not durable: give the name back (see SnapshotWriter.commit), then
+                try:  # remove what this writer made, one by one (never a half-removed set under the name)
+                    _fs.rename_noreplace(self.path, self.staging)
+                    _fs.remove_own_staging(self.staging)
+                except HsnapError:
+                    pass
                 raise HsnapIOError(self.path, "fsync directory", e) from None
         _fs.phase("committed")
         return manifest
 
     def abort(self) -> None:
-        shutil.rmtree(self.staging, ignore_errors=True)
+        """Remove this writer's staging directory: its own files one by one, the marker
+        last (``_fs.remove_own_staging``); anything else keeps it, for gc to list."""
+        _fs.remove_own_staging(self.staging)
+
+
+def _refuse_link(path: str) -> None:
+    """Spec 7.1 step 1 (R-7.1-2): a symbolic link as the last component of the path of a
+    snapshot directory is not followed, as a rank file's is not (``O_NOFOLLOW``) and gc
+    follows none: whoever made a directory can otherwise point a reader anywhere it can read
+    (another tenant's snapshot, restored as this request). A trailing ``/`` does not resolve it."""
+    name = path.rstrip(os.sep) or os.sep
+    try:
+        is_link = stat.S_ISLNK(os.lstat(name).st_mode)
+    except OSError:
+        return  # a missing or unreadable path is refused by the open that follows, typed
+    if is_link:
+        raise HsnapIOError(path, "open", OSError(errno.ELOOP, "a symbolic link: not followed (spec 7.1 step 1); give the path it points to"))
 
 
 def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
-    """Open a rank file or a snapshot directory, or their object-store URL (s3://bucket/key)."""
+    """Open a rank file or a snapshot directory, or their object-store URL (s3://bucket/key).
+    A symbolic link given as the path is refused like one inside a directory (spec 7.1 step 1)."""
     if "://" in os.fspath(path):  # hsnap[remote]; imported only for URLs
         from .remote import open_url
 
         return open_url(os.fspath(path), **kw)
-    # A link given as the path itself is followed (e.g. "latest"); links inside a
-    # snapshot directory are refused by SnapshotSet, and rank files open O_NOFOLLOW.
-    p = os.path.realpath(os.fspath(path)) if os.path.islink(os.fspath(path)) else os.fspath(path)
+    p = os.fspath(path)
+    _refuse_link(p)  # Snapshot opens O_NOFOLLOW; this answers for a directory, the same way
     if os.path.isdir(p):
         return SnapshotSet(p, **kw)
     return Snapshot(p)

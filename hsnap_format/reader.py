@@ -333,12 +333,15 @@ class Snapshot:
         self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, pre.file_length - TRAILER.size)
 
     def _load_request(self) -> None:
-        """Identity, geometry, request and the layout they imply (spec 7.1 step 19 on)."""
-        self.identity = Identity.from_header(self.header["identity"], self.path)
-        self.geometry = Geometry.from_header(self.header["geometry"], self.path)
-        req = request_header_fields(self.header["request"], self.path)
+        """Identity, geometry, request and the layout they imply (spec 7.1 step 19 on). Absent
+        keys that have a default are set to it in ``self.header`` (R-5-3): what every consumer
+        of the header (info, the viewer, hsnap_io) sees is what the file means."""
+        self.identity = Identity.from_header(self.header["identity"], self.path, fill_defaults=True)
+        self.geometry = Geometry.from_header(self.header["geometry"], self.path, fill_defaults=True)
+        req = request_header_fields(self.header["request"], self.path, fill_defaults=True)
         self._request_fields, self._request_counts = req["fields"], req["counts"]
         self.swa_start = self._int_field("swa_start")
+        self.header["request"].setdefault("swa_start", 0)
         att = self.geometry.attention
         if self.swa_start and (att is None or att.kind != "swa"):
             raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
@@ -622,12 +625,26 @@ class Snapshot:
             except HsnapError as e:
                 yield s, e
 
-    def verify(self) -> None:
-        """Check every byte: padding is zero and every section matches its digest."""
-        self.check_padding()
-        for s, err in self.iter_verify():
+    def verify_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """Every failure of :meth:`verify`, in the order of spec 7.2 (R-7.2-3): the first
+        non-zero padding byte in file order, then each section whose digest differs, in table
+        order. ``first``: stop at the first of them (what ``verify()`` raises)."""
+        failures: list[HsnapError] = []
+        try:
+            self.check_padding()  # the padding ranges are small: cheap to check before hashing
+        except HsnapError as e:
+            failures.append(e)
+        for _, err in self.iter_verify(cancelled=lambda: first and bool(failures)):
             if err is not None:
-                raise err
+                failures.append(err)
+        return failures[:1] if first else failures
+
+    def verify(self) -> None:
+        """Check every byte: padding is zero and every section matches its digest; raises
+        the first failure in the order of spec 7.2."""
+        failures = self.verify_failures(first=True)
+        if failures:
+            raise failures[0]
 
     def record(self, *, verify: bool = True) -> RequestRecord:
         """The request record, its arrays read with pread; with ``verify`` (the default)

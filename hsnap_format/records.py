@@ -8,6 +8,7 @@ sections, not header text; :class:`RequestRecord` holds them as numpy arrays.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -15,19 +16,24 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import IncompatibleSnapshotError, MalformedHeaderError, Phrase
-from .spec import DTYPES, MAX_NDIM
+from .spec import DTYPES, MAX_NDIM, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRING_LENGTH
 
 _MAX_INT = 2**53 - 1
 _MAX_LAYER = (1 << 16) - 1  # section tables hold layer ids < 2**16
 
 
 class _Fields:
-    """Typed access to one JSON object of the header; errors name the dotted field."""
+    """Typed access to one JSON object of the header; errors name the dotted field.
 
-    def __init__(self, obj: Any, where: str, path) -> None:
+    A default is the JSON value the spec names for an absent key (``[]``, not ``()``: it
+    passes the same type check as a value written in the file). With ``fill`` (the
+    reader's own decoded header) an absent key is set to its default, so every consumer of
+    ``Snapshot.header`` sees what the file means, never a KeyError (spec R-5-3)."""
+
+    def __init__(self, obj: Any, where: str, path, fill: bool = False) -> None:
         if not isinstance(obj, dict):
             raise MalformedHeaderError(path, where, "an object", type(obj).__name__)
-        self.obj, self.where, self.path = obj, where, path
+        self.obj, self.where, self.path, self.fill = obj, where, path, fill
 
     def _err(self, key, expected, found):
         return MalformedHeaderError(self.path, f"{self.where}.{key}", expected, found)
@@ -36,13 +42,15 @@ class _Fields:
         if key not in self.obj:
             if default is dataclasses.MISSING:
                 raise self._err(key, "present", "missing")
+            if self.fill:
+                self.obj[key] = copy.deepcopy(default)
             return default
         return self.obj[key]
 
-    def str(self, key, default=dataclasses.MISSING, max_len=4096) -> str:
+    def str(self, key, default=dataclasses.MISSING, max_len=MAX_STRING_LENGTH) -> str:
         v = self.raw(key, default)
         if not isinstance(v, str) or len(v) > max_len:
-            raise self._err(key, f"a string of at most {max_len} characters", v)
+            raise self._err(key, f"a string of at most {max_len} code points", v if not isinstance(v, str) else Phrase(f"{len(v)} code points"))
         return v
 
     def int(self, key, default=dataclasses.MISSING, lo=0, hi=_MAX_INT) -> int:
@@ -76,10 +84,14 @@ class _Fields:
             raise self._err(key, f"a list of at most {max_len} integers in [{lo}, {hi}]", v)
         return tuple(v)
 
-    def strs(self, key, default=dataclasses.MISSING, max_len=1024) -> tuple[str, ...]:
+    def strs(self, key, default=dataclasses.MISSING, max_len=MAX_STOP_STRINGS, max_each=MAX_STOP_STRING_LENGTH) -> tuple[str, ...]:
         v = self.raw(key, default)
-        if not isinstance(v, list) or len(v) > max_len or not all(isinstance(i, str) and len(i) <= 4096 for i in v):
-            raise self._err(key, "a list of strings (each at most 4,096 code points)", v)
+        if not isinstance(v, list) or len(v) > max_len:
+            raise self._err(key, f"a list of at most {max_len} strings", v if not isinstance(v, list) else Phrase(f"{len(v)} entries"))
+        for i, x in enumerate(v):  # the entry, by index: a 5,000-character string is no use in a message
+            if not isinstance(x, str) or len(x) > max_each:
+                raise self._err(f"{key}[{i}]", f"a string of at most {max_each} code points",
+                                x if not isinstance(x, str) else Phrase(f"{len(x)} code points"))
         return tuple(v)
 
     def dtype(self, key) -> str:
@@ -92,7 +104,7 @@ class _Fields:
         return self.ints(key, max_len=MAX_NDIM, hi=(1 << 40) - 1)  # as the section table's dims (spec 5.2, 5.5)
 
     def sub(self, key, default=dataclasses.MISSING) -> "_Fields":
-        return _Fields(self.raw(key, default), f"{self.where}.{key}", self.path)
+        return _Fields(self.raw(key, default), f"{self.where}.{key}", self.path, self.fill)
 
     def scalar_map(self, key) -> dict:
         """A flat object of JSON scalars (strings, numbers, booleans, null, lists of those)."""
@@ -140,8 +152,8 @@ class Identity:
         return d
 
     @classmethod
-    def from_header(cls, obj, path=None) -> "Identity":
-        f = _Fields(obj, "identity", path)
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "Identity":
+        f = _Fields(obj, "identity", path, fill_defaults)
         e = f.sub("engine")
         identity = cls(
             model_id=f.str("model_id"),
@@ -212,8 +224,8 @@ class AttentionGeometry:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
-    def from_header(cls, obj, path=None) -> "AttentionGeometry":
-        f = _Fields(obj, "geometry.attention", path)
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "AttentionGeometry":
+        f = _Fields(obj, "geometry.attention", path, fill_defaults)
         kind = f.raw("kind")
         if kind not in ATTENTION_KINDS:
             raise MalformedHeaderError(path, "geometry.attention.kind", f"one of {ATTENTION_KINDS}", kind)
@@ -226,7 +238,7 @@ class AttentionGeometry:
             dtype=f.dtype("dtype"),
             storage_dtype=f.dtype("storage_dtype"),
             page_size=f.int("page_size", lo=1, hi=1 << 20),
-            swa_layers=f.ints("swa_layers", (), hi=_MAX_LAYER),
+            swa_layers=f.ints("swa_layers", [], hi=_MAX_LAYER),  # absent: [] (spec 5.2, R-5-3)
             swa_window=f.opt_int("swa_window"),
             kv_lora_rank=f.opt_int("kv_lora_rank"),
             qk_rope_head_dim=f.opt_int("qk_rope_head_dim"),
@@ -269,8 +281,8 @@ class MambaGeometry:
         }
 
     @classmethod
-    def from_header(cls, obj, path=None) -> "MambaGeometry":
-        f = _Fields(obj, "geometry.mamba", path)
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "MambaGeometry":
+        f = _Fields(obj, "geometry.mamba", path, fill_defaults)
         shapes = f.raw("conv_shapes")
         if not isinstance(shapes, list) or not 1 <= len(shapes) <= 8:
             raise MalformedHeaderError(path, "geometry.mamba.conv_shapes", "a list of 1 to 8 shapes", shapes)
@@ -401,16 +413,16 @@ class Geometry:
         return out
 
     @classmethod
-    def from_header(cls, obj, path=None) -> "Geometry":
-        f = _Fields(obj, "geometry", path)
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "Geometry":
+        f = _Fields(obj, "geometry", path, fill_defaults)
         att, mam = f.raw("attention", None), f.raw("mamba", None)
         g = cls(
-            attention=None if att is None else AttentionGeometry.from_header(att, path),
-            mamba=None if mam is None else MambaGeometry.from_header(mam, path),
+            attention=None if att is None else AttentionGeometry.from_header(att, path, fill_defaults=fill_defaults),
+            mamba=None if mam is None else MambaGeometry.from_header(mam, path, fill_defaults=fill_defaults),
             start_layer=f.int("start_layer", 0, hi=1 << 16),
             num_layers=f.int("num_layers", 0, hi=1 << 16),
         )
-        sh = f.raw("sharding", None)
+        sh = f.obj.get("sharding")  # 1.1; absent stays absent (a 1.0 file has no such key)
         if sh is not None:
             g = dataclasses.replace(g, sharding=Sharding.from_header(sh, g.attention, g.mamba, path))
         ids = list(g.attention.layers + g.attention.swa_layers if g.attention else ()) + list(
@@ -602,9 +614,10 @@ def check_request_counts(fields: dict, counts: dict, path=None) -> None:
             raise MalformedHeaderError(path, fld, exp, found)
 
 
-def request_header_fields(obj, path=None) -> dict:
-    """Validate the header's request object; returns the scalar fields of a RequestRecord."""
-    f = _Fields(obj, "request", path)
+def request_header_fields(obj, path=None, *, fill_defaults: bool = False) -> dict:
+    """Validate the header's request object; returns the scalar fields of a RequestRecord.
+    ``fill_defaults``: set every absent key that has a default to it, in ``obj`` (see _Fields)."""
+    f = _Fields(obj, "request", path, fill_defaults)
     stop, streamed = f.sub("stop"), f.sub("streamed")
     sampling = f.scalar_map("sampling")
     fields = dict(
@@ -613,8 +626,8 @@ def request_header_fields(obj, path=None) -> dict:
         sampling=sampling,
         max_new_tokens=stop.opt_int("max_new_tokens"),
         min_new_tokens=stop.int("min_new_tokens", 0),
-        stop_strings=stop.strs("stop_strings", ()),
-        stop_token_ids=stop.ints("stop_token_ids", (), hi=(1 << 31) - 1),
+        stop_strings=stop.strs("stop_strings", []),  # absent: [] (spec 5.3, R-5-3)
+        stop_token_ids=stop.ints("stop_token_ids", [], hi=(1 << 31) - 1, max_len=MAX_STOP_TOKEN_IDS),
         ignore_eos=stop.bool("ignore_eos", False),
         streamed_tokens=streamed.int("tokens", 0),
         streamed_text_chars=streamed.int("text_chars", 0),

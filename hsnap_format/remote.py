@@ -18,7 +18,8 @@ checks and guarantees as a local file, over ranged GETs and multipart uploads.
   ``hsnap gc URL`` lists and aborts.
 * Sets (TP): ``PREFIX/rank-N.hsnap`` objects and ``PREFIX/manifest.json`` written
   last (the commit of the set), with ``PREFIX/.hsnap-pending`` present from the
-  start until the manifest is in place — what proves an unfinished set to gc.
+  start until the manifest is in place — what marks an unfinished set for gc, which
+  still removes only what it proves unfinished object by object (:func:`collect_url`).
 
 Client: botocore (the engine under s3fs), chosen by measurement — bench/RESULTS.md:
 its ranged GETs in a thread pool match obstore's and beat s3fs's own API several
@@ -29,8 +30,10 @@ when a URL is used.
 Credentials and endpoint come from the standard places (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` and the shared
 config files) or from explicit ``storage_options``; they are never written into a
-snapshot, a log line or an error message (errors name the URL, the operation and
-the server's error code only).
+snapshot, a log line or an error message (errors name the URL, the operation, the
+endpoint and the server's error code only). Every request waits a bounded time
+(``StorageOptions.request_bound_s``): a store that does not answer gives a typed
+:class:`RemoteTimeoutError`, never a hang.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
@@ -55,17 +59,20 @@ from .errors import (
     HsnapIOError,
     MalformedManifestError,
     Phrase,
+    ReservedNameError,
     SnapshotExistsError,
     TruncatedError,
     UnsupportedFeatureError,
 )
-from .gc import Leftover
+from .gc import FILE as GC_FILE, Leftover, parse_name
 from .manifest import Manifest, SnapshotSet, decode_manifest, manifest_for
 from .reader import Snapshot, SectionInfo
 from .spec import (
     HEADER_OFFSET,
+    MAGIC,
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    PENDING_MAGIC,
     PENDING_MARKER,
     PENDING_MARKER_TEXT,
     RANK_FILE_RE,
@@ -98,7 +105,12 @@ class RemoteAuthError(RemoteIOError):
 
 
 class RemoteTimeoutError(RemoteIOError):
-    """No answer within the configured ``timeout`` / ``connect_timeout`` (storage options)."""
+    """No answer within the configured ``timeout`` / ``connect_timeout`` (storage options or
+    ``HSNAP_S3_TIMEOUT`` / ``HSNAP_S3_CONNECT_TIMEOUT``), on every attempt."""
+
+
+class NotS3EndpointError(RemoteIOError):
+    """The endpoint answered, but not as an S3 server: no S3 error document, or not HTTP."""
 
 
 class ObjectChangedError(DigestMismatchError):
@@ -130,11 +142,24 @@ def parse_url(url: str) -> tuple[str, str]:
     return m["bucket"], m["key"] or ""
 
 
+# field -> (environment variable, default, least, most): how long a request may wait
+# for a store that does not answer (README "Across hosts", the bound in request_bound_s)
+_WAIT_KNOBS = {
+    "timeout": ("HSNAP_S3_TIMEOUT", 15.0, 0.001, 3600.0),
+    "connect_timeout": ("HSNAP_S3_CONNECT_TIMEOUT", 5.0, 0.001, 3600.0),
+    "retries": ("HSNAP_S3_RETRIES", 2, 0, 10),
+}
+_MAX_BACKOFF = 20.0  # botocore's standard retry mode: retry i sleeps at most min(2**(i-1), 20) s
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """How to reach the store. ``None`` fields come from the standard places (the
-    environment, ``~/.aws``). ``timeout`` is the read timeout of one request, in
-    seconds; ``retries`` the attempts after the first (botocore's standard mode)."""
+    environment, ``~/.aws``). ``timeout`` is the read timeout of one attempt (no byte
+    for that long), ``connect_timeout`` that of connecting, in seconds; ``retries`` the
+    attempts after the first (botocore's standard mode). Unset, these three come from
+    ``HSNAP_S3_TIMEOUT``, ``HSNAP_S3_CONNECT_TIMEOUT``, ``HSNAP_S3_RETRIES``, else 15,
+    5 and 2; :attr:`request_bound_s` is then the longest one request waits."""
 
     endpoint_url: str | None = None
     key: str | None = None
@@ -142,13 +167,43 @@ class StorageOptions:
     token: str | None = None
     region: str | None = None
     profile: str | None = None
-    timeout: float = 30.0
-    connect_timeout: float = 5.0
-    retries: int = 2
+    timeout: float | None = None
+    connect_timeout: float | None = None
+    retries: int | None = None
     chunk_bytes: int = 8 << 20  # one ranged GET
     parallel: int = 4  # ranged GETs / part uploads in flight
     part_bytes: int = 8 << 20  # multipart part size (>= 5 MiB)
     first_read: int = FIRST_READ  # the open's first GET (preamble + header)
+
+    def __post_init__(self) -> None:
+        for name, (env, default, least, most) in _WAIT_KNOBS.items():
+            value, source = getattr(self, name), f"storage_options {name}"
+            if value is None:
+                value, source = os.environ.get(env) or None, env
+                if value is None:
+                    value, source = default, None
+            try:
+                number = int(value) if isinstance(default, int) else float(value)
+                ok = (number == float(value) if isinstance(default, int) else True) and least <= number <= most
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+            if not ok:
+                unit = "an integer" if isinstance(default, int) else "seconds"
+                raise UnsupportedFeatureError(None, source or name, Phrase(f"{unit} from {least:g} to {most:g}"), value)
+            object.__setattr__(self, name, number)
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+    @property
+    def request_bound_s(self) -> float:
+        """The longest one request waits for a store that does not answer: every attempt
+        connects (``connect_timeout``) and waits for bytes (``timeout``), with botocore's
+        back-off before each retry. A store that accepts and never answers costs
+        ``attempts x timeout`` plus the back-off."""
+        backoff = sum(min(2.0**i, _MAX_BACKOFF) for i in range(self.retries))
+        return self.attempts * (self.connect_timeout + self.timeout) + backoff
 
     def __repr__(self) -> str:  # never the secret
         shown = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("secret", "token", "key")}
@@ -175,12 +230,57 @@ class StorageOptions:
         return opts
 
 
+def _redact(endpoint: str) -> str:
+    """An endpoint as messages show it: scheme, host, port and path, never user info or a query."""
+    try:
+        u = urllib.parse.urlsplit(endpoint)
+        host = u.hostname or ""
+        port = f":{u.port}" if u.port else ""
+    except ValueError:
+        return "<an endpoint that is not a URL>"
+    host = f"[{host}]" if ":" in host else host
+    return f"{u.scheme}://{host}{port}{u.path.rstrip('/')}" if u.scheme else "<an endpoint that is not a URL>"
+
+
+def resolve_endpoint(options: StorageOptions) -> tuple[str | None, str]:
+    """(endpoint URL or None for AWS's own, where it came from). An empty value counts as
+    unset, as botocore and the AWS CLI treat ``AWS_ENDPOINT_URL=``; anything else must be
+    an http(s) URL with a host (a typed refusal naming the variable otherwise)."""
+    for source, value in (("storage_options endpoint_url", options.endpoint_url),
+                          ("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                          ("AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL"))):
+        if not value:
+            continue
+        try:
+            u = urllib.parse.urlsplit(value)
+            ok = u.scheme in ("http", "https") and bool(u.hostname) and (u.port is None or u.port > 0)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UnsupportedFeatureError(None, source, Phrase("http://host:port or https://host[:port]"), _redact(value) if "://" in value else value)
+        return value, source
+    return None, "AWS"
+
+
+def endpoint_shown(options: StorageOptions) -> str:
+    """The endpoint requests go to, for messages (never credentials)."""
+    try:
+        endpoint, _ = resolve_endpoint(options)
+    except HsnapError:
+        return "<invalid endpoint>"
+    if endpoint is None:
+        c = _CLIENTS.get(astuple_key(options))
+        return _redact(c.meta.endpoint_url) if c is not None else "AWS S3"
+    return _redact(endpoint)
+
+
 _CLIENTS: dict[tuple, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def client(options: StorageOptions):
-    """A botocore S3 client for ``options`` (cached: clients are thread-safe)."""
+def client(options: StorageOptions, url: str | None = None):
+    """A botocore S3 client for ``options`` (cached: clients are thread-safe); ``url``
+    only names what was asked for in a refusal (a bad endpoint, a missing profile)."""
     with _CLIENTS_LOCK:
         c = _CLIENTS.get(astuple_key(options))
         if c is not None:
@@ -190,22 +290,29 @@ def client(options: StorageOptions):
             import botocore.session
         except ImportError as e:
             raise UnsupportedFeatureError(None, "hsnap[remote]", "botocore installed (pip install hsnap[remote])", Phrase(str(e))) from None
-        session = botocore.session.Session(profile=options.profile)
-        cfg = botocore.config.Config(
-            connect_timeout=options.connect_timeout,
-            read_timeout=options.timeout,
-            retries={"max_attempts": options.retries + 1, "mode": "standard"},
-            max_pool_connections=max(10, 2 * options.parallel + 2),
-            s3={"addressing_style": "path"},
-            signature_version="s3v4",
-            # a checksum of every part costs a pass over the bytes; hsnap digests them already
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        try:
+            endpoint, _ = resolve_endpoint(options)
+        except HsnapError as e:
+            raise type(e)(url, e.field, e.expected, e.found) from None
         region = options.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        c = session.create_client("s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=options.key,
-                                  aws_secret_access_key=options.secret, aws_session_token=options.token, config=cfg)
+        try:
+            session = botocore.session.Session(profile=options.profile)
+            cfg = botocore.config.Config(
+                connect_timeout=options.connect_timeout,
+                read_timeout=options.timeout,
+                # total_max_attempts counts the first attempt (botocore's max_attempts would not)
+                retries={"total_max_attempts": options.attempts, "mode": "standard"},
+                max_pool_connections=max(10, 2 * options.parallel + 2),
+                s3={"addressing_style": "path"},
+                signature_version="s3v4",
+                # a checksum of every part costs a pass over the bytes; hsnap digests them already
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            )
+            c = session.create_client("s3", endpoint_url=endpoint, region_name=region, aws_access_key_id=options.key,
+                                      aws_secret_access_key=options.secret, aws_session_token=options.token, config=cfg)
+        except Exception as e:  # noqa: BLE001 - a profile that is not there, a region botocore refuses
+            raise translate(e, url, "create the S3 client", options) from None
         _CLIENTS[astuple_key(options)] = c
         return c
 
@@ -221,41 +328,106 @@ _NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "NotFound", "404", "NoSuchUpload"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "InvalidToken", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _CHANGED = {"PreconditionFailed", "412"}
 
+# A failure that is not an answer of the store, by the class names found in the exception
+# and its causes (botocore wraps urllib3, which wraps http.client and socket): each cause
+# takes the row of its most specific class, and the first such row wins, so a cause that
+# says more (an HTTP status line that is not one) beats the wrapper that says less.
+# row: (class names, typed error, errno, what happened; {t} {ct} {n} = timeouts, attempts)
+_TRANSPORT = (
+    (("ConnectTimeoutError", "ConnectTimeout"), RemoteTimeoutError, errno.ETIMEDOUT,
+     "no connection within the connect timeout ({ct:g} s per attempt, {n}; HSNAP_S3_CONNECT_TIMEOUT)"),
+    (("ReadTimeoutError", "ReadTimeout", "TimeoutError", "timeout"), RemoteTimeoutError, errno.ETIMEDOUT,
+     "no answer within the read timeout ({t:g} s per attempt, {n}; HSNAP_S3_TIMEOUT)"),
+    (("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError", "NoAuthTokenError", "TokenRetrievalError",
+      "SSOTokenLoadError", "UnauthorizedSSOTokenError", "ProfileNotFound", "UnknownCredentialError"), RemoteAuthError, errno.EACCES,
+     "{cls}: no usable credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE or storage_options; a local store needs any pair it accepts)"),
+    (("RemoteDisconnected",), RemoteIOError, errno.ECONNRESET, "the store closed the connection without an answer"),
+    (("BadStatusLine", "LineTooLong", "UnknownProtocol", "HTTPException"), NotS3EndpointError, errno.EPROTO,
+     "the endpoint answered with something that is not HTTP: not an S3 endpoint"),
+    (("SSLError", "SSLCertVerificationError"), RemoteIOError, errno.ECONNREFUSED, "{cls}: TLS with the endpoint failed"),
+    (("EndpointConnectionError", "NewConnectionError", "NameResolutionError", "ConnectionRefusedError", "gaierror",
+      "ProxyConnectionError"), RemoteIOError, errno.ECONNREFUSED, "{cls}: cannot connect to the endpoint"),
+    (("ResponseStreamingError", "IncompleteReadError", "IncompleteRead", "ProtocolError", "ConnectionResetError",
+      "ConnectionClosedError", "BrokenPipeError"), RemoteIOError, errno.ECONNRESET, "{cls}: the connection to the store broke"),
+    (("ParamValidationError", "InvalidRegionError", "UnknownEndpointError", "InvalidEndpointConfigurationError",
+      "ValidationError"), UnsupportedFeatureError, None, "{cls}"),
+    (("BotoCoreError", "HTTPError", "OSError"), RemoteIOError, errno.EIO, "{cls}: the request to the store failed"),
+)
 
-def translate(exc: BaseException, url: str, op: str, options: StorageOptions | None = None) -> HsnapError:
-    """A botocore/urllib3 failure as a typed error naming the URL and the operation.
-    Built from the error code and HTTP status only: the server's free text and the
-    request (which may carry credentials) are never copied into the message."""
-    try:
-        import botocore.exceptions as bx
-        import urllib3.exceptions as ux
-    except ImportError:  # pragma: no cover - botocore is there if a client exists
-        return RemoteIOError(url, op, OSError(errno.EIO, type(exc).__name__))
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception and what it wraps (botocore keeps urllib3's in ``kwargs['error']``)."""
+    out: list[BaseException] = []
+    todo = [exc]
+    while todo and len(out) < 16:
+        e = todo.pop(0)
+        if e is None or any(e is x for x in out):
+            continue
+        out.append(e)
+        kw = getattr(e, "kwargs", None)
+        todo += [kw.get("error") if isinstance(kw, dict) else None, e.__cause__, e.__context__]
+        todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
+    return out
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a store's answer ('' when there is none: not an answer, or no S3 error document)."""
+    response = getattr(exc, "response", None)
+    err = response.get("Error") if isinstance(response, dict) else None
+    return str(err.get("Code") or "") if isinstance(err, dict) else ""
+
+
+def translate(exc: BaseException, url: str | None, op: str, options: StorageOptions | None = None) -> HsnapError:
+    """A botocore/urllib3 failure as a typed error naming the URL, the operation and the
+    endpoint. Built from the error code, the HTTP status and the exception classes only:
+    the server's free text and the request (which may carry credentials) are never copied."""
     if isinstance(exc, HsnapError):
         return exc
-    if isinstance(exc, bx.ClientError):
-        err = exc.response.get("Error", {}) or {}
-        code = str(err.get("Code") or "")
-        status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    options = options or StorageOptions()
+    where = f"{op} at {endpoint_shown(options)}"
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):  # the store answered
+        code = error_code(exc)
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        head = str(getattr(exc, "operation_name", "")).startswith("Head")  # S3 answers HEAD with no body: no code
         what = f"{code or 'error'} (HTTP {status})"
-        if code in _NOT_FOUND or (not code and status == 404):
-            return RemoteNotFoundError(url, op, FileNotFoundError(errno.ENOENT, f"{what}: no such {'bucket' if code == 'NoSuchBucket' else 'object'}"))
+        if (not code or code.isdigit()) and not head:  # every S3 error but a HEAD's carries an XML document with a code
+            if isinstance(status, int) and status >= 500:  # a proxy's or gateway's page: the store behind it failed
+                return RemoteIOError(url, where, OSError(errno.EIO, f"HTTP {status} without an S3 error document (a proxy or gateway answered?)"))
+            return NotS3EndpointError(url, where, OSError(errno.EPROTO, f"HTTP {status} without an S3 error document: not an S3 endpoint"))
+        if code in _NOT_FOUND or (code.isdigit() and status == 404):
+            return RemoteNotFoundError(url, where, FileNotFoundError(errno.ENOENT, f"{what}: no such {'bucket' if code == 'NoSuchBucket' else 'object'}"))
         if code in _DENIED or status == 403:
-            return RemoteAuthError(url, op, PermissionError(errno.EACCES, f"{what}: credentials or access refused"))
+            return RemoteAuthError(url, where, PermissionError(errno.EACCES, f"{what}: credentials or access refused"))
         if code in _CHANGED or status == 412:
             return ObjectChangedError(url, f"{op}: ETag", "the object opened", Phrase("another version (replaced or truncated since open)"))
-        return RemoteIOError(url, op, OSError(errno.EIO, what))
-    timeout = options.timeout if options else None
-    if isinstance(exc, (bx.ReadTimeoutError, ux.ReadTimeoutError)):
-        return RemoteTimeoutError(url, op, TimeoutError(errno.ETIMEDOUT, f"no answer within the read timeout ({timeout} s)"))
-    if isinstance(exc, (bx.ConnectTimeoutError, ux.ConnectTimeoutError)):
-        ct = options.connect_timeout if options else None
-        return RemoteTimeoutError(url, op, TimeoutError(errno.ETIMEDOUT, f"no connection within the connect timeout ({ct} s)"))
-    if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError)):
-        return RemoteAuthError(url, op, PermissionError(errno.EACCES, f"{type(exc).__name__}: no credentials found"))
-    if isinstance(exc, bx.BotoCoreError) or isinstance(exc, (ux.HTTPError, ConnectionError, OSError)):
-        return RemoteIOError(url, op, ConnectionError(errno.ECONNRESET, f"{type(exc).__name__}: the connection to the store failed"))
-    return RemoteIOError(url, op, OSError(errno.EIO, type(exc).__name__))
+        return RemoteIOError(url, where, OSError(errno.EIO, what))
+    rows = [_transport_row(e) for e in _causes(exc)]
+    rows = [r for r in rows if r is not None]
+    if not rows:
+        return RemoteIOError(url, where, OSError(errno.EIO, type(exc).__name__))
+    _, cls, num, text = _TRANSPORT[min(rows)]
+    n = f"{options.attempts} attempt{'s' if options.attempts != 1 else ''}"
+    msg = text.format(t=options.timeout, ct=options.connect_timeout, n=n, cls=type(exc).__name__)
+    if cls is UnsupportedFeatureError:  # refused before any request: a bucket name S3 does not allow, a bad region
+        return UnsupportedFeatureError(url, op, Phrase("parameters S3 accepts"), Phrase(f"{msg}: {_first_line(exc)}"))
+    return cls(url, where, (TimeoutError if cls is RemoteTimeoutError else OSError)(num, msg))
+
+
+def _transport_row(e: BaseException) -> int | None:
+    """The row of _TRANSPORT for one exception: by its most specific class that a row names
+    (urllib3's NewConnectionError is also a ConnectTimeoutError by inheritance: its own name decides)."""
+    for c in type(e).__mro__:
+        for i, row in enumerate(_TRANSPORT):
+            if c.__name__ in row[0]:
+                return i
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    """botocore's own text of a local refusal (no request was made: no secret in it), shortened."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip() and not x.strip().endswith("failed:")]
+    return (lines[0] if lines else type(exc).__name__)[:160]
 
 
 def _call(url: str, op: str, options: StorageOptions, fn, **kw):
@@ -284,7 +456,7 @@ class RangeReader:
         self.url = url
         self.options = StorageOptions.of(options)
         self.bucket, self.key = parse_url(url)
-        self.client = client(self.options)
+        self.client = client(self.options, url)
         self._pool: cf.ThreadPoolExecutor | None = None
         self.requests = 0  # GETs sent (open latency is counted in round trips)
         _hook("open", url)
@@ -293,11 +465,10 @@ class RangeReader:
             r = self.client.get_object(Bucket=self.bucket, Key=self.key, Range=f"bytes=0-{max(self.options.first_read, 64) - 1}")
             body = r["Body"].read()
         except Exception as e:  # noqa: BLE001
-            err = translate(e, url, "open", self.options)
-            if getattr(e, "response", {}).get("Error", {}).get("Code") == "InvalidRange":  # an empty object
+            if error_code(e) == "InvalidRange":  # an empty object
                 self.size, self.etag, self.version, self._first = 0, None, None, b""
                 return
-            raise err from None
+            raise translate(e, url, "open", self.options) from None
         self.etag = r.get("ETag")
         self.version = r.get("VersionId")
         total = r.get("ContentRange", "").rpartition("/")[2]
@@ -502,12 +673,15 @@ class RemoteSnapshot(Snapshot):
         if done[1] is not None:
             raise done[1]
 
-    def verify(self) -> None:
-        """Every section digest and the padding, in one streaming pass of ranged GETs."""
-        for _, err in self.iter_verify():
-            if err is not None:
-                raise err
-        self.check_padding()
+    def verify_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """Every section digest and the padding, in one streaming pass of ranged GETs (not
+        one GET per gap); reported in spec 7.2's order (R-7.2-3): padding first."""
+        failures = [err for _, err in self.iter_verify() if err is not None]
+        try:
+            self.check_padding()  # answered by the pass just made
+        except HsnapError as e:
+            failures.insert(0, e)
+        return failures[:1] if first else failures
 
     def close(self) -> None:
         if not getattr(self, "_closed", True):
@@ -560,7 +734,7 @@ def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, can
 
 def _get_small(url: str, options: StorageOptions, limit: int) -> bytes:
     bucket, key = parse_url(url)
-    c = client(options)
+    c = client(options, url)
     _hook("get", url, 0, limit)
     r = _call(url, "read", options, c.get_object, Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
     try:
@@ -616,19 +790,25 @@ def open_url(url: str, *, ranks=None, storage_options=None) -> RemoteSnapshot | 
 def _require_bucket(url: str, options: StorageOptions) -> None:
     """Before a write: some stores (SeaweedFS) create a missing bucket on upload."""
     bucket, _ = parse_url(url)
+    c = client(options, url)
     try:
-        client(options).head_bucket(Bucket=bucket)
+        c.head_bucket(Bucket=bucket)
+        return
     except Exception as e:  # noqa: BLE001
         err = translate(e, url, "head bucket", options)
-        if isinstance(err, RemoteNotFoundError):
-            raise RemoteNotFoundError(url, "head bucket", FileNotFoundError(errno.ENOENT, "NoSuchBucket (HTTP 404): no such bucket")) from None
-        raise err from None
+        if not isinstance(err, RemoteNotFoundError):
+            raise err from None
+    # a HEAD answer has no body, so S3's "no such bucket" and any web server's 404 look
+    # alike: a GET tells them apart (NotS3EndpointError from a server that is not S3)
+    _call(url, "list bucket", options, c.list_objects_v2, Bucket=bucket, MaxKeys=1)
+    raise RemoteNotFoundError(url, f"head bucket at {endpoint_shown(options)}",
+                              FileNotFoundError(errno.ENOENT, "NoSuchBucket (HTTP 404): no such bucket"))
 
 
 def _exists(url: str, options: StorageOptions) -> bool:
     bucket, key = parse_url(url)
     try:
-        client(options).head_object(Bucket=bucket, Key=key)
+        client(options, url).head_object(Bucket=bucket, Key=key)
         return True
     except Exception as e:  # noqa: BLE001
         err = translate(e, url, "head", options)
@@ -644,7 +824,7 @@ class MultipartUpload:
     def __init__(self, url: str, options: StorageOptions) -> None:
         self.url, self.options = url, options
         self.bucket, self.key = parse_url(url)
-        self.client = client(options)
+        self.client = client(options, url)
         _hook("create", url)
         r = _call(url, "create multipart upload", options, self.client.create_multipart_upload, Bucket=self.bucket, Key=self.key,
                   Metadata={"hsnap-writer": f"{socket.gethostname()[:64]}:{os.getpid()}"})
@@ -671,12 +851,17 @@ class MultipartUpload:
                 raise f.exception()
         self._futures[number] = self._pool.submit(self._put, number, data)
 
-    def complete(self) -> None:
+    def complete(self) -> str:
+        """Make the object visible (never over one that appeared meanwhile); its ETag."""
         parts = [{"PartNumber": n, "ETag": self._futures[n].result()} for n in sorted(self._futures)]
         _hook("complete", self.url)
-        _call(self.url, "complete multipart upload", self.options, self.client.complete_multipart_upload, Bucket=self.bucket,
-              Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        try:
+            r = _call(self.url, "complete multipart upload", self.options, self.client.complete_multipart_upload, Bucket=self.bucket,
+                      Key=self.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except ObjectChangedError:  # If-None-Match: the key was taken while the parts went up
+            raise SnapshotExistsError(self.url, "key", "no object", Phrase("one written while this upload ran")) from None
         self._pool.shutdown(wait=True)
+        return r.get("ETag")
 
     def abort(self) -> None:
         """Best effort: a store that cannot be reached keeps the upload, which gc finds."""
@@ -696,11 +881,11 @@ class RemoteSnapshotWriter(SnapshotWriter):
 
     def __init__(self, url: str, *, storage_options=None, **kw) -> None:
         self.options = StorageOptions.of(storage_options)
+        self.etag: str | None = None  # of the committed object
         super().__init__(url, **kw)
 
     def _create(self, mode: int, preallocate: bool) -> None:
-        _fs.check_final_name(parse_url(self.path)[1] or "x")
-        _require_bucket(self.path, self.options)
+        check_final_key(self.path, self.options)
         if _exists(self.path, self.options):
             raise SnapshotExistsError(self.path, "key", "no object", Phrase("one exists"))
         self._upload = MultipartUpload(self.path, self.options)
@@ -753,7 +938,7 @@ class RemoteSnapshotWriter(SnapshotWriter):
             self._upload.submit(1, bytes(first))
             self._first = self._buf = None
             _fs.phase("before-complete")
-            self._upload.complete()
+            self.etag = self._upload.complete()
         except BaseException:
             self.state = WriterState.ABORTED
             self._discard()
@@ -779,12 +964,33 @@ def put_bytes(url: str, data: bytes, options: StorageOptions, *, no_overwrite: b
     bucket, key = parse_url(url)
     _hook("put", url, 0, len(data))
     kw = {"IfNoneMatch": "*"} if no_overwrite else {}
-    return _call(url, "put", options, client(options).put_object, Bucket=bucket, Key=key, Body=data, **kw)["ETag"]
+    try:
+        return _call(url, "put", options, client(options, url).put_object, Bucket=bucket, Key=key, Body=data, **kw)["ETag"]
+    except ObjectChangedError:  # If-None-Match refused: the key is taken
+        raise SnapshotExistsError(url, "key", "no object", Phrase("one exists")) from None
 
 
-def delete(url: str, options: StorageOptions) -> None:
+def delete(url: str, options: StorageOptions, *, etag: str | None = None) -> None:
+    """Delete one object; with ``etag``, only that version of it (``If-Match``: SeaweedFS
+    and AWS S3 refuse the delete of an object replaced since; a store that ignores the
+    header deletes whatever is there)."""
     bucket, key = parse_url(url)
-    _call(url, "delete", options, client(options).delete_object, Bucket=bucket, Key=key)
+    kw = {"IfMatch": etag} if etag else {}
+    _call(url, "delete", options, client(options, url).delete_object, Bucket=bucket, Key=key, **kw)
+
+
+def check_final_key(url: str, options: StorageOptions) -> None:
+    """Refuse a key a writer may not commit (spec 8.1, writers): a name of a temporary's
+    form, a missing bucket, or a key inside an unfinished set's prefix (one holding
+    ``.hsnap-pending``) other than that set's own ``rank-N.hsnap`` / ``manifest.json`` —
+    such a prefix is gc's to look at, and nothing committed belongs in it."""
+    bucket, key = parse_url(url)
+    _fs.check_final_name(key or "x")
+    _require_bucket(url, options)
+    d, _, name = key.rpartition("/")
+    if not _fs.is_set_member(name) and _exists(_url(bucket, f"{d}/{PENDING_MARKER}" if d else PENDING_MARKER), options):
+        raise ReservedNameError(url, "prefix", Phrase(f"no {PENDING_MARKER!r} beside a final key (a prefix holding it is an unfinished "
+                                                      "set's: a set being written, or one killed; hsnap gc lists it)"), _url(bucket, d))
 
 
 class RemoteSetWriter:
@@ -795,18 +1001,25 @@ class RemoteSetWriter:
     def __init__(self, url: str, *, storage_options=None) -> None:
         self.path = url.rstrip("/")
         self.options = StorageOptions.of(storage_options)
-        _require_bucket(self.path, self.options)
+        _fs.check_final_name(parse_url(self.path)[1] or "x")
+        check_final_key(f"{self.path}/{MANIFEST_NAME}", self.options)
         if _exists(f"{self.path}/{MANIFEST_NAME}", self.options):
             raise SnapshotExistsError(self.path, MANIFEST_NAME, "no committed set", Phrase("one exists"))
-        put_bytes(f"{self.path}/{PENDING_MARKER}", PENDING_MARKER_TEXT, self.options, no_overwrite=False)
-        self.written: list[str] = []
+        try:  # never over another writer's marker: two sets in one prefix would mix their ranks
+            self._marker_etag = put_bytes(f"{self.path}/{PENDING_MARKER}", PENDING_MARKER_TEXT, self.options)
+        except SnapshotExistsError:
+            raise ReservedNameError(self.path, PENDING_MARKER, Phrase("no unfinished set in the prefix"), Phrase(
+                "a marker of one (a set being written, or one killed: hsnap gc lists it)")) from None
+        self.written: list[tuple[str, str | None]] = []  # (url, ETag) of each object this writer committed
+        self._writers: list[RemoteSnapshotWriter] = []
 
     def rank_path(self, rank: int) -> str:
         return f"{self.path}/{rank_file_name(rank)}"
 
     def rank_writer(self, rank: int, **kw) -> RemoteSnapshotWriter:
-        self.written.append(self.rank_path(rank))
-        return RemoteSnapshotWriter(self.rank_path(rank), storage_options=self.options, **kw)
+        w = RemoteSnapshotWriter(self.rank_path(rank), storage_options=self.options, **kw)
+        self._writers.append(w)
+        return w
 
     def commit(self, *, tp_size: int) -> Manifest:
         snaps = []
@@ -821,76 +1034,120 @@ class RemoteSetWriter:
         put_bytes(f"{self.path}/{MANIFEST_NAME}", manifest.encode(), self.options)
         _fs.phase("manifest-written")
         try:
-            delete(f"{self.path}/{PENDING_MARKER}", self.options)
+            delete(f"{self.path}/{PENDING_MARKER}", self.options, etag=self._marker_etag)
         except HsnapError:
-            pass  # the set is committed (the manifest wins over a marker left behind)
+            pass  # the set is committed (the manifest wins over a marker left behind; gc removes it)
         return manifest
 
     def abort(self) -> None:
-        """Remove what this writer itself wrote (never by name pattern), marker last."""
-        for url in self.written:
+        """Remove what this writer itself committed — by ETag, never by name: a key that
+        was someone else's (the rank writer refused it) stays — then the marker. A store
+        that does not answer ends the clean-up at once (gc finds the rest later)."""
+        done = self.written + [(w.path, w.etag) for w in self._writers if w.etag]
+        for url, etag in done + [(f"{self.path}/{PENDING_MARKER}", self._marker_etag)]:
             try:
-                delete(url, self.options)
+                delete(url, self.options, etag=etag)
+            except RemoteIOError as e:
+                if not isinstance(e, RemoteNotFoundError):
+                    return
             except HsnapError:
                 pass
-        try:
-            delete(f"{self.path}/{PENDING_MARKER}", self.options)
-        except HsnapError:
-            pass
 
 
 # ---------------------------------------------------------------- gc
 
-DEFAULT_URL_GC_AGE = 900.0  # a multipart upload younger than this may be a running export
+DEFAULT_URL_GC_AGE = 900.0  # a write younger than this may be running (on another host: no pid to check)
+UPLOAD, FILE, MARKER, OBJECT = "upload", "file", "marker", "object"  # what a URL gc lists, by kind
 
 
-def collect_url(url: str, *, remove: bool = False, older_than: float | None = None, storage_options=None) -> list[Leftover]:
-    """Leftovers of interrupted writes under ``url`` (a bucket or prefix):
+def collect_url(url: str, *, remove: bool = False, older_than: float | None = None, storage_options=None,
+                announce=None) -> list[Leftover]:
+    """Leftovers of interrupted writes under ``url`` (a bucket, or a prefix taken as a
+    directory), each proved one by one — a committed object is never removed, whatever
+    its key (spec 8.1, on an object store):
 
-    * in-progress multipart uploads — never visible, provably uncommitted; removable
-      (aborted) when started at least ``older_than`` seconds ago (default
-      ``DEFAULT_URL_GC_AGE``: a running export on another host records no pid we
-      could check);
-    * unfinished sets — a prefix holding ``.hsnap-pending`` and no ``manifest.json``
-      (the marker goes only after the manifest is in place); removable when the
-      marker is that old: the marker, then exactly the objects under that prefix.
-      A prefix with rank objects and neither marker nor manifest is listed, kept.
+    * ``upload``: an in-progress multipart upload — never visible, so provably no
+      committed object; its size is the sum of its parts. Removable (aborted);
+    * ``file``: an object whose key has a temporary's name, or a ``rank-N.hsnap`` of an
+      unfinished set, proved unfinished by its bytes (empty, or ``PENDING_MAGIC`` at
+      byte 0). Removable. A complete object (the hsnap magic) is listed and kept;
+    * ``marker``: an unfinished set's ``.hsnap-pending`` (hsnap's text, no
+      ``manifest.json`` beside it). Removable once nothing of the set is left beside it
+      but what this run removes: while a complete rank object stays, so does the marker
+      (that proof of the set would otherwise be lost); a marker beside a manifest (the
+      set committed, its clean-up failed) is removable too;
+    * ``object``: anything else beside a marker or beside rank objects without a
+      manifest: listed with the reason it stays.
 
-    A completed object outside an unfinished set is never removed, whatever its name.
+    Removable means also older than ``older_than`` seconds (default
+    ``DEFAULT_URL_GC_AGE``): a running export on another host records no pid. With
+    ``remove``, ``announce(path, bytes)`` is called right before each removal (as local
+    gc's: the CLI prints each with its size); an object is deleted with ``If-Match`` its ETag at the
+    proof, so one replaced since is refused by the store, not deleted; markers go last.
     """
     options = StorageOptions.of(storage_options)
     bucket, prefix = parse_url(url)
-    c = client(options)
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"  # a directory: s3://b/run never reaches s3://b/run2/
+    c = client(options, url)
     age_limit = DEFAULT_URL_GC_AGE if older_than is None else older_than
     now = time.time()
+    uploads = _upload_items(bucket, prefix, c, options, age_limit, now)
+    objects = _object_items(bucket, prefix, c, options, age_limit, now, uploads)
+    items = sorted(uploads + objects, key=lambda i: (i.path, i.kind))
+    for m in items:  # a marker stays while anything of its set does (it is their proof)
+        if m.kind == MARKER and m.removable and _keeps_marker(m, items, lambda i: not i.removable):
+            m.removable = False
+    removing = [i for i in items if i.removable]
+    for item in sorted(removing, key=lambda i: i.kind == MARKER):  # markers last: the proof of what is left
+        if not remove:
+            item.action = "would remove"
+            continue
+        if item.kind == MARKER and not _marker_still_alone(item, items, bucket, c, options):
+            continue
+        if announce is not None:
+            announce(item.path, item.bytes)
+        _remove_item(item, bucket, c, options)
+    return items
+
+
+def _upload_items(bucket, prefix, c, options, age_limit, now) -> list[Leftover]:
     out: list[Leftover] = []
     kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
     while True:
-        r = _call(url, "list multipart uploads", options, c.list_multipart_uploads, **kw)
+        r = _call(_url(bucket, prefix), "list multipart uploads", options, c.list_multipart_uploads, **kw)
         for u in r.get("Uploads", []) or []:
-            age = now - u["Initiated"].timestamp()
-            item = Leftover(path=_url(bucket, u["Key"]) + f"?uploadId={u['UploadId']}", kind="upload", final=_url(bucket, u["Key"]),
-                            age_s=age, removable=age >= age_limit,
-                            reason="in-progress multipart upload (never visible)" + ("" if age >= age_limit else f"; younger than {age_limit:.0f} s: may be running"))
-            if remove and item.removable:
-                try:
-                    c.abort_multipart_upload(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"])
-                    item.action = "removed"
-                except Exception as e:  # noqa: BLE001
-                    err = translate(e, item.path, "abort", options)
-                    item.action, item.reason = ("gone", item.reason) if isinstance(err, RemoteNotFoundError) else ("failed", str(err))
-            elif item.removable:
-                item.action = "would remove"
+            size = _upload_size(bucket, u["Key"], u["UploadId"], c, options)
+            if size is None:
+                continue  # completed or aborted since the listing
+            age = max(0.0, now - u["Initiated"].timestamp())
+            item = Leftover(path=_url(bucket, u["Key"]) + f"?uploadId={u['UploadId']}", kind=UPLOAD, final=_url(bucket, u["Key"]),
+                            age_s=age, bytes=size, removable=age >= age_limit,
+                            reason="in-progress multipart upload (never visible: not a committed object)"
+                            + ("" if age >= age_limit else f"; younger than {age_limit:g} s: may be running"))
+            item._ref = (u["Key"], u["UploadId"])
             out.append(item)
         if not r.get("IsTruncated"):
-            break
+            return out
         kw.update(KeyMarker=r.get("NextKeyMarker"), UploadIdMarker=r.get("NextUploadIdMarker"))
-    out += _unfinished_sets(bucket, prefix, c, options, remove, age_limit, now)
-    return out
 
 
-def _list(bucket: str, prefix: str, c, options) -> list[dict]:
-    objs, kw = [], {"Bucket": bucket, "Prefix": prefix}
+def _upload_size(bucket, key, upload_id, c, options) -> int | None:
+    """The bytes an in-progress upload holds (the sum of its parts), None when it is gone."""
+    total, kw = 0, {"Bucket": bucket, "Key": key, "UploadId": upload_id}
+    while True:
+        try:
+            r = _call(_url(bucket, key), "list parts", options, c.list_parts, **kw)
+        except RemoteNotFoundError:
+            return None
+        total += sum(int(p.get("Size") or 0) for p in r.get("Parts", []) or [])
+        if not r.get("IsTruncated"):
+            return total
+        kw["PartNumberMarker"] = r.get("NextPartNumberMarker")
+
+
+def _list(bucket: str, prefix: str, c, options, **extra) -> list[dict]:
+    objs, kw = [], {"Bucket": bucket, "Prefix": prefix, **extra}
     while True:
         r = _call(_url(bucket, prefix), "list objects", options, c.list_objects_v2, **kw)
         objs += r.get("Contents", []) or []
@@ -899,52 +1156,154 @@ def _list(bucket: str, prefix: str, c, options) -> list[dict]:
         kw["ContinuationToken"] = r["NextContinuationToken"]
 
 
-def _unfinished_sets(bucket, prefix, c, options, remove, age_limit, now) -> list[Leftover]:
-    objs = _list(bucket, prefix, c, options)
+def _head(bucket: str, key: str, c, options, n: int) -> tuple[bytes | None, str | None]:
+    """The first ``n`` bytes of an object and the ETag of the version read; (None, None)
+    when it went away or changed while examined."""
+    url = _url(bucket, key)
+    try:
+        r = c.get_object(Bucket=bucket, Key=key, Range=f"bytes=0-{n - 1}")
+        return r["Body"].read(n + 1), r.get("ETag")
+    except Exception as e:  # noqa: BLE001
+        err = translate(e, url, "read", options)
+        if isinstance(err, RemoteNotFoundError) and "bucket" not in (err.os_error.strerror or ""):
+            return None, None
+        if error_code(e) != "InvalidRange":
+            raise err from None
+    try:  # no byte 0: empty, then its ETag from a HEAD (an object that grew since is not proved)
+        r = c.head_object(Bucket=bucket, Key=key)
+    except Exception as e:  # noqa: BLE001
+        err = translate(e, url, "head", options)
+        if isinstance(err, RemoteNotFoundError):
+            return None, None
+        raise err from None
+    return (b"", r.get("ETag")) if r.get("ContentLength") == 0 else (None, None)
+
+
+def _object_items(bucket, prefix, c, options, age_limit, now, uploads) -> list[Leftover]:
     by_dir: dict[str, dict[str, dict]] = {}
-    for o in objs:
+    for o in _list(bucket, prefix, c, options):
         d, _, name = o["Key"].rpartition("/")
         by_dir.setdefault(d, {})[name] = o
-    out = []
+    uploads_in: dict[str, list[Leftover]] = {}
+    for u in uploads:
+        uploads_in.setdefault(u._ref[0].rpartition("/")[0], []).append(u)
+    out: list[Leftover] = []
     for d, names in sorted(by_dir.items()):
         marker = names.get(PENDING_MARKER)
-        ranks = [n for n in names if RANK_FILE_RE.match(n)]
-        if MANIFEST_NAME in names or (marker is None and not ranks):
-            continue
-        where = _url(bucket, d)
-        total = sum(o["Size"] for o in names.values())
-        if marker is None:
-            out.append(Leftover(path=where, kind="set", final=where, bytes=total, reason="rank objects without manifest.json or pending marker: not proved unfinished"))
-            continue
-        try:
-            proof = _get_small(_url(bucket, marker["Key"]), options, len(PENDING_MARKER_TEXT)) == PENDING_MARKER_TEXT
-        except HsnapError:
-            proof = False
-        age = now - max(o["LastModified"].timestamp() for o in names.values())
-        item = Leftover(path=where, kind="set", final=where, bytes=total, age_s=age, removable=proof and age >= age_limit,
-                        reason="unfinished set (pending marker, no manifest.json)" if proof else "marker content not hsnap's: kept")
-        if item.removable and remove:
-            item.action = _remove_set(bucket, d, names, c, options)
-        elif item.removable:
-            item.action = "would remove"
-        out.append(item)
+        committed = MANIFEST_NAME in names
+        ranks = sorted(n for n in names if RANK_FILE_RE.match(n))
+        unfinished = marker is not None and not committed  # a set's prefix before its manifest
+        orphans = not committed and marker is None and bool(ranks)
+        for name, o in sorted(names.items()):
+            key = o["Key"]
+            parsed = parse_name(name)
+            temp = parsed is not None and parsed[0] == GC_FILE
+            if not (temp or unfinished or orphans or name == PENDING_MARKER):
+                continue  # an object where no write was interrupted: not a leftover
+            item = Leftover(path=_url(bucket, key), kind=OBJECT, final=_url(bucket, key), bytes=int(o.get("Size") or 0),
+                            age_s=max(0.0, now - o["LastModified"].timestamp()))
+            if temp:
+                item.final = _url(bucket, f"{d}/{parsed[1]}" if d else parsed[1])
+            if name == PENDING_MARKER:
+                item.kind = MARKER
+                _prove_marker(item, bucket, key, c, options, age_limit, committed, ranks, names, uploads_in.get(d, []), now)
+            elif temp or (unfinished and RANK_FILE_RE.match(name)):
+                item.kind = FILE
+                _prove_file(item, bucket, key, c, options, age_limit, "an unfinished set's rank object" if not temp else "a temporary's name")
+            elif orphans and RANK_FILE_RE.match(name):
+                item.reason = "rank object with neither manifest.json nor the pending marker beside it: not proved unfinished, kept"
+            else:
+                head, _ = _head(bucket, key, c, options, len(MAGIC))
+                what = "a complete snapshot (hsnap magic at byte 0)" if head == MAGIC else "not an hsnap snapshot"
+                where = "an unfinished set (pending marker, no manifest.json)" if unfinished else "rank objects without manifest.json"
+                item.reason = f"{what} beside {where}, not one of its entries: never removed"
+            out.append(item)
     return out
 
 
-def _remove_set(bucket, d, names, c, options) -> str:
-    # prove again right before: a manifest that appeared in between makes it a committed set
-    if _exists(_url(bucket, f"{d}/{MANIFEST_NAME}"), options):
-        return "kept"
-    for name in sorted(names, key=lambda n: n == PENDING_MARKER):  # the marker last: a gc killed half way leaves proof
-        try:
-            c.delete_object(Bucket=bucket, Key=f"{d}/{name}")
-        except Exception:  # noqa: BLE001
-            return "failed"
-    return "removed"
+def _prove_file(item: Leftover, bucket, key, c, options, age_limit, why) -> None:
+    head, etag = _head(bucket, key, c, options, len(PENDING_MAGIC))
+    if head is None:
+        item.reason = f"{why}, but it went away or changed while examined: not proved, kept"
+    elif etag and head in (b"", PENDING_MAGIC):  # the ETag: what the delete is conditional on
+        item.removable = item.age_s >= age_limit
+        item.reason = f"{why}, {'empty' if not head else 'PENDING_MAGIC at byte 0'}: an unfinished write" + (
+            "" if item.removable else f"; younger than {age_limit:g} s: may be running")
+        item._ref = etag
+    elif head == MAGIC:
+        item.reason = f"{why}, but complete (hsnap magic at byte 0): not proved unfinished, kept; delete it by hand if it is abandoned"
+    else:
+        item.reason = f"{why}, but no unfinished-write mark at byte 0: not proved unfinished, kept"
+
+
+def _prove_marker(item: Leftover, bucket, key, c, options, age_limit, committed, ranks, names, uploads, now) -> None:
+    head, etag = _head(bucket, key, c, options, len(PENDING_MARKER_TEXT) + 1)
+    if head != PENDING_MARKER_TEXT or not etag:
+        item.reason = "named like the pending marker, but its content is not hsnap's (or it changed while examined): kept"
+        return
+    item._ref = etag
+    if committed:
+        item.removable = item.age_s >= age_limit
+        item.reason = "pending marker beside manifest.json: its set committed, the marker's removal failed"
+    else:
+        newest = max([o["LastModified"].timestamp() for n, o in names.items() if n == PENDING_MARKER or n in ranks]
+                     + [now - u.age_s for u in uploads])
+        item.age_s = max(0.0, now - newest)  # the set's newest write, not the marker's alone
+        item.removable = item.age_s >= age_limit
+        item.reason = "pending marker of an unfinished set (no manifest.json)"
+    if not item.removable:
+        item.reason += f"; the set was written to less than {age_limit:g} s ago: may be running"
+    item._set = (ranks, uploads)
+
+
+def _keeps_marker(marker: Leftover, items: list[Leftover], stays) -> bool:
+    """True (and the reason noted) when an entry of the marker's set — an upload in its
+    prefix, a rank object beside it — ``stays``."""
+    ranks, uploads = marker._set
+    d = marker.path.rpartition("/")[0]
+    staying = [i for i in items if stays(i) and (any(i is u for u in uploads)
+                                                 or (i.kind == FILE and i.path.rpartition("/") in ((d, "/", r) for r in ranks)))]
+    if staying:
+        n = len(staying)
+        marker.reason += f"; kept while {n} entr{'y' if n == 1 else 'ies'} of the set stay{'s' if n == 1 else ''} (the marker is their proof)"
+    return bool(staying)
+
+
+def _marker_still_alone(item: Leftover, items: list[Leftover], bucket, c, options) -> bool:
+    """Right before removing a marker: nothing of its set stayed behind (a removal that
+    failed), and a new listing shows no rank object the scan did not see (a writer at
+    work). A manifest that appeared meanwhile only makes the marker stale."""
+    if _keeps_marker(item, items, lambda i: i.action not in ("removed", "gone")):
+        item.action = "kept"
+        return False
+    ranks, _ = item._set
+    d = parse_url(item.path)[1].rpartition("/")[0]
+    listed = (o["Key"].rpartition("/")[2] for o in _list(bucket, f"{d}/" if d else "", c, options, Delimiter="/"))
+    appeared = sorted(n for n in listed if RANK_FILE_RE.match(n) and n not in ranks)
+    if appeared:
+        item.action, item.reason = "kept", item.reason + f"; {', '.join(appeared)} appeared since the scan (a writer at work): kept"
+        return False
+    return True
+
+
+def _remove_item(item: Leftover, bucket, c, options) -> None:
+    try:
+        if item.kind == UPLOAD:
+            key, upload_id = item._ref
+            _call(item.path, "abort multipart upload", options, c.abort_multipart_upload, Bucket=bucket, Key=key, UploadId=upload_id)
+        else:  # only the version proved: a store that honours If-Match refuses a replaced object
+            delete(item.path, options, etag=item._ref)
+        item.action = "removed"
+    except RemoteNotFoundError:
+        item.action, item.reason = "gone", item.reason + "; completed, aborted or removed meanwhile"
+    except ObjectChangedError:
+        item.action, item.reason = "failed", item.reason + "; replaced since it was proved (ETag): kept"
+    except HsnapError as e:
+        item.action, item.reason = "failed", item.reason + f"; {type(e).__name__}: {e}"
 
 
 __all__ = [
-    "RemoteIOError", "RemoteNotFoundError", "RemoteAuthError", "RemoteTimeoutError", "ObjectChangedError",
+    "RemoteIOError", "RemoteNotFoundError", "RemoteAuthError", "RemoteTimeoutError", "NotS3EndpointError", "ObjectChangedError",
     "StorageOptions", "RangeReader", "RemoteSnapshot", "RemoteSnapshotSet", "RemoteSnapshotWriter", "RemoteSetWriter",
     "MultipartUpload", "open_url", "snapshot_writer", "collect_url", "is_url", "parse_url",
 ]

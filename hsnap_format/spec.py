@@ -51,6 +51,13 @@ MAX_NAME_LENGTH = 128
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 MAX_JSON_DEPTH = 16
 
+# Header value limits (spec section 5; rule R-5-1): a "string" field, and the stop rules
+# of request.stop. Lengths are Unicode code points (spec section 4).
+MAX_STRING_LENGTH = 4096
+MAX_STOP_STRINGS = 1024
+MAX_STOP_STRING_LENGTH = 4096
+MAX_STOP_TOKEN_IDS = 1 << 16
+
 DIGEST_ALGORITHMS = ("xxh3-128",)  # named in the header so it can change
 DEFAULT_DIGEST = "xxh3-128"
 DIGEST_HEX_LENGTH = 32

@@ -21,9 +21,9 @@ import numpy as np
 import xxhash
 
 from . import _fs, canonical
-from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, SnapshotExistsError, WriterStateError
+from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, SnapshotExistsError, WriterStateError, require_type
 from .layout import SectionSpec, record_sections, state_sections
-from .records import Geometry, Identity, RequestRecord
+from .records import Geometry, Identity, RequestRecord, Sharding
 from .spec import (
     ALIGNMENT,
     BYTE_ORDER_MARK,
@@ -216,6 +216,10 @@ class SnapshotWriter:
         # is unchanged: its fsync still makes everything durable, in the same order.
         self._writeback_from = 0 if writeback and _sync_file_range is not None else None
         self.state = WriterState.ABORTED  # until the file exists
+        # a dict where a record class goes: a typed refusal, not an AttributeError further on
+        for field, value, cls in (("identity", identity, Identity), ("geometry", geometry, Geometry), ("record", record, RequestRecord)):
+            require_type(self.path, field, value, cls)
+        require_type(self.path, "geometry.sharding", geometry.sharding, Sharding, optional=True)
         record.validate(self.path)
         self.record = record
         specs = state_sections(geometry, record.state_position, swa_start) + record_sections(
@@ -270,11 +274,11 @@ class SnapshotWriter:
     # -- the target: a temporary file renamed at commit (hsnap_format.remote overrides
     #    these four for a multipart upload whose completion is the commit)
     def _create(self, mode: int, preallocate: bool) -> None:
-        _fs.check_final_name(self.path)
+        _fs.check_final_path(self.path)  # the name, its length, no staging directory above it (spec 8.1)
         if os.path.lexists(self.path):
             raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
         try:  # marked as an unfinished write from its first byte (what hsnap gc checks)
-            self._tmp, self._fd = _fs.create_temp_file(self.path, mode)
+            self._tmp, self._fd = _fs.create_temp_file(self.path, mode, checked=True)
         except OSError as e:
             raise HsnapIOError(self.path, "create", e) from None
         self.state = WriterState.OPEN
@@ -425,6 +429,7 @@ class SnapshotWriter:
             raise HsnapIOError(self.path, "commit", e) from None
         try:
             _fs.phase("before-rename")
+            _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory
             _fs.rename_noreplace(self._tmp, self.path)
             _fs.phase("after-rename")
         except HsnapError:

@@ -11,6 +11,8 @@ from datetime import datetime, timezone
 import torch
 
 from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, SnapshotWriter
+from hsnap_format.errors import require_type
+from hsnap_format.records import Sharding
 from hsnap_format.remote import is_url, snapshot_writer
 
 from .adapters import PoolView, view_pools
@@ -73,6 +75,9 @@ def export_request(
     :func:`hsnap_io.reshard.describe`) records this rank's share of the global state,
     which a restore at another TP size needs.
     """
+    require_type(path, "identity", identity, Identity)  # typed refusals, not AttributeError, for a dict
+    require_type(path, "record", record, RequestRecord)
+    require_type(path, "sharding", sharding, Sharding, optional=True)
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     if sharding is not None:  # format 1.1: this rank's share of the global state (hsnap_io.reshard.describe)
         view = dataclasses.replace(view, geometry=dataclasses.replace(view.geometry, sharding=sharding))

@@ -11,12 +11,17 @@ Two halves:
   both fed ``arange(global)`` so the loaded "weight" is the global channel index, and the
   local extents out of ``Mamba2StateShape.create(tp_world_size=...)``. :func:`describe`.
 
-* **Re-sharding** a snapshot set written at TP N into pools of TP M: target rank r plans,
-  per state kind, which run of which source rank's section lands where in its own shard
-  (each global element from exactly one source: the lowest rank holding it), verifies
-  every source section it depends on, then preads only those runs (row slices) and
-  uploads the assembled shard. :func:`restore_resharded`, reached from
-  :func:`hsnap_io.restore.restore_request` when the set's TP size differs from the target's.
+* **Re-sharding** a snapshot set written at TP N into pools of TP M: before allocating,
+  the set must agree with itself and with the target (spec 5.8: identity, request record,
+  ``swa_start``, unsharded geometry; descriptions holding every global element exactly
+  ``replicas`` times), and target rank r plans, per state kind, which run of which
+  source rank's section lands where in its own shard (each global element from exactly
+  one source: the lowest rank holding it), proving that the runs tile every target
+  section; it verifies every source section it depends on. Then it allocates and, per
+  section, reads those source sections whole (hashed, 2 MiB at a time), slices the runs
+  out, refuses a digest mismatch before the assembled section is uploaded, and uploads.
+  :func:`restore_resharded`, reached from :func:`hsnap_io.restore.restore_request` when
+  the set's TP size differs from the target's.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import xxhash
 
-from hsnap_format import HsnapError, IncompatibleSnapshotError, geometry_differences, identity_differences
+from hsnap_format import (DigestMismatchError, HsnapError, HsnapIOError, IncompatibleSnapshotError, geometry_differences,
+                          identity_differences)
 from hsnap_format.errors import Phrase
 from hsnap_format.records import Geometry, ShardAxis, Sharding
 from hsnap_format.spec import DTYPES
@@ -40,11 +47,27 @@ from hsnap_format.spec import DTYPES
 
 class ReshardError(IncompatibleSnapshotError):
     """The set cannot be re-sharded into the target (undescribed kind, non-divisible split,
-    other global size). Raised before anything is allocated: the pools are untouched."""
+    other global size, runs that do not tile a target section). Raised before anything is
+    allocated — but for the byte count of an assembled section, checked during the upload
+    and rolled back like any upload failure. One line: ``file: field: expected X, found Y``
+    (the file is the rank file, the set, or for :func:`describe` the split asked for)."""
 
-    def __init__(self, path, field, expected=None, found=None, *, detail=None):
+    def __init__(self, path, field, expected=None, found=None, detail=None):
         HsnapError.__init__(self, path, field, expected, found, detail=detail)
         self.differences = [(field, expected, found)]
+
+    # the plain HsnapError line, not IncompatibleSnapshotError's "<field> differ: <detail>"
+    _message = HsnapError._message
+    __reduce__ = HsnapError.__reduce__
+
+
+class InconsistentSetError(ReshardError):
+    """The rank files of a TP set disagree where they must agree (spec 5.8): identity (but
+    the rank), request fields, ``swa_start``, record sections, section shapes, or sharding
+    descriptions that do not hold every global element exactly ``replicas`` times. Raised
+    before anything is allocated; names the rank file, the field, rank 0's value (or the
+    rule) and the value found. (A rank whose identity or geometry differs from the
+    *target's* is an :class:`IncompatibleSnapshotError` naming that rank file.)"""
 
 
 # --------------------------------------------------------------------------- model dims
@@ -116,8 +139,9 @@ def _sg(name: str):
     return importlib.import_module(name)
 
 
-def _refuse(field: str, expected, found, detail=None):
-    return ReshardError(None, field, expected, found, detail=detail)
+def _asked(tp: int, rank: int | None = None) -> str:
+    """What a description-time refusal names in place of a file: the split asked for."""
+    return f"sharding description (tp_size {tp}" + ("" if rank is None else f", rank {rank}") + ")"
 
 
 def kv_head_map(kv_heads: int, tp: int, rank: int) -> tuple[list[int], int]:
@@ -137,7 +161,7 @@ def kv_head_map(kv_heads: int, tp: int, rank: int) -> tuple[list[int], int]:
             held = [int(x) for x in layer.weight.data[q : q + layer.num_kv_heads, 0]]
             return held, int(layer.num_kv_head_replicas)
     except (AssertionError, ValueError) as e:  # divide(): heads not a multiple of ranks or v.v.
-        raise _refuse("attention kv heads", f"a split of {kv_heads} KV heads SGLang supports at tp_size {tp}", Phrase("not divisible"), detail=str(e) or None) from None
+        raise ReshardError(_asked(tp, rank), "attention kv heads", f"a split of {kv_heads} KV heads SGLang supports at tp_size {tp}", Phrase("not divisible"), detail=str(e) or None) from None
 
 
 def _mamba_shape(m: GDNDims | Mamba2Dims, tp: int, kernel: int):
@@ -151,7 +175,7 @@ def _mamba_shape(m: GDNDims | Mamba2Dims, tp: int, kernel: int):
     try:
         return mu.Mamba2StateShape.create(tp_world_size=tp, conv_kernel=kernel, **kw)
     except (AssertionError, ValueError) as e:
-        raise _refuse("mamba heads", f"a split SGLang supports at tp_size {tp}", Phrase(f"not divisible ({kw})"), detail=str(e) or None) from None
+        raise ReshardError(_asked(tp), "mamba heads", f"a split SGLang supports at tp_size {tp}", Phrase(f"not divisible ({kw})"), detail=str(e) or None) from None
 
 
 def _conv_shard_spec(m: GDNDims | Mamba2Dims, tp: int) -> list[tuple[int, int, bool]]:
@@ -164,7 +188,7 @@ def _conv_shard_spec(m: GDNDims | Mamba2Dims, tp: int) -> list[tuple[int, int, b
     groups = m.n_groups + mu.extra_groups_for_head_shards(m.n_groups, tp)
     if m.n_groups % tp and m.n_groups != 1:
         # MambaMixer2 asserts this for quantized models and loads garbage otherwise
-        raise _refuse("mamba n_groups", f"a multiple of tp_size {tp}, or 1 (replicated)", m.n_groups)
+        raise ReshardError(_asked(tp), "mamba n_groups", f"a multiple of tp_size {tp}, or 1 (replicated)", m.n_groups)
     settings = (groups * m.state_size, (groups - m.n_groups) * m.state_size, m.n_groups == 1)
     return [(m.intermediate, 0, False), settings, settings]
 
@@ -182,7 +206,7 @@ def conv_channel_map(m: GDNDims | Mamba2Dims, tp: int, rank: int, kernel: int = 
     mamba.mamba_v2_sharded_weight_loader(spec, tp, rank)(param, ids)
     held = [int(x) for x in param[:, 0]]
     if any(h < 0 for h in held):
-        raise _refuse("mamba conv channels", f"every local channel loaded at tp_size {tp}", Phrase("some not (non-divisible split)"))
+        raise ReshardError(_asked(tp, rank), "mamba conv channels", f"every local channel loaded at tp_size {tp}", Phrase("some not (non-divisible split)"))
     bounds, at = [], 0
     for full, _, _ in spec:
         n = full // tp
@@ -219,7 +243,7 @@ def _axis_from_maps(axis: int, global_size: int, maps: list[list[int]], rank: in
 def describe(model: TPModel, tp: int, rank: int) -> Sharding:
     """This rank's ``geometry.sharding`` (spec 5.7), derived from SGLang's sharding code."""
     if not 0 <= rank < tp:
-        raise _refuse("identity.tp_rank", f"0..{tp - 1}", rank)
+        raise ReshardError(_asked(tp, rank), "identity.tp_rank", f"0..{tp - 1}", rank)
     attention = None
     if model.mla:
         attention = ShardAxis(1, 1, ((0, 1, tp),))  # the latent: one "head", on every rank
@@ -278,13 +302,15 @@ def _axis_of(sharding: Sharding | None, key: str, component: int) -> ShardAxis |
     return v
 
 
-def plan(target: ShardAxis, sources: Sequence[ShardAxis], where: str) -> list[Run]:
+def plan(target: ShardAxis, sources: Sequence[ShardAxis], where: str, *, paths: Sequence | None = None) -> list[Run]:
     """Runs that fill the target's extent from the sources, each element from exactly one
-    source (the lowest rank holding it: replicas are identical, one read is enough)."""
+    source (the lowest rank holding it: replicas are identical, one read is enough).
+    ``paths`` name the source rank files in a refusal."""
+    name = (lambda k: paths[k]) if paths else (lambda k: f"source rank {k}")
     for k, s in enumerate(sources):
         if s.global_size != target.global_size or s.axis != target.axis:
-            raise _refuse(f"{where} (rank-{k})", f"global {target.global_size} on axis {target.axis} (the target's)",
-                          f"global {s.global_size} on axis {s.axis}")
+            raise ReshardError(name(k), where, f"axis {target.axis}, global {target.global_size} (the target's)",
+                               Phrase(f"axis {s.axis}, global {s.global_size}"))
     runs: list[Run] = []
     dst = 0
     for g0, n, _ in target.parts:
@@ -301,7 +327,7 @@ def plan(target: ShardAxis, sources: Sequence[ShardAxis], where: str) -> list[Ru
                 if found:
                     break
             if found is None:
-                raise _refuse(where, f"global element {g} held by some source rank", Phrase("held by none"))
+                raise ReshardError(os.path.dirname(paths[0]) if paths else "source ranks", where, f"global element {g} held by some source rank", Phrase("held by none"))
             k, src_local, count = found
             if runs and runs[-1].src == k and runs[-1].src_start + runs[-1].count == src_local and runs[-1].dst_start + runs[-1].count == dst:
                 last = runs[-1]
@@ -332,6 +358,106 @@ def expected_target_geometry(source: Geometry, target: Sharding) -> Geometry:
     return dataclasses.replace(source, attention=att, mamba=mam, sharding=None)
 
 
+# --------------------------------------------------------------------------- the set agrees (spec 5.8)
+
+# request fields (RequestRecord names) -> where they live in the header's request object
+_REQUEST_FIELD_PATH = {
+    "max_new_tokens": "stop.max_new_tokens", "min_new_tokens": "stop.min_new_tokens", "stop_strings": "stop.stop_strings",
+    "stop_token_ids": "stop.stop_token_ids", "ignore_eos": "stop.ignore_eos", "streamed_tokens": "streamed.tokens",
+    "streamed_text_chars": "streamed.text_chars", "reasoning_tokens": "streamed.reasoning_tokens",
+    "reasoning_finished": "streamed.reasoning_finished",
+}
+_TP_FIELDS = ("identity.tp_size", "identity.tp_rank")
+
+
+def _sources(snapset) -> list:
+    return [snapset.ranks[r] for r in range(snapset.manifest.tp_size)]
+
+
+def _agreed_fields(snap) -> dict:
+    """Field -> value of everything every rank of a set must hold identically: identity
+    but the rank, the request (header fields as a reader parses them, ``swa_start``) and
+    each record section (dtype, shape, digest: equal digests, equal bytes)."""
+    from hsnap_format.records import request_header_fields
+
+    out = {k: v for k, v in snap.identity.binding().items() if k != "identity.tp_rank"}
+    out["identity.snapshot_id"] = snap.identity.snapshot_id
+    req = request_header_fields(snap.request, snap.path)
+    for k, v in {**req["counts"], **req["fields"]}.items():
+        out[f"request.{_REQUEST_FIELD_PATH.get(k, k)}"] = v
+    out["request.swa_start"] = snap.swa_start
+    for sec in snap.sections:
+        if not sec.is_state:
+            out[f"sections[{sec.name}]"] = (sec.dtype, sec.shape, sec.digest)
+    return out
+
+
+def check_set(snapset, expected) -> list:
+    """Identity of every rank against the target (``expected``; all binding fields but the
+    TP size and rank) and every rank against rank 0 (identity, request, record): typed
+    refusals before anything is read or allocated. Returns the advisory numerics
+    differences of every rank, once each."""
+    from hsnap_format.records import numerics_differences
+
+    ranks = _sources(snapset)
+    numerics: list = []
+    for s in ranks:
+        if expected is None:
+            break
+        diffs = [d for d in identity_differences(expected, s.identity) if d[0] not in _TP_FIELDS]
+        if diffs:
+            raise IncompatibleSnapshotError(s.path, diffs)
+        numerics += [d for d in numerics_differences(expected, s.identity) if d not in numerics]
+    first = _agreed_fields(ranks[0])
+    for s in ranks[1:]:
+        mine = _agreed_fields(s)
+        for key in dict.fromkeys([*first, *mine]):
+            if first.get(key) != mine.get(key):
+                raise InconsistentSetError(s.path, key, Phrase(f"{first.get(key)!r} (as in {os.path.basename(ranks[0].path)})"), mine.get(key))
+    return numerics
+
+
+def _check_set_axis(axes: Sequence[ShardAxis], paths: Sequence, field: str, tp: int, set_path) -> None:
+    """Across the set: every element of the global axis is held, by exactly as many ranks
+    as each holder's part says (``replicas``), which is at most ``tp``. A sweep over the
+    parts' ends: cost in parts, never in elements."""
+    events = []
+    for k, ax in enumerate(axes):
+        for i, (g, n, rep) in enumerate(ax.parts):
+            if rep > tp:
+                raise InconsistentSetError(paths[k], f"{field}.parts[{i}].replicas", f"at most tp_size {tp}", rep)
+            events += [(g, 1, k, i), (g + n, 0, k, i)]  # at one position ends sort before starts
+    events.sort()
+    active: dict[tuple[int, int], int] = {}  # (rank, part) -> replicas, of the parts holding the stretch
+    by_replicas: dict[int, int] = {}  # replicas -> how many active parts say it
+
+    def stretch(a: int, b: int) -> None:
+        if not active:
+            raise InconsistentSetError(set_path, field, f"every global element 0..{axes[0].global_size - 1} held by some rank",
+                                       Phrase(f"elements {a}..{b - 1} held by none"))
+        if len(by_replicas) != 1 or len(active) not in by_replicas:
+            (k, i), rep = next((ki, r) for ki, r in active.items() if r != len(active))
+            raise InconsistentSetError(paths[k], f"{field}.parts[{i}].replicas",
+                                       f"{len(active)} (the ranks holding global elements {a}..{b - 1})", rep)
+
+    cursor = 0
+    for x, start, k, i in events:
+        if x > cursor:
+            stretch(cursor, x)
+            cursor = x
+        rep = axes[k].parts[i][2]
+        if start:
+            active[k, i] = rep
+            by_replicas[rep] = by_replicas.get(rep, 0) + 1
+        else:
+            del active[k, i]
+            by_replicas[rep] -= 1
+            if not by_replicas[rep]:
+                del by_replicas[rep]
+    if cursor < axes[0].global_size:
+        stretch(cursor, axes[0].global_size)
+
+
 # --------------------------------------------------------------------------- restore
 
 
@@ -344,133 +470,177 @@ class _SectionPlan:
     dst_shape: tuple[int, ...]
     itemsize: int
 
+    @property
+    def sources(self) -> list[int]:
+        return sorted({r.src for r in self.runs})
 
-def _sources(snapset) -> list:
-    return [snapset.ranks[r] for r in range(snapset.manifest.tp_size)]
-
-
-def _check_identity(snapset, expected, target_tp: int, path) -> list:
-    """Binding identity fields except the TP size and rank (that is the point), plus what
-    the set must agree on across ranks."""
-    from hsnap_format.records import numerics_differences
-
-    src = snapset.ranks[0].identity
-    diffs = [] if expected is None else [
-        d for d in identity_differences(expected, src) if d[0] not in ("identity.tp_size", "identity.tp_rank")
-    ]
-    if diffs:
-        raise IncompatibleSnapshotError(path, diffs)
-    return [] if expected is None else numerics_differences(expected, src)
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.dst_shape) * self.itemsize
 
 
-def build_plans(snapset, view, target: Sharding, path) -> list[_SectionPlan]:
-    """One plan per state binding of the target, checking geometry first (no I/O beyond the
-    headers already read)."""
+def _prove_tiling(runs: Sequence[Run], extent: int, src_extents: Sequence[int], where: str, path) -> None:
+    """The runs cover target elements 0..extent-1 once each (no gap, no overlap), each from
+    inside its source's extent: every byte of the target buffer will be written."""
+    cursor = 0
+    for r in sorted(runs, key=lambda r: r.dst_start):
+        if r.dst_start != cursor or r.count < 1 or r.src_start < 0 or r.src_start + r.count > src_extents[r.src]:
+            raise ReshardError(path, where, f"runs tiling the target's {extent} elements", Phrase(f"{r} at target element {cursor}"))
+        cursor += r.count
+    if cursor != extent:
+        raise ReshardError(path, where, f"runs tiling the target's {extent} elements", Phrase(f"runs covering {cursor}"))
+
+
+def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None = None) -> list[_SectionPlan]:
+    """One plan per state binding of the target, after every check of spec 5.8 that needs
+    no section bytes: geometry of every rank, every description across the set, and the
+    proof that the runs of each target section tile it from source sections of the
+    shape the target expects."""
+    from hsnap_format.layout import state_section_rows
+
     from .restore import _NOT_COMPARED, _storage_differs
 
     ranks = _sources(snapset)
     src0 = ranks[0]
+    paths = [s.path for s in ranks]
     try:  # the caller's description must describe its own pools
         Sharding.from_header(target.to_header(), view.geometry.attention, view.geometry.mamba, "target pools")
     except HsnapError as e:
-        raise _refuse("target sharding", "a description of the target pools", Phrase(str(e))) from None
+        raise ReshardError(path, "sharding (target)", "a description of the target pools", Phrase(str(e))) from None
     expected = expected_target_geometry(src0.geometry, target)
-    diffs = geometry_differences(view.geometry, expected, ignore=_NOT_COMPARED)
-    if _storage_differs(view.geometry.attention, src0.geometry.attention):
-        diffs.append(("geometry.attention.storage_dtype", view.geometry.attention.storage_dtype, src0.geometry.attention.storage_dtype))
-    if diffs:
-        raise IncompatibleSnapshotError(path, diffs)
-    for s in ranks[1:]:  # every source rank: same layers, dtypes, dims but for its own extents
-        d = geometry_differences(expected_target_geometry(s.geometry, target), expected, ignore=_NOT_COMPARED)
-        if d:
-            raise IncompatibleSnapshotError(s.path, d)
+    for s in ranks:  # every source rank: same layers, dtypes, dims but for its own extents
+        found = expected_target_geometry(s.geometry, target)
+        diffs = geometry_differences(view.geometry, found, ignore=_NOT_COMPARED) if s is src0 else \
+            geometry_differences(expected, found, ignore=_NOT_COMPARED)
+        if _storage_differs(view.geometry.attention, s.geometry.attention):
+            diffs.append(("geometry.attention.storage_dtype", view.geometry.attention.storage_dtype, s.geometry.attention.storage_dtype))
+        if diffs:
+            raise IncompatibleSnapshotError(s.path, diffs)
+    # the target's own sections (shape, dtype) at the set's position: check_set proved every rank agrees on it
+    target_rows = {r[0]: r for r in state_section_rows(view.geometry, src0.state_position, src0.swa_start)}
     plans, cache = [], {}
     for b in view.bindings:
         key = KIND_AXIS.get(b.kind)
+        if key is None:
+            raise ReshardError(path, f"sections[{b.name}]", "a state kind with a sharding description", b.kind)
         component = int(b.name.rsplit(".", 1)[1]) if b.kind == "conv" else 0
         field = f"geometry.sharding.{key}" + (f"[{component}]" if key == "conv" else "")
-        if key is None:
-            raise _refuse(f"sections[{b.name}]", "a state kind with a sharding description", b.kind)
-        tgt = _axis_of(target, key, component)
-        if tgt is None:
-            raise _refuse(f"{field} (target)", "described", Phrase(f"absent: cannot re-shard {b.name}"))
-        srcs = []
-        for s in ranks:
-            ax = _axis_of(s.geometry.sharding, key, component)
-            if ax is None:
-                raise _refuse(f"{field} ({os.path.basename(s.path)})", "described (format 1.1, feature tp-sharding)",
-                              Phrase(f"absent: cannot re-shard {b.name}"))
-            srcs.append(ax)
         if field not in cache:
-            cache[field] = plan(tgt, srcs, field)
-        infos = [s.section(b.name) for s in ranks]
-        dst_shape = list(infos[0].shape)
-        dst_shape[tgt.axis] = tgt.local_size
-        plans.append(_SectionPlan(b.name, tgt.axis, cache[field], [i.shape for i in infos], tuple(dst_shape), DTYPES[infos[0].dtype].itemsize))
+            tgt = _axis_of(target, key, component)
+            if tgt is None:
+                raise ReshardError(path, f"{field} (target)", "described", Phrase(f"absent: cannot re-shard {b.name}"))
+            for i, (_, _, rep) in enumerate(tgt.parts):
+                if target_tp is not None and rep > target_tp:
+                    raise ReshardError(path, f"{field}.parts[{i}].replicas (target)", f"at most tp_size {target_tp}", rep)
+            srcs = []
+            for s in ranks:
+                ax = _axis_of(s.geometry.sharding, key, component)
+                if ax is None:
+                    raise ReshardError(s.path, field, "described (format 1.1, feature tp-sharding)", Phrase(f"absent: cannot re-shard {b.name}"))
+                srcs.append(ax)
+            runs = plan(tgt, srcs, field, paths=paths)  # same axis and global as the target, or refused
+            _check_set_axis(srcs, paths, field, len(ranks), snapset.path)
+            cache[field] = (tgt, srcs, runs)
+        tgt, srcs, runs = cache[field]
+        row = target_rows.get(b.name)
+        if row is None or row[1] != b.kind:
+            raise ReshardError(path, f"sections[{b.name}]", "a section of the target's plan", Phrase("not planned"))
+        dst_shape, dtype = row[4], row[3]
+        # each source section: the target's rows and inner extent, its own extent on the sharded axis
+        src_shapes = []
+        for s, ax in zip(ranks, srcs):
+            want = dst_shape[: tgt.axis] + (ax.local_size,) + dst_shape[tgt.axis + 1 :]
+            info = s.section(b.name) if b.name in s else None
+            if info is None or (info.shape, info.dtype) != (want, dtype):
+                raise InconsistentSetError(s.path, f"sections[{b.name}]", Phrase(f"{dtype} {list(want)}"),
+                                           None if info is None else Phrase(f"{info.dtype} {list(info.shape)}"))
+            src_shapes.append(info.shape)
+        _prove_tiling(runs, dst_shape[tgt.axis], [ax.local_size for ax in srcs], f"{field} for sections[{b.name}]", path)
+        plans.append(_SectionPlan(b.name, tgt.axis, runs, src_shapes, dst_shape, DTYPES[dtype].itemsize))
     return plans
 
 
-def _read_runs(snap, name: str, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray) -> int:
-    """pread source ``src``'s runs of section ``name`` into the target bytes ``out``; returns
-    bytes read. A run spanning the whole source axis is one read per outer block of rows;
-    otherwise one read per outer row (token) — only the row slices, never whole rows."""
-    info = snap.section(name)
+_PIECE = 2 << 20  # read and hash 2 MiB at a time, and slice each piece while it is in cache
+
+
+def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray, check: bool) -> tuple[int, int]:
+    """Read source rank ``src``'s section ``p.name`` whole, in order, 2 MiB at a time,
+    hashing every byte, and copy its ``runs`` (row slices) into the target bytes ``out``;
+    with ``check`` the digest is compared before ``out`` goes anywhere (what is uploaded
+    was hashed). Returns (bytes read, bytes written into ``out``)."""
+    info = snap.section(p.name)
     shape, axis = p.src_shapes[src], p.axis
     outer = math.prod(shape[:axis])
     inner = math.prod(shape[axis + 1 :]) * p.itemsize
-    s_ax, t_ax = shape[axis], p.dst_shape[axis]
-    dst = out.reshape(outer, t_ax * inner) if outer else out
-    got = 0
-    for r in runs:
-        n = r.count * inner
-        if outer == 0 or n == 0:
-            continue
-        if r.count == s_ax:  # the whole source axis: one contiguous read, scattered per row
-            buf = np.empty(outer * n, dtype=np.uint8)
-            snap._read(info.offset, outer * n, memoryview(buf))
-            dst[:, r.dst_start * inner : r.dst_start * inner + n] = buf.reshape(outer, n)
-            got += outer * n
-            continue
-        row = np.empty(n, dtype=np.uint8)
-        for o in range(outer):
-            snap._read(info.offset + (o * s_ax + r.src_start) * inner, n, memoryview(row))
-            dst[o, r.dst_start * inner : r.dst_start * inner + n] = row
-            got += n
-    return got
+    row = shape[axis] * inner  # bytes of one outer row (a token) of the source
+    dst = out.reshape(outer, p.dst_shape[axis] * inner)
+    cols = [(r.src_start * inner, (r.src_start + r.count) * inner, r.dst_start * inner) for r in runs]
+    h = xxhash.xxh3_128()
+    buf = np.empty(min(_PIECE, info.length), dtype=np.uint8)  # scratch: only bytes just read are used
+    rows_per_piece = _PIECE // row if 0 < row <= _PIECE else 0  # 0: a row is longer than a piece
+    at = written = 0
+    while at < info.length:
+        o, c = divmod(at, row)
+        n_rows = min(rows_per_piece, outer - o)
+        n = n_rows * row if rows_per_piece else min(_PIECE, row - c)
+        piece = buf[:n]
+        snap._read(info.offset + at, n, memoryview(piece))
+        h.update(piece)
+        if rows_per_piece:  # whole rows: one strided copy per run
+            block = piece.reshape(n_rows, row)
+            for a, b, d in cols:
+                dst[o : o + n_rows, d : d + b - a] = block[:, a:b]
+                written += n_rows * (b - a)
+        else:  # bytes c..c+n of row o
+            for a, b, d in cols:
+                lo, hi = max(a, c), min(b, c + n)
+                if lo < hi:
+                    dst[o, d + lo - a : d + hi - a] = piece[lo - c : hi - c]
+                    written += hi - lo
+        at += n
+    if check and h.hexdigest() != info.digest:
+        raise DigestMismatchError(snap.path, f"sections[{p.name!r}].digest", info.digest, h.hexdigest())
+    return info.length, written
 
 
 def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: int, target_rank: int,
-                      verify: bool, exact_rollback: bool, staging_bytes: int):
-    """Restore ``snapset`` (TP N) into this target rank (TP M): see the module docstring."""
+                      verify, exact_rollback: bool, staging_bytes: int):
+    """Restore ``snapset`` (TP N) into this target rank (TP M): see the module docstring.
+
+    Before anything is allocated: the set agrees (:func:`check_set`), every rank's
+    geometry and description fit, the runs of every target section provably tile it
+    (:func:`build_plans`), and — ``verify`` True — every source section it depends on is
+    verified and the record is read hashed. Then, under the pool lock: allocate; for each
+    section read its source sections whole (hashed, :func:`_read_runs`), refuse a digest
+    or byte-count mismatch before that section is uploaded, upload; any failure gives
+    every allocation back (:func:`hsnap_io.restore.raise_upload_failure`)."""
     import warnings
 
-    from .restore import NumericsWarning, _allocate, check_capacity, pool_lock, raise_upload_failure, RestoredRequest
+    from .restore import _VERIFY_MODES, NumericsWarning, _allocate, check_capacity, pool_lock, raise_upload_failure, RestoredRequest
     from .statecheck import PoolCheckpoint
     from .transfer import engine_for
-    from hsnap_format import HsnapIOError
 
+    if verify not in _VERIFY_MODES:
+        raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
+    mode = _VERIFY_MODES[verify]
     path = snapset.path
-    numerics = _check_identity(snapset, identity, target_tp, path)
+    numerics = check_set(snapset, identity)
     if numerics:
         warnings.warn(NumericsWarning(f"{path}: written under other numerics: bit-exactness is not expected"), stacklevel=3)
-    plans = build_plans(snapset, view, target, path)
+    plans = build_plans(snapset, view, target, path, target_tp=target_tp)
     sources = _sources(snapset)
     src0 = sources[0]
     check_capacity(src0, view)
-    used = sorted({r.src for p in plans for r in p.runs})
-    if verify:  # every source section this shard depends on, and the record of rank 0
-        try:
-            for k in used:
-                for p in plans:
-                    if any(r.src == k for r in p.runs):
-                        sources[k].verify_section(p.name)
-            for s in src0.sections:
-                if not s.is_state:
-                    src0.verify_section(s)
-        except OSError as e:
-            raise HsnapIOError(path, "read", e) from None
-    record = src0.record(verify=False)  # verified above when asked
-    pos = src0.state_position
+    used = sorted({k for p in plans for k in p.sources})
+    try:
+        if mode == "before":  # refusals before allocating: the pools stay byte-identical
+            for p in plans:
+                for k in p.sources:
+                    sources[k].verify_section(p.name)
+        # hashed as read (what is returned was hashed); check_set proved every rank's record has these digests
+        record = src0.record(verify=mode is not None)
+    except OSError as e:
+        raise HsnapIOError(path, "read", e) from None
     read = uploaded = 0
     with pool_lock(view.req_to_token_pool):
         for k in used:
@@ -479,15 +649,18 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
         engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
         where = "allocation"
         try:
-            row, slots, floor = _allocate(view, pos, src0.swa_start, path, checkpoint)
+            row, slots, floor = _allocate(view, src0.state_position, src0.swa_start, path, checkpoint)
             for b, p in zip(view.bindings, plans):
                 where = f"sections[{p.name}]"
                 rows = slots.rows(b.space)
-                out = np.empty(math.prod(p.dst_shape) * p.itemsize, dtype=np.uint8)
-                for k in used:
-                    runs = [r for r in p.runs if r.src == k]
-                    if runs:
-                        read += _read_runs(sources[k], p.name, p, k, runs, out)
+                out = np.empty(p.nbytes, dtype=np.uint8)  # every byte written below (tiling proved), or refused
+                written = 0
+                for k in p.sources:
+                    got, wrote = _read_runs(sources[k], p, k, [r for r in p.runs if r.src == k], out, mode is not None)
+                    read += got
+                    written += wrote
+                if written != out.nbytes:  # the second guard behind the tiling proof
+                    raise ReshardError(path, where, f"{out.nbytes} bytes assembled from the source ranks", Phrase(f"{written} bytes"))
                 if exact_rollback:
                     checkpoint.remember_rows(b.buffer, rows, b.name)
                 engine.import_section(b.buffer, rows.to(b.buffer.device), out)
@@ -501,7 +674,7 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
         token_indices=slots.token,
         mamba_pool_idx=None if slots.mamba is None else int(slots.mamba[0]),
         record=record,
-        state_position=pos,
+        state_position=src0.state_position,
         snapshot_id=src0.identity.snapshot_id,
         bytes_uploaded=uploaded,
         numerics_differences=numerics,
@@ -511,5 +684,5 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     )
 
 
-__all__ = ["TPModel", "GDNDims", "Mamba2Dims", "describe", "plan", "Run", "ReshardError", "restore_resharded",
-           "kv_head_map", "conv_channel_map"]
+__all__ = ["TPModel", "GDNDims", "Mamba2Dims", "describe", "plan", "Run", "ReshardError", "InconsistentSetError",
+           "restore_resharded", "kv_head_map", "conv_channel_map"]

@@ -1,7 +1,8 @@
 """Restore one request from a snapshot into fresh slots of (other) SGLang pools.
 
 Order of work, so that a refusal leaves the pools untouched:
-  1. open (preamble, header, trailer), pick this rank's file;
+  1. open (preamble, header, trailer), pick this rank's file — once: the record, every
+     check and every uploaded byte come through that one open (:class:`OpenSource`);
   2. compare identity and per-request geometry with the target — every differing
      field is named; pool capacity is not part of identity, nor is the page size
      (sections are per token, spec 5.2: any target page size takes them), nor a
@@ -22,6 +23,7 @@ Order of work, so that a refusal leaves the pools untouched:
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import threading
@@ -50,6 +52,8 @@ from hsnap_format import (
     numerics_differences,
     open_snapshot,
 )
+from hsnap_format.errors import Phrase, require_type
+from hsnap_format.records import Sharding
 from hsnap_format.remote import is_url, open_url
 from hsnap_format.spec import DTYPES
 
@@ -181,6 +185,9 @@ def _allocate(view: PoolView, pos: int, swa_start: int, path, checkpoint: PoolCh
 
     Every index space a binding uses gets a tensor, empty when ``pos`` is 0: a request
     with no committed position still has (empty) attention and SWA sections."""
+    held = _HELD_CHECKPOINTS.get()
+    if held is not None:  # restore_opened(bind=...): the rollback stays open past the upload
+        held.append(checkpoint)
     rtp, alloc = view.req_to_token_pool, view.allocator
     page = _target_page(view)
     rows = rtp.alloc_rows(1)
@@ -261,74 +268,169 @@ def restore_request(
     rank reads only its heads/channels from the source rank files it needs, after
     verifying every source section it depends on; all the guarantees above hold. The
     target TP size is ``identity.tp_size`` (``tp_size`` when ``identity`` is None).
+
+    The file (or set) is opened once: everything checked, hashed and uploaded comes
+    through that one open (:func:`open_source`, :func:`restore_opened`).
     """
-    if rank is None and identity is not None:
-        rank = identity.tp_rank
+    require_type(path, "identity", identity, Identity, optional=True)  # typed refusals, not AttributeError, for a dict
+    require_type(path, "sharding", sharding, Sharding, optional=True)
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
-    target_tp = identity.tp_size if identity is not None else tp_size
-    if sharding is not None and os.path.isdir(os.fspath(path)):
-        resharded = _maybe_reshard(path, view, identity, sharding, target_tp, rank, verify, exact_rollback, staging_bytes)
-        if resharded is not None:
-            return resharded
-    snap, snapset = _open_rank(path, rank, storage_options)
-    try:
-        numerics = check_compatible(snap, view, identity)
-        if numerics:
-            warnings.warn(
-                NumericsWarning(
-                    f"{snap.path}: written under other numerics ("
-                    + "; ".join(f"{k}: {e!r} here, {f!r} in snapshot" for k, e, f in numerics)
-                    + "): the continuation is valid but bit-exactness with an uninterrupted run is not expected"
-                ),
-                stacklevel=2,
-            )
-        check_capacity(snap, view)
-        engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-        mode = _VERIFY_MODES.get(verify)
-        if mode is None and verify not in _VERIFY_MODES:
-            raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
-        # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
-        # an object store's ranged GETs): what was hashed is exactly what is in the slots.
-        # An engine that does not read files (CUDA: uploads from the map) verifies first.
-        remote = getattr(snap, "verifies_while_reading", False)
-        during = mode is not None and (remote or engine.reads_files)
-        try:
-            if mode == "before" and not remote or mode is not None and not during:
-                snap.verify()  # every refusal before allocation: pools byte-identical
-            elif mode == "during" and not remote:
-                snap.check_padding()
-        except OSError as e:
-            raise HsnapIOError(snap.path, "read", e) from None
-        if mode == "before" and remote:
-            exact_rollback = True  # checked only while read: a digest refusal must still be byte-exact
-        record = snap.record(verify=during and (mode == "during" or remote))  # else verify() covered it
-        return _upload(snap, view, record, numerics, engine, exact_rollback, during)
-    finally:
-        (snapset or snap).close()
+    with open_source(path, rank=rank, identity=identity, sharding=sharding, tp_size=tp_size, storage_options=storage_options) as source:
+        return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, None)
 
 
 # verify= argument -> how digests are checked (restore_request's docstring)
 _VERIFY_MODES = {True: "before", "before": "before", "during": "during", False: None}
 
+# what open_source takes of restore_request's keywords (the rest is restore_opened's)
+OPEN_KEYWORDS = ("sharding", "tp_size", "storage_options")
 
-def _maybe_reshard(path, view, identity, sharding, target_tp, rank, verify, exact_rollback, staging_bytes):
-    """A set written at another TP size goes through :mod:`hsnap_io.reshard` (the caller
-    gave ``sharding``, its own rank's description); the same TP size takes the plain path."""
+
+@dataclass
+class OpenSource:
+    """One open of a snapshot for one restore: the record, every check and every uploaded
+    byte come through it, so a file renamed over the path meanwhile is never mixed in
+    (one open, one proof). ``snap`` is the rank file whose record the request continues —
+    this rank's file, or rank 0 of a set that is re-sharded (``resharded``)."""
+
+    path: str
+    snap: Snapshot
+    snapset: SnapshotSet | None
+    rank: int | None
+    resharded: bool = False
+    sharding: Any = None
+    target_tp: int | None = None
+
+    def close(self) -> None:
+        (self.snapset or self.snap).close()
+
+    def __enter__(self) -> "OpenSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_source(path, *, rank: int | None = None, identity: Identity | None = None, sharding=None,
+                tp_size: int | None = None, storage_options=None) -> OpenSource:
+    """Open ``path`` once for :func:`restore_opened`. ``rank`` defaults to
+    ``identity.tp_rank``. With ``sharding`` (this rank's description), a snapshot directory
+    written at another TP size than the target's (``identity.tp_size``, else ``tp_size``) is
+    opened whole — manifest and every rank, once — for re-sharding."""
+    if rank is None and identity is not None:
+        rank = identity.tp_rank
+    target_tp = identity.tp_size if identity is not None else tp_size
     p = os.fspath(path)
-    with open_snapshot(p, ranks=[]) as head:  # the manifest only
-        source_tp = head.manifest.tp_size
-    if target_tp is None or source_tp == target_tp:
-        return None
-    from .reshard import restore_resharded
-
-    if rank is None or not 0 <= rank < target_tp:
-        raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"0..{target_tp - 1}", rank)])
-    snapset = open_snapshot(p)
+    if sharding is None or is_url(p) or not os.path.isdir(p):
+        snap, snapset = _open_rank(p, rank, storage_options)
+        return OpenSource(p, snap, snapset, rank)
+    snapset = open_snapshot(p)  # the manifest and every rank file: the one open of this restore
     try:
-        return restore_resharded(snapset, view, identity=identity, target=sharding, target_tp=target_tp, target_rank=rank,
-                                 verify=verify, exact_rollback=exact_rollback, staging_bytes=staging_bytes)
-    finally:
+        source_tp = snapset.manifest.tp_size
+        if target_tp is not None and source_tp != target_tp:
+            if rank is None or not 0 <= rank < target_tp:
+                raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"0..{target_tp - 1}", rank)])
+            return OpenSource(p, snapset.ranks[0], snapset, rank, resharded=True, sharding=sharding, target_tp=target_tp)
+        r = 0 if rank is None else rank
+        if r >= source_tp:
+            raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"< tp_size {source_tp}", r)])
+        return OpenSource(p, snapset.ranks[r], snapset, r)
+    except BaseException:
         snapset.close()
+        raise
+
+
+def check_target(source: OpenSource, view: PoolView, identity: Identity | None) -> None:
+    """The cheap refusals of :func:`restore_opened` (identity, geometry, capacity: the header
+    only), for a caller that has more to check before it restores. A re-sharded source is
+    checked by :mod:`hsnap_io.reshard` when it restores."""
+    if not source.resharded:
+        check_compatible(source.snap, view, identity)
+        check_capacity(source.snap, view)
+
+
+def restore_opened(
+    source: OpenSource,
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    identity: Identity | None,
+    verify: bool | str = True,
+    exact_rollback: bool = False,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    bind=None,
+) -> RestoredRequest:
+    """:func:`restore_request` from an :class:`OpenSource` the caller opened (and read the
+    record from). ``bind(restored)``, when given, runs under :func:`pool_lock` right after
+    the upload and inside its rollback: if it raises, every allocation of the restore (and
+    whatever ``bind`` allocated from the same pools) is given back, as for a failed upload,
+    and the error is raised typed (:class:`UploadError` naming ``bind`` for an untyped one)."""
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, bind)
+
+
+def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes, bind) -> RestoredRequest:
+    if bind is None:
+        return _restore_source(source, view, identity, verify, exact_rollback, staging_bytes)
+    with pool_lock(view.req_to_token_pool):  # nothing else allocates between the upload and bind
+        held: list[PoolCheckpoint] = []
+        token = _HELD_CHECKPOINTS.set(held)
+        try:
+            restored = _restore_source(source, view, identity, verify, exact_rollback, staging_bytes)
+        finally:
+            _HELD_CHECKPOINTS.reset(token)
+        try:
+            bind(restored)
+        except BaseException as e:
+            if not held:  # a restore path that allocates without _allocate: say so, loudly
+                raise RollbackError(source.snap.path, "rollback", "the restore's allocation registered for bind", Phrase("none: not given back")) from e
+            raise_upload_failure(None, held[-1], source.snap.path, e, "bind")
+    return restored
+
+
+# The checkpoint of the allocation in progress, kept past the upload for restore_opened's
+# bind: _allocate (used by the plain and the re-sharded path) registers it here.
+_HELD_CHECKPOINTS: "contextvars.ContextVar[list[PoolCheckpoint] | None]" = contextvars.ContextVar("hsnap_held_checkpoints", default=None)
+
+
+def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes) -> RestoredRequest:
+    if source.resharded:
+        from .reshard import restore_resharded
+
+        return restore_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
+                                 target_rank=source.rank, verify=verify, exact_rollback=exact_rollback, staging_bytes=staging_bytes)
+    snap = source.snap
+    numerics = check_compatible(snap, view, identity)
+    if numerics:
+        warnings.warn(
+            NumericsWarning(
+                f"{snap.path}: written under other numerics ("
+                + "; ".join(f"{k}: {e!r} here, {f!r} in snapshot" for k, e, f in numerics)
+                + "): the continuation is valid but bit-exactness with an uninterrupted run is not expected"
+            ),
+            stacklevel=4,
+        )
+    check_capacity(snap, view)
+    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    mode = _VERIFY_MODES.get(verify)
+    if mode is None and verify not in _VERIFY_MODES:
+        raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
+    # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
+    # an object store's ranged GETs): what was hashed is exactly what is in the slots.
+    # An engine that does not read files (CUDA: uploads from the map) verifies first.
+    remote = getattr(snap, "verifies_while_reading", False)
+    during = mode is not None and (remote or engine.reads_files)
+    try:
+        if mode == "before" and not remote or mode is not None and not during:
+            snap.verify()  # every refusal before allocation: pools byte-identical
+        elif mode == "during" and not remote:
+            snap.check_padding()
+    except OSError as e:
+        raise HsnapIOError(snap.path, "read", e) from None
+    if mode == "before" and remote:
+        exact_rollback = True  # checked only while read: a digest refusal must still be byte-exact
+    record = snap.record(verify=during and (mode == "during" or remote))  # else verify() covered it
+    return _upload(snap, view, record, numerics, engine, exact_rollback, during)
 
 
 _POOL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
@@ -462,9 +564,11 @@ def raise_upload_failure(engine, checkpoint: PoolCheckpoint, path, cause: BaseEx
 def _give_back(engine, checkpoint: PoolCheckpoint, path, cause: BaseException) -> None:
     """Drain the engine, then roll back — the rollback runs even when draining fails.
     A rollback that cannot put everything back wins over ``cause`` (chained to it):
-    the caller must learn that the pools are not as they were."""
+    the caller must learn that the pools are not as they were. ``engine`` None: the
+    upload had finished (a failure in restore_opened's bind)."""
     try:
-        engine.finish_import()
+        if engine is not None:
+            engine.finish_import()
     except Exception:  # noqa: BLE001 - the rollback below matters more; cause is re-raised
         pass
     try:
@@ -473,4 +577,5 @@ def _give_back(engine, checkpoint: PoolCheckpoint, path, cause: BaseException) -
         raise r from cause
 
 
-__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "UploadError", "RollbackError", "HsnapError", "pool_lock"]
+__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "UploadError", "RollbackError", "HsnapError", "pool_lock",
+           "open_source", "restore_opened", "OpenSource"]

@@ -24,9 +24,10 @@ from __future__ import annotations
 import os
 
 from hsnap_format import CommitInfo, HsnapError, Identity
+from hsnap_format.errors import require_type
 
 from ._sglang_env import import_sglang
-from .sglang import _export_req, bind_restored, carried_kv
+from .sglang import _export_req
 
 
 def retract_to_disk(
@@ -81,35 +82,46 @@ def load_retracted(
     """Give a request retracted by :func:`retract_to_disk` fresh slots holding its
     state again (the same ``Req`` object, same process). Returns ``req``.
 
-    Refused before the pools are touched when the file is not this request's
-    (rid, history) or the request is not retracted; then as
-    :func:`hsnap_io.restore_request` refuses.
+    The file is opened once: the record it is checked against and the state uploaded
+    come through that one open. Refused before the pools are touched when the request
+    is not retracted, the file does not belong to the target, is not this request's
+    (rid, history), or carries a malformed ReqKvInfo value; then as
+    :func:`hsnap_io.restore_request` refuses. On a target with Mamba ping-pong track
+    buffers the request gets fresh track slots, as SGLang's re-admission gives them. A
+    failure after allocation gives every allocation back and leaves ``req`` retracted.
     """
     import_sglang()
-    from .restore import _open_rank, restore_request
+    from .adapters import view_pools
+    from .restore import OPEN_KEYWORDS, check_target, open_source, pool_lock, restore_opened
+    from .sglang import _binder, _check_tracking_capacity, _mamba_tracking_slots, _read_record, decode_carried
 
+    require_type(path, "identity", identity, Identity, optional=True)
     rank = restore_kwargs.pop("rank", None)
-    if rank is None and identity is not None:
-        rank = identity.tp_rank
-    snap, snapset = _open_rank(path, rank)
-    try:
-        record, fpath = snap.record(), snap.path
-    finally:
-        (snapset or snap).close()
-    checks = [
-        ("Req.is_retracted", True, req.is_retracted),
-        ("request.rid", req.rid, record.rid),
-        ("request.output_tokens", len(req.output_ids), len(record.output_ids)),
-        ("request.prompt_tokens", len(req.origin_input_ids), len(record.prompt_ids)),
-        ("ReqKvInfo.req_pool_idx", None, req.kv.req_pool_idx),
-    ]
-    for field, expected, found in checks:
-        if expected != found:
-            raise HsnapError(fpath, field, expected, found, detail="not the retracted request this file holds")
-    if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
-        raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
-    restored = restore_request(path, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator, identity=identity, rank=rank, **restore_kwargs)
-    bind_restored(req, restored, carried_kv(record, fpath), tree_cache)
+    open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
+        fpath = source.snap.path
+        if not req.is_retracted or req.kv.req_pool_idx is not None:
+            raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
+        check_target(source, view, identity)
+        record = _read_record(source.snap, fpath)
+        checks = [
+            ("request.rid", req.rid, record.rid),
+            ("request.output_tokens", len(req.output_ids), len(record.output_ids)),
+            ("request.prompt_tokens", len(req.origin_input_ids), len(record.prompt_ids)),
+        ]
+        for field, expected, found in checks:
+            if expected != found:
+                raise HsnapError(fpath, field, expected, found, detail="not the retracted request this file holds")
+        if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
+            raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
+        kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
+        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
+        tracking = _mamba_tracking_slots(req_to_token_pool)
+        with pool_lock(req_to_token_pool):
+            _check_tracking_capacity(req_to_token_pool, tracking, fpath)
+            restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                           identity=identity, bind=_binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
     req.is_retracted = False
     req.already_computed = 0
     return req

@@ -24,9 +24,12 @@ for the rest, keys ``sglang.<Class>.<attr>``); the file format is unchanged.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 import os
+import re
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -34,7 +37,9 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, IncompatibleSnapshotError, RequestRecord
+from hsnap_format import CapacityError, CommitInfo, HsnapError, HsnapIOError, Identity, IncompatibleSnapshotError, MalformedHeaderError, RequestRecord
+
+from hsnap_format.errors import Phrase, require_type
 
 from ._sglang_env import import_sglang
 from .export import export_request
@@ -65,13 +70,18 @@ def _falsy(v) -> bool:
 class Field:
     disposition: str
     why: str
-    codec: str | None = None  # carried: record | plain | ints | intset | json
+    codec: str | None = None  # carried: record | sampling | plain | ints | intset | json
     ok: Callable[[Any], bool] | None = None  # refused: the values that are accepted
     neutral: str = ""  # refused: the accepted value, in words (docs)
+    # carried outside the typed record: the stored value (after the codec) -> the typed
+    # value resume sets, or _Bad. The one place a record's extras are checked (decode_carried).
+    value: Callable[[Any, "_Bounds"], Any] | None = None
 
 
-def C(why: str, codec: str = "plain") -> Field:
-    return Field(CARRIED, why, codec)
+def C(why: str, codec: str = "plain", value=None) -> Field:
+    if codec not in ("record", "sampling") and value is None:  # sampling: SamplingParams' own types and verify()
+        raise AssertionError(f"carried field without a value check: {why}")
+    return Field(CARRIED, why, codec, value=value)
 
 
 def D(why: str) -> Field:
@@ -86,9 +96,208 @@ def I(why: str) -> Field:  # noqa: E743
     return Field(IRRELEVANT, why)
 
 
+# ----------------------------------------------------------------------------- value checks
+# Each carried value outside the typed record is checked, from what the file stores to the
+# typed value resume sets, by one of these (Field.value): a type, a range (in terms of the
+# record's own counts, _Bounds), a bounded JSON text. They raise _Bad; decode_carried names
+# the file and the record field.
+
+_MAX_PLAIN = 2**53 - 1  # a JSON number in the header (canonical JSON)
+TOKEN_ID_LIMIT = 2**31  # token ids are stored as int32
+_MAX_JSON_DEPTH = 32  # nesting of a JSON text carried in a string (kv_hints payloads, input logprobs)
+_MAX_LIST = 1 << 20
+
+
+class _Bad(Exception):
+    def __init__(self, expected, found) -> None:
+        super().__init__(expected)
+        self.expected, self.found = expected, found
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """What a carried value is checked against: the record's counts and the carried vocab."""
+
+    prompt: int
+    output: int
+    position: int
+    swa_start: int
+    vocab: int | None
+
+    @property
+    def token_hi(self) -> int:  # ids are < this
+        return self.vocab if self.vocab is not None and 0 < self.vocab <= TOKEN_ID_LIMIT else TOKEN_ID_LIMIT
+
+
+def _limit(x, b: _Bounds) -> int:
+    return x(b) if callable(x) else x
+
+
+def _bool(v, b):
+    if type(v) is bool:
+        return v
+    raise _Bad(Phrase("true or false"), v)
+
+
+def _int(lo=0, hi=_MAX_PLAIN, none=False):
+    def check(v, b):
+        if v is None and none:
+            return None
+        lo_, hi_ = _limit(lo, b), _limit(hi, b)
+        if type(v) is not int or not lo_ <= v <= hi_:
+            raise _Bad(Phrase(f"an integer in {lo_}..{hi_}" + (" or null" if none else "")), v)
+        return v
+
+    return check
+
+
+def _str(none=True):
+    def check(v, b):
+        if v is None and none or type(v) is str:
+            return v
+        raise _Bad(Phrase("a string" + (" or null" if none else "")), v)
+
+    return check
+
+
+def _choice(values: Callable[[], tuple]):
+    def check(v, b):
+        allowed = values()
+        if type(v) is str and v in allowed:
+            return v
+        raise _Bad(Phrase(f"one of {list(allowed)}"), v)
+
+    return check
+
+
+def _ids(hi=lambda b: b.token_hi, max_len=_MAX_LIST, none=True):
+    """A list of token ids in 0..hi-1 (at most ``max_len``)."""
+
+    def check(v, b):
+        if v is None and none:
+            return None
+        hi_, n = _limit(hi, b), _limit(max_len, b)
+        if type(v) is not list or len(v) > n:
+            raise _Bad(Phrase(f"a list of at most {n} token ids"), v if type(v) is not list else Phrase(f"{len(v)} entries"))
+        for i, t in enumerate(v):
+            if type(t) is not int or not 0 <= t < hi_:
+                raise _Bad(Phrase(f"token ids in 0..{hi_ - 1} (entry {i})"), t)
+        return list(v)
+
+    return check
+
+
+def _counts(v, b):
+    """A histogram: non-negative integers."""
+    if type(v) is not list or len(v) > _MAX_LIST or not all(type(x) is int and 0 <= x <= _MAX_PLAIN for x in v):
+        raise _Bad(Phrase("a list of non-negative integers"), v)
+    return list(v)
+
+
+def _nested(depth: int, leaf: str):
+    """Null, or a list whose entries are null, a ``leaf`` (``number``: int or float; ``int``)
+    or, ``depth`` > 1, such a list one level down (SGLang's logprob lists)."""
+    kinds = (int, float) if leaf == "number" else (int,)
+
+    def ok(x, d) -> bool:
+        if x is None or (type(x) in kinds):
+            return True
+        return d > 1 and type(x) is list and all(ok(y, d - 1) for y in x)
+
+    def check(v, b):
+        if v is None or type(v) is list and all(ok(x, depth) for x in v):
+            return v
+        raise _Bad(Phrase(f"null or lists (nested at most {depth} deep) of {leaf}s or nulls"), v)
+
+    return check
+
+
+def _component_type():
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return ComponentType
+
+
+def _evicted(v, b):
+    """``{ComponentType name: cursor}``: names SGLang's ComponentType knows, cursors within
+    the committed positions, the SWA cursor the snapshot's own swa_start (what was written)."""
+    ct = _component_type()
+    if type(v) is not dict:
+        raise _Bad(Phrase("an object {component name: evicted length}"), v)
+    out = {}
+    for name, n in v.items():
+        if name not in ct.__members__:
+            raise _Bad(Phrase(f"component names in {list(ct.__members__)}"), name)
+        if type(n) is not int or not 0 <= n <= b.position:
+            raise _Bad(Phrase(f"{name}: an evicted length in 0..{b.position}"), n)
+        out[ct[name]] = n
+    swa = out.get(ct.SWA, 0)
+    if swa != b.swa_start:
+        raise _Bad(Phrase(f"SWA = request.swa_start ({b.swa_start})"), swa)
+    others = {c.name: n for c, n in out.items() if c != ct.SWA and n}
+    if others:
+        raise _Bad(Phrase("no evicted positions outside SWA (hsnap restores SWA eviction only)"), others)
+    return out
+
+
+def _kv_hints(v, b):
+    """SGLang's own decoder of the envelope (decode_kv_hints_envelope)."""
+    if v is None:
+        return None
+    from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
+
+    try:
+        return decode_kv_hints_envelope(v)
+    except (ValueError, TypeError) as e:
+        raise _Bad(Phrase("a KvHintsEnvelope (protocol_version, message_id, actions)"), Phrase(_short(str(e), 160))) from None
+
+
+def _sampling_logprobs_modes() -> tuple:
+    import typing
+
+    from sglang.srt.managers.schedule_batch import SamplingLogprobsMode
+
+    return typing.get_args(SamplingLogprobsMode)
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _json_text(text, max_depth: int = _MAX_JSON_DEPTH):
+    """A JSON text carried in a string, parsed with its nesting bounded first (the parser
+    recurses: 400,000 nested brackets would be a RecursionError, not a refusal)."""
+    if type(text) is not str:
+        raise _Bad(Phrase("a JSON text (string)"), text)
+    depth = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        if depth > max_depth:
+            raise _Bad(Phrase(f"JSON nested at most {max_depth} deep"), Phrase(f"deeper than {max_depth}"))
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _Bad(Phrase("a JSON text"), Phrase(_short(f"{type(e).__name__}: {e}", 160))) from None
+
+
+def _unpack(codec: str, stored):
+    """The stored form of a carried extra -> the value its check takes."""
+    if codec == "json":
+        return _json_text(stored)
+    if codec in ("ints", "intset") and stored is not None and type(stored) is not list:
+        raise _Bad(Phrase("a list of integers or null"), stored)
+    return stored
+
+
+_ANY_INT = _int(-_MAX_PLAIN, _MAX_PLAIN, none=True)
+_COUNT = _int(0, _MAX_PLAIN)
+_OUT = _int(0, lambda b: b.output)  # an offset into the output ids
+_OPT_PROMPT = _int(0, lambda b: b.prompt, none=True)  # an offset into the prompt, or unset
+
 _SCHED = "scheduler bookkeeping of the current process; the target scheduler sets its own"
 _CACHE = "prefix-cache (radix/HiCache) bookkeeping; the restored request owns all its slots and starts at the tree root"
 _PD = "PD-disaggregation transport state; finished before a request decodes"
+_REBOOT = "PD disaggregation: the prefill server a retracted decoding request is re-bootstrapped from (Req.build_rebootstrap_payload)"
 _STATS = "observability only"
 
 REQ_FIELDS: dict[str, Field] = {
@@ -100,57 +309,57 @@ REQ_FIELDS: dict[str, Field] = {
     "full_untruncated_fill_ids": D("origin_input_ids + output_ids (refresh_fill_ids)"),
     "extend_end": D("set to the committed length, as SGLang's PD decode admission does"),
     "sampling_params": C("normalized SamplingParams (record.sampling + record.stop)", "record"),
-    "eos_token_ids": C("stop condition", "intset"),
-    "vocab_size": C("stop condition (out-of-vocab ids finish the request)"),
-    "priority": C("scheduling priority the client asked for"),
-    "lora_id": C("adapter the request decodes with; resume refuses an adapter the target has not loaded"),
-    "extra_key": C("cache namespace (includes the lora id)"),
-    "cache_salt": C("cache namespace"),
-    "routing_key": C("routing hint the client gave"),
-    "stream": C("how the client receives output"),
-    "return_logprob": C("logprob option"),
-    "logprob_start_len": C("logprob option"),
+    "eos_token_ids": C("stop condition", "intset", _ids(hi=TOKEN_ID_LIMIT, max_len=4096)),
+    "vocab_size": C("stop condition (out-of-vocab ids finish the request); every carried token id is below it", value=_int(1, TOKEN_ID_LIMIT, none=True)),
+    "priority": C("scheduling priority the client asked for", value=_ANY_INT),
+    "lora_id": C("adapter the request decodes with; resume refuses an adapter the target has not loaded", value=_str()),
+    "extra_key": C("cache namespace (includes the lora id)", value=_str()),
+    "cache_salt": C("cache namespace the client gave", value=_str()),
+    "routing_key": C("routing hint the client gave", value=_str()),
+    "stream": C("how the client receives output", value=_bool),
+    "return_logprob": C("logprob option", value=_bool),
+    "logprob_start_len": C("logprob option (-1..prompt length, as the scheduler checks it)", value=_int(-1, lambda b: b.prompt)),
     "logprob": C("the ReqLogprob object, field by field (see ReqLogprob)", "record"),
-    "temp_scaled_logprobs": C("logprob option"),
-    "top_p_normalized_logprobs": C("logprob option"),
-    "sampling_logprobs_mode": C("logprob option"),
-    "return_flat_raw_top_logprobs": C("logprob option"),
-    "input_logprob_sent": C("whether input logprobs were already streamed"),
+    "temp_scaled_logprobs": C("logprob option", value=_bool),
+    "top_p_normalized_logprobs": C("logprob option", value=_bool),
+    "sampling_logprobs_mode": C("logprob option (a SamplingLogprobsMode)", value=_choice(_sampling_logprobs_modes)),
+    "return_flat_raw_top_logprobs": C("logprob option", value=_bool),
+    "input_logprob_sent": C("whether input logprobs were already streamed", value=_bool),
     # streaming / detokenizer progress
     "send_token_offset": C("output ids already sent (record.streamed.tokens)", "record"),
-    "send_decode_id_offset": C("decode ids already sent to the detokenizer"),
-    "send_output_token_logprobs_offset": C("logprobs already sent"),
-    "surr_offset": C("incremental detokenizer offset"),
-    "read_offset": C("incremental detokenizer offset"),
-    "decoded_text": C("incremental detokenizer text"),
-    "cur_decode_ids_len": C("incremental detokenizer progress (set by init_incremental_detokenize)"),
+    "send_decode_id_offset": C("decode ids already sent to the detokenizer", value=_OUT),
+    "send_output_token_logprobs_offset": C("logprobs already sent", value=_OUT),
+    "surr_offset": C("incremental detokenizer offset (into the prompt)", value=_OPT_PROMPT),
+    "read_offset": C("incremental detokenizer offset (into the prompt, >= surr_offset)", value=_OPT_PROMPT),
+    "decoded_text": C("incremental detokenizer text", value=_str(none=False)),
+    "cur_decode_ids_len": C("incremental detokenizer progress (set by init_incremental_detokenize)", value=_OUT),
     "surr_and_decode_ids": D("origin_input_ids_unpadded[surr_offset:] + output_ids[:cur_decode_ids_len]"),
     # reasoning
-    "require_reasoning": C("reasoning mode"),
+    "require_reasoning": C("reasoning mode", value=_bool),
     "_is_reasoning_over": C("reasoning finished (record.streamed.reasoning_finished)", "record"),
     "reasoning_tokens": C("reasoning token count (record.streamed.reasoning_tokens)", "record"),
-    "_think_end_match_len": C("partial match of the think-end sequence"),
-    "_think_start_match_len": C("partial match of the think-start sequence"),
+    "_think_end_match_len": C("partial match of the think-end sequence", value=_int(0, 1 << 16)),
+    "_think_start_match_len": C("partial match of the think-start sequence", value=_int(0, 1 << 16)),
     "_think_end_matcher": D("built lazily from the think-end ids on the next update"),
     # grammar
     "grammar": D("a fresh matcher of the target's grammar backend, fed every output id"),
     "grammar_key": D("(kind, spec) from the carried SamplingParams grammar field"),
     "grammar_wait_ct": I(_SCHED),
     # reported to the client in meta_info
-    "cached_tokens": C("reported to the client (meta_info.cached_tokens)"),
-    "cached_tokens_device": C("reported to the client"),
-    "cached_tokens_host": C("reported to the client"),
-    "cached_tokens_storage": C("reported to the client"),
-    "_cache_breakdown_computed": C("guards the cached-token breakdown above"),
-    "retraction_count": C("reported to the client"),
-    "retracted_stain": C("the request was retracted once (reported, affects scheduling)"),
-    "spec_verify_ct": C("reported to the client"),
-    "spec_num_correct_drafts": C("reported to the client"),
-    "spec_num_block_accept_tokens": C("reported to the client"),
-    "spec_num_cap_tokens": C("reported to the client"),
-    "spec_correct_drafts_histogram": C("reported to the client", "ints"),
-    "spec_cap_lens_histogram": C("reported to the client", "ints"),
-    "prefill_attempt_count": C("counts prefill attempts; preserved across retractions by SGLang too"),
+    "cached_tokens": C("reported to the client (meta_info.cached_tokens)", value=_COUNT),
+    "cached_tokens_device": C("reported to the client", value=_COUNT),
+    "cached_tokens_host": C("reported to the client", value=_COUNT),
+    "cached_tokens_storage": C("reported to the client", value=_COUNT),
+    "_cache_breakdown_computed": C("guards the cached-token breakdown above", value=_bool),
+    "retraction_count": C("reported to the client", value=_COUNT),
+    "retracted_stain": C("the request was retracted once (reported, affects scheduling)", value=_bool),
+    "spec_verify_ct": C("reported to the client", value=_COUNT),
+    "spec_num_correct_drafts": C("reported to the client", value=_COUNT),
+    "spec_num_block_accept_tokens": C("reported to the client", value=_COUNT),
+    "spec_num_cap_tokens": C("reported to the client", value=_COUNT),
+    "spec_correct_drafts_histogram": C("reported to the client", "ints", _counts),
+    "spec_cap_lens_histogram": C("reported to the client", "ints", _counts),
+    "prefill_attempt_count": C("counts prefill attempts; preserved across retractions by SGLang too", value=_COUNT),
     "already_computed": D("0: nothing of the restored request needs recomputing"),
     # the KV record
     "kv": C("the ReqKvInfo object, field by field (see ReqKvInfo)", "record"),
@@ -209,7 +418,7 @@ REQ_FIELDS: dict[str, Field] = {
     "time_stats": I(_STATS),
     "has_log_time_stats": I(_STATS),
     "metrics_collector": I("the target's metrics collector (resume_req(**req_kwargs))"),
-    "http_worker_ipc": I("process topology of the source; the target passes its own (resume_req(**req_kwargs))"),
+    "http_worker_ipc": D("the target's own tokenizer worker, given to resume_req(http_worker_ipc=...): with several tokenizer workers SGLang routes the stream by it, so resume refuses to guess (the source's names a socket of the source server)"),
     "extend_batch_idx": I(_SCHED),
     "decode_batch_idx": I(_SCHED),
     "arrival_processed_tokens": I(_SCHED),
@@ -235,17 +444,17 @@ REQ_FIELDS: dict[str, Field] = {
     "storage_prefetch_last_match_len": I(_CACHE),
     "kv_rotation_base": I(_CACHE),
     "skip_radix_cache_insert": I(_CACHE),
-    "kv_hints": I(_CACHE),
+    "kv_hints": C("KV hints the client (orchestrator) gave, like routing_key and cache_salt; SGLang's own envelope decoder checks them", "json", _kv_hints),
     "mm_image_tokens": I("multimodal counts (multimodal requests are refused)"),
     "mm_audio_tokens": I("multimodal counts (multimodal requests are refused)"),
     "mm_video_tokens": I("multimodal counts (multimodal requests are refused)"),
     "mm_token_counts_ready": I("multimodal counts (multimodal requests are refused)"),
-    "bootstrap_host": I(_PD),
-    "bootstrap_port": I(_PD),
-    "bootstrap_room": I(_PD),
+    "bootstrap_host": C(_REBOOT, value=_str()),
+    "bootstrap_port": C(_REBOOT, value=_int(0, 65535, none=True)),
+    "bootstrap_room": C(_REBOOT + " (a 64-bit id: a JSON text)", "json", _int(0, 2**64 - 1, none=True)),
     "disagg_kv_sender": I(_PD),
     "routed_dp_rank": I(_PD),
-    "disagg_prefill_dp_rank": I(_PD),
+    "disagg_prefill_dp_rank": C(_REBOOT, value=_int(0, 1 << 20, none=True)),
     "start_send_idx": I(_PD),
     "disagg_decode_prefix_len": I(_PD),
     "tmp_end_idx": I(_PD),
@@ -268,8 +477,8 @@ KV_FIELDS: dict[str, Field] = {
     "cache_inserted_len": D("0: nothing of the restored row is in the target's tree"),
     "kv_committed_len": C("committed positions = record.state_position (must be seqlen - 1)", "record"),
     "kv_allocated_len": D("= kv_committed_len; snapshot refuses allocation past the committed boundary (draft tokens or a step in flight)"),
-    "swa_evict_floor": C("prefill-aware SWA floor"),
-    "component_evicted_seqlens": C("evicted cursors per component; the SWA cursor is the snapshot's swa_start", "json"),
+    "swa_evict_floor": C("prefill-aware SWA floor (0..committed positions); 0 after a restore that freed SWA slots below swa_start, whose rows the snapshot does not hold", value=_int(0, lambda b: b.position)),
+    "component_evicted_seqlens": C("evicted cursors per component (ComponentType names); the SWA cursor is the snapshot's swa_start, set to the SWA slots the restore freed (swa_start in whole target pages)", "json", _evicted),
     "retraction_backup": R("an in-memory retraction backup exists (the request holds no slots)"),
     "mamba_pool_idx": D("a fresh slot of the target's mamba allocator, 0-d int64 as HybridReqToTokenPool.alloc makes it"),
     "mamba_ping_pong_track_buffer": D("radix-tracking checkpoints, not the working state: fresh slots from SGLang's _alloc_ping_pong_buffer when the target has the extra buffer, else None"),
@@ -288,20 +497,20 @@ KV_FIELDS: dict[str, Field] = {
 }
 
 LOGPROB_FIELDS: dict[str, Field] = {
-    "top_logprobs_num": C("logprob option (record.top_logprobs_k when k > 0)"),
-    "token_ids_logprob": C("logprob option", "ints"),
+    "top_logprobs_num": C("logprob option (record.top_logprobs_k when k > 0)", value=_int(0, lambda b: b.token_hi)),
+    "token_ids_logprob": C("logprob option (ids below vocab_size)", "ints", _ids()),
     "output_token_logprobs_val": C("selected-token logprobs (record.output_logprobs, float32)", "record"),
-    "output_token_logprobs_idx": C("ids of the selected tokens", "ints"),
+    "output_token_logprobs_idx": C("ids of the selected tokens (below vocab_size)", "ints", _ids(max_len=lambda b: b.output)),
     "output_top_logprobs_val": C("top-k logprobs (record.top_logprob_values, float32)", "record"),
     "output_top_logprobs_idx": C("top-k ids (record.top_logprob_ids)", "record"),
-    "output_token_ids_logprobs_val": C("token-ids logprobs", "json"),
-    "output_token_ids_logprobs_idx": C("token-ids logprob ids", "json"),
-    "input_token_logprobs_val": C("input logprobs (sent with the first output)", "json"),
-    "input_token_logprobs_idx": C("input logprobs", "json"),
-    "input_top_logprobs_val": C("input logprobs", "json"),
-    "input_top_logprobs_idx": C("input logprobs", "json"),
-    "input_token_ids_logprobs_val": C("input logprobs", "json"),
-    "input_token_ids_logprobs_idx": C("input logprobs", "json"),
+    "output_token_ids_logprobs_val": C("token-ids logprobs", "json", _nested(2, "number")),
+    "output_token_ids_logprobs_idx": C("token-ids logprob ids", "json", _nested(2, "int")),
+    "input_token_logprobs_val": C("input logprobs (sent with the first output)", "json", _nested(1, "number")),
+    "input_token_logprobs_idx": C("input logprobs", "json", _nested(1, "int")),
+    "input_top_logprobs_val": C("input logprobs", "json", _nested(2, "number")),
+    "input_top_logprobs_idx": C("input logprobs", "json", _nested(2, "int")),
+    "input_token_ids_logprobs_val": C("input logprobs", "json", _nested(2, "number")),
+    "input_token_ids_logprobs_idx": C("input logprobs", "json", _nested(2, "int")),
     "input_top_logprobs_val_flat": R("flat numpy input logprobs (prefill-only scoring)"),
     "input_top_logprobs_idx_flat": R("flat numpy input logprobs (prefill-only scoring)"),
     "input_top_logprobs_flat_null_prefix": R("flat numpy input logprobs (prefill-only scoring)"),
@@ -310,7 +519,7 @@ LOGPROB_FIELDS: dict[str, Field] = {
 _GRAMMAR = "grammar spec; the matcher is re-derived at resume (xgrammar)"
 SAMPLING_FIELDS: dict[str, Field] = {
     **{
-        k: C("sampling parameter")
+        k: C("sampling parameter", "sampling")
         for k in (
             "temperature",
             "top_p",
@@ -335,16 +544,16 @@ SAMPLING_FIELDS: dict[str, Field] = {
             "stop_regex",
         )
     },
-    "max_new_tokens": C("budget (record.stop.max_new_tokens)"),
-    "min_new_tokens": C("budget (record.stop.min_new_tokens)"),
-    "stop_strs": C("stop strings (record.stop.stop_strings)"),
-    "stop_token_ids": C("stop token ids (record.stop.stop_token_ids)"),
-    "ignore_eos": C("stop condition (record.stop.ignore_eos)"),
-    "json_schema": C(_GRAMMAR),
-    "regex": C(_GRAMMAR),
-    "ebnf": C(_GRAMMAR),
-    "structural_tag": C(_GRAMMAR),
-    "ebnf_full_assistant": C(_GRAMMAR),
+    "max_new_tokens": C("budget (record.stop.max_new_tokens)", "sampling"),
+    "min_new_tokens": C("budget (record.stop.min_new_tokens)", "sampling"),
+    "stop_strs": C("stop strings (record.stop.stop_strings)", "sampling"),
+    "stop_token_ids": C("stop token ids (record.stop.stop_token_ids)", "sampling"),
+    "ignore_eos": C("stop condition (record.stop.ignore_eos)", "sampling"),
+    "json_schema": C(_GRAMMAR, "sampling"),
+    "regex": C(_GRAMMAR, "sampling"),
+    "ebnf": C(_GRAMMAR, "sampling"),
+    "structural_tag": C(_GRAMMAR, "sampling"),
+    "ebnf_full_assistant": C(_GRAMMAR, "sampling"),
     "n": R("parallel sampling groups (n > 1)", ok=lambda v: v in (None, 1), neutral="1"),
     "beam_width": R("beam search"),
 }
@@ -390,6 +599,10 @@ def _json_default(o):
         return o.tolist()
     if isinstance(o, np.generic):
         return o.item()
+    if hasattr(o, "__struct_fields__"):  # a msgspec struct (kv_hints): its builtins
+        import msgspec
+
+        return msgspec.to_builtins(o)
     raise TypeError(f"{type(o).__name__} is not JSON data")
 
 
@@ -410,16 +623,43 @@ def _encode(codec: str, value, where: str, path=None):
     raise AssertionError(codec)
 
 
-def _decode(codec: str, value):
-    if codec == "plain":
-        return value
-    if codec == "ints":
-        return None if value is None else [int(x) for x in value]
-    if codec == "intset":
-        return None if value is None else {int(x) for x in value}
-    if codec == "json":
-        return json.loads(value)
-    raise AssertionError(codec)
+def decode_carried(record: RequestRecord, path, *, swa_start: int) -> dict[str, dict[str, Any]]:
+    """Class -> {attribute: typed value} of every carried extra in ``record`` (keys
+    ``sglang.<Class>.<attr>``), each checked by its table row's ``value`` against the
+    record's own counts — the one place where a record's extras are checked, before
+    anything is built or allocated. Refusals are :class:`MalformedHeaderError` naming
+    ``request.extra.<key>``. Absent keys are left out (SGLang's constructor defaults)."""
+    extra = record.extra
+    bounds = _Bounds(len(record.prompt_ids), len(record.output_ids), int(record.state_position), int(swa_start), None)
+    vocab = _carried_value(extra, "Req", "vocab_size", bounds, path)  # the bound of every carried token id
+    bounds = dataclasses.replace(bounds, vocab=vocab if vocab is not _ABSENT else None)
+    out: dict[str, dict[str, Any]] = {}
+    for cls in ("Req", "ReqKvInfo", "ReqLogprob"):
+        values = out[cls] = {}
+        for name, f in TABLES[cls].items():
+            if f.disposition == CARRIED and f.codec != "record":
+                v = _carried_value(extra, cls, name, bounds, path)
+                if v is not _ABSENT:
+                    values[name] = v
+    rq = out["Req"]
+    if rq.get("surr_offset") is not None and rq.get("read_offset") is not None and rq["read_offset"] < rq["surr_offset"]:
+        raise MalformedHeaderError(path, "request.extra.sglang.Req.read_offset", Phrase(f">= surr_offset ({rq['surr_offset']})"), rq["read_offset"])
+    return out
+
+
+_ABSENT = object()
+
+
+def _carried_value(extra: Mapping[str, Any], cls: str, name: str, bounds: _Bounds, path):
+    key = f"sglang.{cls}.{name}"
+    if key not in extra:
+        return _ABSENT
+    f = TABLES[cls][name]
+    try:
+        v = f.value(_unpack(f.codec, extra[key]), bounds)
+    except _Bad as e:
+        raise MalformedHeaderError(path, f"request.extra.{key}", e.expected, e.found) from None
+    return set(v) if f.codec == "intset" and v is not None else v
 
 
 def _plain_ok(v) -> bool:
@@ -459,23 +699,37 @@ def _sampling_to_record(sp, path=None) -> dict[str, Any]:
 
 
 def _sampling_from_record(d: Mapping[str, Any], path):
+    """The record's ``sampling`` map -> SamplingParams, each field converted to its declared
+    type (JSON texts bounded first); the values are checked afterwards, on the rebuilt Req,
+    by :func:`_check_request` (SGLang's own verify)."""
     import_sglang()
     import msgspec
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     hints = _struct_types(SamplingParams)
-    encoded = set(d.get("__json__", ()))
+    fields = SamplingParams.__struct_fields__
+    encoded = d.get("__json__", [])
+    if type(encoded) is not list or not all(type(n) is str and n in fields for n in encoded):
+        raise MalformedHeaderError(path, "request.sampling.__json__", Phrase("a list of SamplingParams field names"), encoded)
     kwargs = {}
-    for name in SamplingParams.__struct_fields__:
+    for name in fields:
         if name not in d:
-            raise HsnapError(path, f"request.sampling.{name}", "present (written by snapshot_req)", "missing")
+            raise MalformedHeaderError(path, f"request.sampling.{name}", "present (written by snapshot_req)", Phrase("missing"))
         v = d[name]
         try:
-            kwargs[name] = msgspec.convert(json.loads(v) if name in encoded else v, hints[name])
+            kwargs[name] = msgspec.convert(_json_text(v) if name in encoded else v, hints[name])
+        except _Bad as e:
+            raise MalformedHeaderError(path, f"request.sampling.{name}", e.expected, e.found) from None
         except (msgspec.ValidationError, TypeError, ValueError) as e:
-            raise HsnapError(path, f"request.sampling.{name}", str(hints[name]), f"{v!r} ({e})") from None
-    # is_normalized=True makes __post_init__ keep the normalized values as they are
-    return SamplingParams(**kwargs)
+            raise MalformedHeaderError(path, f"request.sampling.{name}", Phrase(_type_text(hints[name])), Phrase(f"{_short(v)} ({e})")) from None
+    try:  # is_normalized=True makes __post_init__ keep the normalized values as they are
+        return SamplingParams(**kwargs)
+    except (TypeError, ValueError) as e:  # __post_init__ of a record that says it is not normalized
+        raise MalformedHeaderError(path, "request.sampling", Phrase("SamplingParams SGLang builds"), Phrase(_short(str(e), 160))) from None
+
+
+def _type_text(hint) -> str:
+    return str(hint).replace("typing.", "")
 
 
 def _struct_types(cls) -> dict[str, Any]:
@@ -484,24 +738,146 @@ def _struct_types(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _check_stop_agrees(record: RequestRecord, sp, path) -> None:
+    """The record's typed ``stop`` fields and the SamplingParams carried in ``sampling``
+    describe the same budget and stop conditions (snapshot_req writes both from one object)."""
+    stop_strs = sp.stop_strs if isinstance(sp.stop_strs, list) else ([sp.stop_strs] if sp.stop_strs else [])
+    pairs = [
+        ("max_new_tokens", record.max_new_tokens, sp.max_new_tokens),
+        ("min_new_tokens", record.min_new_tokens, sp.min_new_tokens),
+        ("ignore_eos", record.ignore_eos, sp.ignore_eos),
+        ("stop_token_ids", sorted(record.stop_token_ids), sorted(sp.stop_token_ids or ())),
+        ("stop_strings", list(record.stop_strings), list(stop_strs)),
+    ]
+    for name, typed, carried in pairs:
+        if typed != carried:
+            raise MalformedHeaderError(path, f"request.stop.{name}", Phrase(f"the value of request.sampling ({_short(carried)})"), typed)
+
+
+# ----------------------------------------------------------------------------- checks shared by snapshot and resume
+
+
+def _check_request(req, tokenizer, refuse) -> None:
+    """What a request must pass to continue: hsnap's refusals of state it cannot carry (the
+    table) and every check SGLang runs on a fresh request (SamplingParams.normalize and
+    verify(vocab_size) as its tokenizer manager runs them, token ids below vocab_size, one
+    selected logprob per output token). Runs on the source ``Req`` before a snapshot is
+    written and on the rebuilt ``Req`` before a resume allocates. ``refuse(field,
+    expected, found, detail=None)`` makes the exception; fields are ``Class.attr``."""
+    attrs = sglang_attributes(req)
+    for cls, values in attrs.items():
+        for name, f in TABLES[cls].items():
+            if f.disposition == REFUSED and name in values and not f.ok(values[name]):
+                raise refuse(f"{cls}.{name}", f.neutral, _short(values[name]), detail=f.why)
+    vocab = req.vocab_size
+    if type(vocab) is not int or not 1 <= vocab <= TOKEN_ID_LIMIT:
+        raise refuse("Req.vocab_size", Phrase(f"the model's vocabulary size, 1..{TOKEN_ID_LIMIT}"), vocab)
+    n_out = len(req.output_ids)
+    checks = [
+        ("Req.output_ids", "at least one output token (a decoding request)", n_out, n_out >= 1),
+        ("Req.origin_input_ids_unpadded", "equal to origin_input_ids (no multimodal padding)", "different", list(req.origin_input_ids_unpadded) == list(req.origin_input_ids)),
+        ("Req.extra_key", f"ending with lora_id {req.lora_id!r}", req.extra_key, req.lora_id is None or (req.extra_key or "").endswith(req.lora_id)),
+    ]
+    for fld, exp, found, ok in checks:
+        if not ok:
+            raise refuse(fld, exp, found)
+    _check_ids(req.origin_input_ids, "Req.origin_input_ids", vocab, refuse)
+    _check_ids(req.output_ids, "Req.output_ids", vocab, refuse)
+    _check_sampling(req.sampling_params, vocab, tokenizer, refuse)
+    lp = req.logprob
+    if req.return_logprob:
+        if lp.output_token_logprobs_val is None or len(lp.output_token_logprobs_val) != n_out:
+            raise refuse("ReqLogprob.output_token_logprobs_val", f"{n_out} entries (one per output token)", None if lp.output_token_logprobs_val is None else len(lp.output_token_logprobs_val))
+        k = lp.top_logprobs_num
+        if k > 0:
+            for name in ("output_top_logprobs_val", "output_top_logprobs_idx"):
+                rows = getattr(lp, name)
+                if rows is None or len(rows) != n_out or any(len(r) != k for r in rows):
+                    raise refuse(f"ReqLogprob.{name}", f"{n_out} rows of {k}", _short(rows))
+            _check_ids(lp.output_top_logprobs_idx, "ReqLogprob.output_top_logprobs_idx", vocab, refuse)
+
+
+def _check_ids(values, field: str, vocab: int, refuse) -> None:
+    """Token ids in 0..vocab-1, checked before any cast (an id of 2**31 must be reported as
+    itself, with its index, not as the int32 it would wrap to)."""
+    expected = Phrase(f"token ids in 0..{vocab - 1} (vocab_size {vocab})")
+    a = np.asarray(values)
+    if a.size and a.dtype.kind in "iu":
+        bad = np.flatnonzero((a < 0) | (a >= vocab))
+        if bad.size:
+            at = np.unravel_index(int(bad[0]), a.shape)
+            raise refuse(field + "".join(f"[{int(i)}]" for i in at), expected, int(a[at]))
+    elif a.size:  # ints past int64, floats, other objects: one by one
+        for at in np.ndindex(a.shape):
+            t = a[at]
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                found = (int(t) if int(t).bit_length() <= 256 else Phrase(f"an integer of {int(t).bit_length()} bits")) if isinstance(t, (int, np.integer)) else _short(t)
+                raise refuse(field + "".join(f"[{int(i)}]" for i in at), expected, found)
+
+
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _check_sampling(sp, vocab: int, tokenizer, refuse) -> None:
+    """SamplingParams as SGLang's tokenizer manager admits a fresh request: normalized,
+    ``normalize(tokenizer)`` raises nothing (stop counts and lengths, the tokenizer the
+    stop conditions need), ``verify(vocab_size)`` raises nothing; every integer fits int64."""
+    from sglang.srt.sampling.sampling_params import raise_if_tokenizer_required
+    from sglang.srt.sampling.watermarking.core import normalize_watermark_request
+
+    if sp.is_normalized is not True:
+        raise refuse("SamplingParams.is_normalized", True, sp.is_normalized, detail="SamplingParams.normalize has run (SGLang's tokenizer manager runs it on every request)")
+    for name in sp.__struct_fields__:
+        v = getattr(sp, name)
+        if type(v) is int and not _INT64[0] <= v <= _INT64[1]:
+            raise refuse(f"SamplingParams.{name}", Phrase("an integer that fits int64"), v)
+    if tokenizer is None:  # SGLang's own rule: these need tokenizer.decode / its eos id
+        for name, args in (("stop_strs", (sp.stop_strs, None, 0)), ("stop_regex_strs", (None, sp.stop_regex_strs, 0)), ("min_new_tokens", (None, None, sp.min_new_tokens))):
+            try:
+                raise_if_tokenizer_required(None, *args)
+            except ValueError:
+                raise refuse("Req.tokenizer", Phrase(f"a tokenizer (SamplingParams.{name} needs one)"), None) from None
+    for step, run in (("normalize", lambda p: p.normalize(tokenizer)), ("verify", lambda p: p.verify(vocab)),
+                      ("watermark", lambda p: normalize_watermark_request(p.watermark))):
+        probe = copy.copy(sp)  # normalize() rewrites fields: checked on a copy, the carried values stay
+        try:
+            run(probe)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise refuse(_sampling_field(str(e)), Phrase(f"a value SGLang's SamplingParams.{step} accepts"), Phrase(_short(str(e), 160))) from None
+
+
+# SGLang refusals that do not start with the field they are about
+_SAMPLING_MESSAGES = {"reasoning end token": "custom_params", "stop strings are allowed": "stop_strs", "stop_regex": "stop_regex_strs",
+                      "watermark": "watermark"}
+
+
+def _sampling_field(message: str) -> str:
+    """The SamplingParams field an SGLang refusal is about ("top_p must be in (0, 1]...")."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    first = re.match(r"[A-Za-z_]*", message).group()
+    if first in SamplingParams.__struct_fields__:
+        return f"SamplingParams.{first}"
+    return next((f"SamplingParams.{name}" for text, name in _SAMPLING_MESSAGES.items() if text in message), "SamplingParams")
+
+
 # ----------------------------------------------------------------------------- snapshot
 
 
 def check_req(req, *, path=None) -> None:
     """Refuse a request hsnap cannot carry, naming the field. Reads only."""
-    attrs = sglang_attributes(req)
     missing = unclassified(req)
     if missing:
         raise UnsupportedRequestError(path, missing[0], f"an attribute classified in hsnap_io.sglang.TABLES (SGLang {ENGINE_VERSION})", "unclassified")
-    for cls, values in attrs.items():
-        for name, f in TABLES[cls].items():
-            if f.disposition == REFUSED and name in values and not f.ok(values[name]):
-                raise UnsupportedRequestError(path, f"{cls}.{name}", f.neutral, _short(values[name]), detail=f.why)
+
+    def refuse(field, expected, found, detail=None):
+        return UnsupportedRequestError(path, field, expected, found, detail=detail)
+
+    _check_request(req, req.tokenizer, refuse)
     kv = req.kv
-    n_out = len(req.output_ids)
+    evicted_outside_swa = {_component_type()(c).name: n for c, n in kv.component_evicted_seqlens.items() if n and _component_type()(c) != _component_type().SWA}
     checks = [
         ("ReqKvInfo.req_pool_idx", "a req_to_token row (the request holds KV)", kv.req_pool_idx, kv.req_pool_idx is not None),
-        ("Req.output_ids", "at least one output token (a decoding request)", n_out, n_out >= 1),
         ("ReqKvInfo.kv_committed_len", f"seqlen - 1 = {req.seqlen - 1} (a committed decode boundary)", kv.kv_committed_len, kv.kv_committed_len == req.seqlen - 1),
         (
             "ReqKvInfo.kv_allocated_len",
@@ -509,22 +885,11 @@ def check_req(req, *, path=None) -> None:
             kv.kv_allocated_len,
             kv.kv_allocated_len == kv.kv_committed_len,
         ),
-        ("Req.origin_input_ids_unpadded", "equal to origin_input_ids (no multimodal padding)", "different", list(req.origin_input_ids_unpadded) == list(req.origin_input_ids)),
-        ("Req.extra_key", f"ending with lora_id {req.lora_id!r}", req.extra_key, req.lora_id is None or (req.extra_key or "").endswith(req.lora_id)),
+        ("ReqKvInfo.component_evicted_seqlens", "no evicted positions outside SWA (hsnap restores SWA eviction only)", evicted_outside_swa, not evicted_outside_swa),
     ]
     for fld, exp, found, ok in checks:
         if not ok:
             raise UnsupportedRequestError(path, fld, exp, found)
-    lp = req.logprob
-    if req.return_logprob:
-        if lp.output_token_logprobs_val is None or len(lp.output_token_logprobs_val) != n_out:
-            raise UnsupportedRequestError(path, "ReqLogprob.output_token_logprobs_val", f"{n_out} entries (one per output token)", None if lp.output_token_logprobs_val is None else len(lp.output_token_logprobs_val))
-        k = lp.top_logprobs_num
-        if k > 0:
-            for name in ("output_top_logprobs_val", "output_top_logprobs_idx"):
-                rows = getattr(lp, name)
-                if rows is None or len(rows) != n_out or any(len(r) != k for r in rows):
-                    raise UnsupportedRequestError(path, f"ReqLogprob.{name}", f"{n_out} rows of {k}", _short(rows))
 
 
 def _short(v, n: int = 80) -> str:
@@ -549,7 +914,7 @@ def req_record(req, *, path=None) -> tuple[RequestRecord, int]:
     import_sglang()
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    check_req(req, path=path)
+    check_req(req, path=path)  # token ids in 0..vocab_size-1 (<= 2**31) before the int32 casts below
     attrs = sglang_attributes(req)
     sp, lp, kv = req.sampling_params, req.logprob, req.kv
     extra: dict[str, Any] = {FORMAT_KEY: FORMAT}
@@ -588,8 +953,6 @@ def req_record(req, *, path=None) -> tuple[RequestRecord, int]:
         extra=extra,
         **outputs,
     )
-    if any(int(x) != int(y) for x, y in zip(record.prompt_ids, req.origin_input_ids)) or any(int(x) != int(y) for x, y in zip(record.output_ids, req.output_ids)):
-        raise UnsupportedRequestError(path, "Req.origin_input_ids", "token ids < 2**31", "larger ids")
     swa_start = int(kv.get_evicted_seqlen(ComponentType.SWA))
     record.validate(path)
     return record, swa_start
@@ -654,40 +1017,185 @@ def replay_grammar(grammar_backend, key, output_ids: Iterable[int], *, require_r
 
     from sglang.srt.constrained.base_grammar_backend import InvalidGrammarObject
 
-    key = grammar_backend.get_request_grammar_key(key, input_ids=input_ids, thinking_budget=None)
-    value, _ = grammar_backend.get_cached_or_future_value(key, require_reasoning)
-    if isinstance(value, Future):
-        value = value.result()
-        if not isinstance(value, InvalidGrammarObject):
-            grammar_backend.set_cache(key, value.copy())
+    field = f"request.sampling.{_GRAMMAR_FIELD.get(key[0], key[0])}"
+    try:  # the backend compiles text from the file: whatever it raises is a refusal of that text
+        key = grammar_backend.get_request_grammar_key(key, input_ids=input_ids, thinking_budget=None)
+        value, _ = grammar_backend.get_cached_or_future_value(key, require_reasoning)
+        if isinstance(value, Future):
+            value = value.result()
+            if not isinstance(value, InvalidGrammarObject):
+                grammar_backend.set_cache(key, value.copy())
+    except Exception as e:  # noqa: BLE001 - a library boundary, hostile input
+        raise HsnapError(path, field, "a grammar the target backend compiles", Phrase(_short(f"{type(e).__name__}: {e}", 160))) from None
     if value is None or isinstance(value, InvalidGrammarObject):
-        raise HsnapError(path, f"request.sampling.{_GRAMMAR_FIELD.get(key[0], key[0])}", "a grammar the target backend compiles", getattr(value, "error_message", None))
+        raise HsnapError(path, field, "a grammar the target backend compiles", getattr(value, "error_message", None))
     for i, tok in enumerate(output_ids):
         try:
             value.accept_token(int(tok))
-        except ValueError as e:
-            raise HsnapError(path, f"request.output_ids[{i}]", "a token the grammar accepts", f"{int(tok)} ({str(e).splitlines()[0]})") from None
+        except Exception as e:  # noqa: BLE001 - ValueError: not accepted; anything else from the matcher alike
+            raise HsnapError(path, f"request.output_ids[{i}]", "a token the grammar accepts", f"{int(tok)} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     return key, value
 
 
-def _carried_extra(record: RequestRecord, cls: str, path) -> dict[str, Any]:
-    out = {}
-    for name, f in TABLES[cls].items():
-        if f.disposition == CARRIED and f.codec != "record":
-            key = f"sglang.{cls}.{name}"
-            if key in record.extra:
-                out[name] = _decode(f.codec, record.extra[key])
-    return out
+# Record fields of a Req attribute that is not carried in record.extra (refusal messages at resume)
+_RECORD_FIELDS = {
+    "Req.origin_input_ids": "request.prompt_ids",
+    "Req.origin_input_ids_unpadded": "request.prompt_ids",
+    "Req.output_ids": "request.output_ids",
+    "ReqLogprob.output_token_logprobs_val": "request.output_logprobs",
+    "ReqLogprob.output_top_logprobs_val": "request.top_logprob_values",
+    "ReqLogprob.output_top_logprobs_idx": "request.top_logprob_ids",
+    "SamplingParams": "request.sampling",
+}
 
 
-def _open_record(path, rank: int | None):
-    from .restore import _open_rank
+def _record_field(field: str) -> str:
+    """``Class.attr[i]`` of the rebuilt Req -> where the record holds it."""
+    base, bracket, rest = field.partition("[")
+    cls, _, attr = base.partition(".")
+    where = _RECORD_FIELDS.get(base) or (f"request.sampling.{attr}" if cls == "SamplingParams" else f"request.extra.sglang.{base}")
+    return where + bracket + rest
 
-    snap, snapset = _open_rank(path, rank)
+
+def _read_record(snap, path) -> RequestRecord:
+    """The record of the open file, every section hashed as it is read (what is returned is
+    what was hashed), and its cross-field rules."""
     try:
-        return snap.record(), snap.path
-    finally:
-        (snapset or snap).close()
+        record = snap.record()
+    except OSError as e:
+        raise HsnapIOError(snap.path, "read", e) from None
+    record.validate(snap.path)
+    return record
+
+
+def _tokenizer_workers() -> int | None:
+    """How many tokenizer workers this server runs, from SGLang's published server config
+    (None when no config is published in this process)."""
+    try:
+        from sglang.srt.runtime_context import get_context, get_serving
+
+        if not get_context().is_config_namespace_published("serving"):
+            return None
+        return int(get_serving().tokenizer_worker_num)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return None
+
+
+def _target_worker_ipc(path, given, req_kwargs: dict):
+    """The target's tokenizer worker that streams the resumed request (item: losing it
+    silently stops the client's stream). Required where SGLang routes by it."""
+    ipc = given if given is not None else req_kwargs.pop("http_worker_ipc", None)
+    req_kwargs.pop("http_worker_ipc", None)
+    require_type(path, "http_worker_ipc", ipc, str, optional=True)
+    workers = _tokenizer_workers()
+    if ipc is None and workers is not None and workers > 1:
+        raise HsnapError(path, "Req.http_worker_ipc", Phrase("the target's tokenizer worker: resume_req(http_worker_ipc=...)"), None,
+                         detail=f"this server runs {workers} tokenizer workers and routes each stream by it")
+    return ipc
+
+
+# Req constructor arguments resume passes from the carried values (the rest are set after it)
+_CONSTRUCTOR_ARGS = ("return_logprob", "sampling_logprobs_mode", "return_flat_raw_top_logprobs", "stream", "lora_id", "require_reasoning",
+                     "eos_token_ids", "vocab_size", "priority", "routing_key", "cache_salt", "bootstrap_host", "bootstrap_port",
+                     "bootstrap_room", "disagg_prefill_dp_rank", "kv_hints")
+
+
+def _rebuild_req(record: RequestRecord, carried, sp, *, tokenizer, http_worker_ipc, req_kwargs):
+    """A Req from SGLang's constructor holding the record's request (no slots yet)."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    rq, lpx = carried["Req"], carried["ReqLogprob"]
+    req = Req(
+        record.rid,
+        "",  # origin_input_text: the constructor does not keep it
+        array("q", record.prompt_ids.tolist()),
+        sp,
+        top_logprobs_num=lpx.get("top_logprobs_num", 0),
+        token_ids_logprob=lpx.get("token_ids_logprob"),
+        http_worker_ipc=http_worker_ipc,
+        **{name: rq[name] for name in _CONSTRUCTOR_ARGS if name in rq},
+        **req_kwargs,
+    )
+    for name, value in rq.items():  # after the constructor: extra_key is stored, not re-concatenated
+        setattr(req, name, value)
+    req.output_ids = array("q", record.output_ids.tolist())
+    req.send_token_offset = record.streamed_tokens
+    req.reasoning_tokens = record.reasoning_tokens
+    req._is_reasoning_over = record.reasoning_finished
+    req.tokenizer = tokenizer
+    for name, value in lpx.items():
+        setattr(req.logprob, name, value)
+    if req.return_logprob and record.output_logprobs is not None:  # absent: refused by _check_request
+        req.logprob.output_token_logprobs_val = [float(x) for x in record.output_logprobs]
+        if record.top_logprob_values is not None:
+            req.logprob.output_top_logprobs_val = [[float(x) for x in row] for row in record.top_logprob_values]
+            req.logprob.output_top_logprobs_idx = [[int(x) for x in row] for row in record.top_logprob_ids]
+    if req.surr_offset is not None and "cur_decode_ids_len" in rq:
+        req.surr_and_decode_ids = req.origin_input_ids_unpadded[req.surr_offset :] + req.output_ids[: rq["cur_decode_ids_len"]]
+    return req
+
+
+def _check_resumed(req, tokenizer, path) -> None:
+    """:func:`_check_request` on the rebuilt Req, refusals naming the record field."""
+
+    def refuse(field, expected, found, detail=None):
+        if field == "Req.tokenizer":  # the target lacks what the request needs: not the file's fault
+            return HsnapError(path, "resume_req(tokenizer=...)", expected, found, detail=detail)
+        return MalformedHeaderError(path, _record_field(field), expected, found, detail=detail or "refused for a fresh request too")
+
+    _check_request(req, tokenizer, refuse)
+
+
+def _mamba_tracking_slots(req_to_token_pool) -> int:
+    """Ping-pong radix-tracking slots SGLang gives every new request on this target (0 without the extra buffer)."""
+    return int(req_to_token_pool.mamba_initial_tracking_slots) if getattr(req_to_token_pool, "enable_mamba_extra_buffer", False) else 0
+
+
+def _check_tracking_capacity(req_to_token_pool, tracking: int, path) -> None:
+    """Before the restore allocates (hold pool_lock): room for the working Mamba slot and the track slots."""
+    if tracking and req_to_token_pool.mamba_allocator.available_size() < 1 + tracking:
+        free = req_to_token_pool.mamba_allocator.available_size()
+        raise CapacityError(path, "target pools", detail=f"does not fit: mamba slots (working + {tracking} ping-pong track): need {1 + tracking}, free {free}")
+
+
+_TRACK_FIELDS = ("mamba_ping_pong_track_buffer", "mamba_ping_pong_empty", "mamba_prev_track_seqlen", "mamba_next_track_idx", "mamba_last_track_idx")
+
+
+def _binder(req, kvx: Mapping[str, Any], root, req_to_token_pool, tracking: int):
+    """restore_opened's ``bind``: fresh track slots first (what can fail: inside the
+    restore's rollback, before ``req`` is touched), then ``req.kv`` onto the slots."""
+
+    def bind(restored) -> None:
+        track = None
+        if tracking:
+            # fresh radix-tracking slots, as HybridReqToTokenPool.alloc gives a new request: no
+            # tracked state yet (mamba_last_track_seqlen None), so nothing stale reaches a tree
+            scratch = _Scratch(type(req.kv)())
+            req_to_token_pool._alloc_ping_pong_buffer(scratch)
+            track = {name: getattr(scratch.kv, name) for name in _TRACK_FIELDS}
+            req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping[restored.req_pool_idx] = track["mamba_ping_pong_track_buffer"]
+        kv_before = {f.name: getattr(req.kv, f.name) for f in dataclasses.fields(req.kv)}
+        req_before = {name: copy.copy(getattr(req, name)) for name in _BOUND_REQ_ATTRS if hasattr(req, name)}
+        try:
+            bind_restored(req, restored, kvx, root=root)
+            for name, value in (track or {}).items():
+                setattr(req.kv, name, value)
+        except BaseException:  # the pools are rolled back by the caller: leave req as it was too
+            for name, value in {**kv_before}.items():
+                setattr(req.kv, name, value)
+            for name, value in req_before.items():
+                setattr(req, name, value)
+            raise
+
+    return bind
+
+
+_BOUND_REQ_ATTRS = ("full_untruncated_fill_ids", "extend_end", "prefix_len", "lock", "last_node", "last_host_node", "best_match_node")
+
+
+@dataclass
+class _Scratch:  # what _alloc_ping_pong_buffer writes to (req.kv), before the real req is bound
+    kv: Any
 
 
 def resume_req(
@@ -701,109 +1209,87 @@ def resume_req(
     loaded_lora_ids: Iterable[str] | None = None,
     tree_cache=None,
     rank: int | None = None,
+    http_worker_ipc: str | None = None,
     req_kwargs: Mapping[str, Any] | None = None,
     **restore_kwargs,
 ):
     """Restore a snapshot written by :func:`snapshot_req` into fresh slots and return a
     live SGLang ``Req`` built by SGLang's constructor, ``req.kv`` on those slots.
 
-    Refused before the pools are touched: a snapshot not written from a ``Req``, a
-    ``lora_id`` not in ``loaded_lora_ids``, a grammar request without a
-    ``grammar_backend`` (or whose output the grammar rejects), a target with Mamba
-    ping-pong track buffers but no free slots for them, and everything
-    :func:`hsnap_io.restore_request` refuses.
+    The file is opened once; the record, every check and every uploaded byte come
+    through that open. Refused before the pools are touched: a snapshot that does not
+    belong to the target (identity, geometry, capacity), a record not written from a
+    ``Req`` or holding a value a fresh request would be refused for (every carried
+    value checked by its table row; SGLang's ``SamplingParams.normalize`` and
+    ``verify(vocab_size)``; token ids below ``vocab_size``), a ``lora_id`` not in
+    ``loaded_lora_ids``, a grammar request without a ``grammar_backend`` (or whose output
+    the grammar rejects), stop strings without a ``tokenizer``, no ``http_worker_ipc``
+    on a server with several tokenizer workers, a target with Mamba ping-pong track
+    buffers but no free slots for them, and everything :func:`hsnap_io.restore_request`
+    refuses. A failure after allocation gives every allocation back.
     """
     import_sglang()
-    from sglang.srt.managers.schedule_batch import Req
+    from .adapters import view_pools
+    from .restore import OPEN_KEYWORDS, check_target, open_source, pool_lock, restore_opened
 
-    from .restore import pool_lock, restore_request
-
-    if rank is None and identity is not None:
-        rank = identity.tp_rank
-    record, fpath = _open_record(path, rank)
-    if record.extra.get(FORMAT_KEY) != FORMAT:
-        raise IncompatibleSnapshotError(fpath, [(f"request.extra.{FORMAT_KEY}", FORMAT, record.extra.get(FORMAT_KEY))])
-    rq = _carried_extra(record, "Req", fpath)
-    kvx = _carried_extra(record, "ReqKvInfo", fpath)
-    lpx = _carried_extra(record, "ReqLogprob", fpath)
-    sp = _sampling_from_record(record.sampling, fpath)
-    lora = rq.get("lora_id")
-    if lora is not None and (loaded_lora_ids is None or lora not in set(loaded_lora_ids)):
-        raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.lora_id", f"an adapter the target has loaded {sorted(loaded_lora_ids or ())}", lora)])
-    tracking = int(req_to_token_pool.mamba_initial_tracking_slots) if getattr(req_to_token_pool, "enable_mamba_extra_buffer", False) else 0
-    key = grammar_key(sp)
-    grammar = None
-    if key is not None:
-        if grammar_backend is None:
-            raise HsnapError(fpath, f"request.sampling.{_GRAMMAR_FIELD[key[0]]}", "a grammar_backend to re-derive the matcher", None)
-        key, grammar = replay_grammar(grammar_backend, key, record.output_ids, require_reasoning=bool(rq.get("require_reasoning")), input_ids=array("q", record.prompt_ids.tolist()), path=fpath)
-
-    # the Req is built before the pools are touched, so a failure building it leaves them as they were
-    prompt = array("q", record.prompt_ids.tolist())
-    req = Req(
-        record.rid,
-        "",  # origin_input_text: the constructor does not keep it
-        prompt,
-        sp,
-        return_logprob=bool(rq.get("return_logprob")),
-        top_logprobs_num=int(lpx.get("top_logprobs_num") or 0),
-        token_ids_logprob=lpx.get("token_ids_logprob"),
-        sampling_logprobs_mode=rq.get("sampling_logprobs_mode", "selected"),
-        return_flat_raw_top_logprobs=bool(rq.get("return_flat_raw_top_logprobs")),
-        stream=bool(rq.get("stream")),
-        lora_id=lora,
-        require_reasoning=bool(rq.get("require_reasoning")),
-        eos_token_ids=rq.get("eos_token_ids"),
-        vocab_size=rq.get("vocab_size"),
-        priority=rq.get("priority"),
-        routing_key=rq.get("routing_key"),
-        cache_salt=rq.get("cache_salt"),
-        **dict(req_kwargs or {}),
-    )
-    for name, value in rq.items():  # after the constructor: extra_key is stored, not re-concatenated
-        setattr(req, name, value)
-    req.output_ids = array("q", record.output_ids.tolist())
-    req.send_token_offset = record.streamed_tokens
-    req.reasoning_tokens = record.reasoning_tokens
-    req._is_reasoning_over = record.reasoning_finished
-    req.tokenizer = tokenizer
-    for name, value in lpx.items():
-        setattr(req.logprob, name, value)
-    if req.return_logprob:
-        req.logprob.output_token_logprobs_val = [float(x) for x in record.output_logprobs]
-        if record.top_logprob_values is not None:
-            req.logprob.output_top_logprobs_val = [[float(x) for x in row] for row in record.top_logprob_values]
-            req.logprob.output_top_logprobs_idx = [[int(x) for x in row] for row in record.top_logprob_ids]
-    if req.surr_offset is not None and "cur_decode_ids_len" in rq:
-        req.surr_and_decode_ids = req.origin_input_ids_unpadded[req.surr_offset :] + req.output_ids[: rq["cur_decode_ids_len"]]
-    with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
-        if tracking and req_to_token_pool.mamba_allocator.available_size() < 1 + tracking:
-            free = req_to_token_pool.mamba_allocator.available_size()
-            raise CapacityError(fpath, "target pools", detail=f"does not fit: mamba slots (working + {tracking} ping-pong track): need {1 + tracking}, free {free}")
-        restored = restore_request(path, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator, identity=identity, rank=rank, **restore_kwargs)
-        bind_restored(req, restored, kvx, tree_cache)
-        if tracking:
-            # fresh radix-tracking slots, as HybridReqToTokenPool.alloc gives a new request: no tracked
-            # state yet (mamba_last_track_seqlen None), so nothing stale reaches a tree
-            req_to_token_pool._alloc_ping_pong_buffer(req)
-            req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping[req.kv.req_pool_idx] = req.kv.mamba_ping_pong_track_buffer
+    require_type(path, "identity", identity, Identity, optional=True)
+    open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
+    kwargs = dict(req_kwargs or {})
+    ipc = _target_worker_ipc(path, http_worker_ipc, kwargs)
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
+        fpath = source.snap.path
+        check_target(source, view, identity)  # the file belongs here (header only)
+        record = _read_record(source.snap, fpath)
+        if record.extra.get(FORMAT_KEY) != FORMAT:
+            raise IncompatibleSnapshotError(fpath, [(f"request.extra.{FORMAT_KEY}", FORMAT, record.extra.get(FORMAT_KEY))])
+        carried = decode_carried(record, fpath, swa_start=source.snap.swa_start)
+        sp = _sampling_from_record(record.sampling, fpath)
+        _check_stop_agrees(record, sp, fpath)
+        lora = carried["Req"].get("lora_id")
+        if lora is not None and (loaded_lora_ids is None or lora not in set(loaded_lora_ids)):
+            raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.lora_id", f"an adapter the target has loaded {sorted(loaded_lora_ids or ())}", lora)])
+        # the Req is built and checked before the pools are touched: a failure here leaves them as they were
+        req = _rebuild_req(record, carried, sp, tokenizer=tokenizer, http_worker_ipc=ipc, req_kwargs=kwargs)
+        _check_resumed(req, tokenizer, fpath)
+        key, grammar = grammar_key(sp), None
+        if key is not None:
+            if grammar_backend is None:
+                raise HsnapError(fpath, f"request.sampling.{_GRAMMAR_FIELD[key[0]]}", "a grammar_backend to re-derive the matcher", None)
+            key, grammar = replay_grammar(grammar_backend, key, record.output_ids, require_reasoning=bool(req.require_reasoning),
+                                          input_ids=array("q", record.prompt_ids.tolist()), path=fpath)
+        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
+        tracking = _mamba_tracking_slots(req_to_token_pool)
+        with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
+            _check_tracking_capacity(req_to_token_pool, tracking, fpath)
+            restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                                      identity=identity, bind=_binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking),
+                                      **restore_kwargs)
     if grammar is not None:
         req.grammar_key, req.grammar = key, grammar
     req.hsnap_restored = restored  # bytes uploaded, snapshot id, numerics differences
     return req
 
 
-def bind_restored(req, restored, kvx: Mapping[str, Any], tree_cache=None) -> None:
+def bind_restored(req, restored, kvx: Mapping[str, Any], *, root=None) -> None:
     """Point ``req.kv`` at the slots of ``restored`` (a :class:`RestoredRequest`) and
-    leave nothing pending that would overwrite the restored state."""
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
+    leave nothing pending that would overwrite the restored state. ``kvx``: the carried
+    ReqKvInfo values (:func:`decode_carried`); ``root``: the tree root handle, if any.
+    Sets attributes only: everything that can fail was checked before allocation."""
+    ct = _component_type()
     kv = req.kv
     kv.req_pool_idx = restored.req_pool_idx
     kv.kv_committed_len = kv.kv_allocated_len = restored.state_position
     kv.cache_protected_len = kv.cache_inserted_len = 0
-    kv.swa_evict_floor = int(kvx.get("swa_evict_floor", 0))
-    kv.component_evicted_seqlens = {ComponentType[c]: int(n) for c, n in (kvx.get("component_evicted_seqlens") or {}).items()}
+    seqlens = dict(kvx.get("component_evicted_seqlens") or {})
+    freed = restored.swa_evict_floor  # SWA slots the restore freed: swa_start in whole target pages
+    if ct.SWA in seqlens or freed:
+        seqlens[ct.SWA] = freed
+    kv.component_evicted_seqlens = seqlens
+    # SGLang frees [swa_dead_lo, SWA cursor) full-side only and everything below swa_dead_lo
+    # on both sides: a shield above 0 over positions whose SWA slots the restore already freed
+    # would free them twice. The restored request holds no SWA rows below swa_start anyway.
+    kv.swa_evict_floor = 0 if freed else int(kvx.get("swa_evict_floor", 0))
     kv.retraction_backup = None
     if restored.mamba_pool_idx is not None:
         kv.mamba_pool_idx = torch.tensor(restored.mamba_pool_idx, dtype=torch.int64)  # 0-d, as SGLang's alloc
@@ -813,13 +1299,8 @@ def bind_restored(req, restored, kvx: Mapping[str, Any], tree_cache=None) -> Non
     req.extend_end = restored.state_position
     req.prefix_len = 0
     req.lock = None
-    if tree_cache is not None:
-        req.last_node = req.last_host_node = req.best_match_node = tree_cache.root_node_handle(req.extra_key)
-
-
-def carried_kv(record: RequestRecord, path=None) -> dict[str, Any]:
-    """The carried ``ReqKvInfo`` values of a record written by :func:`snapshot_req`."""
-    return _carried_extra(record, "ReqKvInfo", path)
+    if root is not None:
+        req.last_node = req.last_host_node = req.best_match_node = root
 
 
 # ----------------------------------------------------------------------------- docs

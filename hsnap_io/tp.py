@@ -9,23 +9,27 @@ Protocol (torch.distributed; tensors only, no pickled objects):
   5. all ranks learn the outcome. Until step 4 nothing exists under the final
      name, so the snapshot is committed only when every rank file and the
      manifest are durable. If any rank fails, rank 0 removes the staging
-     directory and every rank raises.
+     directory (its own files one by one, the marker last) and every rank raises.
 A rank that dies outright makes the collective fail on the others (gloo fails
 fast; otherwise the process group's timeout applies): they raise
-``RankFailedError`` and rank 0 removes the staging directory (or, if rank 0 died,
-``hsnap gc --older-than`` does).
+``RankFailedError`` and rank 0 removes the staging directory. If rank 0 died,
+``hsnap gc --older-than`` removes what it proves unfinished (dead ranks' temporaries;
+the marker and the directory once nothing else is left); rank files that were complete
+start with the magic and are listed and kept (spec 8.1): remove the directory by hand
+if they are not wanted.
+The final path is refused (``ReservedNameError``) inside a staging directory or when
+``.<name>.hsnap-staging-<snapshot_id>`` would not fit in NAME_MAX.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
 from hsnap_format import HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
-from hsnap_format.errors import Phrase
+from hsnap_format.errors import Phrase, require_type
 from hsnap_format import _fs
 from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
 
@@ -55,6 +59,8 @@ def staging_dir(path: str, snapshot_id: str) -> str:
 
 def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=None, **kw) -> Manifest | None:
     """Collective: call on every rank with that rank's pools. Returns the manifest on rank 0."""
+    require_type(path, "identity", identity, Identity)
+    require_type(path, "record", record, RequestRecord)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (identity.tp_rank, identity.tp_size) != (rank, world):
         raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))
@@ -65,7 +71,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
     error: BaseException | None = None
     if rank == 0:
         try:
-            _fs.check_final_name(final)
+            _fs.check_final_path(final, tag_bytes=len(identity.snapshot_id))  # the staging name must fit too
             if os.path.lexists(final):
                 raise SnapshotExistsError(final, "path", "no file or directory", Phrase("one exists"))
             _fs.make_staging_dir(staging, 0o700)  # with the marker hsnap gc checks
@@ -73,7 +79,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
             error = e
     # Only what this rank 0 created is ever removed: a staging directory that already
     # existed (another export with the same snapshot id) is someone else's.
-    drop_staging = (lambda: shutil.rmtree(staging, ignore_errors=True)) if rank == 0 and error is None else None
+    drop_staging = (lambda: _fs.remove_own_staging(staging)) if rank == 0 and error is None else None
     if not _agree(error is None, group, final, drop_staging):
         raise error or RankFailedError(final, "staging directory", "created by rank 0", Phrase("rank 0 failed"))
     try:
@@ -89,7 +95,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
             except BaseException as e:  # noqa: BLE001
                 error = e
         if error is not None or not all_ok:
-            shutil.rmtree(staging, ignore_errors=True)
+            _fs.remove_own_staging(staging)
     committed = _agree(error is None and all_ok, group, final)
     if not committed:
         raise error or RankFailedError(final, "export", "every rank written", Phrase("another rank failed; nothing committed"))
@@ -99,6 +105,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
 def restore_request_tp(path, *, identity: Identity, group=None, **kw) -> RestoredRequest:
     """Each rank loads its own file of a snapshot directory; with ``sharding=`` (this rank's
     :func:`hsnap_io.reshard.describe`) a set written at another TP size is re-sharded."""
+    require_type(path, "identity", identity, Identity)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (identity.tp_rank, identity.tp_size) != (rank, world):
         raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))

@@ -29,6 +29,7 @@ if HERE not in sys.path:
 import hsnap_format as hf  # noqa: E402
 from hsnap_format import _fs, gc  # noqa: E402
 from hsnap_format.reference import state_arrays  # noqa: E402
+from hsnap_format.spec import MANIFEST_NAME, PENDING_MARKER  # noqa: E402
 
 PHASES = ("open", "chunk", "section", "before-fsync", "after-fsync", "magic-written", "before-rename", "after-rename",
           "committed", "manifest-written", "before-dir-rename")
@@ -203,7 +204,7 @@ def inspect_dir(directory: str, final_name: str, golden: str, remove: bool = Tru
     items = {os.path.basename(i.path): i for i in gc.scan(directory)}
     unknown = [n for n in others if n not in items]
     assert not unknown, f"unrecognised leftovers {unknown}"
-    complete = []
+    complete, parts = [], {}
     for name in others:
         item = items[name]
         p = os.path.join(directory, name)
@@ -222,14 +223,23 @@ def inspect_dir(directory: str, final_name: str, golden: str, remove: bool = Tru
         out["leftovers"].append(item.kind)
         if item.alive is not False and not any(gc.pid_alive(p_) for p_ in item.pids):
             raise AssertionError(f"{name}: gc thinks its writer is alive")
-        if item.alive is False:
+        done = [f for f in item.files if f.reason == gc.COMPLETE_INSIDE]
+        if done:  # rank files that were complete, in an unfinished set: gc keeps them (spec 8.1)
+            for f in done:
+                rank = gc.parse_name(os.path.basename(f.path))
+                assert _reader_verdict(f.path, os.path.join(golden, rank[1] if rank else os.path.basename(f.path))) == "complete", f
+            manifest_tmp = {n for n in map(os.path.basename, (f.path for f in item.files)) if (gc.parse_name(n) or "xx")[1] == MANIFEST_NAME}
+            parts[name] = {PENDING_MARKER} | {os.path.basename(f.path) for f in done} | manifest_tmp  # the manifest: not a snapshot
+        elif item.alive is False:
             assert item.removable, item
     if remove:
         for item in gc.collect(directory, remove=True):
             assert item.action in ("removed", "kept"), item
             if item.action == "kept":  # a complete leftover, or the dead child's pid was reused meanwhile
-                assert item.alive or os.path.basename(item.path) in complete, item
-        left = sorted(set(os.listdir(directory)) - set(complete))
+                assert item.alive or os.path.basename(item.path) in complete + list(parts), item
+        for name, names in parts.items():  # all but the complete files and the marker went
+            assert set(os.listdir(os.path.join(directory, name))) == names, (name, names)
+        left = sorted(set(os.listdir(directory)) - set(complete) - set(parts))
         assert left in ([], [final_name]), left
         if out["final"] == "committed":
             assert same_tree(final, golden), "gc changed a committed snapshot"

@@ -82,7 +82,7 @@ PREAMBLE = struct.Struct("<8sHHIQQ16sQQ")
 TRAILER = struct.Struct("<8sQQ16s16sQ")
 assert PREAMBLE.size == 64 and TRAILER.size == 64
 ALIGNMENT = 4096
-MAX_HEADER = 4 * 1024 * 1024
+MAX_HEADER = 1024 * 1024  # spec 3.1 / 7.1 step 8: 1 MiB
 MAX_SECTIONS = 65536
 MAX_RNG = 1024 * 1024
 MAX_MANIFEST = 1024 * 1024
@@ -90,6 +90,9 @@ MAX_DEPTH = 16
 MAX_SAFE_INT = 2**53 - 1
 MAX_INT_DIGITS = 400
 MAX_STR = 4096
+MAX_STOP_STRINGS = 1024  # spec 5.3 (R-5-1): count and length of request.stop.stop_strings
+MAX_STOP_STRING = 4096
+MAX_STOP_TOKEN_IDS = 65536
 
 KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # spec 9
 KNOWN_DIGESTS = {"xxh3-128"}
@@ -163,9 +166,8 @@ def _fp8_table(exp_bits: int, man_bits: int, bias: int, style: str) -> np.ndarra
     return out
 
 
-# SPEC GAP: section 6 names the fnuz formats only as "E4M3/E5M2, no -0, NaN 0x80
-# (AMD)" and gives no exponent bias; the biases used here (8 and 16) are the
-# usual AMD/Graphcore ones.  No golden vector uses float8_e5m2 or the fnuz types.
+# spec 1.1 6: the fnuz formats have exponent biases 8 (E4M3) and 16 (E5M2), no -0,
+# NaN 0x80 only.  No golden vector uses float8_e5m2 or the fnuz types.
 _FP8 = {
     "float8_e4m3fn": _fp8_table(4, 3, 7, "fn"),
     "float8_e5m2": _fp8_table(5, 2, 15, "ieee"),
@@ -435,7 +437,7 @@ class _V:
         return v
 
     def dtype(self, v, fld):
-        if v not in ITEMSIZE:
+        if not isinstance(v, str) or v not in ITEMSIZE:  # a list or object is no name (and unhashable)
             self.fail(fld, "a dtype name of section 6", _show(v))
         return v
 
@@ -500,8 +502,10 @@ def _validate_geometry(v: _V, geo):
         heads = v.int(v.get(att, "heads", a), f"{a}.heads", 1, 65536)
         kdim = v.int(v.get(att, "k_head_dim", a), f"{a}.k_head_dim", 1, 2**20)
         vdim = v.int(v.get(att, "v_head_dim", a), f"{a}.v_head_dim", 0, 2**20)
-        v.dtype(v.get(att, "dtype", a), f"{a}.dtype")
-        v.dtype(v.get(att, "storage_dtype", a), f"{a}.storage_dtype")
+        dt = v.dtype(v.get(att, "dtype", a), f"{a}.dtype")
+        sdt = v.dtype(v.get(att, "storage_dtype", a), f"{a}.storage_dtype")
+        if ITEMSIZE[sdt] != ITEMSIZE[dt]:  # spec 5.6: storage_dtype has the itemsize of dtype
+            v.fail(f"{a}.storage_dtype", f"a type of itemsize {ITEMSIZE[dt]} (as dtype)", _show(sdt))
         v.int(v.get(att, "page_size", a), f"{a}.page_size", 1, 2**20)
         swa_layers = v.layers(v.get(att, "swa_layers", a, []), f"{a}.swa_layers")
         # spec 5.6: absent swa_window, kv_lora_rank, qk_rope_head_dim mean null
@@ -586,7 +590,8 @@ def _validate_axis(v: _V, ax, fld: str, axis_rule, shape) -> None:
 def _validate_sharding(v: _V, sh, att, mam) -> None:
     f = "geometry.sharding"
     v.obj(sh, f)
-    a, c, t = sh.get("attention"), sh.get("conv"), sh.get("temporal")
+    # spec 5.6/5.7 (R-5.6-4): the three keys are required (each an AXIS or null)
+    a, c, t = (v.get(sh, k, f) for k in ("attention", "conv", "temporal"))
     if a is not None:
         if att is None:
             v.fail(f"{f}.attention", "null (geometry.attention is null)", "present")
@@ -653,13 +658,13 @@ def _validate_request(v: _V, req):
         v.fail(f"{s}.max_new_tokens", f">= output_tokens ({ot})", mnt)
     v.int(v.get(stop, "min_new_tokens", s, 0), f"{s}.min_new_tokens")
     ss = v.get(stop, "stop_strings", s, [])
-    if not isinstance(ss, list) or len(ss) > 1024:
-        v.fail(f"{s}.stop_strings", "at most 1024 strings", _show(ss))
+    if not isinstance(ss, list) or len(ss) > MAX_STOP_STRINGS:
+        v.fail(f"{s}.stop_strings", f"at most {MAX_STOP_STRINGS} strings", _show(ss))
     for i, x in enumerate(ss):
-        v.str(x, f"{s}.stop_strings[{i}]", maxlen=None)  # spec 1.1 5: no limit of its own
+        v.str(x, f"{s}.stop_strings[{i}]", maxlen=MAX_STOP_STRING)  # spec 5.3: each <= 4,096 code points
     sti = v.get(stop, "stop_token_ids", s, [])
-    if not isinstance(sti, list) or len(sti) > 65536:
-        v.fail(f"{s}.stop_token_ids", "at most 65536 ints", _show(sti))
+    if not isinstance(sti, list) or len(sti) > MAX_STOP_TOKEN_IDS:
+        v.fail(f"{s}.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ints", _show(sti))
     for i, x in enumerate(sti):
         v.int(x, f"{s}.stop_token_ids[{i}]", 0, 2**31 - 1)
     v.bool(v.get(stop, "ignore_eos", s, False), f"{s}.ignore_eos")
@@ -679,6 +684,14 @@ def _validate_request(v: _V, req):
     v.bool(v.get(st, "reasoning_finished", t, False), f"{t}.reasoning_finished")
     v.int(v.get(req, "swa_start", f, 0), f"{f}.swa_start", 0, sp)
     v.flat(v.get(req, "extra", f, {}), f"{f}.extra")
+
+
+def _validate_swa_start(v: _V, header) -> None:
+    """spec 5.6: swa_start is 0 unless geometry.attention.kind is swa."""
+    att = header["geometry"].get("attention")
+    swa_start = header["request"].get("swa_start", 0)
+    if swa_start and (att is None or att.get("kind") != "swa"):
+        v.fail("request.swa_start", "0 unless geometry.attention.kind is swa", swa_start)
 
 
 def section_plan(header: dict, rng_len: int | None) -> list[dict]:
@@ -884,7 +897,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
             v.fail(f"{fld}.name", "a unique name", _show(nm))
         seen.add(nm)
         fld = f"sections[{nm!r}]"
-        if s["kind"] not in KINDS:
+        if not isinstance(s["kind"], str) or s["kind"] not in KINDS:
             v.fail(f"{fld}.kind", "a kind of 5.4", _show(s["kind"]))
         v.int(s["layer"], f"{fld}.layer", 0, 65535, nullable=True)
         v.dtype(s["dtype"], f"{fld}.dtype")
@@ -929,6 +942,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     _validate_identity(v, header["identity"])
     _validate_geometry(v, header["geometry"])
     _validate_request(v, header["request"])
+    _validate_swa_start(v, header)
     # 20: rng_state <=> last section, then the plan
     req = header["request"]
     has_rng = req.get("has_rng_state", False)
@@ -1003,6 +1017,9 @@ class Directory:
 def read_directory(path, *, verify: bool = True) -> Directory:
     path = os.fspath(path)
     dname = os.path.basename(os.path.normpath(path))
+    # spec 7.1 step 1 (R-7.1-2): a directory given as a symbolic link is not followed either
+    if os.path.islink(path.rstrip(os.sep) or os.sep):
+        raise HsnapSpecError(IO_ERROR, dname, "path", "a directory, not a symbolic link", "a symbolic link")
     M = lambda fld, exp, found: HsnapSpecError(MALFORMED_MANIFEST, dname, fld, exp, found)  # noqa: E731
     mpath = os.path.join(path, "manifest.json")
     try:

@@ -30,9 +30,10 @@ HEAD_DIM = 4
 class Model:
     name: str
     tp: reshard.TPModel
-    pool: str  # "mha" | "mla" | "hybrid"
+    pool: str  # "mha" | "mla" | "hybrid" | "swa"
     attn_layers: tuple[int, ...]
     mamba_layers: tuple[int, ...] = ()
+    swa_layers: tuple[int, ...] = ()
 
 
 MODELS = {
@@ -42,6 +43,8 @@ MODELS = {
     "mla": Model("mla", reshard.TPModel(mla=True), "mla", (0, 1)),
     # Mamba2 with n_groups 1 < tp (B and C replicated), beside MQA attention (1 KV head)
     "mamba2": Model("mamba2", reshard.TPModel(kv_heads=1, mamba=reshard.Mamba2Dims(8, 1, 4, 2, 2)), "hybrid", (1,), (0, 2)),
+    # sliding-window layers 0 and 2 beside a full layer (SWAKVPool), 2 KV heads
+    "swa": Model("swa", reshard.TPModel(kv_heads=2), "swa", (1,), swa_layers=(0, 2)),
 }
 MLA_RANK, MLA_ROPE = 4, 2
 
@@ -74,13 +77,21 @@ def build(m: Model, tp: int, rank: int, *, size: int = 64, seed: int = 3) -> Sim
                                    enable_memory_saver=False)
     else:
         rtp = mp.ReqToTokenPool(size=4, max_context_len=size, device="cpu", enable_memory_saver=False)
-        if m.pool == "mla":
+        if m.pool == "swa":
+            kv = sg.swa_memory_pool.SWAKVPool(size=size, size_swa=size, page_size=1, dtype=torch.bfloat16, head_num=heads,
+                                              head_dim=HEAD_DIM, swa_attention_layer_ids=list(m.swa_layers),
+                                              full_attention_layer_ids=list(m.attn_layers), device="cpu",
+                                              enable_memory_saver=False, enable_alt_stream=False)
+        elif m.pool == "mla":
             kv = mp.MLATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, kv_lora_rank=MLA_RANK,
                                      qk_rope_head_dim=MLA_ROPE, layer_num=len(m.attn_layers), device="cpu", enable_memory_saver=False)
         else:
             kv = mp.MHATokenToKVPool(size=size, page_size=1, dtype=torch.bfloat16, head_num=heads, head_dim=HEAD_DIM,
                                      layer_num=len(m.attn_layers), device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    alloc = sg.allocator.TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, False)
+    if m.pool == "swa":
+        alloc = sg.allocator_swa.SWATokenToKVPoolAllocator(size, size, 1, torch.bfloat16, "cpu", kv, False)
+    else:
+        alloc = sg.allocator.TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", kv, False)
     gen = torch.Generator().manual_seed(seed * 1000 + tp * 10 + rank)
     from hsnap_io.adapters import view_pools
 
@@ -98,7 +109,7 @@ def global_state(m: Model, seed: int = 11) -> dict[str, torch.Tensor]:
 
     out = {}
     for b in view_pools(ps.rtp, ps.alloc).bindings:
-        shape = (N_TOKENS, *b.buffer.shape[1:]) if b.space == "token" else tuple(b.buffer.shape[1:])
+        shape = (N_TOKENS, *b.buffer.shape[1:]) if b.space in ("token", "swa") else tuple(b.buffer.shape[1:])
         bits = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int32)
         if b.buffer.dtype == torch.float32:
             # finite floats only: any bit pattern copies exactly, but keep values printable
@@ -111,7 +122,7 @@ def global_state(m: Model, seed: int = 11) -> dict[str, torch.Tensor]:
 def shard_of(m: Model, tp: int, rank: int, name: str, full: torch.Tensor) -> torch.Tensor:
     """What rank ``rank`` of ``tp`` holds of the global tensor ``full`` of section ``name``."""
     kind = name.split(".")[0]
-    if kind in ("attn",):
+    if kind in ("attn", "swa"):
         held, _ = reshard.kv_head_map(m.tp.kv_heads, tp, rank)
         return full[:, held]
     if kind == "mla":
@@ -139,6 +150,8 @@ def place(ps, state: dict[str, torch.Tensor]):
         data = shard_of(ps.model, ps.tp, ps.rank, b.name, state[b.name])
         if b.space == "token":
             b.buffer[tok] = data
+        elif b.space == "swa":  # every position still in the window: export's swa_start picks the rows
+            b.buffer[ps.kv.translate_loc_from_full_to_swa(tok)] = data
         else:
             b.buffer[mslot] = data
     return row, tok, mslot
@@ -156,8 +169,11 @@ def record() -> hf.RequestRecord:
                             state_position=N_TOKENS, max_new_tokens=16)
 
 
-def export_set(m: Model, tp: int, state, path) -> str:
-    """A TP ``tp`` snapshot directory of ``state``: every rank's pools as SGLang holds them."""
+def export_set(m: Model, tp: int, state, path, *, swa_start: int = 0, overrides: dict | None = None) -> str:
+    """A TP ``tp`` snapshot directory of ``state``: every rank's pools as SGLang holds them.
+    ``overrides`` (rank -> export_request keywords: identity, record, swa_start, sharding)
+    make one rank disagree with the others, written by the project's own writer (every
+    file self-consistent and signed; the manifest binds them)."""
     from hsnap_io import export_request
 
     sw = hf.SetWriter(path)
@@ -165,8 +181,10 @@ def export_set(m: Model, tp: int, state, path) -> str:
         for r in range(tp):
             ps = build(m, tp, r, seed=20 + r)
             row, _, _ = place(ps, state)
+            kw = dict(record=record(), identity=identity(tp, r), sharding=reshard.describe(m.tp, tp, r), swa_start=swa_start)
+            kw.update((overrides or {}).get(r, {}))
             export_request(sw.rank_path(r), req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc, req_pool_idx=row,
-                           record=record(), identity=identity(tp, r), sharding=reshard.describe(m.tp, tp, r), fsync=False)
+                           fsync=False, **kw)
         sw.commit(tp_size=tp, fsync=False)
     except BaseException:
         sw.abort()
@@ -174,13 +192,16 @@ def export_set(m: Model, tp: int, state, path) -> str:
     return str(path)
 
 
-def restored_rows(ps, restored) -> dict[str, torch.Tensor]:
+def restored_rows(ps, restored, swa_start: int = 0) -> dict[str, torch.Tensor]:
+    """Section name -> the restored rows (SWA sections: positions ``swa_start`` onwards)."""
     from hsnap_io.adapters import view_pools
 
     out = {}
     for b in view_pools(ps.rtp, ps.alloc).bindings:
         if b.space == "token":
             out[b.name] = b.buffer[restored.token_indices].clone()
+        elif b.space == "swa":
+            out[b.name] = b.buffer[ps.kv.translate_loc_from_full_to_swa(restored.token_indices[swa_start:])].clone()
         else:
             out[b.name] = b.buffer[restored.mamba_pool_idx].clone()
     return out
@@ -190,4 +211,16 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-__all__ = ["MODELS", "build", "global_state", "shard_of", "place", "export_set", "restored_rows", "identity", "as_bytes"]
+def pool_set(ps):
+    """``ps`` as a :class:`sglang_pools.PoolSet`, for its pool-state fingerprint (every
+    free list, mapping and buffer byte: ``sglang_pools.pool_state_fingerprint``)."""
+    import sglang_pools as sp
+
+    m = ps.model
+    kind = {"mha": "mha", "mla": "mla", "hybrid": "hybrid_linear", "swa": "swa"}[m.pool]
+    geom = dict(full_attention_layer_ids=list(m.attn_layers), swa_attention_layer_ids=list(m.swa_layers))
+    return sp.PoolSet(kind=kind, req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc, kv_pool=ps.alloc.get_kvcache(),
+                      page_size=1, size=ps.alloc.size, geom=geom)
+
+
+__all__ = ["MODELS", "build", "global_state", "shard_of", "place", "export_set", "restored_rows", "identity", "as_bytes", "pool_set"]

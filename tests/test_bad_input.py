@@ -451,7 +451,7 @@ CASES = {
     "streamed_missing": (H(_del("request.streamed")), MalformedHeaderError, "request.streamed"),
     "sampling_nested": (H(_set("request.sampling.logit_bias", {"1": 2})), MalformedHeaderError, "request.sampling"),
     "stop_ids_out_of_range": (H(_set("request.stop.stop_token_ids", [2**31])), MalformedHeaderError, "request.stop.stop_token_ids"),
-    "stop_strings_not_strings": (H(_set("request.stop.stop_strings", [1])), MalformedHeaderError, "request.stop.stop_strings"),
+    "stop_strings_not_strings": (H(_set("request.stop.stop_strings", [1])), MalformedHeaderError, "request.stop.stop_strings[0]"),
     "ignore_eos_int": (H(_set("request.stop.ignore_eos", 0)), MalformedHeaderError, "request.stop.ignore_eos"),
     "extra_nested": (H(_set("request.extra.obj", {"a": 1})), MalformedHeaderError, "request.extra"),
     # geometry
@@ -627,17 +627,21 @@ def test_manifest_is_a_symlink_or_missing(setdir, tmp_path):
 
 
 def test_links_given_as_the_path(setdir, tmp_path):
-    """A link named by the caller (e.g. "latest") is followed by open_snapshot; Snapshot() itself
-    opens with O_NOFOLLOW; links inside a snapshot directory are refused (above)."""
+    """A link given as the path is not followed either (spec 7.1 step 1, R-7.1-2; issue 18
+    item 10): open_snapshot refuses it like Snapshot() (O_NOFOLLOW) and like a link inside a
+    snapshot directory (above); the caller resolves it."""
     link = tmp_path / "latest"
     link.symlink_to(setdir)
-    with open_snapshot(link) as ss:
+    with pytest.raises(HsnapIOError, match="symbolic link"):
+        open_snapshot(link)
+    with open_snapshot(os.path.realpath(link)) as ss:
         assert isinstance(ss, SnapshotSet)
         ss.verify()
     flink = tmp_path / "rank.hsnap"
     flink.symlink_to(setdir / "rank-0.hsnap")
-    with pytest.raises(HsnapIOError):
-        Snapshot(flink)
+    for opener in (Snapshot, open_snapshot):
+        with pytest.raises(HsnapIOError):
+            opener(flink)
 
 
 @pytest.mark.parametrize(

@@ -228,6 +228,11 @@ def test_kill_a_real_gloo_rank(driver):
         if verdict == "complete":  # a complete set never renamed: gc cannot tell it from a committed one, keeps it
             assert staging.reason.startswith(cc.COMPLETE_LEFTOVER) and [i.action for i in removed] == ["kept"], removed
             continue
+        done = {os.path.basename(f.path) for f in staging.files if f.reason == hgc.COMPLETE_INSIDE}
+        if done:  # complete rank files (and a manifest's temporary): kept with the marker, the rest removed (spec 8.1)
+            manifest_tmp = {n for n in os.listdir(staging.path) if (hgc.parse_name(n) or "xx")[1] == cc.MANIFEST_NAME}
+            assert [i.action for i in removed] == ["kept"] and set(os.listdir(staging.path)) == done | manifest_tmp | {cc.PENDING_MARKER}, removed
+            continue
         assert staging.removable == (staging.alive is False)
         assert [i.action for i in removed] == ["removed"], removed
         assert os.listdir(t["dir"]) == []

@@ -83,8 +83,8 @@ def test_dead_writers_leftovers_are_removed_and_nothing_else(tmp_path):
     dead = _dead_pid()
     _pending(_tmp(tmp_path, "a.hsnap", dead), bytes(5000))
     _staging(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d")
-    _touch(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / "rank-0.hsnap")
-    _touch(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / f".rank-1.hsnap.hsnap-tmp-{dead}-00000000")
+    _touch(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / "rank-0.hsnap", b"")  # created, killed before its first byte
+    _pending(tmp_path / f".b.hsnap-staging-{dead}-0a1b2c3d" / f".rank-1.hsnap.hsnap-tmp-{dead}-00000000")
     listed = hgc.collect(tmp_path)
     assert _actions(listed) == {f".a.hsnap.hsnap-tmp-{dead}-0a1b2c3d": "would remove", f".b.hsnap-staging-{dead}-0a1b2c3d": "would remove"}
     assert all(i.alive is False and i.pids == [dead] for i in listed)
@@ -119,7 +119,7 @@ def test_committed_snapshots_survive_older_than_zero(tmp_path):
 
 def test_tp_staging_without_pid(tmp_path):
     st = _staging(tmp_path / ".snap.hsnap-staging-tp-snap")
-    cc.write_single(str(st / "rank-0.hsnap"))
+    _pending(st / "rank-0.hsnap")
     [item] = hgc.collect(tmp_path, remove=True)
     assert (item.action, item.pids, item.alive) == ("kept", [], None) and "no pid" in item.reason
     # a rank still writing inside keeps it even with --older-than unless old enough
@@ -130,12 +130,22 @@ def test_tp_staging_without_pid(tmp_path):
     assert item.action == "removed" and os.listdir(tmp_path) == []
 
 
-def test_staging_with_a_dead_ranks_temporary_is_removable(tmp_path):
+def test_staging_with_a_dead_ranks_temporary_keeps_the_complete_rank(tmp_path):
+    """A killed TP export: rank 0 complete, rank 1's temporary unfinished. The temporary
+    and nothing else goes; the complete rank file, the marker and the directory stay."""
     st = _staging(tmp_path / ".snap.hsnap-staging-tp-snap")
-    cc.write_single(str(st / "rank-0.hsnap"))
-    _pending(_tmp(st, "rank-1.hsnap", _dead_pid()))
+    cc.write_single(str(tmp_path / "r0"))
+    os.rename(tmp_path / "r0", st / "rank-0.hsnap")
+    tmp = _pending(_tmp(st, "rank-1.hsnap", _dead_pid()))
     [item] = hgc.collect(tmp_path, remove=True)
-    assert item.action == "removed"
+    assert item.action == "kept" and "rank-0.hsnap" in item.reason and item.path == str(st), item
+    assert {os.path.basename(f.path): f.action for f in item.files} == {
+        ".hsnap-pending": "kept", "rank-0.hsnap": "kept", os.path.basename(tmp): "removed"}
+    assert sorted(os.listdir(st)) == [".hsnap-pending", "rank-0.hsnap"]
+    [item] = hgc.collect(tmp_path, remove=True, older_than=0)  # again: nothing more to do
+    assert item.action == "kept" and not item.removable
+    with hf.open(st / "rank-0.hsnap") as s:
+        s.verify()
 
 
 def test_odd_entries_are_left_alone(tmp_path):
@@ -152,7 +162,7 @@ def test_odd_entries_are_left_alone(tmp_path):
     assert os.path.exists(target) and len(os.listdir(tmp_path)) == 5
 
 
-def test_symlinks_inside_a_staging_directory_are_unlinked_not_followed(tmp_path):
+def test_symlinks_inside_a_staging_directory_are_kept_not_followed(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     victim = _touch(outside / "victim")
@@ -161,9 +171,12 @@ def test_symlinks_inside_a_staging_directory_are_unlinked_not_followed(tmp_path)
     st = _staging(d / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d")
     os.symlink(victim, st / "rank-0.hsnap")
     os.symlink(outside, st / "dirlink")
+    _pending(st / "rank-1.hsnap")
     [item] = hgc.collect(d, remove=True)
-    assert item.action == "removed" and os.listdir(d) == []
-    assert os.path.exists(victim)
+    assert item.action == "kept" and sorted(os.listdir(st)) == [".hsnap-pending", "dirlink", "rank-0.hsnap"], item
+    assert {os.path.basename(f.path): f.action for f in item.files} == {".hsnap-pending": "kept", "dirlink": "kept", "rank-0.hsnap": "kept", "rank-1.hsnap": "removed"}
+    assert all("symbolic link" in f.reason for f in item.files if os.path.basename(f.path) in ("dirlink", "rank-0.hsnap"))
+    assert os.listdir(outside) == ["victim"] and open(victim, "rb").read() == b"x"
 
 
 def test_leftovers_inside_a_committed_snapshot_directory(tmp_path):
@@ -190,11 +203,11 @@ def test_a_writer_whose_temporary_gc_removed_fails_typed(tmp_path):
 
 def test_a_set_writer_whose_staging_gc_removed_fails_typed(tmp_path):
     w = hf.SetWriter(tmp_path / "set")
-    for r in range(2):
-        ident, geom, rec, state = cc.tiny(tp_size=2, tp_rank=r, snapshot_id="s")
-        hf.write_snapshot(w.rank_path(r), identity=ident, geometry=geom, record=rec, state=state)
     [item] = hgc.collect(tmp_path, remove=True, older_than=0)
     assert item.action == "removed"
+    ident, geom, rec, state = cc.tiny(tp_size=2, tp_rank=0, snapshot_id="s")
+    with pytest.raises(hf.HsnapError):
+        hf.write_snapshot(w.rank_path(0), identity=ident, geometry=geom, record=rec, state=state)
     with pytest.raises(hf.HsnapError):
         w.commit(tp_size=2)
     assert os.listdir(tmp_path) == []

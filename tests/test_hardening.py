@@ -104,8 +104,8 @@ def test_item1_a_committed_set_renamed_into_a_dead_writers_staging_name_survives
 def test_item1_a_user_directory_with_a_staging_like_name_is_not_emptied(tmp_path):
     runs = tmp_path / f".runs.hsnap-staging-{_dead_pid()}-0a1b2c3d"
     runs.mkdir()
-    _single(runs / "a.hsnap")
-    _single(runs / "b.hsnap", 1)
+    for name, seed in (("a.hsnap", 0), ("b.hsnap", 1)):  # moved in: writers refuse such a directory (issue 18 item 2)
+        os.rename(_single(tmp_path / name, seed), runs / name)
     [item] = hgc.collect(tmp_path, remove=True, older_than=0)
     assert item.action == "kept" and "marker" in item.reason, item
     assert sorted(os.listdir(runs)) == ["a.hsnap", "b.hsnap"]

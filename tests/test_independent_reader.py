@@ -523,6 +523,9 @@ def test_sharding_description_refused(label, edit, field):
 
 
 def test_undescribed_kinds_are_allowed():
-    """Spec 5.7: a null kind is "not described", not an error."""
+    """Spec 5.7: a null kind is "not described", not an error; an absent one is (5.6, R-5.6-4:
+    the three keys are required, issue 18 item 10)."""
     ir.parse_snapshot(_rank1(lambda sh: sh.update(conv=None, temporal=None)), "x")
-    ir.parse_snapshot(_rank1(lambda sh: sh.clear()), "x")
+    with pytest.raises(ir.HsnapSpecError) as e:
+        ir.parse_snapshot(_rank1(lambda sh: sh.clear()), "x")
+    assert (e.value.kind, e.value.field) == (ir.MALFORMED_HEADER, "geometry.sharding.attention")

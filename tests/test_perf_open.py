@@ -206,13 +206,16 @@ def test_writer_table_encoding_equals_canonical():
 
 def test_a_key_with_del_is_judged_like_the_definition():
     """Found by the hypothesis test above: the one-call fast check wrote a key's DEL raw
-    while ``dumps`` escapes keys (\\u007f); such headers now take the full path."""
+    while ``dumps`` escaped keys (\\u007f). Spec 4 (JCS) writes DEL raw in keys as in values
+    (issue 18 item 10: an implementer from the spec alone disagreed), so both paths do."""
     from hsnap_format import canonical
 
     raw = b'{"d\x7fgest":1}'
     escaped = b'{"d\\u007fgest":1}'
+    assert canonical.loads(raw) == {"d\x7fgest": 1}
     with pytest.raises(canonical.CanonicalError):
-        canonical.loads(raw)
-    assert canonical.loads(escaped) == {"d\x7fgest": 1}
-    assert canonical.dumps({"d\x7fgest": 1}) == escaped
+        canonical.loads(escaped)
+    assert canonical.dumps({"d\x7fgest": 1}) == raw
     assert canonical.loads(b'{"a":"x\x7fy"}') == {"a": "x\x7fy"}  # in values DEL stays raw
+    _same(raw)
+    _same(escaped)

@@ -168,14 +168,17 @@ def test_symlinks_inside_a_snapshot_directory_are_refused(committed_set, tmp_pat
             s.verify()
 
 
-def test_a_symlink_given_as_the_path_is_followed(committed_set, tmp_path):
-    """open_snapshot follows a link given as the path itself (e.g. "latest"); links inside
-    a snapshot directory stay refused, and Snapshot() opens a rank file O_NOFOLLOW."""
+def test_a_symlink_given_as_the_path_is_not_followed(committed_set, tmp_path):
+    """hf.open refuses a link given as the path itself (e.g. "latest"), as Snapshot() does
+    (O_NOFOLLOW) and as links inside a snapshot directory are refused (spec 7.1 step 1,
+    R-7.1-2; issue 18 item 10); the target, by its own path, opens."""
     _write(tmp_path / "req.hsnap")
     os.symlink(tmp_path / "req.hsnap", tmp_path / "latest.hsnap")
     os.symlink(committed_set, tmp_path / "latest")
     for link in ("latest.hsnap", "latest"):
-        with hf.open(tmp_path / link) as s:
+        with pytest.raises(hf.HsnapIOError, match="symbolic link"):
+            hf.open(tmp_path / link)
+        with hf.open(os.path.realpath(tmp_path / link)) as s:
             s.verify() if isinstance(s, hf.Snapshot) else [r.verify() for r in s.ranks.values()]
     with pytest.raises(hf.HsnapIOError):
         hf.Snapshot(tmp_path / "latest.hsnap")

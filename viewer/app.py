@@ -17,21 +17,26 @@ import argparse
 import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.message import Message
 from textual.screen import Screen
 
 from .commands import SectionCommands
 from .compat import Reference, load_reference
+from hsnap_format.errors import HsnapError
+from hsnap_format.remote import StorageOptions, endpoint_shown, is_url
 from hsnap_format.viewmodel import leftover_hint
 
 from .model import Document, display_name, try_open
 from .screens.diff import DiffScreen
 from .screens.error import ErrorScreen
 from .screens.help import HelpScreen
+from .screens.loading import LoadingScreen
 from .screens.main import MainScreen
 from .text import describe_error
 from .tokenizer import TokenizerUnavailable, load_decoder
@@ -69,7 +74,11 @@ class HsnapViewApp(App):
         self.error: tuple[str, BaseException] | None = None  # (display name, error): what stops the app
         self.warnings: list[str] = []  # shown as notifications once running
         self.tokenizer_error: str | None = None
-        self._load()
+        # a snapshot on an object store can keep the app waiting on the network: it opens
+        # after the first frame, behind a screen that says so (a local file opens here)
+        self.opening = [p for p in (config.path, config.other) if p is not None and is_url(p)]
+        if not self.opening:
+            self._load()
 
     # -- loading (cheap: headers only; runs before the first frame)
     def _load(self) -> None:
@@ -100,6 +109,38 @@ class HsnapViewApp(App):
                 self.warnings.append(f"no token text: {e}")
 
     def on_mount(self) -> None:
+        if self.opening:
+            try:
+                options = StorageOptions()  # what the opens use: the environment's endpoint and timeouts
+            except HsnapError as e:  # a bad HSNAP_S3_TIMEOUT: nothing to wait for
+                self.opening, self.error = [], (display_name(self.config.path), e)
+            else:
+                self.push_screen(LoadingScreen([display_name(p) for p in self.opening], endpoint_shown(options), options.request_bound_s))
+                threading.Thread(target=self._load_in_background, name="hsnap-view-open", daemon=True).start()
+                return
+        self._show()
+
+    def _load_in_background(self) -> None:
+        """The opens, off the event loop (a daemon thread: ``q`` while waiting quits at once)."""
+        try:
+            self._load()
+        except Exception as e:  # noqa: BLE001 - a bad HSNAP_S3_TIMEOUT, a missing botocore: shown, not lost in a thread
+            self.error = (display_name(self.config.path), e)
+        if self.is_running:
+            self.post_message(self.Opened())  # thread-safe: handled on the app's loop, in its context
+        else:  # quit while waiting
+            self._close_documents()
+
+    class Opened(Message):
+        """The background opens are done (``error`` or the documents are set)."""
+
+    def on_hsnap_view_app_opened(self, message: "HsnapViewApp.Opened") -> None:
+        self.opening = []
+        while any(isinstance(s, LoadingScreen) for s in self.screen_stack):
+            self.pop_screen()
+        self._show()
+
+    def _show(self) -> None:
         if self.error is not None:
             self.push_screen(ErrorScreen(*self.error))
             return
@@ -113,6 +154,9 @@ class HsnapViewApp(App):
             self.notify(w, severity="warning", markup=False)
 
     def on_unmount(self) -> None:
+        self._close_documents()
+
+    def _close_documents(self) -> None:
         for doc in (self.document, self.other):
             if doc is not None:
                 doc.close()
@@ -127,8 +171,29 @@ class HsnapViewApp(App):
             self.push_screen(DiffScreen(self.document, self.other, atol=self.config.atol, rtol=self.config.rtol))
 
     def open_diff_with(self, path: str) -> None:
-        """Diff mode against a snapshot chosen from inside the app (``d`` with one file open)."""
-        doc, err = try_open(os.path.expanduser(path))
+        """Diff mode against a snapshot chosen from inside the app (``d`` with one file open);
+        one on an object store opens off the event loop, the app saying it waits."""
+        if is_url(path):
+            try:
+                bound = StorageOptions().request_bound_s
+            except HsnapError as e:
+                self.notify(describe_error(e), title="Cannot diff", severity="error", markup=False)
+                return
+            self.notify(f"opening {display_name(path)}: waiting for the store (at most {bound:.0f} s)", timeout=bound, markup=False)
+            threading.Thread(target=lambda: self.post_message(self.DiffOpened(*try_open(path))), name="hsnap-view-open", daemon=True).start()
+            return
+        self._diff_with(*try_open(os.path.expanduser(path)))
+
+    class DiffOpened(Message):
+        def __init__(self, doc: Document | None, err: HsnapError | None) -> None:
+            super().__init__()
+            self.doc, self.err = doc, err
+
+    def on_hsnap_view_app_diff_opened(self, message: "HsnapViewApp.DiffOpened") -> None:
+        self.clear_notifications()
+        self._diff_with(message.doc, message.err)
+
+    def _diff_with(self, doc: Document | None, err: HsnapError | None) -> None:
         if err is not None:
             self.notify(describe_error(err) + _hint(err), title="Cannot diff", severity="error", markup=False)
             return
@@ -263,6 +328,9 @@ def _main(argv: list[str] | None = None) -> int:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+    if app.error is not None:  # an object-store snapshot that could not be opened (shown in the app too)
+        print(f"hsnap-view: {describe_error(app.error[1])}{_hint(app.error[1])}", file=sys.stderr)
+        return 2
     return app.return_code or 0  # a crash inside the app is a failure, not exit 0
 
 

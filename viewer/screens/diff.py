@@ -2,7 +2,8 @@
 and, from a worker, per section: equal / max abs diff / first differing element,
 its two values told apart (enough digits, ulp and bits). Troubled sections come
 first and are named in the verdict; a side that fails its own digests is flagged.
-Enter on a row opens the section (of A) at its first difference."""
+Enter on a row opens the section (of A) at its first difference; until the cursor is
+moved by hand it stays on the first row, the first difference once it is known."""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ class DiffScreen(Screen):
         self.errors: dict[str, str] = {}
         self._worker: Worker | None = None
         self._note = "comparing…"
+        self._following: str | None = None  # the key the cursor was put on (row 0); None once moved by hand
 
     def _label(self, pair: SectionPair) -> str:
         return f"rank{pair.rank}/{pair.name}" if (self.a.multi_rank or self.b.multi_rank) else pair.name
@@ -216,7 +218,7 @@ class DiffScreen(Screen):
                 self.errors[key] = error
             else:
                 self.results[key] = result
-        self.query_one(VTable).set_rows(self._order(), fit=False)
+        self._set_rows()
         self.query_one(ProgressBar).advance(event.nbytes)
         self._verdict()
 
@@ -230,13 +232,23 @@ class DiffScreen(Screen):
         self.errors.clear()
         self.query_one(ProgressBar).update(progress=0)
         self._note = "comparing…"
-        self.query_one(VTable).set_rows(self._order(), fit=False)
+        self._set_rows(follow=True)
         self._verdict()
         self._worker = self._compare()
 
     def action_cancel(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+
+    def _set_rows(self, *, follow: bool = False) -> None:
+        """Rows in the current order; the cursor on row 0 (what needs a look first) while
+        it is where this put it, on its own key once moved by hand."""
+        table = self.query_one(VTable)
+        follow = follow or (self._following is not None and table.cursor_key == self._following)
+        table.set_rows(self._order(), fit=False)
+        if follow:
+            table.move_cursor(0)
+        self._following = table.cursor_key if follow else None
 
     @on(VTable.Selected)
     def _row_selected(self, event: VTable.Selected) -> None:

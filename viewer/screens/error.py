@@ -9,6 +9,8 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from hsnap_format.errors import HsnapIOError
+
 from ..text import describe_error, safe
 
 
@@ -24,7 +26,10 @@ class ErrorScreen(Screen):
         text.append_text(safe(self.label, "bold"))
         text.append("\n\n")
         text.append(describe_error(self.error), style="red")
-        text.append("\n\nThe file is not a readable hsnap snapshot. `hsnap verify` gives the same verdict.", style="dim")
+        # a failed read (a disk, a store that does not answer) says nothing about the snapshot itself
+        hint = ("Reading it failed; the snapshot itself may be intact." if isinstance(self.error, HsnapIOError)
+                else "The file is not a readable hsnap snapshot.")
+        text.append(f"\n\n{hint} `hsnap verify` gives the same verdict.", style="dim")
         with Vertical(id="error"):
             yield Static(text, id="error-text")
         yield Footer()

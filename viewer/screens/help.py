@@ -15,7 +15,8 @@ A read-only viewer for hsnap request snapshots (a rank file or a snapshot direct
 
 | key | does |
 |---|---|
-| `1`–`7` | Geometry, Section, Digests, Identity, Request, Hex, Map tabs |
+| `1`–`7` | Geometry, Section, Digests, Identity, Request, Hex, Map tabs (the tab shown takes the keys) |
+| arrows, `pgup` `pgdn` `home` `end` | move in the tab shown; tables move sideways by whole columns |
 | `enter` | open the selected section (tree, geometry table, diff table) |
 | `t` | hide / show the section tree (hidden at start below 100 columns) |
 | `/` | search sections by name or label; `n` / `N` next / previous match |
@@ -36,7 +37,8 @@ A read-only viewer for hsnap request snapshots (a rank file or a snapshot direct
 (NaN, ±Inf and zeros counted apart; bf16/fp8 in float64) and the norm of every
 slice along its first axis (per token for K/V), and shows a red banner when the
 bytes do not match the stored digest. The value grid reads only visible rows; the
-top line gives the cursor value exactly, with its bits.
+top line gives the cursor value exactly, with its bits. A cell never shows part of a
+number: `≈` marks a value rounded to fit its cell, `›` more columns to the right.
 
 **Map** draws, per family (K, V, conv, temporal), one line per layer and one cell
 per token / channel / head, coloured by L2 norm: an all-zero slice is a red `0`,
@@ -48,8 +50,9 @@ truncated file) first, and names them in the summary.
 
 **Diff** compares section by section in float64: status, largest absolute and
 relative difference, the first differing element with both values (digits enough
-to tell them apart, ulp distance, bits). Troubled sections come first; `enter`
-opens A's section at the first difference. Same as `hsnap diff A B`.
+to tell them apart, ulp distance, bits). Troubled sections come first and the
+cursor starts on the first of them; `enter` opens A's section at its first
+difference. Same as `hsnap diff A B`.
 """
 
 

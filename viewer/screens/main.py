@@ -45,6 +45,10 @@ NARROW = 100  # below this many columns the tree starts hidden (t shows it)
 PANES = {"geometry": "Geometry", "section": "Section", "digests": "Digests", "identity": "Identity",
          "request": "Request", "hex": "Hex", "map": "Map"}
 
+# tab id -> the widget that takes the keys there (arrows, page keys scroll it)
+PANE_FOCUS = {"geometry": "#geometry-table", "section": "#detail-grid", "digests": "#digest-table", "identity": "#identity-panel",
+              "request": "#tokens", "hex": "#detail-hex", "map": "#norm-map"}
+
 # tab -> what ``g`` asks for there
 GOTO_QUESTIONS = {
     "request": "Go to history position (0 is the first prompt token; o jumps to the outputs):",
@@ -132,6 +136,7 @@ class MainScreen(Screen):
         if self.app.size.width < NARROW:
             tree.display = False
         self._fit_tree()
+        self._focus_pane(self.active_pane)  # not the hidden tree: keys would go nowhere visible
         if self.verify_on_open:  # after the first frame: a big snapshot shows at once, then fills in
             self.call_after_refresh(self.query_one(DigestPanel).start)
 
@@ -149,7 +154,7 @@ class MainScreen(Screen):
 
     @on(PaneWanted)
     def _pane_wanted(self, event: PaneWanted) -> None:
-        self.action_show_pane(event.pane)
+        self.show_pane(event.pane)  # asked from the tree: browsing it goes on
 
     @on(DigestPanel.Checked)
     def _digest_checked(self, event: DigestPanel.Checked) -> None:
@@ -172,6 +177,7 @@ class MainScreen(Screen):
     @on(TabbedContent.TabActivated)
     def _tab_changed(self, event: TabbedContent.TabActivated) -> None:
         self.refresh_bindings()
+        self._focus_pane(self.active_pane)
         if self.query_one(TabbedContent).active == "map":
             self.query_one(NormPanel).start()
 
@@ -190,7 +196,7 @@ class MainScreen(Screen):
         hex_title.append_text(safe(ref.info.name, "bold"))
         hex_title.append(f": {ref.info.length:,} bytes, offsets absolute in the file", style="dim")
         self.query_one("#hex-title", Static).update(hex_title)
-        self.action_show_pane("section")
+        self.show_pane("section")
 
     @property
     def active_pane(self) -> str:
@@ -222,13 +228,39 @@ class MainScreen(Screen):
         return True
 
     def action_show_pane(self, pane: str) -> None:
+        """A tab asked for by key (1-7, v, o, ...): it takes the keys, arrows and page keys scroll it."""
         self.query_one(TabbedContent).active = pane
+        self._focus_pane(pane, keep_tree=False)
+
+    def show_pane(self, pane: str) -> None:
+        """A tab shown for a choice made in the tree: the tree keeps the keys if it has them."""
+        self.query_one(TabbedContent).active = pane
+        self._focus_pane(pane)
+
+    def _focus_pane(self, pane: str, *, keep_tree: bool = True) -> None:
+        """Give the keys to the pane's own widget, unless they are already inside that pane
+        (or, with ``keep_tree``, with the visible tree). Focus left in a hidden pane pulled
+        the tabs back to it (1-7 stopped working after ``o``), and a focused hidden tree
+        took the arrows the Map tab needed."""
+        focused = self.focused
+        tree = self.query_one(SectionTree)
+        try:
+            target = self.query_one(PANE_FOCUS[pane])
+            pane_widget = self.query_one(f"TabPane#{pane}")
+        except (NoMatches, KeyError):
+            return
+        if focused is not None and (keep_tree and focused is tree and tree.display or pane_widget in focused.ancestors_with_self):
+            return
+        target.focus(scroll_visible=False)
 
     def action_toggle_tree(self) -> None:
         tree = self.query_one(SectionTree)
         tree.display = not tree.display
         if tree.display:
             self._fit_tree()
+            tree.focus()
+        else:
+            self._focus_pane(self.active_pane)
 
     def action_verify(self) -> None:
         self.action_show_pane("digests")
@@ -378,7 +410,7 @@ class MainScreen(Screen):
     @work(thread=True, group="export")
     def _export_worker(self, ref, path: str) -> None:
         try:
-            e = export_npy(self.doc.snapshot(ref), ref.info, path)
+            e = export_npy(self.doc.snapshot(ref), ref.info, path, source=self.doc.source)
         except HsnapError as err:
             self.app.call_from_thread(self.notify, describe_error(err), title="Export refused", severity="error", markup=False)
             return

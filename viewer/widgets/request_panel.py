@@ -169,7 +169,12 @@ class RequestPanel(Vertical):
         else:
             self.watch_page(page)
         table = self.query_one("#tokens", DataTable)
-        table.move_cursor(row=pos - page * self.page_size, animate=False)
+        row = pos - page * self.page_size
+        table.move_cursor(row=row, animate=False)
+        # the row a third of the way down, with what follows it in view (not on the last line);
+        # after the table's own scroll-into-view, which runs after the next refresh
+        table.call_after_refresh(lambda: table.scroll_to(y=max(0, row - max(0, table.scrollable_content_region.height - 1) // 3),
+                                                          animate=False))
         table.focus()
         return pos
 

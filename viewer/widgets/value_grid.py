@@ -2,7 +2,11 @@
 (``[token, head, :]``), one column per index of the last axis; 1-D sections wrap
 eight to a row. Only the visible rows are read (pread), so a 1 GiB section scrolls
 as freely as a small one. A selection (``[100:120, 0, :8]``) narrows the grid;
-the cursor cell's value is shown in full, with its bits, on the top line."""
+the cursor cell's value is shown in full, with its bits, on the top line.
+
+A cell never shows part of a number: columns scroll by whole cells, and a value
+longer than a cell is rounded to fit and marked ``≈`` (never cut to a prefix or a
+suffix of its digits, which reads as another value)."""
 
 from __future__ import annotations
 
@@ -19,12 +23,15 @@ from textual.strip import Strip
 
 from hsnap_format import HsnapError
 from hsnap_format.stats import is_float
+from hsnap_format.spec import DTYPES
 from hsnap_format.viewmodel import Selection, fmt_value, value_bits
 
 from ..model import Document, SectionRef
 from ..text import describe_error
 
 CELL = 12
+APPROX = "≈"  # a value rounded to fit its cell (the top line shows it exactly)
+MORE = "›"  # more columns to the right than fit
 WRAP = 8  # values per row of a 1-D section
 CACHE_ROWS = 1024
 HEAD_LINES = 2  # the cursor line and the column indices
@@ -36,6 +43,33 @@ _MARK = Style(bgcolor="red", color="white", bold=True)
 _ZERO = Style(dim=True)
 _NONFINITE = Style(color="magenta", bold=True)
 _ERROR = Style(color="red")
+
+
+def cell_text(v, dtype: str, width: int = CELL - 1) -> str:
+    """The value as stored when it fits ``width`` (in fewer digits if they read back to
+    the same stored value), else rounded to fit and marked ``≈``."""
+    text = fmt_value(v, dtype)
+    if len(text) <= width:
+        return text
+    x = float(v)
+    dt = DTYPES[dtype]
+    for digits in range(width, 0, -1):
+        short = f"{x:.{digits}g}"
+        if len(short) <= width and is_float(dt) and np.asarray(float(short)).astype(dt) == np.asarray(v).astype(dt):
+            return short
+        if len(short) < width:
+            return APPROX + short
+    return APPROX * width  # unreachable for width >= 8 ("≈-1e+308")
+
+
+def fit_parts(parts: list[str], width: int, sep: str = "  ") -> str:
+    """Whole parts while they fit, then ``…``: a number is never cut to its first digits."""
+    text = parts[0] if len(parts[0]) <= width else parts[0][: max(0, width - 1)] + "…"
+    for part in parts[1:]:
+        if len(text) + len(sep) + len(part) > width:
+            return text + sep + "…" if len(text) + len(sep) + 1 <= width else text
+        text += sep + part
+    return text
 
 
 class ValueGrid(ScrollView, can_focus=True):
@@ -202,12 +236,23 @@ class ValueGrid(ScrollView, can_focus=True):
             self.scroll_to(y=self.row, animate=False)
         elif self.row >= top + body:
             self.scroll_to(y=self.row - body + 1, animate=False)
-        x = self._label_w + self.col * CELL
-        left = round(self.scroll_x)
-        if x - self._label_w < left:
-            self.scroll_to(x=max(0, x - self._label_w), animate=False)
-        elif x + CELL > left + self.size.width:
-            self.scroll_to(x=x + CELL - self.size.width + 1, animate=False)
+        first, fits = self._first_col(round(self.scroll_x)), self._cols_that_fit()
+        if self.col < first:
+            self.scroll_to(x=self.col * CELL, animate=False)
+        elif self.col >= first + fits:
+            self.scroll_to(x=(self.col - fits + 1) * CELL, animate=False)
+
+    def _cols_that_fit(self) -> int:
+        return max(1, (self._view_width() - self._label_w) // CELL)
+
+    def _view_width(self) -> int:
+        """What shows between the border and the vertical scrollbar (``size`` counts the scrollbar)."""
+        return self.scrollable_content_region.width or self.size.width
+
+    @staticmethod
+    def _first_col(scroll_x: int) -> int:
+        """The first whole cell at a horizontal scroll (the mouse can leave any offset)."""
+        return -(-scroll_x // CELL)
 
     def action_move(self, drow: int, dcol: int) -> None:
         if self.ref is None:
@@ -236,12 +281,14 @@ class ValueGrid(ScrollView, can_focus=True):
         except HsnapError as e:
             return [Segment(f"{list(index)}  unreadable: {describe_error(e)}", _ERROR)]
         dtype = self.ref.info.dtype
-        text = f"{self.ref.info.name}{list(index)} = {fmt_value(v, dtype)}"
+        parts = [f"{list(index)} = {fmt_value(v, dtype)}"]
         if is_float(v.dtype):
-            text += f"  (exactly {float(v)!r}, bits {value_bits(v, dtype)})"
+            parts += [f"exactly {float(v)!r}", f"bits {value_bits(v, dtype)}"]
         if self.selection is not None and not all(isinstance(a, range) and len(a) == n for a, n in zip(self.selection.axes, self.ref.info.shape)):
-            text += f"   selection {self.selection}"
-        return [Segment(text, _HEAD)]
+            parts.append(f"selection {self.selection}")
+        width, named = self._view_width(), self.ref.info.name + "  ".join(parts)
+        # narrow: the section's name (it heads the pane) gives way to the exact value
+        return [Segment(named if len(named) <= width else fit_parts(parts, width), _HEAD)]
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -262,13 +309,11 @@ class ValueGrid(ScrollView, can_focus=True):
         segs = [Segment(self._label(row).ljust(self._label_w), _LABEL)]
         if isinstance(values, HsnapError):
             segs.append(Segment(f"unreadable: {describe_error(values)}", _ERROR))
-            return self._frozen(Strip(segs), scroll_x, width)
+            return Strip(segs).crop_extend(0, width, None)  # a message, not cells: never scrolled away
         dtype = self.ref.info.dtype
         floating = is_float(values.dtype)
         for c, v in enumerate(values):
-            text = fmt_value(v, dtype)
-            if len(text) > CELL - 1:
-                text = text[: CELL - 2] + "…"
+            text = cell_text(v, dtype)
             style = None
             if floating and not math.isfinite(float(v)):
                 style = _NONFINITE
@@ -283,7 +328,15 @@ class ValueGrid(ScrollView, can_focus=True):
         return self._frozen(Strip(segs), scroll_x, width)
 
     def _frozen(self, strip: Strip, scroll_x: int, width: int) -> Strip:
-        """Keep the row labels in place while the values scroll sideways."""
+        """Keep the row labels in place while the values scroll sideways, by whole cells:
+        the room left over at the right shows ``›`` when more columns follow, never the
+        first digits of a cell that does not fit."""
         label = strip.crop(0, self._label_w)
-        body = strip.crop(self._label_w + scroll_x, self._label_w + scroll_x + max(0, width - self._label_w))
-        return Strip.join([label, body]).crop_extend(0, width, None)
+        room = max(0, min(width, self._view_width()) - self._label_w)
+        first = self._label_w + self._first_col(scroll_x) * CELL
+        whole = room // CELL * CELL
+        body = strip.crop(first, first + whole)
+        parts = [label, body]
+        if room > whole and strip.cell_length > first + whole:
+            parts.append(Strip([Segment(MORE.rjust(room - whole), _LABEL)]))
+        return Strip.join(parts).crop_extend(0, width, None)

@@ -4,6 +4,8 @@ DataTable measures every cell of every row when rows are added: 10,000 sections
 took seconds before the first frame, and each status update re-measured. Here a
 row is a key; its cells come from a function when the row is drawn, column widths
 are fixed or fitted once, and updating a row costs one redraw of what is visible.
+Sideways it scrolls by whole columns, the first (the row's name) staying; a column cut
+at the right edge ends in ``…``: a cell never shows part of a number unmarked.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 GAP = 2  # spaces between columns
+MORE = "›"  # more columns to the right, no room to start the next
+CUT = "…"  # a column cut at the right edge
+MIN_CUT = 4  # room below which the next column is not started
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,8 @@ class VTable(ScrollView, can_focus=True):
         Binding("home", "edge(0)", "First", show=False),
         Binding("end", "edge(1)", "Last", show=False),
         Binding("enter", "select", "Open", show=False),
+        Binding("left", "column(-1)", "Left", show=False),
+        Binding("right", "column(1)", "Right", show=False),
     ]
 
     class Selected(Message):
@@ -131,6 +138,50 @@ class VTable(ScrollView, can_focus=True):
         width = 1 + sum(self.widths.values()) + GAP * max(0, len(self.columns) - 1) + 1
         self.virtual_size = Size(width, len(self.keys) + 1)
         self.refresh()
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each column in a drawn line (a leading space, GAP between)."""
+        spans, x = [], 1
+        for c in self.columns:
+            spans.append((x, x + self.widths[c.key]))
+            x += self.widths[c.key] + GAP
+        return spans
+
+    def _window(self, scroll_x: int, width: int) -> tuple[int, int, int, bool]:
+        """The part of a line shown at a scroll offset: the first column (the row's name)
+        stays; the offset counts through the other columns, and from the first of them that
+        starts at or after it, the whole columns that fit; and whether more columns follow.
+        (frozen end, lo, hi, more)"""
+        spans = self._spans()
+        if not spans:
+            return 0, 0, width, False
+        frozen = spans[0][1] + GAP if scroll_x > 0 and len(spans) > 1 else 0
+        room = width - frozen
+        if frozen and room < max(b - a for a, b in spans[1:]):  # no room beside it: plain scrolling
+            frozen, room = 0, width
+        base = spans[1][0] if frozen else 0
+        lo = 0 if scroll_x <= 0 else next((a for a, _ in spans if a - base >= scroll_x and a >= base), spans[-1][0])
+        ends = [b for a, b in spans if a >= lo and b <= lo + room]
+        if not ends:  # one column wider than the view: cut (its cells end in … themselves)
+            return frozen, lo, lo + room, False
+        hi = ends[-1]
+        more = spans[-1][1] > hi
+        if not more:
+            hi = lo + room  # the trailing space and the cursor bar to the edge
+        return frozen, lo, hi, more
+
+    def action_column(self, delta: int) -> None:
+        """Scroll sideways by one whole column (the offsets _window reads)."""
+        spans = self._spans()
+        if len(spans) < 2:
+            return
+        offsets = [a - spans[1][0] for a, _ in spans[1:]]
+        x = round(self.scroll_x)
+        if delta > 0:
+            target = min(next((o for o in offsets if o > x), x), max(x, round(self.max_scroll_x)))
+        else:
+            target = max([o for o in offsets if o < x], default=0)
+        self.scroll_to(x=target, animate=False)
 
     def get_cell(self, key: str, column: str) -> Text:
         value = self.cell(key, column)
@@ -234,4 +285,16 @@ class VTable(ScrollView, can_focus=True):
     def _strip(self, text: Text, scroll_x: int, width: int, style: Style, post: Style | None = None) -> Strip:
         segments = list(text.render(self.app.console))
         segments = list(Segment.apply_style(segments, style=style, post_style=post))
-        return Strip(segments).crop_extend(scroll_x, scroll_x + width, style + post if post else style)
+        fill = style + post if post else style
+        view = self.scrollable_content_region.width or width  # without the vertical scrollbar
+        line = Strip(segments)
+        frozen, lo, hi, more = self._window(scroll_x, min(width, view))
+        parts = [line.crop_extend(0, frozen, fill)] if frozen else []
+        parts.append(line.crop_extend(lo, hi, fill))
+        if more:  # at the edge: the next column started and cut (…), or no room to start it (›)
+            rest = max(1, view - sum(p.cell_length for p in parts))
+            shown = rest - 1 if rest >= MIN_CUT + GAP else 0
+            hidden = line.crop(hi + shown, line.cell_length).text.strip()  # a blank cell needs no mark
+            mark = (CUT if shown else MORE) if hidden else " "
+            parts += [line.crop_extend(hi, hi + shown, fill), Strip([Segment(mark.rjust(rest - shown), fill)])]
+        return Strip.join(parts).crop_extend(0, width, fill)
