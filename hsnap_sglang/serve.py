@@ -1,0 +1,105 @@
+"""``python -m hsnap_sglang.serve [launch_server args]``: SGLang's own ``sglang.launch_server`` on hsnap's CPU platform.
+
+It sets ``HSNAP_SGLANG_CPU=1`` (inherited by every process the server starts), activates the platform in this
+process, adds the CPU flags below unless given (and ``--disable-overlap-schedule`` while the radix cache is on:
+SGLang's CPU platform cannot run both), for ``--tp N`` sets ``SGLANG_CPU_OMP_THREADS_BIND`` (one core range
+per rank) unless given, and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).  Equivalent
+by hand::
+
+    HSNAP_SGLANG_CPU=1 python -m sglang.launch_server --model-path DIR --device cpu \\
+        --attention-backend torch_native --disable-cuda-graph --sampling-backend pytorch \\
+        --max-mamba-cache-size 16 --max-running-requests 8
+
+:func:`engine_kwargs` gives the same defaults for ``sglang.Engine(**kwargs)``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+__all__ = ["CPU_DEFAULTS", "engine_kwargs", "launch_server_argv", "main", "omp_threads_bind"]
+
+# flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
+# RAM (hundreds of thousands of slots, gigabytes).
+CPU_DEFAULTS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--disable-cuda-graph": None,
+    "--sampling-backend": "pytorch",
+    "--max-mamba-cache-size": "16",
+    "--max-running-requests": "8",
+}
+
+
+def omp_threads_bind(tp_size: int) -> str | None:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` CPU ranks: this process's cores split evenly, one range per
+    rank ("0|1", "0-3|4-7").  SGLang requires it when there are more TP ranks than NUMA nodes; None when there
+    are fewer cores than ranks (SGLang then says why it cannot start)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if tp_size < 1 or len(cores) < tp_size:
+        return None
+    per = len(cores) // tp_size
+    groups = [cores[r * per : (r + 1) * per] for r in range(tp_size)]
+    return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
+
+
+def _tp_size(argv: list[str]) -> int:
+    for i, arg in enumerate(argv):
+        for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+            if arg == flag and i + 1 < len(argv):
+                return int(argv[i + 1])
+            if arg.startswith(flag + "="):
+                return int(arg.split("=", 1)[1])
+    return 1
+
+
+# With the radix cache on (SGLang's default), SGLang's "auto" Mamba radix-cache strategy picks "extra_buffer" when the
+# overlap scheduler is on too, and then refuses it on CPU ("extra_buffer requires platform support for Mamba cache
+# state snapshots": CUDA/MUSA/NPU/HIP/XPU only).  The one strategy the CPU platform runs, "no_buffer", needs the
+# overlap scheduler off: so it is turned off unless the radix cache is (or a strategy is chosen explicitly).
+_RADIX_NEEDS_NO_OVERLAP = ("--disable-radix-cache", "--mamba-radix-cache-strategy", "--disable-overlap-schedule")
+
+
+def launch_server_argv(argv: list[str]) -> list[str]:
+    """``argv`` plus every :data:`CPU_DEFAULTS` flag it does not already give (``--flag value`` or ``--flag=value``),
+    and ``--disable-overlap-schedule`` when the radix cache stays on (see above)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    out = list(argv)
+    for flag, value in CPU_DEFAULTS.items():
+        if flag not in given:
+            out += [flag] if value is None else [flag, value]
+    if not given & set(_RADIX_NEEDS_NO_OVERLAP):
+        out.append("--disable-overlap-schedule")
+    return out
+
+
+def engine_kwargs(**overrides) -> dict:
+    """``sglang.Engine`` keyword arguments with the CPU defaults (and the radix-cache rule above); ``overrides`` win."""
+    kw = {flag[2:].replace("-", "_"): (True if value is None else value) for flag, value in CPU_DEFAULTS.items()}
+    for key in ("max_mamba_cache_size", "max_running_requests"):
+        kw[key] = int(kw[key])
+    if not set(overrides) & {f[2:].replace("-", "_") for f in _RADIX_NEEDS_NO_OVERLAP}:
+        kw["disable_overlap_schedule"] = True
+    kw.update(overrides)
+    return kw
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ["HSNAP_SGLANG_CPU"] = "1"
+    tp = _tp_size(argv)
+    if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        bind = omp_threads_bind(tp)
+        if bind is not None:
+            os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = bind
+    from hsnap_sglang.cpu import activate
+
+    activate()
+    sys.argv = ["sglang.launch_server", *launch_server_argv(argv)]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

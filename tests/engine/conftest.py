@@ -1,0 +1,24 @@
+"""Fixtures of the engine tests: the tiny hybrid model directory (built once per session, locally) and the checks
+that the engine extra is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+ENGINE_MODULES = ("torch", "transformers", "tokenizers", "sglang", "fastapi", "uvicorn", "uvloop", "psutil")
+
+
+def engine_extra_missing() -> list[str]:
+    return [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    missing = engine_extra_missing()
+    if missing:
+        pytest.skip(f"hsnap[engine] not installed (missing {missing}): scripts/bootstrap installs it")
+    from hsnap_sglang.tiny import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("tiny") / "qwen3-next-tiny")
