@@ -637,6 +637,13 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
             for p in plans:
                 for k in p.sources:
                     sources[k].verify_section(p.name)
+        if mode is not None:
+            # check_set compared the other ranks' record sections by their table digests: hash
+            # their bytes too (small), so a rank whose record is corrupt is not accepted
+            for s in sources[1:]:
+                for sec in s.sections:
+                    if not sec.is_state:
+                        s.verify_section(sec)
         # hashed as read (what is returned was hashed); check_set proved every rank's record has these digests
         record = src0.record(verify=mode is not None)
     except OSError as e:

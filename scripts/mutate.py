@@ -44,6 +44,9 @@ verified), the pread paths (``section_bytes``/``read`` where the reader has them
                       MemoryError, RecursionError...), or the worker died
   hang                over the time limit                                    FAILURE
   cli-disagrees       ``hsnap verify`` exit status differs from the library   FAILURE
+  spec-disagrees      refused by hsnap_format, but tests/independent_reader.py FAILURE
+                      (the spec alone) accepts it, or refuses it at open with
+                      another error class (7.1's order is normative)
   harness-error       this script failed (not the library)                   FAILURE
 
 The exit status is 1 when any FAILURE count is non-zero. The first few failures of
@@ -51,6 +54,37 @@ each class (distinct stack locations) are minimized (ops dropped and shrunk whil
 failure stays the same) and saved, with the bytes, under ``--findings`` (default
 /tmp/mutate-findings/seed<S>/); ``--replay DIR/case.json`` reruns one with its
 traceback. No pickle: workers get indices or JSON and answer JSON lines.
+
+Other targets (issue 18), ``--target reshard,resume,retract,gc,gc-url`` (or ``new``, or
+``all`` with ``format``; tests/mutate_targets.py holds their seeds, operators and oracles):
+
+    .venv/bin/python scripts/mutate.py --target new --mutants 5000 --url-mutants 1000 --jobs 2
+
+  reshard   snapshot sets exported from SGLang's own pools at TP 1, 2, 4 (a Qwen3.5-like GDN
+            hybrid, GQA, MLA, Mamba2, an SWA model with evicted window rows), one rank or the
+            manifest mutated (per-rank bookkeeping, sharding parts, identity, record, section
+            bytes, a rank rewritten with another swa_start or state_position), restored with
+            ``restore_request(dir, sharding=describe(model, M, r))`` for every M != N
+  resume    Req snapshots (greedy, sampled, logprobs top-k, xgrammar, SWA, Mamba, MLA, paged;
+            written by snapshot_req) through ``resume_req``: sglang.* extras malformed, deeply
+            nested, of other types, huge, unknown enum names; sampling values; ids outside
+            the vocabulary
+  retract   the same through ``load_retracted`` with the Req SGLang's retraction left
+  gc        directories mixing committed snapshots (plain names, temporary-looking names,
+            in marked staging directories, behind links) and leftovers in every state,
+            renamed, moved, truncated, re-marked; ``gc.collect(remove=True, older_than=0)``
+            (or by pid), ``hsnap gc --remove`` every ``--cli-every``-th
+  gc-url    the same on a SeaweedFS this script starts, ``s3://`` prefixes and siblings,
+            multipart uploads in progress (``--url-mutants`` of them)
+
+Target pools are filled with a sentinel byte in every free row and reused (put back from
+the harness's own copy after each mutant). Classes (FAILURE unless typed or accepted):
+typed (and the pools byte-identical), accepted (every check held), untyped, hang,
+leaked-slots, pool-changed, req-changed, accepted-uncovered, accepted-ranks-disagree,
+uninitialised-uploaded, accepted-unwritten, accepted-wrong-bytes, accepted-wrote-elsewhere,
+accepted-slot-accounting, accepted-invalid-req, committed-removed, cli-failed, harness-error
+(tests/mutate_targets.py says what each means). Counts per target and overall; findings
+minimized under ``--findings``/seed<S>/<target>/, replayed with ``--replay``.
 """
 
 from __future__ import annotations
@@ -83,6 +117,7 @@ for _p in (ROOT, os.path.join(ROOT, "tests")):
 import xxhash  # noqa: E402
 
 import craft  # noqa: E402  (tests/craft.py: split, lay_out, resign, manifest_for)
+import mutate_targets as targets  # noqa: E402  (tests/mutate_targets.py: reshard, resume, retract, gc, gc-url)
 import hsnap_format  # noqa: E402
 from hsnap_format import canonical  # noqa: E402
 from hsnap_format import stats as _stats  # noqa: E402
@@ -93,7 +128,7 @@ from hsnap_format.spec import HEADER_OFFSET, KNOWN_FEATURES, PREAMBLE, align_up 
 VECTORS = os.path.join(ROOT, "spec", "vectors")
 LIB_DIR = os.path.join(ROOT, "hsnap_format") + os.sep
 OK_CLASSES = ("typed", "accepted-unchanged", "accepted-valid")
-FAIL_CLASSES = ("accepted-but-changed", "untyped", "hang", "cli-disagrees", "harness-error")
+FAIL_CLASSES = ("accepted-but-changed", "untyped", "hang", "cli-disagrees", "spec-disagrees", "harness-error")
 CLASSES = OK_CLASSES + FAIL_CLASSES
 
 
@@ -700,17 +735,51 @@ class Context:
                 pass
 
     def write(self, files: dict[str, bytes]) -> str:
-        """Write the mutant under scratch/m/ and return the path to open."""
+        """Write the mutant under scratch/m/ and return the path to open; a link of a chain
+        vector (spec 5.9) gets the other links of its chain beside it, as they are."""
         base = os.path.join(self.scratch, "m")
         if os.path.isdir(base):
             shutil.rmtree(base)
-        for name, data in files.items():
+        top = {n.split("/")[0] for n in files}
+        links = _chain_links(top) - top
+        for name, data in [*files.items(), *((n, d) for n, d in self.inputs.items() if n.split("/")[0] in links)]:
             p = os.path.join(base, name)
             os.makedirs(os.path.dirname(p), exist_ok=True)
             with open(p, "wb") as f:
                 f.write(data)
-        top = {n.split("/")[0] for n in files}
         return os.path.join(base, top.pop())
+
+
+_CHAINS: list[set[str]] = []
+
+
+def _chain_links(tops: set[str]) -> set[str]:
+    """The files and directories of every chain vector (spec/vectors/*.json with ``links``) that has one of ``tops``."""
+    if not _CHAINS:
+        for name in sorted(os.listdir(VECTORS)):
+            if name.endswith(".json"):
+                with open(os.path.join(VECTORS, name), encoding="utf-8") as f:
+                    _CHAINS.append({d.get("file") or d.get("directory") for d in json.load(f).get("links", [])})
+    return set().union(*(links for links in _CHAINS if links & tops))
+
+
+def _chain_verifies(snap, path: str) -> bool:
+    """What ``hsnap verify`` adds for a delta (spec 7.5): its chain opens, every link below
+    verifies and each base's output is a prefix of its delta's."""
+    from hsnap_format.chain import chain_below
+    from hsnap_format.storage import store_for
+
+    for r, s in (snap.ranks.items() if hasattr(snap, "ranks") else [(None, snap)]):
+        if s.base is None:
+            continue
+        try:
+            with chain_below(s, location=snap.path, rank=r, store=store_for(path)) as chain:
+                for link in chain.links[:-1]:
+                    link.verify()
+                chain.check_records()
+        except HsnapError:
+            return False
+    return True
 
 
 def _where(tb) -> tuple[str, bool]:
@@ -779,12 +848,32 @@ def examine(desc: dict, ctx: Context, *, cli: bool | None = None) -> dict:
     if cli is None:
         cli = ctx.cli_every > 0 and desc["i"] % ctx.cli_every == 0
     result = _library(path, files, desc, ctx)
+    if result["cls"] == "typed":
+        result = _spec_reader_agrees(path, result, ctx)
     if cli and result["cls"] in OK_CLASSES:
         c = _cli(path, desc, ctx, accepted_verify=result.get("verify_ok", False))
         if c is not None:
             result = dict(result, **c)
     result.pop("verify_ok", None)
     return result
+
+
+def _spec_reader_agrees(path: str, result: dict, ctx: Context) -> dict:
+    """A refusal the spec-only reader does not share is a reader stricter than its spec, or a
+    spec silent where the reader decides (issue 18 item 10): both are findings."""
+    if ctx.ind is None:
+        return result
+    try:
+        (ctx.ind.read_directory if os.path.isdir(path) else ctx.ind.read_snapshot)(path)
+    except ctx.ind.HsnapSpecError as e:
+        if result["stage"] != "open" or e.kind == result["error"]:
+            return result
+        why = f"refused at open as {result['error']} ({result['field']}), by the independent reader as {e.kind} ({e.field})"
+    except Exception as e:  # noqa: BLE001 - the independent reader is test code: its crash is ours
+        return dict(_untyped(e, "independent reader"), cls="harness-error")
+    else:
+        why = f"refused as {result['error']} ({result['field']}) at {result['stage']}, accepted by the independent reader"
+    return dict(result, cls="spec-disagrees", reason=why)
 
 
 def _control(e: BaseException) -> bool:
@@ -820,6 +909,8 @@ def _library(path: str, files: dict[str, bytes], desc: dict, ctx: Context) -> di
                 verify_ok = verify_ok or stage == "verify"
             except HsnapError as e:
                 typed = typed or _typed(e, stage)
+        stage = "chain"
+        verify_ok = verify_ok and _chain_verifies(snap, path)
         stage = "model"
         result = typed or _accepted(snap, path, files, desc, ctx)
         stage = "close"
@@ -867,10 +958,7 @@ def _accepted(snap, path: str, files: dict[str, bytes], desc: dict, ctx: Context
 
 # Refusals of the independent reader that are its own deviations from the spec, not the
 # reader's: (pattern of its message, why it is the independent reader that is wrong).
-INDEPENDENT_DEVIATIONS = [
-    (r"request\.stop\.max_new_tokens: expected present", "absent stop.max_new_tokens means null (spec 5.6); "
-     "the independent reader requires it (its SPEC GAP note predates 5.6)"),
-]
+INDEPENDENT_DEVIATIONS: list[tuple[str, str]] = []  # none known (issue 18 item 10 fixed the last)
 
 
 # ---------------------------------------------------------------------- the spec model
@@ -978,7 +1066,7 @@ def _rank_model(snap, mbytes: bytes, ctx: Context):
         os.unlink(out)
     try:
         w = hsnap_format.SnapshotWriter(out, identity=snap.identity, geometry=snap.geometry, record=snap.record(),
-                                        swa_start=snap.swa_start, features_optional=opt, preallocate=False)
+                                        swa_start=snap.swa_start, features_optional=opt, preallocate=False, base=snap.base)
         with w:
             for spec in w.pending_state_sections():
                 w.write_section(spec.name, snap.array(spec.name))
@@ -1073,6 +1161,8 @@ def _worker_main(args) -> int:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)  # a stray print from the library cannot corrupt the protocol
+    if getattr(args, "target", "format") != "format":
+        return _target_worker(args, proto_in, proto_out)
     ctx = Context(args.scratch, cli_every=args.cli_every)
     if args.mem_gib > 0:
         lim = int(args.mem_gib * (1 << 30))
@@ -1103,12 +1193,12 @@ class _Worker:
         self.log = open(os.path.join(base, f"w{n}.log"), "ab")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONHASHSEED="0")
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed", str(args.seed), "--scratch", self.scratch,
-               "--mem-gib", str(args.mem_gib), "--cli-every", str(args.cli_every)]
+               "--mem-gib", str(args.mem_gib), "--cli-every", str(args.cli_every)] + _target_argv(args)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=ROOT)
         self.buf = b""
         self.job = None
         self.deadline = 0.0
-        line = self._line(time.monotonic() + 120)
+        line = self._line(time.monotonic() + (120 if getattr(args, "target", "format") == "format" else 600))
         if line is None or "ready" not in json.loads(line):
             raise RuntimeError(f"worker {n} did not start (see {self.log.name})")
 
@@ -1328,7 +1418,7 @@ class Tally:
 
 
 def signature(r: dict) -> tuple:
-    if r["cls"] in ("accepted-but-changed", "cli-disagrees"):
+    if r["cls"] in ("accepted-but-changed", "cli-disagrees", "spec-disagrees"):
         reason = re.sub(r"'[^']*'|\"[^\"]*\"", "_", r.get("reason", ""))  # values out, the check stays
         return (r["cls"], re.sub(r"[0-9]+", "N", reason)[:80])
     return (r["cls"], r.get("error"), r.get("where"))
@@ -1442,12 +1532,362 @@ def save_findings(tally: Tally, out_dir: str, evaluate, keep: int, inputs, group
     return saved
 
 
+# ======================================================== the other targets (issue 18)
+#
+# --target reshard|resume|retract|gc|gc-url drives re-signed and raw mutants of seeds
+# written from real SGLang pools (re-sharded restores across TP sizes, resume_req,
+# load_retracted) and of directory / object-store layouts (hsnap gc) through the library,
+# with the oracles of tests/mutate_targets.py. Same pool, same limits, same JSON lines.
+
+TARGETS = ("format",) + targets.TARGETS
+TARGET_GROUPS = {"all": TARGETS, "new": targets.TARGETS}
+
+
+def _targets_of(spec: str) -> list[str]:
+    out = []
+    for name in spec.split(","):
+        for t in TARGET_GROUPS.get(name.strip(), (name.strip(),)):
+            if t not in TARGETS:
+                raise SystemExit(f"mutate.py: unknown target {t!r} (one of {', '.join(TARGETS)}, all, new)")
+            if t not in out:
+                out.append(t)
+    return out
+
+
+def _target_argv(args) -> list[str]:
+    t = getattr(args, "target", "format")
+    if t == "format":
+        return []
+    argv = ["--target", t, "--seeds", args.seeds]
+    if getattr(args, "store", None):
+        argv += ["--store", args.store]
+    if getattr(args, "gc_strict", False):
+        argv.append("--gc-strict")
+    return argv
+
+
+def _target_worker(args, proto_in, proto_out) -> int:
+    seeds = targets.load_seeds(args.target, args.seeds)
+    gen = targets.generator(seeds)
+    store = None
+    if args.store:
+        with open(args.store) as f:
+            store = json.load(f)
+    ex = targets.examiner(seeds, args.scratch, cli_every=args.cli_every, store=store, strict=args.gc_strict)
+    ex.warm()  # pools, descriptions, SGLang imports: before "ready", outside any mutant's time limit
+    if args.mem_gib > 0:
+        lim = int(args.mem_gib * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
+    inject = dict(x.split(":") for x in os.environ.get("HSNAP_MUTATE_INJECT", "").split(",") if ":" in x)
+    proto_out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    for line in proto_in:
+        req = json.loads(line)
+        desc = req["case"] if "case" in req else gen.generate(args.seed, req["i"])
+        what = inject.get(str(desc["i"]))
+        if what == "hang":
+            time.sleep(3600)
+        elif what == "crash":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        try:
+            r = ex.examine(desc)
+        except MemoryError as e:
+            r = targets.untyped(e, "examine")
+        r["i"] = desc["i"]
+        proto_out.write(json.dumps(r, default=str) + "\n")
+    return 0
+
+
+def examine_target_in_process(desc: dict, ex, timeout: float) -> dict:
+    try:
+        with _time_limit(timeout):
+            r = ex.examine(desc)
+    except Hang:
+        r = {"cls": "hang", "stage": "?", "error": "timeout", "where": f"over {timeout} s", "message": ""}
+    r["i"] = desc["i"]
+    return r
+
+
+class TargetTally(Tally):
+    """Counts of one target of tests/mutate_targets.py (its classes, its failures)."""
+
+    def __init__(self, seed: int, target: str) -> None:
+        super().__init__(seed)
+        self.target = target
+        self.uncommitted_removed = 0
+        self.removed = 0  # gc: entries it removed (evidence that it still cleans)
+        self.refusal_fields = collections.Counter()
+
+    def add(self, desc: dict, r: dict) -> None:
+        cls = r["cls"]
+        self.total[cls] += 1
+        variant = "re-signed" if desc["resign"] else "raw"
+        self.by_operator[desc["operator"]][cls] += 1
+        self.by_target[desc["target"]][cls] += 1
+        self.by_variant[variant][cls] += 1
+        if cls == "typed":
+            self.typed_errors[r["error"]] += 1
+            self.typed_stages[f"{variant} {r['stage']}"] += 1
+            self.refusal_fields[f"{variant} {r['error']} {r.get('field', '')}"] += 1
+        if r.get("note"):
+            self.notes[r["note"][:60]] += 1
+        self.uncommitted_removed += int(r.get("uncommitted_removed", 0))
+        self.removed += int(r.get("removed", 0))
+        if cls in targets.FAIL_CLASSES:
+            self.failures.append(dict(r, desc=desc))
+
+    @property
+    def failed(self) -> int:
+        return sum(self.total[c] for c in targets.FAIL_CLASSES)
+
+    def totals_line(self) -> str:
+        t = self.total
+        fails = ", ".join(f"{c} {t[c]}" for c in targets.FAIL_CLASSES if t[c])
+        return f"{self.target}: mutants {self.n}  typed {t['typed']}  accepted {t['accepted']}  failures {self.failed}" + (f" ({fails})" if fails else "")
+
+    def to_dict(self) -> dict:
+        return {
+            "target": self.target, "seed": self.seed, "mutants": self.n, "totals": {c: self.total[c] for c in targets.CLASSES},
+            "failed": self.failed, "by_operator": {k: dict(v) for k, v in sorted(self.by_operator.items())},
+            "by_target": {k: dict(v) for k, v in sorted(self.by_target.items())},
+            "by_variant": {k: dict(v) for k, v in sorted(self.by_variant.items())},
+            "typed_errors": dict(self.typed_errors.most_common()), "refusal_fields": dict(self.refusal_fields.most_common(60)),
+            "notes": dict(self.notes), "uncommitted_rank_files_removed": self.uncommitted_removed, "gc_entries_removed": self.removed,
+            "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in sorted(self.failures, key=lambda f: f["i"])[:200]],
+        }
+
+
+def target_signature(r: dict) -> tuple:
+    """Failures of one kind: an exception by its class and the library frame; an oracle
+    finding by its class and its reason with names and numbers folded."""
+    if r.get("where") in (None, "oracle", "after gc", "after refusal", "cli gc") or r["cls"] in ("committed-removed", "pool-changed"):
+        reason = re.sub(r"'[^']*'|\"[^\"]*\"", "_", r.get("reason", ""))
+        reason = re.sub(r"[0-9]+", "N", re.sub(r"\.[A-Za-z0-9_.-]*hsnap-(staging|tmp)-[A-Za-z0-9_.-]*", ".STAGING", reason))
+        return (r["cls"], reason[:70])
+    return (r["cls"], r.get("error"), r.get("where"))
+
+
+def run_target(target: str, mutants: int, seed: int, *, seeds_dir: str, jobs: int = 0, timeout: float = 10.0, mem_gib: float = 0.0,
+               cli_every: int = 10, store: dict | None = None, strict: bool = False, progress: bool = False,
+               scratch: str | None = None) -> TargetTally:
+    """``mutants`` mutants of ``target`` from the seeds in ``seeds_dir`` (in-process when jobs == 0)."""
+    base = scratch or tempfile.mkdtemp(prefix=f"hsnap-mutate-{target}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.makedirs(base, exist_ok=True)
+    seeds = targets.load_seeds(target, seeds_dir)
+    gen = targets.generator(seeds)
+    tally = TargetTally(seed, target)
+    t0 = last = time.monotonic()
+
+    def report() -> None:
+        nonlocal last
+        if progress and time.monotonic() - last > 10:
+            last = time.monotonic()
+            print(f"  {target}: {tally.n}/{mutants} ({tally.n / (last - t0):.0f}/s) failures {tally.failed}", file=sys.stderr, flush=True)
+
+    try:
+        if jobs <= 0:
+            ex = targets.examiner(seeds, os.path.join(base, "inproc"), cli_every=cli_every, store=store, strict=strict)
+            ex.warm()
+            for i in range(mutants):
+                desc = gen.generate(seed, i)
+                tally.add(desc, examine_target_in_process(desc, ex, timeout))
+                report()
+        else:
+            store_file = None
+            if store is not None:
+                store_file = os.path.join(base, "store.json")
+                with open(store_file, "w") as f:
+                    json.dump(store, f)
+            args = argparse.Namespace(seed=seed, jobs=jobs, timeout=timeout, mem_gib=max(mem_gib, targets.MEM_GIB[target]),
+                                      cli_every=cli_every, target=target, seeds=seeds_dir, store=store_file, gc_strict=strict)
+            pool = Pool(args, base)
+            try:
+                def on_result(i, r):
+                    r["i"] = i
+                    tally.add(gen.generate(seed, i), r)
+                    report()
+
+                pool.run(((i, {"i": i}) for i in range(mutants)), on_result)
+            finally:
+                pool.close()
+    finally:
+        if scratch is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return tally
+
+
+def save_target_findings(tally: TargetTally, out_dir: str, evaluate, keep: int, seeds) -> list[str]:
+    """The first ``keep`` distinct failures of each class, minimized (ops dropped and
+    shrunk while the signature stays) and saved with their files."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+    saved, seen, sigs = [], collections.Counter(), set()
+    for f in sorted(tally.failures, key=lambda f: f["i"]):
+        sig = target_signature(f)
+        if sig in sigs or seen[f["cls"]] >= keep:
+            continue
+        sigs.add(sig)
+        seen[f["cls"]] += 1
+        desc = small = f["desc"]
+        budget = 0 if f["cls"] == "hang" or f.get("stage") == "worker" else 40
+        improved = True
+        while improved and budget > 0:
+            improved = False
+            for ops in _shrinks(small["ops"]):
+                budget -= 1
+                cand = dict(small, ops=ops)
+                if target_signature(evaluate(cand)) == sig:
+                    small, improved = cand, True
+                    break
+                if budget <= 0:
+                    break
+        again = f if small is desc else evaluate(small)
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{seen[f['cls']]:02d}-{f['cls']}-{desc['target']}-{desc['operator']}")[:90]
+        d = os.path.join(out_dir, f["cls"], slug)
+        os.makedirs(d, exist_ok=True)
+        for name, data in targets.mutant_files(seeds, small).items():
+            p = os.path.join(d, "mutant", name)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as fh:
+                fh.write(data)
+        case = {"seed": tally.seed, "i": desc["i"], "target": tally.target, "class": f["cls"], "signature": list(sig),
+                "result": {k: v for k, v in again.items() if k != "desc"}, "desc": small, "original_desc": desc,
+                "reproduce": f".venv/bin/python scripts/mutate.py --replay {os.path.join(d, 'case.json')}"}
+        with open(os.path.join(d, "case.json"), "w") as fh:
+            json.dump(case, fh, indent=1, default=str)
+        saved.append(os.path.join(d, "case.json"))
+    return saved
+
+
+def _target_table(tally: TargetTally) -> str:
+    shown = [c for c in targets.CLASSES if tally.total[c]] or ["typed", "accepted"]
+    lines = [f"{'operator':<14} {'mutants':>8} " + " ".join(f"{c[:12]:>12}" for c in shown)]
+    for groupname, table in (("operator", tally.by_operator), ("target", tally.by_target), ("variant", tally.by_variant)):
+        if groupname != "operator":
+            lines.append(f"-- by {groupname}")
+        for name in sorted(table):
+            c = table[name]
+            lines.append(f"{name[:14]:<14} {sum(c.values()):>8} " + " ".join(f"{c[k]:>12}" for k in shown))
+    return "\n".join(lines)
+
+
+def seeds_cache(target: str) -> str:
+    """Where ``--replay`` (and a run without ``--seeds``) keeps a target's seeds: they are
+    rebuilt identically (fixed identities, seeded pools), so a case replays anywhere."""
+    return os.path.join(tempfile.gettempdir(), f"hsnap-mutate-seeds-{os.getuid()}", target)
+
+
+def _replay_target(case: dict, timeout: float) -> int:
+    t = case["target"]
+    seeds = targets.load_seeds(t, targets.build_seeds(t, seeds_cache(t)))
+    server = store = None
+    with tempfile.TemporaryDirectory(prefix="hsnap-replay-") as d:
+        try:
+            if t == "gc-url":
+                server, store = targets.start_store(os.path.join(d, "weed"))
+            ex = targets.examiner(seeds, os.path.join(d, "x"), cli_every=0, store=store)
+            r = examine_target_in_process(case["desc"], ex, timeout)
+        finally:
+            if server is not None:
+                server.stop()
+    print(json.dumps({k: v for k, v in r.items() if k != "traceback"}, indent=1, default=str))
+    if r.get("traceback"):
+        print(r["traceback"])
+    return 0 if r["cls"] in targets.OK_CLASSES else 1
+
+
+def main_targets(args) -> int:
+    """``--target`` other than ``format``: each target in turn, counts per target and overall."""
+    sel = _targets_of(args.target)
+    t_all = time.monotonic()
+    base = tempfile.mkdtemp(prefix="hsnap-mutate-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    results, rc = {}, 0
+    try:
+        for t in sel:
+            t0 = time.monotonic()
+            n = args.url_mutants if t == "gc-url" and args.url_mutants is not None else args.mutants
+            if t == "format":
+                out = os.path.join(base, "format.json")
+                argv = ["--mutants", str(n), "--seed", str(args.seed), "--jobs", str(args.jobs), "--timeout", str(args.timeout),
+                        "--mem-gib", str(args.mem_gib), "--cli-every", str(args.cli_every), "--json", out, "--findings", args.findings,
+                        "--keep", str(args.keep)] + (["--quiet"] if args.quiet else [])
+                rc |= main(argv)
+                with open(out) as f:
+                    d = json.load(f)
+                failed = sum(d["totals"].get(c, 0) for c in FAIL_CLASSES)
+                results[t] = {"mutants": d["mutants"], "failed": failed, "totals": d["totals"], "wall_s": round(time.monotonic() - t0, 1)}
+                continue
+            print(f"== target {t}: {n} mutants, seed {args.seed}, jobs {args.jobs}", flush=True)
+            seeds_dir = args.seeds or os.path.join(base, "seeds", t)
+            t_seeds = time.monotonic()
+            targets.build_seeds(t, seeds_dir)
+            seeds_s = time.monotonic() - t_seeds
+            server = store = None
+            try:
+                if t == "gc-url":
+                    server, store = targets.start_store(os.path.join(base, "weed"))
+                tally = run_target(t, n, args.seed, seeds_dir=seeds_dir, jobs=args.jobs, timeout=args.timeout, mem_gib=args.mem_gib,
+                                   cli_every=args.cli_every, store=store, strict=args.gc_strict, progress=not args.quiet,
+                                   scratch=os.path.join(base, f"run-{t}"))
+                saved = []
+                if tally.failures:  # minimized in a worker (time and memory limits: a mutant may crash or hang)
+                    seeds = targets.load_seeds(t, seeds_dir)
+                    mbase = os.path.join(base, f"min-{t}")
+                    os.makedirs(mbase, exist_ok=True)
+                    store_file = None
+                    if store is not None:
+                        store_file = os.path.join(mbase, "store.json")
+                        with open(store_file, "w") as f:
+                            json.dump(store, f)
+                    pool = Pool(argparse.Namespace(seed=args.seed, jobs=1, timeout=args.timeout, mem_gib=max(args.mem_gib, targets.MEM_GIB[t]),
+                                                   cli_every=0, target=t, seeds=seeds_dir, store=store_file, gc_strict=args.gc_strict), mbase)
+
+                    def evaluate(desc):
+                        box = {}
+                        pool.run([(0, {"case": desc})], lambda k, r: box.setdefault("r", r))
+                        return box["r"]
+
+                    try:
+                        saved = save_target_findings(tally, os.path.join(args.findings, f"seed{args.seed}", t), evaluate, args.keep, seeds)
+                    finally:
+                        pool.close()
+            finally:
+                if server is not None:
+                    server.stop()
+            wall = time.monotonic() - t0
+            print(_target_table(tally))
+            if tally.refusal_fields:
+                print("refusals, top checks: " + ", ".join(f"{k} {v}" for k, v in tally.refusal_fields.most_common(10)))
+            if t in ("gc", "gc-url"):
+                print(f"entries gc removed (leftovers it proved unfinished): {tally.removed}")
+            if tally.uncommitted_removed:
+                print(f"rank files of unfinished set exports removed (not counted as committed; --gc-strict counts them): {tally.uncommitted_removed}")
+            for f in sorted(tally.failures, key=lambda f: f["i"])[:15]:
+                print(f"FAIL {t} #{f['i']} {f['cls']} {f['desc']['target']} {f['desc']['operator']} {'re-signed' if f['desc']['resign'] else 'raw'}: "
+                      f"{f.get('error', '')} {f.get('where', '')} {f.get('reason', '')[:160]} {f.get('message', '')[:100]}")
+            for p in saved:
+                print(f"saved {p}")
+            print(f"{tally.totals_line()}  wall {wall:.1f} s (seeds {seeds_s:.1f} s)", flush=True)
+            results[t] = dict(tally.to_dict(), wall_s=round(wall, 1), seeds_s=round(seeds_s, 1), findings=saved)
+            rc |= 1 if tally.failed else 0
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    total = sum(r["mutants"] for r in results.values())
+    failed = sum(r["failed"] for r in results.values())
+    wall = time.monotonic() - t_all
+    print("overall: " + "  ".join(f"{t} {r['mutants']} ({r['failed']} failed, {r['wall_s']} s)" for t, r in results.items())
+          + f"  total {total} mutants, {failed} failures, wall {wall:.1f} s, jobs {args.jobs}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"targets": results, "mutants": total, "failed": failed, "wall_s": round(wall, 1), "jobs": args.jobs,
+                       "seed": args.seed, "timeout_s": args.timeout}, f, indent=1, default=str)
+    return 1 if rc or failed else 0
+
+
 # ============================================================================== CLI
 
 
 def _table(tally: Tally) -> str:
-    cols = ["typed", "accepted-unchanged", "accepted-valid", "accepted-but-changed", "untyped", "hang", "cli-disagrees", "harness-error"]
-    short = ["typed", "acc-same", "acc-valid", "acc-changed", "untyped", "hangs", "cli-disagr", "harness"]
+    cols = ["typed", "accepted-unchanged", "accepted-valid", "accepted-but-changed", "untyped", "hang", "cli-disagrees", "spec-disagrees", "harness-error"]
+    short = ["typed", "acc-same", "acc-valid", "acc-changed", "untyped", "hangs", "cli-disagr", "spec-disag", "harness"]
     lines = [f"{'operator':<14} {'mutants':>8} " + " ".join(f"{s:>10}" for s in short)]
     for groupname, table in (("operator", tally.by_operator), ("target", tally.by_target), ("variant", tally.by_variant)):
         if groupname != "operator":
@@ -1474,9 +1914,29 @@ def main(argv=None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--scratch", help=argparse.SUPPRESS)
     ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--target", default="format",
+                    help="what to mutate, comma-separated: format (the golden vectors through the readers), reshard, resume, "
+                         "retract, gc, gc-url (tests/mutate_targets.py); all; new (all but format)")
+    ap.add_argument("--url-mutants", type=int, help="mutants of gc-url (each a few dozen requests to SeaweedFS; default --mutants)")
+    ap.add_argument("--seeds", help="a folder of seeds to reuse (default: built for the run)")
+    ap.add_argument("--gc-strict", action="store_true",
+                    help="count rank files of an unfinished set export (rank-N.hsnap in a marked staging directory without manifest) as committed")
+    ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return _worker_main(args)
+    if args.replay:
+        with open(args.replay) as f:
+            case = json.load(f)
+        if case.get("target") in targets.TARGETS:
+            return _replay_target(case, args.timeout)
+    if args.target != "format":
+        if args.show is not None:
+            t = _targets_of(args.target)[0]
+            seeds = targets.load_seeds(t, targets.build_seeds(t, args.seeds or seeds_cache(t)))
+            print(json.dumps(targets.generator(seeds).generate(args.seed, args.show), indent=1))
+            return 0
+        return main_targets(args)
     inputs, groups = load_inputs()
     if args.show is not None:
         print(json.dumps(generate(args.seed, args.show, inputs, groups), indent=1))
@@ -1548,6 +2008,8 @@ def main(argv=None) -> int:
                            findings=saved), f, indent=1)
     return 1 if tally.failed else 0
 
+
+targets.use_core(argparse.Namespace(build=build, _draw=_draw, DEFAULTS=DEFAULTS))
 
 if __name__ == "__main__":
     sys.exit(main())
