@@ -14,13 +14,27 @@
   5. measures export against pinned device-to-host cudaMemcpy bandwidth and restore
      against pinned host-to-device bandwidth (target >= 0.8x each), plus the engines
      alone (no file: a null sink / an in-RAM source) to separate the copy engine
-     from the host-side page-cache copies.
+     from the host-side page-cache copies;
+  6. the hsnap plug-in in two real SGLang servers on the GPU (``python -m
+     sglang.launch_server`` with ``HSNAP_SGLANG_PLUGIN=1``: CUDA pools, so the export goes
+     through CudaEngine and the restore through cupy uploads), the tiny random-weight
+     model of ``hsnap_sglang.tiny``: an uninterrupted greedy reference; the same request
+     paused over HTTP after k outputs; the source server stopped (its processes gone); a
+     fresh server with other capacities resumes it over HTTP. Token ids and logprobs must
+     equal the reference, the target's forwards for it be decode N-k / extend 0, the
+     stream continue without a repeated or missing chunk, the snapshot be bound to the
+     CUDA device, and the five snapshots the demo refuses (version, layout, binding,
+     manifest, a flipped byte) be refused with the server unchanged. The request runs
+     alone in every server (GPU kernels are not batch-invariant in general; the CPU
+     demo, `hsnap demo`, runs it beside others).
 
-Prints a small table; exits 1 on any byte or digest mismatch (a missed speed target
-is printed as MISS but is not a failure). Without CUDA it says so, runs its CPU parts
-(CPU export twice -> same digests; CPU restore -> same bytes) at 53 tokens, and exits 0.
+Prints a small table; exits 1 on any byte, digest or continuation mismatch (a missed
+speed target is printed as MISS but is not a failure). Without CUDA it says so, runs
+its CPU parts (CPU export twice -> same digests; CPU restore -> same bytes) at 53
+tokens, prints the two-server commands step 6 would run, and exits 0.
 
     python -m bench.gpu_check [--tokens 53,102400] [--repeats 5] [--dir DIR]
+    python -m bench.gpu_check --only servers        # step 6 alone (a few minutes: two server starts)
 """
 
 from __future__ import annotations
@@ -270,6 +284,130 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
     torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------------------------------------- step 6: two servers
+
+SERVER_N, SERVER_K = 64, 10
+GPU_SOURCE = {"--max-total-tokens": "4096", "--max-mamba-cache-size": "8", "--max-running-requests": "4"}
+GPU_TARGET = {"--max-total-tokens": "3000", "--max-mamba-cache-size": "12", "--max-running-requests": "3"}
+GPU_LAUNCHER = ("-m", "sglang.launch_server")  # SGLang's own server on CUDA; the plug-in from the environment
+
+
+def gpu_server_args(capacity: dict[str, str], extra: list[str]) -> list[str]:
+    """launch_server arguments of step 6: bfloat16, Triton attention (any head size: the tiny model's are 32 and 16),
+    CUDA graphs for the few batch sizes used, the given capacities."""
+    base = ["--dtype", "bfloat16", "--attention-backend", "triton", "--cuda-graph-max-bs", "4", "--skip-server-warmup",
+            "--grammar-backend", "none", "--log-level", "warning"]
+    return base + [x for kv in capacity.items() for x in kv] + list(extra)
+
+
+def gpu_server_env() -> dict[str, str]:
+    env = dict(os.environ, HSNAP_SGLANG_PLUGIN="1", SGLANG_LOGGING_LEVEL="warning")
+    env.pop("HSNAP_SGLANG_CPU", None)  # the CPU platform stays off (it would be ignored on a CUDA machine anyway)
+    return env
+
+
+def _cpu_servers():
+    from hsnap_sglang.demo import DemoServer, server_args, server_env
+
+    return {"launcher": DemoServer.CPU_LAUNCHER, "env": server_env(), "args": lambda cap, extra: server_args(cap) + list(extra),
+            "device": "cpu"}
+
+
+# where step 6's servers run: the GPU (what it is for), or hsnap's CPU platform (--servers-on-cpu: the step's own code
+# checked on a machine without a GPU; the export then goes through the host engine)
+SERVER_PLATFORMS = {
+    "cuda": lambda: {"launcher": GPU_LAUNCHER, "env": gpu_server_env(), "args": gpu_server_args, "device": "cuda"},
+    "cpu": _cpu_servers,
+}
+
+
+def two_server_plan(d: str, extra: list[str]) -> list[str]:
+    """The two server command lines of step 6 (printed without a GPU: what a GPU run will start)."""
+    return [" ".join(["HSNAP_SGLANG_PLUGIN=1", "python", *GPU_LAUNCHER, "--model-path", os.path.join(d, "servers", "model"),
+                      "--port", "PORT", *gpu_server_args(cap, extra)]) for cap in (GPU_SOURCE, GPU_TARGET)]
+
+
+def two_servers(d: str, extra: list[str], platform: str = "cuda", startup_timeout: float = 600.0) -> None:
+    """Step 6 (see the module's docstring). Raises Failed on any mismatch."""
+    from pathlib import Path
+
+    from hsnap_sglang.demo import DemoError
+
+    try:
+        _two_servers(Path(d), extra, SERVER_PLATFORMS[platform](), startup_timeout)
+    except DemoError as e:  # a server that did not start, a request that did not finish
+        raise Failed(f"two servers: {e}") from None
+
+
+def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) -> None:
+    from hsnap_format import open_snapshot
+    from hsnap_sglang import client
+    from hsnap_sglang.demo import PROMPT_TEXT, DemoServer, Stream, continuity, flush_cache, negative_snapshots, payload, refuse, tokens
+    from hsnap_sglang.tiny import build_model_dir
+
+    t0 = time.perf_counter()
+    model = build_model_dir(work / "model")
+    env, launcher, server_args = where["env"], where["launcher"], where["args"]
+    path = str(work / "x.hsnap")
+    n, k = SERVER_N, SERVER_K
+    src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, extra), env, launcher=launcher)
+    dst = None
+    try:
+        src.start(startup_timeout)
+        print(f"[servers] source server ready after {src.ready_s:.1f} s", flush=True)
+        ref = Stream(src.url, payload("x-reference", n, text=PROMPT_TEXT))
+        ref.start()
+        ref.finish()
+        flush_cache(src.url)
+        x = Stream(src.url, payload("x", n, text=PROMPT_TEXT))
+        x.start()
+        x.wait_tokens(k)
+        out = client.pause(src.url, "x", path)
+        x.finish()
+        stopped = src.stop()
+        if stopped["left"] or stopped["exit_code"] is None:
+            raise Failed(f"the source server did not stop cleanly: {stopped}")
+        with open_snapshot(path) as snap:
+            snap.verify()
+            device = snap.identity.device
+        if not device.startswith(where["device"]):
+            raise Failed(f"the snapshot is bound to device {device!r}, not {where['device']}: the export did not run on its pools")
+        dst = DemoServer("target", model, work / "target.log", server_args(GPU_TARGET, extra), env, launcher=launcher)
+        dst.start(startup_timeout)
+        print(f"[servers] target server ready after {dst.ready_s:.1f} s", flush=True)
+        run = client.resume(dst.url, path)
+        forwards = client.stats(dst.url, "x")["forwards"]
+        refusals = refuse(dst.url, negative_snapshots(path, work / "negative"))
+    finally:
+        for s in (src, dst):
+            if s is not None:
+                s.stop()
+    ref_ids, ref_lps = tokens(ref.final)
+    ids, lps = tokens(run.final)
+    k_out = int(out["output_tokens"])
+    info = run.info["result"]
+    stream = continuity(x.events, run.events, (info["client_had"]["text_chars"], info["client_had"]["output_ids"]), ref.events)
+    diff = max((abs(a - b) for a, b in zip(lps, ref_lps)), default=float("inf")) if len(lps) == len(ref_lps) else float("inf")
+    print(f"[servers] {sum(a == b for a, b in zip(ids, ref_ids))}/{n} token ids equal, max |logprob diff| {diff!r}; exported at "
+          f"{k_out} outputs ({out['committed_positions']} committed positions, {out['bytes']} bytes, pause-to-durable "
+          f"{out['timings']['pause_to_durable_s'] * 1e3:.1f} ms) from {device}; restore {info['timings']['restore_s'] * 1e3:.1f} ms; "
+          f"target forwards {forwards}; stream continuous {stream['continuous']}; refusals "
+          + ", ".join(f"{r['case']}->{r['error']}" for r in refusals) + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if ids != ref_ids or len(ids) != n:
+        raise Failed(f"two servers: token ids differ from the uninterrupted run ({ids[:k_out + 3]}... vs {ref_ids[:k_out + 3]}...)")
+    if diff != 0.0:
+        raise Failed(f"two servers: logprobs differ from the uninterrupted run by up to {diff!r}")
+    if forwards != {"decode": n - k_out, "extend": 0}:
+        raise Failed(f"two servers: the target's forwards for the request were {forwards}, expected decode {n - k_out}, extend 0")
+    if not stream["continuous"]:
+        raise Failed(f"two servers: the stream did not continue exactly: {stream}")
+    bad = [r for r in refusals if not r["ok"]]
+    if bad:
+        raise Failed(f"two servers: snapshots not refused as they should be: {bad}")
+    print(f"two servers OK: exported from {where['device']} pools, resumed in a fresh server, bit-identical, decode-only, "
+          "every refusal clean", flush=True)
+
+
 def print_table(table: list) -> None:
     print()
     print(f"{'tokens':>8}  {'what':<42} {'time':>10} {'GB/s':>7} {'x limit':>8}  target")
@@ -287,9 +425,22 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--cpu-tokens", type=int, default=53, help="size of the CPU self-test")
+    ap.add_argument("--only", choices=("pools", "servers"), default=None,
+                    help="pools: steps 1-5 only; servers: step 6 only (default: all)")
+    ap.add_argument("--servers-on-cpu", action="store_true",
+                    help="run step 6 on hsnap's CPU platform instead (checks the step's own code without a GPU), then exit")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="one more launch_server argument for step 6's servers (repeat; e.g. --server-arg=--enable-deterministic-inference)")
     args = ap.parse_args(argv)
     d = tempfile.mkdtemp(prefix="hsnap-gpu-", dir=args.dir)
     try:
+        if args.servers_on_cpu:
+            try:
+                two_servers(os.path.join(d, "servers"), args.server_arg, platform="cpu")
+            except Failed as e:
+                print(f"MISMATCH: {e}")
+                return 1
+            return 0
         try:
             cpu_parts(args.cpu_tokens, d)
         except Failed as e:
@@ -297,6 +448,9 @@ def main(argv=None) -> int:
             return 1
         if not torch.cuda.is_available():
             print("SKIP: torch.cuda.is_available() is False — the CUDA export/restore checks and bandwidth table need one NVIDIA GPU")
+            print("SKIP: step 6 (two servers) needs one too; on a GPU machine it starts:")
+            for line in two_server_plan(d, args.server_arg):
+                print(f"  {line}")
             return 0
         try:
             import cupy  # noqa: F401
@@ -306,13 +460,17 @@ def main(argv=None) -> int:
         print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; dir {d}", flush=True)
         table: list = []
         try:
-            engine_dtype_check()
-            for t in args.tokens:
-                gpu_run(t, d, args.repeats, table)
+            if args.only != "servers":
+                engine_dtype_check()
+                for t in args.tokens:
+                    gpu_run(t, d, args.repeats, table)
+            if args.only != "pools":
+                two_servers(os.path.join(d, "servers"), args.server_arg)
         except Failed as e:
             print(f"MISMATCH: {e}")
             return 1
-        print_table(table)
+        if table:
+            print_table(table)
         return 0
     finally:
         shutil.rmtree(d, ignore_errors=True)

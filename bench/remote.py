@@ -1,6 +1,6 @@
 """hsnap on an object store: export to and restore from a real SeaweedFS on loopback.
 
-    python -m bench.remote [--tokens 53 4096 102400] [--repeats 3] [--clients]
+    python -m bench.remote [--tokens 53 4096 102400] [--repeats 3] [--clients] [--parallel 1 2 4 8]
 
 For each size (reference geometry, real SGLang pools on CPU, bench/run.py's helpers):
   export  : export_request(s3://...)  vs the same client's plain multipart put of the
@@ -10,6 +10,13 @@ For each size (reference geometry, real SGLang pools on CPU, bench/run.py's help
             same client's plain parallel ranged get of the same object into memory
             (RangeReader.readinto) vs restore_request(local file)
   open    : hsnap_format.open(url): wall time and GET round trips
+``--parallel 1 2 4 8`` also restores at ``--parallel-tokens`` with that many GETs in
+flight, against the plain ranged get with the same count (what picks the default).
+Every restore of a size lands in the same warm target pools (put back after each, untimed,
+as bench/run.py does) and the plain get fills the same warm buffer each time. Restore by URL with
+the default verify=True: a body up to hsnap_io.restore.ONE_READ_BYTES is staged (GETs
+running ahead of the hashing, then one copy into the slots); a larger one lands in the
+slots through the read-ahead ring with the undo log (exact_rollback).
 ``--clients`` also compares the candidate clients on one 256 MiB object (botocore
 threads — what hsnap uses —, obstore, s3fs), when they are installed.
 
@@ -47,6 +54,18 @@ def best(ts: list[float]) -> float:
     return min(ts)
 
 
+def _restore_timed(tgt, fn) -> float:
+    """``fn`` (a restore into ``tgt``) timed; then the pools are put back as they were
+    (untimed), so every restore lands in the same warm slots, as bench/run.py's do."""
+    from bench import run as br
+    from hsnap_io.statecheck import PoolCheckpoint
+
+    cp = PoolCheckpoint(br.view(tgt))
+    dt = _t(fn)
+    cp.rollback()
+    return dt
+
+
 def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: str) -> dict:
     from bench import run as br
     from hsnap_io import export_request, restore_request
@@ -82,14 +101,10 @@ def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: st
 
     url, path = f"s3://{bucket}/t{tokens}-0.hsnap", os.path.join(d, f"t{tokens}-0.hsnap")
     t_res, t_get, t_resl, t_open, trips = [], [], [], [], []
+    tgt, buf = br.build_reference_pools(tokens), bytearray(res["bytes"])  # both warm, reused: like for like
     for i in range(repeats):
-        tgt = br.build_reference_pools(tokens)
-        t_res.append(_t(lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=opts)))
-        del tgt
-        tgt = br.build_reference_pools(tokens)
-        t_resl.append(_t(lambda: restore_request(path, **tgt.kwargs(), identity=ident)))
-        del tgt
-        buf = bytearray(res["bytes"])
+        t_res.append(_restore_timed(tgt, lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=opts)))
+        t_resl.append(_restore_timed(tgt, lambda: restore_request(path, **tgt.kwargs(), identity=ident)))
 
         def plain_get():
             r = remote.RangeReader(f"s3://{bucket}/plain{tokens}-0", o)
@@ -97,13 +112,48 @@ def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: st
             r.close()
 
         t_get.append(_t(plain_get))
-        del buf
         t0 = time.perf_counter()
         with hf.open(url, storage_options=opts) as s:
             t_open.append(time.perf_counter() - t0)
             trips.append(s.open_requests)
+    del tgt, buf
     res.update(restore_url=best(t_res), plain_get=best(t_get), restore_local=best(t_resl), open=best(t_open), open_trips=max(trips))
     return res
+
+
+def bench_parallel(tokens: int, counts: list[int], repeats: int, bucket: str, opts: dict, d: str) -> list[dict]:
+    """restore_request(url) against the same client's plain ranged get of the same object,
+    with 1, 2, 4, 8 GETs in flight (``parallel``) for both: what picks the default."""
+    from bench import run as br
+    from hsnap_io import export_request, restore_request
+
+    src = br.build_reference_pools(tokens)
+    br.fill_pool(src)
+    row = br.alloc_request(src, tokens)
+    ident = br.identity()
+    url, path = f"s3://{bucket}/par{tokens}.hsnap", os.path.join(d, f"par{tokens}.hsnap")
+    export_request(url, **src.kwargs(), req_pool_idx=row, record=br.record(tokens), identity=ident, storage_options=opts)
+    export_request(path, **src.kwargs(), req_pool_idx=row, record=br.record(tokens), identity=ident)
+    del src
+    size = os.path.getsize(path)
+    os.unlink(path)
+    out = []
+    tgt, buf = br.build_reference_pools(tokens), bytearray(size)
+    for p in counts:
+        o = dict(opts, parallel=p)
+        t_res, t_get = [], []
+        for _ in range(repeats):
+            t_res.append(_restore_timed(tgt, lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=o)))
+
+            def plain_get():
+                r = remote.RangeReader(url, remote.StorageOptions.of(o))
+                r.readinto(memoryview(buf), 0)
+                r.close()
+
+            t_get.append(_t(plain_get))
+        out.append({"tokens": tokens, "bytes": size, "parallel": p, "restore_url": best(t_res), "plain_get": best(t_get)})
+        print(f"# parallel {p} at {tokens} tokens: {out[-1]}", file=sys.stderr, flush=True)
+    return out
 
 
 def bench_clients(server, bucket: str, opts: dict, size: int = 256 * MiB) -> list[tuple[str, float, float]]:
@@ -165,8 +215,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--big-repeats", type=int, default=1, help="repeats at sizes >= 256 MiB")
     ap.add_argument("--clients", action="store_true")
+    ap.add_argument("--parallel", type=int, nargs="*", default=[], help="GETs in flight to compare (e.g. 1 2 4 8)")
+    ap.add_argument("--parallel-tokens", type=int, nargs="+", default=[53, 4096])
     args = ap.parse_args(argv)
     import seaweed
+
+    load0 = os.getloadavg()
 
     root = tempfile.mkdtemp(prefix="hsnap-bench-remote-")
     server = seaweed.Server(root, seaweed.weed_binary())
@@ -180,10 +234,15 @@ def main(argv=None) -> int:
             r = bench_size(tokens, reps, server, bucket, opts, root)
             rows.append(r)
             print(f"# {tokens} tokens done: {r}", file=sys.stderr, flush=True)
+        sweep = [r for t in (args.parallel_tokens if args.parallel else []) for r in bench_parallel(t, args.parallel, args.repeats, bucket, opts, root)]
         clients = bench_clients(server, bucket, opts) if args.clients else []
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
+    load1 = os.getloadavg()
+    print(f"Load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} "
+          f"on {os.cpu_count()} cores (shared machine: other jobs ran beside the bench).")
+    print()
     print("| tokens | bytes | export URL | plain put | ratio | export local | restore URL | plain get | ratio | restore local | open | GETs at open |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -191,6 +250,13 @@ def main(argv=None) -> int:
         print(f"| {r['tokens']} | {r['bytes'] / MiB:.1f} MiB | {r['export_url']:.2f} s ({mb / r['export_url']:.0f} MB/s) | {r['plain_put']:.2f} s | "
               f"{r['plain_put'] / r['export_url']:.2f}x | {r['export_local']:.2f} s | {r['restore_url']:.2f} s ({mb / r['restore_url']:.0f} MB/s) | "
               f"{r['plain_get']:.2f} s | {r['plain_get'] / r['restore_url']:.2f}x | {r['restore_local']:.2f} s | {r['open'] * 1e3:.1f} ms | {r['open_trips']} |")
+    if sweep:
+        print()
+        print("| tokens | bytes | GETs in flight (parallel) | restore URL | plain get | ratio |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in sweep:
+            print(f"| {r['tokens']} | {r['bytes'] / MiB:.1f} MiB | {r['parallel']} | {r['restore_url'] * 1e3:.0f} ms | {r['plain_get'] * 1e3:.0f} ms | "
+                  f"{r['plain_get'] / r['restore_url']:.2f}x |")
     if clients:
         print()
         print("| client (same 256 MiB object) | put MB/s | parallel ranged get MB/s |")

@@ -11,11 +11,13 @@ Normative spec: spec/hsnap-v1.md.
 
 from .errors import *  # noqa: F401,F403  (the error tree is public)
 from .errors import __all__ as _errors_all
+from .chain import Chain, compact, open_chain
 from .layout import SectionSpec
 from .manifest import Manifest, RankEntry, SetWriter, SnapshotSet, open_snapshot
 from .reader import SectionInfo, Snapshot
 from .records import (
     AttentionGeometry,
+    BaseRef,
     Engine,
     Geometry,
     Identity,
@@ -34,6 +36,10 @@ open = open_snapshot  # noqa: A001  (hsnap_format.open(path), like zarr.open)
 __all__ = [
     "open",
     "open_snapshot",
+    "open_chain",
+    "compact",
+    "Chain",
+    "BaseRef",
     "Snapshot",
     "SnapshotSet",
     "SectionInfo",

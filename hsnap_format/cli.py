@@ -14,10 +14,13 @@ import sys
 import numpy as np
 
 from . import MAJOR, MINOR, __version__, open_snapshot
+from .chain import chain_below, compact_path
 from .errors import HsnapError
 from .manifest import SnapshotSet
+from .pages import collect_pages
 from .reader import Snapshot
 from .spec import DTYPES
+from .storage import store_for
 from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
 
 
@@ -53,6 +56,11 @@ def _print_rank(r: dict, first: bool) -> None:
     budget = req["remaining_budget"]
     print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, "
           f"streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")
+    base = r.get("base")
+    if base:  # a delta (spec 5.9): its attention sections hold the rows after its base's position
+        print(f"delta of {escape(base['name'])} at position {base['state_position']} (snapshot {escape(base['snapshot_id'])}, "
+              f"root digest {base['root_digest']}): attention rows {base['state_position']}..{req['state_position'] - 1}, "
+              f"{plural(base['depth'], 'link')} below")
     secs = r["sections"]
     w = max([len("name")] + [len(escape(s["name"])) for s in secs])
     kw = max([len("kind")] + [len(s["kind"]) for s in secs])
@@ -67,21 +75,75 @@ def _print_rank(r: dict, first: bool) -> None:
           f"{fmt_bytes(r['payload_bytes'])} state payload), {len(secs)} sections, root digest {r['root_digest']}")
 
 
+def _chains(snap, path: str):
+    """(rank, Chain or the HsnapError that refused it) for every rank file that is a delta
+    (spec 7.5): its links, opened and checked, through the store that holds ``path``."""
+    store = store_for(path)
+    out = []
+    for r, s in (snap.ranks.items() if isinstance(snap, SnapshotSet) else [(None, snap)]):
+        if s.base is None and s.pages is None:  # a delta, or a file whose pages are in a page store (7.6)
+            continue
+        try:
+            out.append((r, chain_below(s, location=snap.path, rank=r, store=store)))
+        except HsnapError as e:
+            out.append((r, e))
+    return out
+
+
+def _chain_summary(rank, chain) -> dict:
+    if isinstance(chain, HsnapError):
+        return {"rank": rank, "error": _failure(chain)}
+    return {"rank": rank, "state_position": chain.state_position, "links": [
+        {"path": s.path, "state_position": s.state_position, "base_position": s.base_position, "file_length": s.file_length,
+         "payload_bytes": s.payload_bytes, "root_digest": s.root_digest, "snapshot_id": s.identity.snapshot_id,
+         "pages": None if s.pages is None else s.pages.count} for s in chain.links]}
+
+
+def _print_chain(rank, chain) -> None:
+    where = "" if rank is None else f" (rank {rank})"
+    print()
+    if isinstance(chain, HsnapError):
+        print(f"chain{where}: {type(chain).__name__}: {escape(str(chain))}")
+        return
+    head = chain.head
+    print(f"chain{where}: {plural(len(chain), 'link')} to position {chain.state_position}, "
+          f"{fmt_bytes(sum(s.file_length for s in chain.links))} in all")
+    for i, s in enumerate(chain.links):
+        what = "plain snapshot" if s.base is None else f"delta of {escape(s.base.name)}"
+        if s.pages is not None:  # spec 5.10: its full pages are page objects in its page store
+            what += f", {plural(s.pages.count, 'page')} of {s.pages.page_size} positions in {escape(s.pages.store)}/"
+        print(f"  {i:>3}  {escape(s.path)}  {what}, attention rows {s.base_position}..{s.state_position - 1}, "
+              f"{fmt_bytes(s.file_length)}, root digest {s.root_digest}{'  (head)' if s is head else ''}")
+
+
 def cmd_info(args) -> int:
     with open_snapshot(args.path) as snap:
         summary = snapshot_summary(snap)
-        if args.json:
-            print(json.dumps(summary, indent=2, sort_keys=True))
-            return 0
-        if isinstance(snap, SnapshotSet):
-            m = summary["manifest"]
-            total = sum(r["file_length"] for r in summary["ranks"])
-            print(f"snapshot directory {escape(args.path)}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, "
-                  f"state position {m['state_position']}, {fmt_bytes(total)} in {plural(len(summary['ranks']), 'rank file')}")
-            print()
-        for i, r in enumerate(summary["ranks"]):
-            _print_rank(r, first=i == 0)
-    return 0
+        chains = _chains(snap, args.path)
+        try:
+            if chains:
+                summary["chains"] = [_chain_summary(r, c) for r, c in chains]
+            if args.json:
+                print(json.dumps(summary, indent=2, sort_keys=True))
+            else:
+                if isinstance(snap, SnapshotSet):
+                    m = summary["manifest"]
+                    total = sum(r["file_length"] for r in summary["ranks"])
+                    print(f"snapshot directory {escape(args.path)}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, "
+                          f"state position {m['state_position']}, {fmt_bytes(total)} in {plural(len(summary['ranks']), 'rank file')}")
+                    print()
+                for i, r in enumerate(summary["ranks"]):
+                    _print_rank(r, first=i == 0)
+                for r, c in chains:
+                    _print_chain(r, c)
+        finally:
+            for _, c in chains:
+                if not isinstance(c, HsnapError):
+                    c.close()
+    broken = [c for _, c in chains if isinstance(c, HsnapError)]
+    for e in broken:  # a delta whose chain does not hold cannot be restored: say so, and exit 1
+        print(f"hsnap info: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 def _failure(e: HsnapError) -> dict:
@@ -92,6 +154,7 @@ def cmd_verify(args) -> int:
     """Every rank, every section, the padding: report each failure (``--first``: stop at one)."""
     failures: list[HsnapError] = []
     n = 0
+    links: list[str] = []
     try:
         with open_snapshot(args.path) as snap:
             for s in _ranks(snap):  # each rank in the order of spec 7.2: padding, then sections
@@ -99,10 +162,30 @@ def cmd_verify(args) -> int:
                 failures += s.verify_failures(first=args.first)
                 if args.first and failures:
                     break
+            if not (args.first and failures):  # a delta: then every link below it, and the records (spec 7.5)
+                for _, chain in _chains(snap, args.path):
+                    if isinstance(chain, HsnapError):
+                        failures.append(chain)
+                    else:
+                        with chain:
+                            for link in reversed(chain.links[:-1]):
+                                links.append(link.path)
+                                n += len(link.sections)
+                                failures += link.verify_failures(first=args.first)
+                            try:
+                                chain.check_records()
+                            except HsnapError as e:
+                                failures.append(e)
+                            failures += chain.page_failures(first=args.first)  # every page it references (R-7.6-3)
+                    if args.first and failures:
+                        break
     except HsnapError as e:  # refused at open: nothing else can be checked
         failures, n = [e], 0
+    failures = failures[:1] if args.first else failures
     if args.json:
         out = {"ok": not failures, "path": args.path, "sections": n, "errors": [_failure(e) for e in failures]}
+        if links:
+            out["links"] = links
         if failures:
             out.update(_failure(failures[0]))  # the first failure at the top level, as before
         print(json.dumps(out))
@@ -112,7 +195,8 @@ def cmd_verify(args) -> int:
         if len(failures) > 1:
             print(f"FAILED {escape(args.path)}: {len(failures)} problems", file=sys.stderr)
     else:
-        print(f"OK {escape(args.path)}: {n} sections verified")
+        chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
+        print(f"OK {escape(args.path)}: {n} sections verified{chain}")
     return 1 if failures else 0
 
 
@@ -222,25 +306,54 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_compact(args) -> int:
+    """A chain (a delta and the links below it) into one plain snapshot (spec 7.5)."""
+    links, nbytes = compact_path(args.path, args.output)
+    if args.json:
+        print(json.dumps({"ok": True, "path": args.path, "output": args.output, "links": links, "bytes": nbytes}))
+    else:
+        print(f"compacted {plural(links, 'link')} of {escape(args.path)} into {escape(args.output)} ({fmt_bytes(nbytes)}), every digest verified")
+    return 0
+
+
 def cmd_gc(args) -> int:
-    """List (or with --remove, remove) leftovers of interrupted writes; exit 1 if a removal failed."""
-    from . import gc
-
-    if "://" in args.dir:  # an object-store prefix: stale multipart uploads, unfinished sets
-        from .cli_remote import gc_url
-
-        return gc_url(args)
+    """List (or with --remove, remove) leftovers of interrupted writes — a directory's
+    temporaries and staging directories, or an object-store prefix's stale multipart
+    uploads and unfinished sets — each proved one by one and announced with its size
+    before it goes; exit 1 if a removal failed."""
     out = sys.stderr if args.json else sys.stdout  # --json: stdout is the document alone
 
     def announce(path: str, nbytes: int) -> None:  # each file, with its size, before its unlink
         print(f"removing {escape(path)}  {nbytes} bytes", file=out, flush=True)
 
     try:
-        items = gc.collect(args.dir, remove=args.remove, older_than=args.older_than, announce=announce)
-    except OSError as e:
+        if args.pages:  # mark and sweep of the page store beside DIR (spec 8.2)
+            return print_pages_report(args, collect_pages(args.dir, store_name=args.store, remove=args.remove,
+                                                          older_than=args.older_than, announce=announce))
+        items = store_for(args.dir).collect(args.dir, remove=args.remove, older_than=args.older_than, announce=announce)
+    except OSError as e:  # a directory that cannot be scanned
         print(f"hsnap gc: {escape(args.dir)}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except HsnapError as e:  # a store that refused or did not answer
+        print(f"hsnap gc: {type(e).__name__}: {escape(str(e))}", file=sys.stderr)
+        return 2
     return print_gc_report(args, items)
+
+
+def print_pages_report(args, report) -> int:
+    """The report of ``hsnap gc --pages``: every page object and marker with its size and
+    verdict; exit 1 if a removal failed, 3 if the sweep was refused (nothing removed)."""
+    failed = sum(i.action == "failed" for i in report.items)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+    else:
+        for i in report.items:
+            print(f"{i.action:<13} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
+        print(f"{plural(len(report.snapshots), 'committed snapshot')} read, {plural(report.referenced, 'page')} referenced, "
+              f"{plural(report.protected, 'key')} protected by writers")
+        for r in report.refused:
+            print(f"sweep refused: {escape(r)}")
+    return 1 if failed else 3 if report.refused else 0
 
 
 def print_gc_report(args, items) -> int:
@@ -264,8 +377,14 @@ def print_gc_report(args, items) -> int:
 
 # name -> (module:function, help) for subcommands living in optional packages
 _EXTERNAL = {
-    "demo": ("hsnap_io.demo.run:main", "continue a tiny hybrid model in a fresh process (needs hsnap[sglang])"),
+    # the engine demo (two real SGLang servers); `hsnap demo --library` dispatches to hsnap_io.demo.run (no server)
+    "demo": ("hsnap_sglang.demo:main", "pause a request of a real SGLang server, resume it in a fresh one (needs hsnap[engine])"),
     "cp": ("hsnap_format.cli_remote:cp_main", "copy a snapshot between paths and s3:// URLs, verifying (needs hsnap[remote] for URLs)"),
+    # clients of an SGLang server running the hsnap plug-in (standard library only; hsnap_sglang/README.md)
+    "pause": ("hsnap_sglang.client:pause_main", "export one live request of a server: hsnap pause URL RID -o PATH"),
+    "resume": ("hsnap_sglang.client:resume_main", "resume a snapshot in a server and print the rest: hsnap resume URL PATH"),
+    "drain": ("hsnap_sglang.client:drain_main", "export every request of a server: hsnap drain URL -o DIR [--dedup]"),
+    "checkpoint": ("hsnap_sglang.client:checkpoint_main", "checkpoint a live request every N tokens: hsnap checkpoint URL RID -o DIR --every N"),
 }
 
 
@@ -325,11 +444,22 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--raw", action="store_true", help=".npy: bf16/fp8 as their bit patterns instead of float32")
     sp.add_argument("--force", action="store_true", help="replace existing output files (never the input snapshot or anything inside it)")
     sp.set_defaults(fn=cmd_export)
+    sp = sub.add_parser("compact", help="write a snapshot chain (a delta and its links) as one plain snapshot",
+                        description="Open the chain whose head is PATH (a delta rank file or a set of them), check every link, "
+                                    "and write one plain snapshot at the head's position: byte for byte what a plain export at "
+                                    "that position with the head's identity and record writes. Never overwrites.")
+    sp.add_argument("path", help="the chain's head: a rank file or a snapshot directory (or an s3:// URL)")
+    sp.add_argument("-o", "--output", required=True, metavar="OUT", help="the new snapshot (a file, a directory for a set, or an s3:// URL)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_compact)
     sp = sub.add_parser("gc", help="list or remove leftover temporary files of interrupted writes (never a committed snapshot)")
     sp.add_argument("dir", help="a directory that snapshots are written into, or s3://bucket/prefix")
     sp.add_argument("--remove", action="store_true", help="remove what is listed as removable (default: only list)")
     sp.add_argument("--older-than", type=float, metavar="SECONDS", default=None,
                     help="removable when unmodified this long, even if its writer pid is running or unknown (other hosts, TP staging)")
+    sp.add_argument("--pages", action="store_true",
+                    help="mark and sweep the page store beside DIR instead: remove pages no committed snapshot references (spec 8.2)")
+    sp.add_argument("--store", default="pages", metavar="NAME", help="the page store's directory name beside DIR (default: pages)")
     sp.add_argument("--json", action="store_true", help="the list as JSON")
     sp.set_defaults(fn=cmd_gc)
     for name, (_, help_) in _EXTERNAL.items():

@@ -98,6 +98,17 @@ class MalformedManifestError(MalformedError):
     """A multi-rank manifest violates the spec or disagrees with its rank files."""
 
 
+class ChainError(MalformedError):
+    """The links of a snapshot chain do not hold together (spec 7.5): a link missing, a
+    cycle, a chain deeper than the limit, or a base of another request, identity or
+    geometry, or at another position than its delta names."""
+
+
+class PageError(MalformedError):
+    """A page reference does not hold (spec 7.6): the page object is missing, or belongs to
+    another namespace, another page of the chain, or other tokens than the snapshot's."""
+
+
 class DigestMismatchError(HsnapError):
     """Stored and computed digests differ: the bytes were changed after the writer committed."""
 
@@ -170,6 +181,8 @@ __all__ = [
     "MalformedError",
     "MalformedHeaderError",
     "MalformedManifestError",
+    "ChainError",
+    "PageError",
     "DigestMismatchError",
     "IncompatibleSnapshotError",
     "CapacityError",

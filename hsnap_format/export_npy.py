@@ -31,7 +31,7 @@ from . import _fs
 from .errors import DigestMismatchError, HsnapError, HsnapIOError, Phrase, SnapshotExistsError
 from .manifest import SnapshotSet
 from .reader import SectionInfo, Snapshot
-from .remote import is_url
+from .storage import store_for
 from .spec import DTYPES
 
 CHUNK_ELEMENTS = 1 << 20
@@ -146,7 +146,7 @@ class _InputGuard:
         self.ids: set[tuple[int, int]] = set()
         paths = [p for snap in snaps for p in [snap.path] + [s.path for s in ranks_of(snap).values()]]
         for p in paths:
-            if not is_url(p):  # an object-store input has no local inode
+            if store_for(p).local:  # an object-store input has no local inode
                 try:
                     st = os.stat(p)
                 except OSError:

@@ -46,10 +46,51 @@ def section_name(kind: str, layer: int, component: int = 0) -> str:
     return _NAMES[kind](layer, component)
 
 
-def state_section_rows(geometry: Geometry, state_position: int, swa_start: int = 0) -> list[tuple]:
+# Attention kinds are append-only: a delta (spec 5.9) holds their rows after its base's
+# position; recurrent state (conv, temporal) is overwritten every token: always whole.
+ROW_KINDS = frozenset({"attn_k", "attn_v", "mla_kv", "swa_k", "swa_v"})
+SWA_KINDS = frozenset({"swa_k", "swa_v"})
+
+
+# Full attention is prefix-addressable: a snapshot that stores its pages once (spec 5.10)
+# takes these kinds' rows of every full page from page objects. Sliding-window rows leave
+# the window, recurrent state is overwritten every token: they stay in the snapshot.
+PAGED_KINDS = frozenset({"attn_k", "attn_v", "mla_kv"})
+
+
+def page_range(base_position: int, state_position: int, page_size: int) -> tuple[int, int]:
+    """``(first, count)``: the full pages of ``page_size`` positions inside a file's rows
+    ``base_position .. state_position - 1`` (spec 5.10): pages ``first .. first + count - 1``."""
+    first = -(-base_position // page_size)
+    return first, max(0, state_position // page_size - first)
+
+
+def inline_runs(base_position: int, state_position: int, page_size: int) -> list[tuple[int, int]]:
+    """The position runs ``[a, b)`` whose rows a paged file's ``attn_*``/``mla_kv`` sections
+    hold, in order (spec 5.10): before its first page and after its last; all its rows
+    when no full page fits."""
+    first, count = page_range(base_position, state_position, page_size)
+    if not count:
+        return [(base_position, state_position)]
+    a, f = first * page_size, (first + count) * page_size
+    return [r for r in ((base_position, a), (f, state_position)) if r[1] > r[0]]
+
+
+def first_position(kind: str, swa_start: int = 0, base_position: int = 0) -> int:
+    """The position of row 0 of a section of ``kind`` (spec 5.4, 5.9): ``base_position``
+    for full attention, ``max(base_position, swa_start)`` for sliding-window sections.
+    (Only for kinds in :data:`ROW_KINDS`.)"""
+    return max(base_position, swa_start) if kind in SWA_KINDS else base_position
+
+
+def state_section_rows(geometry: Geometry, state_position: int, swa_start: int = 0, base_position: int = 0,
+                       paged_rows: int = 0) -> list[tuple]:
     """:func:`state_sections` as plain ``(name, kind, layer, dtype, shape)`` tuples: what
     the reader compares a file's table with on every open (tuples are ~10x cheaper to
-    build and compare than frozen dataclasses)."""
+    build and compare than frozen dataclasses). ``base_position``: a delta's base position
+    (spec 5.9; 0 for a plain snapshot): attention sections hold the rows after it.
+    ``paged_rows``: the rows of full pages a paged file takes from its page store (spec
+    5.10), which its ``attn_*``/``mla_kv`` sections do not hold."""
     att, mam = geometry.attention, geometry.mamba
     per_layer: dict[int, list[tuple]] = {}
 
@@ -57,14 +98,15 @@ def state_section_rows(geometry: Geometry, state_position: int, swa_start: int =
         per_layer.setdefault(layer, []).append((_NAMES[kind](layer, component), kind, layer, dtype, tuple(shape)))
 
     if att is not None:
+        full = state_position - base_position - paged_rows
         for L in att.layers:
             if att.kind == "mla":
-                add(L, "mla_kv", att.dtype, (state_position, 1, att.k_head_dim))
+                add(L, "mla_kv", att.dtype, (full, 1, att.k_head_dim))
             else:
-                add(L, "attn_k", att.dtype, (state_position, att.heads, att.k_head_dim))
-                add(L, "attn_v", att.dtype, (state_position, att.heads, att.v_head_dim))
+                add(L, "attn_k", att.dtype, (full, att.heads, att.k_head_dim))
+                add(L, "attn_v", att.dtype, (full, att.heads, att.v_head_dim))
         for L in att.swa_layers:
-            rows = state_position - swa_start
+            rows = state_position - max(swa_start, base_position)
             add(L, "swa_k", att.dtype, (rows, att.heads, att.k_head_dim))
             add(L, "swa_v", att.dtype, (rows, att.heads, att.v_head_dim))
     if mam is not None:
@@ -75,8 +117,23 @@ def state_section_rows(geometry: Geometry, state_position: int, swa_start: int =
     return [r for L in sorted(per_layer) for r in per_layer[L]]
 
 
-def state_sections(geometry: Geometry, state_position: int, swa_start: int = 0) -> list[SectionSpec]:
-    return [SectionSpec(*r) for r in state_section_rows(geometry, state_position, swa_start)]
+def state_sections(geometry: Geometry, state_position: int, swa_start: int = 0, base_position: int = 0,
+                   paged_rows: int = 0) -> list[SectionSpec]:
+    return [SectionSpec(*r) for r in state_section_rows(geometry, state_position, swa_start, base_position, paged_rows)]
+
+
+def page_sections(geometry: Geometry, page_size: int) -> list[SectionSpec]:
+    """The section plan of a page object (spec 5.11): for each full-attention layer in
+    ascending order, its rows of one page (``attn.L.k``, ``attn.L.v``, or ``mla.L.kv``)."""
+    att = geometry.attention
+    out = []
+    for L in sorted(att.layers):
+        if att.kind == "mla":
+            out.append(SectionSpec(_NAMES["mla_kv"](L, 0), "mla_kv", L, att.dtype, (page_size, 1, att.k_head_dim)))
+        else:
+            out.append(SectionSpec(_NAMES["attn_k"](L, 0), "attn_k", L, att.dtype, (page_size, att.heads, att.k_head_dim)))
+            out.append(SectionSpec(_NAMES["attn_v"](L, 0), "attn_v", L, att.dtype, (page_size, att.heads, att.v_head_dim)))
+    return out
 
 
 def record_sections(prompt_tokens: int, output_tokens: int, has_logprobs: bool, top_k: int, rng_bytes: int | None) -> list[SectionSpec]:

@@ -33,6 +33,8 @@ from .errors import (
 )
 from .reader import Snapshot
 from .spec import MAJOR, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RE, rank_file_name
+from .storage import open_snapshot  # the seam decides: a file, a directory or a URL (re-exported)
+from .writer import SnapshotWriter
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ class SnapshotSet:
 
     def __init__(self, path: str | os.PathLike[str], *, ranks: Sequence[int] | None = None) -> None:
         self.path = os.fspath(path)
-        _refuse_link(self.path)
+        refuse_link(self.path)
         mpath = os.path.join(self.path, MANIFEST_NAME)
         try:
             st = os.lstat(mpath)
@@ -255,6 +257,10 @@ class SetWriter:
     def rank_path(self, rank: int) -> str:
         return os.path.join(self.staging, rank_file_name(rank))
 
+    def rank_writer(self, rank: int, **kw) -> SnapshotWriter:
+        """The writer of ``rank``'s file (as the object-store set writer's)."""
+        return SnapshotWriter(self.rank_path(rank), **kw)
+
     def commit(self, *, tp_size: int, fsync: bool = True) -> Manifest:
         """Write the manifest and give the directory its final name. On any failure
         before the rename, a staging directory this writer made is removed."""
@@ -316,7 +322,7 @@ class SetWriter:
         _fs.remove_own_staging(self.staging)
 
 
-def _refuse_link(path: str) -> None:
+def refuse_link(path: str) -> None:
     """Spec 7.1 step 1 (R-7.1-2): a symbolic link as the last component of the path of a
     snapshot directory is not followed, as a rank file's is not (``O_NOFOLLOW``) and gc
     follows none: whoever made a directory can otherwise point a reader anywhere it can read
@@ -330,18 +336,4 @@ def _refuse_link(path: str) -> None:
         raise HsnapIOError(path, "open", OSError(errno.ELOOP, "a symbolic link: not followed (spec 7.1 step 1); give the path it points to"))
 
 
-def open_snapshot(path: str | os.PathLike[str], **kw) -> Snapshot | SnapshotSet:
-    """Open a rank file or a snapshot directory, or their object-store URL (s3://bucket/key).
-    A symbolic link given as the path is refused like one inside a directory (spec 7.1 step 1)."""
-    if "://" in os.fspath(path):  # hsnap[remote]; imported only for URLs
-        from .remote import open_url
-
-        return open_url(os.fspath(path), **kw)
-    p = os.fspath(path)
-    _refuse_link(p)  # Snapshot opens O_NOFOLLOW; this answers for a directory, the same way
-    if os.path.isdir(p):
-        return SnapshotSet(p, **kw)
-    return Snapshot(p)
-
-
-__all__ = ["Manifest", "RankEntry", "manifest_for", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "HsnapError"]
+__all__ = ["Manifest", "RankEntry", "manifest_for", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "refuse_link", "HsnapError"]

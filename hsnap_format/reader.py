@@ -32,12 +32,13 @@ from .errors import (
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
-from .layout import SectionSpec, record_sections, state_section_rows
-from .records import Geometry, Identity, RequestRecord, request_header_fields
+from .layout import SectionSpec, page_range, record_sections, state_section_rows
+from .records import BaseRef, Geometry, Identity, PagesRef, RequestRecord, request_header_fields
 from .spec import (
     ALIGNMENT,
     BYTE_ORDER_MARK,
     DIGEST_ALGORITHMS,
+    DELTA_FEATURE,
     DTYPES,
     HEADER_OFFSET,
     KNOWN_FEATURES,
@@ -47,6 +48,7 @@ from .spec import (
     MAX_JSON_DEPTH,
     MAX_SECTIONS,
     MINOR,
+    PAGES_FEATURE,
     PENDING_MAGIC,
     PREAMBLE,
     SECTION_KINDS,
@@ -147,11 +149,11 @@ def parse_header(data: bytes, path) -> dict:
         raise MalformedHeaderError(path, "header", detail=str(e)) from None
     if not isinstance(obj, dict):
         raise MalformedHeaderError(path, "header", "an object", type(obj).__name__)
+    if obj.get("format", "hsnap") != "hsnap":  # first: another format (a page object, 5.11) says what it is
+        raise MalformedHeaderError(path, "header.format", "hsnap", obj["format"])
     missing = _TOP_KEYS - obj.keys()
     if missing:
         raise MalformedHeaderError(path, "header", f"keys {sorted(_TOP_KEYS)}", f"missing {sorted(missing)}")
-    if obj["format"] != "hsnap":
-        raise MalformedHeaderError(path, "header.format", "hsnap", obj["format"])
     feats = obj["features"]
     if not isinstance(feats, dict) or not all(isinstance(feats.get(k), list) for k in ("required", "optional")):
         raise MalformedHeaderError(path, "header.features", "{required: [...], optional: [...]}", feats)
@@ -320,6 +322,8 @@ class Snapshot:
         self._check_trailer(pread(TRAILER.size, self.preamble.file_length - TRAILER.size))
         self._load_request()
 
+    _parse_header = staticmethod(parse_header)  # a page object (pages.py) parses its own header keys
+
     def _load_header(self, pread, block: bytes, size: int) -> None:
         """Preamble (``block``, checked against ``size``), header and section table."""
         self.preamble = pre = parse_preamble(block, self.path, size)
@@ -329,7 +333,7 @@ class Snapshot:
         if xxhash.xxh3_128_digest(header) != pre.header_digest:
             raise DigestMismatchError(self.path, "header_digest", pre.header_digest.hex(), xxhash.xxh3_128_hexdigest(header))
         self.header_bytes = header
-        self.header = parse_header(header, self.path)
+        self.header = self._parse_header(header, self.path)
         self.sections = parse_sections(self.header["sections"], self.path, pre.data_offset, pre.file_length - TRAILER.size)
 
     def _load_request(self) -> None:
@@ -345,6 +349,8 @@ class Snapshot:
         att = self.geometry.attention
         if self.swa_start and (att is None or att.kind != "swa"):
             raise MalformedHeaderError(self.path, "request.swa_start", "0 unless geometry.attention.kind is 'swa'", self.swa_start)
+        self.base = self._load_base()
+        self.pages = self._load_pages()
         self._check_layout()
         self._by_name = {s.name: s for s in self.sections}
 
@@ -360,6 +366,55 @@ class Snapshot:
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= self._request_fields["state_position"]:
             raise MalformedHeaderError(self.path, f"request.{key}", f"0..{self._request_fields['state_position']}", v)
         return v
+
+    def _load_base(self) -> BaseRef | None:
+        """A delta's ``base`` (spec 5.9): present (not null) exactly when ``delta`` is a
+        required feature (R-5.9-1), then valid (R-5.9-2). None for a plain snapshot."""
+        base = self.header.get("base")
+        delta = DELTA_FEATURE in self.header["features"]["required"]
+        if (base is not None) != delta:
+            raise MalformedHeaderError(self.path, "base", Phrase(f"present exactly when {DELTA_FEATURE!r} is a required feature"),
+                                       Phrase(f"{'an object' if base is not None else 'none'}, {DELTA_FEATURE!r} {'' if delta else 'not '}required"))
+        return None if base is None else BaseRef.from_header(base, self.path, state_position=self.state_position)
+
+    def _load_pages(self) -> PagesRef | None:
+        """A paged file's ``pages`` (spec 5.10): present (not null) exactly when ``pages`` is a
+        required feature (R-5.10-1), valid (R-5.10-2), one reference per full page of its rows
+        and the namespace of its own identity, attention geometry and page size (R-5.10-3).
+        None for a file that holds all its rows."""
+        pages = self.header.get("pages")
+        paged = PAGES_FEATURE in self.header["features"]["required"]
+        if (pages is not None) != paged:
+            raise MalformedHeaderError(self.path, "pages", Phrase(f"present exactly when {PAGES_FEATURE!r} is a required feature"),
+                                       Phrase(f"{'an object' if pages is not None else 'none'}, {PAGES_FEATURE!r} {'' if paged else 'not '}required"))
+        if pages is None:
+            return None
+        ref = PagesRef.from_header(pages, self.path)
+        att = self.geometry.attention
+        if att is None or not att.layers:
+            raise MalformedHeaderError(self.path, "pages", Phrase("a geometry with full-attention layers (what pages hold)"),
+                                       Phrase("no full-attention layer"))
+        first, count = page_range(self.base_position, self.state_position, ref.page_size)
+        if ref.count != count:
+            raise MalformedHeaderError(self.path, "pages.refs", Phrase(f"{count} references (pages {first}..{first + count - 1} of "
+                                                                      f"{ref.page_size} positions)"), Phrase(f"{ref.count}"))
+        from .pages import namespace, namespace_id  # the key rules live with the page store
+
+        nid = namespace_id(namespace(self.identity, self.geometry, ref.page_size))
+        if ref.namespace_id != nid:
+            raise MalformedHeaderError(self.path, "pages.namespace_id", Phrase(f"{nid} (this file's identity, geometry and page size)"),
+                                       ref.namespace_id)
+        return ref
+
+    @property
+    def paged_rows(self) -> int:
+        """Attention rows this file takes from its page store (spec 5.10), not in its sections."""
+        return 0 if self.pages is None else self.pages.count * self.pages.page_size
+
+    @property
+    def base_position(self) -> int:
+        """Where this file's attention rows start: its base's position (a delta), else 0."""
+        return 0 if self.base is None else self.base.state_position
 
     def _check_trailer(self, tra: bytes) -> None:
         p = self.path
@@ -395,7 +450,7 @@ class Snapshot:
         if n != len(self.sections):
             raise MalformedHeaderError(self.path, "sections", f"{n} sections (from geometry/request)", len(self.sections))
         records = record_sections(c["prompt_tokens"], c["output_tokens"], c["has_logprobs"], c["top_logprobs_k"], rng)
-        rows = state_section_rows(self.geometry, self._request_fields["state_position"], self.swa_start)
+        rows = state_section_rows(self.geometry, self._request_fields["state_position"], self.swa_start, self.base_position, self.paged_rows)
         rows += [(r.name, r.kind, r.layer, r.dtype, r.shape) for r in records]
         if rows == [(s.name, s.kind, s.layer, s.dtype, s.shape) for s in self.sections]:
             return

@@ -16,7 +16,16 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import IncompatibleSnapshotError, MalformedHeaderError, Phrase
-from .spec import DTYPES, MAX_NDIM, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRING_LENGTH
+from .spec import (
+    DTYPES,
+    MAX_BASE_NAME_BYTES,
+    MAX_CHAIN_DEPTH,
+    MAX_NDIM,
+    MAX_STOP_STRING_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STRING_LENGTH,
+)
 
 _MAX_INT = 2**53 - 1
 _MAX_LAYER = (1 << 16) - 1  # section tables hold layer ids < 2**16
@@ -651,7 +660,105 @@ def request_header_fields(obj, path=None, *, fill_defaults: bool = False) -> dic
     return {"fields": fields, "counts": counts}
 
 
+# ---------------------------------------------------------------------------- base (a delta's link)
+
+_HEX32 = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """What a delta names as its base (spec 5.9): the base's file or directory ``name``
+    beside the delta, its trailer ``root_digest`` (what binds it), its ``snapshot_id`` and
+    ``state_position`` (the delta's attention rows start there), and ``depth``, the number
+    of links below the delta (1 when the base is a plain snapshot)."""
+
+    name: str
+    root_digest: str
+    snapshot_id: str
+    state_position: int
+    depth: int = 1
+
+    def to_header(self) -> dict:
+        return {"depth": self.depth, "name": self.name, "root_digest": self.root_digest, "snapshot_id": self.snapshot_id,
+                "state_position": self.state_position}
+
+    @classmethod
+    def from_header(cls, obj, path=None, *, state_position: int | None = None) -> "BaseRef":
+        """Validate a header's ``base`` (R-5.9-2); ``state_position`` is the delta's own, which
+        the base's may not exceed."""
+        f = _Fields(obj, "base", path)
+        name = check_store_name(f, "name")
+        digest = f.raw("root_digest")
+        if not isinstance(digest, str) or len(digest) != 32 or not set(digest) <= _HEX32:
+            raise f._err("root_digest", "32 lowercase hex digits", digest)
+        ref = cls(name=name, root_digest=digest, snapshot_id=f.str("snapshot_id"), state_position=f.int("state_position"),
+                  depth=f.int("depth", lo=1, hi=MAX_CHAIN_DEPTH))
+        if state_position is not None and ref.state_position > state_position:
+            raise f._err("state_position", f"<= request.state_position {state_position}", ref.state_position)
+        return ref
+
+
+# ---------------------------------------------------------------------------- pages (stored once)
+
+_HEX64 = 64
+
+
+def _hex(v, n: int) -> bool:
+    return isinstance(v, str) and len(v) == n and set(v) <= _HEX32
+
+
+def check_store_name(f: "_Fields", key: str) -> str:
+    """A name beside the file (spec 5.9 ``base.name``, 5.10 ``pages.store``): one file or
+    directory name, never a path."""
+    name = f.str(key)
+    if not name or name in (".", "..") or "/" in name or "\0" in name or len(name.encode("utf-8", "surrogatepass")) > MAX_BASE_NAME_BYTES:
+        raise f._err(key, Phrase(f"one file or directory name: 1..{MAX_BASE_NAME_BYTES} bytes, no '/', not '.' or '..'"), name)
+    return name
+
+
+@dataclass(frozen=True)
+class PagesRef:
+    """What a snapshot that stores its full pages once names (spec 5.10, format 1.3): the page
+    store beside it (``store``, a directory name), the ``page_size`` S its pages hold, the
+    ``namespace_id`` of its identity, attention geometry and S (spec 5.10), and for each page
+    of its range, in order, ``(key, root digest)``: the key is SGLang's page hash chain over
+    the request's token ids, the root digest the page object's own (3.3)."""
+
+    store: str
+    page_size: int
+    namespace_id: str
+    refs: tuple[tuple[str, str], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.refs)
+
+    def to_header(self) -> dict:
+        return {"namespace_id": self.namespace_id, "page_size": self.page_size, "refs": [list(r) for r in self.refs], "store": self.store}
+
+    @classmethod
+    def from_header(cls, obj, path=None) -> "PagesRef":
+        """Validate a header's ``pages`` (R-5.10-2): every key present, in its type and range."""
+        f = _Fields(obj, "pages", path)
+        store = check_store_name(f, "store")
+        page_size = f.int("page_size", lo=1, hi=1 << 20)
+        nid = f.raw("namespace_id")
+        if not _hex(nid, _HEX64):
+            raise f._err("namespace_id", "64 lowercase hex digits", nid)
+        raw = f.raw("refs")
+        if not isinstance(raw, list):
+            raise f._err("refs", "a list of [key, root_digest]", raw)
+        refs = []
+        for i, r in enumerate(raw):
+            if not (isinstance(r, list) and len(r) == 2 and _hex(r[0], _HEX64) and _hex(r[1], 32)):
+                raise f._err(f"refs[{i}]", "[64 lowercase hex digits, 32 lowercase hex digits]", r)
+            refs.append((r[0], r[1]))
+        return cls(store=store, page_size=page_size, namespace_id=nid, refs=tuple(refs))
+
+
 __all__ = [
+    "PagesRef",
+    "BaseRef",
     "Engine",
     "Identity",
     "AttentionGeometry",

@@ -38,8 +38,11 @@ endpoint and the server's error code only). Every request waits a bounded time
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import contextlib
 import errno
+import itertools
 import os
 import re
 import socket
@@ -120,10 +123,6 @@ class ObjectChangedError(DigestMismatchError):
 # ---------------------------------------------------------------- URLs and options
 
 _URL_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<bucket>[^/]*)(?:/(?P<key>.*))?\Z", re.S)
-
-
-def is_url(path) -> bool:
-    return isinstance(path, str) and "://" in path
 
 
 def parse_url(url: str) -> tuple[str, str]:
@@ -449,6 +448,9 @@ def _url(bucket: str, key: str) -> str:
 # ---------------------------------------------------------------- reading
 
 
+_POOL_NUMBERS = itertools.count()  # each reader's GET threads are named apart (close joins its own)
+
+
 class RangeReader:
     """An object's bytes by ranged GET, pinned to the version seen by the first GET."""
 
@@ -477,7 +479,8 @@ class RangeReader:
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = cf.ThreadPoolExecutor(self.options.parallel, thread_name_prefix="hsnap-get")
+            self._pool_name = f"hsnap-get-{next(_POOL_NUMBERS)}"
+            self._pool = cf.ThreadPoolExecutor(self.options.parallel, thread_name_prefix=self._pool_name)
         return self._pool
 
     def _get(self, offset: int, out: memoryview) -> None:
@@ -535,6 +538,27 @@ class RangeReader:
                 f.cancel()
             cf.wait(futures)  # nothing may write into ``view`` after we return
 
+    def iter_into(self, view: memoryview, offset: int, step: int) -> Iterator[tuple[int, memoryview]]:
+        """Fill ``view`` from ``offset`` in ``step``-byte ranged GETs, ``parallel`` in flight,
+        yielding ``(offset, piece)`` in order as each lands: the consumer hashes a piece
+        while the next ones download. Leaving early (an error, the consumer stops) cancels
+        what has not started and waits for what has: nothing writes into ``view`` after."""
+        view = memoryview(view).cast("B")
+        n = len(view)
+        if offset + n > self.size:
+            raise TruncatedError(self.url, f"read at byte {offset}", offset + n, Phrase(f"{self.size} bytes"))
+        step = max(1, step)
+        futures = [(a, min(n, a + step)) for a in range(0, n, step)]
+        futures = [(a, b, self._executor().submit(self._get, offset + a, view[a:b])) for a, b in futures]
+        try:
+            for a, b, f in futures:
+                f.result()  # the GET's typed error
+                yield offset + a, view[a:b]
+        finally:
+            for *_, f in futures:
+                f.cancel()
+            cf.wait([f for *_, f in futures])
+
     def check_unchanged(self) -> None:
         _hook("head", self.url)
         r = _call(self.url, "head", self.options, self.client.head_object, Bucket=self.bucket, Key=self.key)
@@ -542,9 +566,18 @@ class RangeReader:
             raise ObjectChangedError(self.url, "ETag (changed since open)", self.etag, r.get("ETag"))
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+            # a worker whose start a KeyboardInterrupt cut short is not in the pool's list,
+            # so shutdown does not join it (it exits on the pool's stop signal): join it here
+            prefix = self._pool_name + "_"
+            for t in threading.enumerate():
+                if t.name.startswith(prefix) and t is not threading.current_thread():
+                    t.join()
+
+
+_HASH_PIECE = 2 << 20  # hashed right after it is copied, while still in cache
 
 
 class SectionRange:
@@ -563,8 +596,13 @@ class SectionRange:
         view = memoryview(view).cast("B")
         if at != self._next:  # the digest is over the section in order
             raise HsnapError(self.snap.path, f"sections[{self.info.name!r}]", f"a read at byte {self._next}", at, detail="out of order")
-        self.snap._read_ahead(self.offset + at, view)
-        self._h.update(view)
+        # with a read-ahead running, 2 MiB at a time: each piece is hashed right after it is
+        # copied out of the read-ahead, while still in cache (the next GETs run meanwhile)
+        step = _HASH_PIECE if self.snap._prefetch is not None else max(len(view), 1)
+        for a in range(0, len(view), step):
+            piece = view[a : a + step]
+            self.snap._read_ahead(self.offset + at + a, piece)
+            self._h.update(piece)
         self._next += len(view)
 
     def finish(self) -> None:
@@ -573,6 +611,77 @@ class SectionRange:
         got = self._h.hexdigest()
         if got != self.info.digest:
             raise DigestMismatchError(self.snap.path, f"sections[{self.info.name!r}].digest", self.info.digest, got)
+
+
+READ_AHEAD_GAP = 64 << 10  # planned ranges this close in the object are fetched as one run (the padding between is read too)
+
+
+class ReadAhead:
+    """The byte ranges a restore will read, in the order it reads them, fetched ahead of it:
+    ranged GETs of ``chunk`` bytes, at most ``depth`` submitted and not yet consumed, each
+    into one of ``depth`` reused buffers — memory ``depth x chunk`` whatever the object
+    size — so the next GETs run while the consumer hashes and scatters the current chunk.
+
+    :meth:`serve` hands bytes out strictly in plan order; a read it does not hold next
+    (off the plan) is left to the caller's own GET. Every GET is the reader's (pinned to
+    the ETag of open). A failed GET raises from :meth:`serve` typed; :meth:`close`
+    cancels what has not started and waits for what has (no GET outlives it)."""
+
+    def __init__(self, reader: RangeReader, ranges, *, depth: int, chunk: int) -> None:
+        self.reader, self.depth, self.chunk = reader, max(1, depth), max(1, chunk)
+        runs: list[list[int]] = []
+        for offset, length in ranges:
+            if length <= 0:
+                continue
+            if runs and runs[-1][1] <= offset <= runs[-1][1] + READ_AHEAD_GAP:
+                runs[-1][1] = max(runs[-1][1], offset + length)
+            else:
+                runs.append([offset, offset + length])
+        self._todo = collections.deque((a, min(b, a + self.chunk)) for a0, b in runs for a in range(a0, b, self.chunk))
+        self._held: collections.deque = collections.deque()  # (start, stop, buffer, future), plan order
+        self._free: list[bytearray] = []
+        self.submitted = 0
+        self._fill()
+
+    def _fill(self) -> None:
+        while self._todo and len(self._held) < self.depth:
+            a, b = self._todo.popleft()
+            buf = self._free.pop() if self._free else bytearray(self.chunk)
+            view = memoryview(buf)[: b - a]
+            self._held.append((a, b, buf, self.reader._executor().submit(self.reader._get, a, view)))
+            self.submitted += 1
+
+    def serve(self, view: memoryview, offset: int) -> int:
+        """Copy the planned bytes at ``offset`` into ``view``; how many (from its start)."""
+        done, n = 0, len(view)
+        while done < n and self._held:
+            a, b, buf, fut = self._held[0]
+            at = offset + done
+            if at >= b:  # planned bytes the consumer skipped: drop them
+                fut.cancel()
+                cf.wait([fut])
+                self._release()
+                continue
+            if not a <= at < b:
+                break
+            fut.result()  # the GET's typed error, raised here
+            k = min(b - at, n - done)
+            view[done : done + k] = memoryview(buf)[at - a : at - a + k]
+            done += k
+            if at + k == b:
+                self._release()
+        return done
+
+    def _release(self) -> None:
+        self._free.append(self._held.popleft()[2])  # (its GET is done) reused: fresh memory is expensive
+        self._fill()
+
+    def close(self) -> None:
+        held, self._held, self._todo = list(self._held), collections.deque(), collections.deque()
+        for *_, fut in held:
+            fut.cancel()
+        cf.wait([f for *_, f in held])  # nothing writes into a buffer after this returns
+        self._free = []
 
 
 class RemoteSnapshot(Snapshot):
@@ -586,6 +695,7 @@ class RemoteSnapshot(Snapshot):
         self._mm = None
         self._fd = -1
         self._closed = True
+        self._prefetch = None
         self._src = reader or RangeReader(url, storage_options)
         self._closed = False
         self.size = self._src.size
@@ -596,6 +706,7 @@ class RemoteSnapshot(Snapshot):
             raise
         self._scratch = bytearray()
         self._padding_error: tuple[bool, HsnapError | None] | None = None
+        self._prefetch: ReadAhead | None = None
 
     @property
     def etag(self) -> str | None:
@@ -636,11 +747,57 @@ class RemoteSnapshot(Snapshot):
     def section_range(self, info: SectionInfo) -> SectionRange:
         return SectionRange(self, info)
 
+    @property
+    def stage_window(self) -> int:
+        """Bytes per ranged GET when a restore stages this object (each hashed as it lands)."""
+        return self._src.options.chunk_bytes
+
+    def iter_into(self, view: memoryview, offset: int, step: int) -> Iterator[tuple[int, memoryview]]:
+        """:meth:`RangeReader.iter_into` of this object (the GETs pinned to its ETag)."""
+        if self._closed:
+            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
+        return self._src.iter_into(view, offset, step)
+
+    @contextlib.contextmanager
+    def serving(self, source):
+        """While the block runs, reads are served first by ``source.serve(view, offset)``
+        (bytes it holds, e.g. a restore's staging buffer, already read and hashed)."""
+        if self._prefetch is not None:
+            yield
+            return
+        self._prefetch = source
+        try:
+            yield
+        finally:
+            self._prefetch = None
+
+    @contextlib.contextmanager
+    def read_ahead(self, sections):
+        """While the block runs, ``sections`` (in the order they will be read through
+        :meth:`section_range`) are fetched ahead of the reads (:class:`ReadAhead`:
+        ``parallel`` GETs of ``chunk_bytes`` submitted ahead, memory parallel x chunk);
+        on leaving, every GET still running is waited for."""
+        o = self._src.options
+        if self._prefetch is not None:  # one read-ahead at a time (a nested block adds nothing)
+            yield self._prefetch
+            return
+        pf = self._prefetch = ReadAhead(self._src, [(i.offset, i.length) for i in sections], depth=o.parallel, chunk=o.chunk_bytes)
+        try:
+            yield pf
+        finally:
+            self._prefetch = None
+            pf.close()
+
     def _read_ahead(self, offset: int, view: memoryview) -> None:
         """Sequential reads (a restore, section after section): one window of
         chunk x parallel bytes fetched in parallel serves the small sections that follow
         (a GET per small section would cost a round trip each); reads at least a window
         long go straight into ``view``. Memory: one window buffer, reused."""
+        if self._prefetch is not None:
+            got = self._prefetch.serve(view, offset)
+            if got == len(view):
+                return
+            view, offset = view[got:], offset + got
         n = len(view)
         window = self._src.options.chunk_bytes * self._src.options.parallel
         if n >= window:
@@ -686,27 +843,48 @@ class RemoteSnapshot(Snapshot):
     def close(self) -> None:
         if not getattr(self, "_closed", True):
             self._closed = True
+            if self._prefetch is not None:
+                self._prefetch.close()
+                self._prefetch = None
             self._src.close()
 
     def __repr__(self) -> str:
         return f"<hsnap.RemoteSnapshot {self.path!r} v{self.version[0]}.{self.version[1]} {len(self.sections)} sections, etag {self.etag}>"
 
 
-def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, cancelled=None, result: dict | None = None):
-    """Read bytes [start, stop) of ``snap`` in windows (one buffer, reused), hashing every
-    section and checking the padding; yields ``(section, error or None)`` as each section
-    ends, calls ``each(offset, bytes)`` per window (a copy's sink), and puts the first
-    padding error (or None) in ``result["padding"]`` when the pass completes."""
+def _windows(snap: Snapshot, window: int, start: int, stop: int, into: memoryview | None) -> Iterator[tuple[int, memoryview]]:
+    """``(offset, bytes)`` of [start, stop) window by window: into one reused buffer, or
+    into ``into`` (bytes [start, stop) kept whole) — by ranged GETs running ahead of the
+    consumer where the snapshot has them (``iter_into``), else one read per window."""
+    if into is not None and getattr(snap, "iter_into", None) is not None:
+        yield from snap.iter_into(into[: stop - start], start, window)
+        return
+    buf = None if into is not None else bytearray(min(window, max(stop - start, 0)))
+    for w in range(start, stop, window):
+        n = min(window, stop - w)
+        yield w, snap._read(w, n, into[w - start : w - start + n] if into is not None else memoryview(buf)[:n])
+
+
+def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, cancelled=None, result: dict | None = None,
+           into: memoryview | None = None):
+    """Read bytes [start, stop) of ``snap`` in windows (one buffer, reused — or ``into``,
+    which then holds them all), hashing every section and checking the padding as each
+    window lands; yields ``(section, error or None)`` as each section ends, calls
+    ``each(offset, bytes)`` per window (a copy's sink), and puts the first padding error
+    (or None) in ``result["padding"]`` when the pass completes."""
     regions = sorted([(s.offset, s.offset + s.length, s) for s in snap.sections] + [(a, b, None) for a, b in snap.padding_ranges()],
                      key=lambda r: r[0])
     regions = [r for r in regions if r[1] > start or r[0] >= start]
-    buf = bytearray(min(window, max(stop - start, 0)))
+    with contextlib.closing(_windows(snap, window, start, stop, into)) as windows:
+        yield from _hash_windows(snap, windows, regions, each, cancelled, result)
+
+
+def _hash_windows(snap: Snapshot, windows, regions, each, cancelled, result):
     ri, h, padding_error = 0, xxhash.xxh3_128(), None
-    for w in range(start, stop, window):
+    for w, mv in windows:
         if cancelled is not None and cancelled():
             return
-        n = min(window, stop - w)
-        mv = snap._read(w, n, memoryview(buf)[:n])
+        n = len(mv)
         if each is not None:
             each(w, mv)
         while ri < len(regions) and regions[ri][0] < w + n:
@@ -714,8 +892,8 @@ def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, can
             piece = mv[max(a, w) - w : min(b, w + n) - w]
             if s is not None:
                 h.update(piece)
-            elif padding_error is None and any(piece):
-                i = next(i for i, x in enumerate(piece) if x)
+            elif padding_error is None and np.frombuffer(piece, dtype=np.uint8).any():  # (C speed: padding adds up)
+                i = int(np.flatnonzero(np.frombuffer(piece, dtype=np.uint8))[0])
                 padding_error = DigestMismatchError(snap.path, f"padding at byte {max(a, w) + i}", "zero bytes", f"0x{piece[i]:02x}")
             if b > w + n:
                 break
@@ -906,7 +1084,9 @@ class RemoteSnapshotWriter(SnapshotWriter):
             self._buf_at = self._first_len
             self._part = 2
         p = self.options.part_bytes
-        while self._part > 1 and len(self._buf) >= 2 * p:  # keep >= one part back: the last part holds the trailer
+        # a part goes up as soon as it is full (the parts of a plain put of the same bytes):
+        # the last part, however small, holds the trailer (S3 sizes only the others)
+        while self._part > 1 and len(self._buf) >= p:
             self._upload.submit(self._part, bytes(self._buf[:p]))
             del self._buf[:p]
             self._buf_at += p
@@ -951,11 +1131,78 @@ class RemoteSnapshotWriter(SnapshotWriter):
             self._upload = None
 
 
-def snapshot_writer(path, *, storage_options=None, **kw) -> SnapshotWriter:
-    """The writer for ``path``: a multipart upload for an ``s3://`` URL, else a local file."""
-    if is_url(os.fspath(path)):
-        return RemoteSnapshotWriter(os.fspath(path), storage_options=storage_options, **kw)
-    return SnapshotWriter(path, **kw)
+class UrlSink:
+    """A snapshot object written sequentially (``hsnap cp``): a multipart upload fed in
+    order, never over an existing key; completion is the commit."""
+
+    def __init__(self, url: str, options: StorageOptions) -> None:
+        self.url, self.options = url, options
+        check_final_key(url, options)
+        if _exists(url, options):
+            raise SnapshotExistsError(url, "key", "no object", Phrase("one exists"))
+        self.upload = MultipartUpload(url, options)
+        self.buf = bytearray()
+        self.part = 1
+
+    def write(self, offset: int, data) -> None:
+        self.buf += data
+        p = self.options.part_bytes
+        while len(self.buf) >= 2 * p:  # keep >= one part back: every part but the last is >= 5 MiB
+            self.upload.submit(self.part, bytes(self.buf[:p]))
+            del self.buf[:p]
+            self.part += 1
+
+    def commit(self) -> str:
+        """Complete the upload; the ETag of the object made visible."""
+        if self.buf or self.part == 1:
+            self.upload.submit(self.part, bytes(self.buf))
+        self.buf = bytearray()
+        return self.upload.complete()
+
+    def abort(self) -> None:
+        self.upload.abort()
+
+
+def read_object(url: str, options: StorageOptions, limit: int) -> tuple[bytes, str | None]:
+    """A small object whole (at most ``limit`` + 1 bytes read: more is the caller's refusal) and its ETag."""
+    bucket, key = parse_url(url)
+    _hook("get", url, 0, limit)
+    r = _call(url, "read", options, client(options, url).get_object, Bucket=bucket, Key=key, Range=f"bytes=0-{limit}")
+    try:
+        return r["Body"].read(), r.get("ETag")
+    except Exception as e:  # noqa: BLE001
+        raise translate(e, url, "read", options) from None
+
+
+def list_objects(prefix_url: str, options: StorageOptions) -> list[tuple[str, int, str | None]]:
+    """``(url, size, ETag)`` of every object directly under ``prefix_url`` taken as a
+    directory (one level: ``s3://b/run`` lists ``s3://b/run/x``, never ``s3://b/run2``)."""
+    bucket, prefix = parse_url(prefix_url)
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    objs = _list(bucket, prefix, client(options, prefix_url), options, Delimiter="/")
+    return [(_url(bucket, o["Key"]), int(o.get("Size") or 0), o.get("ETag")) for o in objs if not o["Key"].endswith("/")]
+
+
+def list_entries(prefix_url: str, options: StorageOptions) -> tuple[list[tuple[str, int, str | None, float]], list[str]]:
+    """One level of ``prefix_url`` taken as a directory: ``(url, size, ETag, LastModified as
+    seconds since the epoch)`` of every object directly under it, and the URL of every
+    sub-prefix (what a directory listing calls its subdirectories)."""
+    bucket, prefix = parse_url(prefix_url)
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    c = client(options, prefix_url)
+    objs, subs, kw = [], [], {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+    while True:
+        r = _call(_url(bucket, prefix), "list objects", options, c.list_objects_v2, **kw)
+        objs += r.get("Contents", []) or []
+        subs += [p["Prefix"] for p in r.get("CommonPrefixes", []) or []]
+        if not r.get("IsTruncated"):
+            break
+        kw["ContinuationToken"] = r["NextContinuationToken"]
+    files = [(_url(bucket, o["Key"]), int(o.get("Size") or 0), o.get("ETag"), o["LastModified"].timestamp() if o.get("LastModified") else 0.0)
+             for o in objs if not o["Key"].endswith("/")]
+    return files, [_url(bucket, p.rstrip("/")) for p in subs]
 
 
 def put_bytes(url: str, data: bytes, options: StorageOptions, *, no_overwrite: bool = True) -> str:
@@ -1305,5 +1552,5 @@ def _remove_item(item: Leftover, bucket, c, options) -> None:
 __all__ = [
     "RemoteIOError", "RemoteNotFoundError", "RemoteAuthError", "RemoteTimeoutError", "NotS3EndpointError", "ObjectChangedError",
     "StorageOptions", "RangeReader", "RemoteSnapshot", "RemoteSnapshotSet", "RemoteSnapshotWriter", "RemoteSetWriter",
-    "MultipartUpload", "open_url", "snapshot_writer", "collect_url", "is_url", "parse_url",
+    "MultipartUpload", "UrlSink", "open_url", "collect_url", "parse_url", "read_object", "list_objects", "list_entries",
 ]

@@ -29,7 +29,7 @@ import numpy as np
 MAGIC = b"\x89HSN\r\n\x1a\n"
 TRAILER_MAGIC = b"HSNAPEND"
 MAJOR = 1
-MINOR = 1  # the newest minor this library reads and writes (spec section 9)
+MINOR = 3  # the newest minor this library reads and writes (spec section 9)
 BYTE_ORDER_MARK = 0x0A0B0C0D  # reads back as another number on a big-endian misread
 
 # magic, major, minor, byte-order mark, header_length, data_offset,
@@ -70,8 +70,29 @@ FEATURE_MINOR = {
     "sampler-rng-state": 0,  # request.rng_state
     "top-logprobs": 0,  # request.top_logprob_ids / _values
     "tp-sharding": 1,  # geometry.sharding (spec 5.7)
+    "delta": 2,  # a link of a snapshot chain: the header's base, attention rows after it (spec 5.9); required
+    "pages": 3,  # full pages of attention rows in a page store, referenced by key (spec 5.10); required
 }
 KNOWN_FEATURES = frozenset(FEATURE_MINOR)
+DELTA_FEATURE = "delta"
+# A chain (spec 5.9, 7.5): at most this many links below a head (base.depth <= it), so a
+# reader's walk down a chain is bounded before it opens anything; writers refuse deeper.
+MAX_CHAIN_DEPTH = 1024
+MAX_BASE_NAME_BYTES = 255  # base.name: one file or directory name (NAME_MAX)
+
+# Pages stored once (spec 5.10, 7.6, 8.2; format 1.3, feature ``pages``): full pages of
+# attention rows live as page objects in a page store beside the snapshots that reference
+# them, named by namespace, SGLang's page hash chain and their own root digest.
+PAGES_FEATURE = "pages"
+PAGE_FORMAT = "hsnap-page"  # the header "format" of a page object (spec 5.11)
+PAGE_SUFFIX = ".hpage"
+# <namespace id: 64 hex>-<chain key: 64 hex>-<root digest: 32 hex>.hpage
+PAGE_NAME_RE = re.compile(r"([0-9a-f]{64})-([0-9a-f]{64})-([0-9a-f]{32})\.hpage\Z")
+NAMESPACE_DOMAIN = b"hsnap-page-namespace-v1\n"  # prefixes the JCS bytes hashed into a namespace id
+PAGE_MARKERS_DIR = "refs"  # inside a page store: pending-reference and sweep markers (spec 8.2)
+PENDING_REFS_SUFFIX = ".pending-refs"
+SWEEP_SUFFIX = ".sweep"
+MAX_MARKER_BYTES = 64 << 20
 
 # Logical element types: name -> numpy dtype. bf16 and fp8 come from ml_dtypes,
 # so sections of those types are usable arrays, not raw integers.

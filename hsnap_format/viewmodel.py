@@ -31,6 +31,7 @@ def rank_summary(snap: Snapshot) -> dict:
         "geometry": snap.header["geometry"],
         "request": snap.header["request"],
         "features": snap.header["features"],
+        "base": snap.header.get("base"),  # a delta's link (spec 5.9); None for a plain snapshot
         "digest_algorithm": snap.header["digest"],
         "sections": [
             {"name": s.name, "kind": s.kind, "layer": s.layer, "dtype": s.dtype, "shape": list(s.shape),

@@ -23,11 +23,12 @@ import xxhash
 from . import _fs, canonical
 from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, SnapshotExistsError, WriterStateError, require_type
 from .layout import SectionSpec, record_sections, state_sections
-from .records import Geometry, Identity, RequestRecord, Sharding
+from .records import BaseRef, Geometry, Identity, PagesRef, RequestRecord, Sharding
 from .spec import (
     ALIGNMENT,
     BYTE_ORDER_MARK,
     DEFAULT_DIGEST,
+    DELTA_FEATURE,
     DTYPES,
     HEADER_OFFSET,
     MAGIC,
@@ -35,6 +36,7 @@ from .spec import (
     MAX_HEADER_BYTES,
     FEATURE_MINOR,
     NAME_RE,
+    PAGES_FEATURE,
     PREAMBLE,
     SECTION_KINDS,
     TRAILER,
@@ -207,7 +209,14 @@ class SnapshotWriter:
         features_optional: Iterable[str] = (),
         preallocate: bool = True,
         writeback: bool = False,
+        base: BaseRef | None = None,
+        pages: PagesRef | None = None,
     ) -> None:
+        """``base``: write a delta (spec 5.9, format 1.2): attention sections hold only the
+        rows after ``base.state_position``; recurrent state and record are whole.
+        ``pages``: the file's full pages are page objects already in its page store (spec
+        5.10, format 1.3): its ``attn_*``/``mla_kv`` sections hold only the other rows —
+        before its first page and after its last (:func:`hsnap_format.layout.inline_runs`)."""
         self.path = os.fspath(path)
         # For a caller that will commit with fsync: start the kernel's writeback of every
         # WRITEBACK_BYTES written (sync_file_range, asynchronous), so the data goes to the
@@ -220,9 +229,21 @@ class SnapshotWriter:
         for field, value, cls in (("identity", identity, Identity), ("geometry", geometry, Geometry), ("record", record, RequestRecord)):
             require_type(self.path, field, value, cls)
         require_type(self.path, "geometry.sharding", geometry.sharding, Sharding, optional=True)
+        require_type(self.path, "base", base, BaseRef, optional=True)
+        require_type(self.path, "pages", pages, PagesRef, optional=True)
         record.validate(self.path)
+        if base is not None:  # the reader's own rules (R-5.9-2), before any byte
+            base = BaseRef.from_header(base.to_header(), self.path, state_position=record.state_position)
         self.record = record
-        specs = state_sections(geometry, record.state_position, swa_start) + record_sections(
+        self.base = base
+        base_position = 0 if base is None else base.state_position
+        if pages is not None:  # the reader's own rules (R-5.10-2, R-5.10-3), before any byte
+            from .pages import check_pages_ref
+
+            pages = check_pages_ref(pages, identity, geometry, base_position, record.state_position, self.path)
+        self.pages = pages
+        paged_rows = 0 if pages is None else pages.count * pages.page_size
+        specs = state_sections(geometry, record.state_position, swa_start, base_position, paged_rows) + record_sections(
             len(record.prompt_ids),
             len(record.output_ids),
             record.output_logprobs is not None,
@@ -241,18 +262,25 @@ class SnapshotWriter:
             optional.add("top-logprobs")
         if geometry.sharding is not None:
             optional.add("tp-sharding")
+        required = [] if base is None else [DELTA_FEATURE]  # older readers must refuse a delta (spec 9)
+        if pages is not None:
+            required.append(PAGES_FEATURE)  # ... and a file whose full pages are elsewhere
         # the least minor that covers the content (spec 9): a file without 1.1 content is a 1.0 file
-        self.minor = max((FEATURE_MINOR.get(f, 0) for f in optional), default=0)
+        self.minor = max((FEATURE_MINOR.get(f, 0) for f in (*optional, *required)), default=0)
         request = record.to_header()
         request["swa_start"] = swa_start
         self._body: dict[str, Any] = {
             "format": "hsnap",
-            "features": {"required": [], "optional": sorted(optional)},
+            "features": {"required": required, "optional": sorted(optional)},
             "digest": DEFAULT_DIGEST,
             "identity": identity.to_header(),
             "geometry": geometry.to_header(),
             "request": request,
         }
+        if base is not None:  # a plain snapshot has no "base" key: byte-identical to a 1.1 writer's
+            self._body["base"] = base.to_header()
+        if pages is not None:  # nor a "pages" key: byte-identical to a 1.2 writer's
+            self._body["pages"] = pages.to_header()
         self.specs = specs
         self._digests = [_ZERO_DIGEST] * len(specs)
         try:
@@ -270,6 +298,23 @@ class SnapshotWriter:
         self._cursor = 0
         self._written = 0
         self._create(mode, preallocate)
+
+    def set_pages(self, pages: PagesRef) -> None:
+        """The file's ``pages`` with the root digests of the page objects now put, in place of
+        the zero digests it was planned with (``PagePlan.placeholder``): the same store, page
+        size, namespace and keys; every value fixed-width, so the planned layout holds."""
+        self._require(WriterState.OPEN, WriterState.IN_SECTION, call="set_pages")
+        planned = self.pages
+        if planned is None or (pages.store, pages.page_size, pages.namespace_id, [k for k, _ in pages.refs]) != (
+                planned.store, planned.page_size, planned.namespace_id, [k for k, _ in planned.refs]):
+            self.abort()
+            raise WriterStateError(self.path, "pages", Phrase("the pages it was planned with"), Phrase("other pages"))
+        self.pages = pages
+        self._body["pages"] = pages.to_header()
+        header, _, _ = build_header(self._body, self.specs, [_ZERO_DIGEST] * len(self.specs), self._data_offset)
+        if len(header) != self._header_length:
+            raise AssertionError("header length moved with the page digests")  # every value is fixed-width
+        self._planned_header = header
 
     # -- the target: a temporary file renamed at commit (hsnap_format.remote overrides
     #    these four for a multipart upload whose completion is the commit)

@@ -29,6 +29,8 @@ _EXPORTS = {
     "UnsupportedRequestError": "sglang",
     "retract_to_disk": "retract",
     "load_retracted": "retract",
+    "MigrationSource": "migrate",
+    "MigrationTarget": "migrate",
 }
 
 __all__ = sorted(_EXPORTS)

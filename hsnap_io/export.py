@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import numpy as np
 import torch
 
-from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, SnapshotWriter
-from hsnap_format.errors import require_type
-from hsnap_format.records import Sharding
-from hsnap_format.remote import is_url, snapshot_writer
+from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, Snapshot, SnapshotSet, SnapshotWriter
+from hsnap_format.chain import LinkFacts, base_ref, check_link
+from hsnap_format.errors import ChainError, PageError, Phrase, require_type
+from hsnap_format.layout import inline_runs
+from hsnap_format.pages import PageStore
+from hsnap_format.spec import RANK_FILE_RE
+from hsnap_format.records import BaseRef, Sharding
+from hsnap_format.spec import MAX_CHAIN_DEPTH
+from hsnap_format.storage import store_for
 
 from .adapters import PoolView, view_pools
+from .pagestore import page_rows, page_store
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
 
 
@@ -67,6 +75,8 @@ def export_request(
     mode: int = 0o600,
     sharding=None,
     storage_options=None,
+    base=None,
+    pages=None,
 ) -> CommitInfo:
     """Write the request's KV rows, Mamba slot and record to ``path``; return the commit info.
 
@@ -74,6 +84,26 @@ def export_request(
     durable under its final name by then), never before. ``sharding`` (format 1.1,
     :func:`hsnap_io.reshard.describe`) records this rank's share of the global state,
     which a restore at another TP size needs.
+
+    ``base`` (format 1.2, spec 5.9): write a *delta* of an earlier snapshot of this request
+    — its path (a rank file, or a set directory / prefix whose rank ``identity.tp_rank`` is
+    taken), or an open ``Snapshot`` / ``SnapshotSet`` — which must lie beside ``path``
+    (beside the set ``path`` is a rank of). Only the attention rows after the base's
+    position are read from the pools and written; the recurrent state and the record are
+    whole. The base must be this request's (rid, prompt, its output a prefix of this one),
+    on this model, weights, engine, rank and geometry, at a position not beyond this one:
+    else :class:`~hsnap_format.ChainError`, before anything is written.
+
+    ``pages`` (format 1.3, spec 5.10): store the file's full pages of attention rows once,
+    in a page store beside it — a :class:`~hsnap_format.pages.PageStore` (a session shared
+    by many exports: a drain), or the name of a page directory beside ``path`` (beside the
+    set directory for a ``rank-N.hsnap`` of a set). Each full page (``page_size`` positions,
+    default the pool's) becomes one page object keyed by SGLang's page hash chain over the
+    token ids, under its namespace; one that is already there with the same bytes is
+    verified and reused, never rewritten. The file then holds only the rows around its
+    pages, its sliding-window rows, the recurrent state and the record. Pages are durable
+    before the file is committed, and protected from a concurrent ``hsnap gc --pages``
+    (spec 8.2).
     """
     require_type(path, "identity", identity, Identity)  # typed refusals, not AttributeError, for a dict
     require_type(path, "record", record, RequestRecord)
@@ -83,19 +113,125 @@ def export_request(
         view = dataclasses.replace(view, geometry=dataclasses.replace(view.geometry, sharding=sharding))
     slots = request_slots(view, req_pool_idx, record.state_position, swa_start, path)
     identity = complete_identity(identity)
-    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-    # an s3:// URL streams a multipart upload whose completion is the commit (hsnap_format.remote)
-    extra = {"writeback": fsync} if not is_url(os.fspath(path)) else {}  # a file to fsync: write back as it goes
-    with snapshot_writer(path, storage_options=storage_options, identity=identity, geometry=view.geometry, record=record,
-                         swa_start=swa_start, mode=mode, **extra) as w:
-        planned = [s.name for s in w.pending_state_sections()]
-        bound = [b.name for b in view.bindings]
-        if planned != bound:  # adapters and layout disagree: a bug, never a silent file
-            raise AssertionError(f"section plan {planned[:4]}... != pool bindings {bound[:4]}...")
-        for b in view.bindings:
-            engine.export_section(b.buffer, slots.rows(b.space), _sink(w, b.name))
-        engine.finish_export()
-        return w.commit(fsync=fsync)
+    store = store_for(path, storage_options)
+    with _DeltaBase.open(base, path, store, identity, view, record, swa_start) as delta, _pages_session(pages, path, storage_options) as session:
+        ref = None if delta is None else delta.ref
+        engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+        base_position = 0 if ref is None else ref.state_position
+        plan, full_token = None, slots.token
+        if session is not None:  # which full pages: keys from the token ids (nothing put yet)
+            plan = session.plan_pages(path=os.fspath(path), identity=identity, geometry=view.geometry, record=record,
+                                      base_position=base_position, in_set=_is_set_rank(path))
+        if delta is not None:  # only the rows after the base's position are read from the pools
+            slots = delta.rows_after(slots, swa_start)
+        if plan is not None:  # ... and of those, only the rows around the pages
+            runs = inline_runs(base_position, record.state_position, plan.page_size)
+            slots = RequestSlots(_rows(full_token, runs), slots.swa, slots.mamba)
+        # a file to fsync writes back as it goes; an s3:// URL streams a multipart upload whose
+        # completion is the commit (hsnap_format.remote). Created first: a name it refuses
+        # is refused before any page is put.
+        with store.writer(os.fspath(path), writeback=fsync, identity=identity, geometry=view.geometry, record=record,
+                          swa_start=swa_start, mode=mode, base=ref, pages=None if plan is None else plan.placeholder()) as w:
+            if plan is not None:  # the pages, durable (spec 8.2), then the file that references them
+                w.set_pages(session.put_pages(plan, page_rows(view, full_token, engine)))
+            planned = [s.name for s in w.pending_state_sections()]
+            bound = [b.name for b in view.bindings]
+            if planned != bound:  # adapters and layout disagree: a bug, never a silent file
+                raise AssertionError(f"section plan {planned[:4]}... != pool bindings {bound[:4]}...")
+            for b in view.bindings:
+                engine.export_section(b.buffer, slots.rows(b.space), _sink(w, b.name))
+            engine.finish_export()
+            return w.commit(fsync=fsync)
+
+
+def _rows(token: torch.Tensor, runs) -> torch.Tensor:
+    return torch.cat([token[a:b] for a, b in runs]) if runs else token[:0]
+
+
+def _is_set_rank(path) -> bool:
+    """A ``rank-N.hsnap`` is written as a rank of a set: its page store lies beside the set."""
+    return RANK_FILE_RE.match(os.path.basename(os.fspath(path).rstrip("/"))) is not None
+
+
+@contextlib.contextmanager
+def _pages_session(pages, path, storage_options):
+    """The page store an export writes into (None: a plain file). A name gives a session of
+    this export alone, closed (its markers dropped) once the file is committed or refused."""
+    if pages is None:
+        yield None
+        return
+    if not isinstance(pages, PageStore):
+        container = os.fspath(path)
+        s = store_for(container, storage_options)
+        container = s.split(container)[0]
+        if _is_set_rank(path):
+            container = s.split(container)[0]
+        if not (isinstance(pages, str) and pages and "/" not in pages):
+            raise PageError(path, "pages", Phrase("a PageStore, or the name of a page directory beside the snapshot"), pages)
+        with page_store(s.join(container, pages), storage_options=storage_options) as session:
+            yield session
+        return
+    yield pages
+
+
+class _DeltaBase:
+    """The base of a delta export, opened (when given by path) and checked against what is
+    about to be written (the chain rules of spec 7.5, :mod:`hsnap_format.chain`)."""
+
+    def __init__(self, snap, ref: BaseRef, owned) -> None:
+        self.snap, self.ref, self._owned = snap, ref, owned
+
+    @classmethod
+    def open(cls, base, path, store, identity: Identity, view, record: RequestRecord, swa_start: int):
+        """The checked base as a context manager (closing what it opened); without ``base``
+        one that gives None (a plain snapshot)."""
+        if base is None:
+            return contextlib.nullcontext()
+        opened, owned = base, None
+        if not isinstance(base, (Snapshot, SnapshotSet)):
+            owned = opened = store.open(os.fspath(base), ranks=[identity.tp_rank])
+        try:
+            in_set = isinstance(opened, SnapshotSet)
+            if in_set and identity.tp_rank not in opened.ranks:
+                raise ChainError(path, "base", Phrase(f"a set holding rank {identity.tp_rank}"), Phrase(f"ranks {sorted(opened.ranks)} of {opened.path}"))
+            snap = opened.ranks[identity.tp_rank] if in_set else opened
+            # the delta's links are found beside it: a rank file's beside it, a set rank's beside its set
+            container = store.split(store.split(os.fspath(path))[0])[0] if in_set else store.split(os.fspath(path))[0]
+            base_container, name = store.split(opened.path)
+            if _where(store, base_container) != _where(store, container):
+                raise ChainError(path, "base", Phrase(f"a snapshot beside the delta (in {container})"), opened.path)
+            if snap.base is not None and snap.base.depth >= MAX_CHAIN_DEPTH:
+                raise ChainError(path, "base.depth", Phrase(f"<= {MAX_CHAIN_DEPTH} links (compact the chain first: hsnap compact)"),
+                                 snap.base.depth + 1)
+            check_link(LinkFacts.of_snapshot(snap), LinkFacts.of_export(path, identity, view.geometry, record, swa_start), path)
+            prefix = snap.read("request.output_ids")  # read and hashed
+            if not np.array_equal(record.output_ids[: len(prefix)], prefix):
+                raise ChainError(path, "request.output_ids", Phrase(f"the base's {len(prefix)} output tokens first ({snap.path})"),
+                                 Phrase("other tokens"))
+            return cls(snap, base_ref(snap, name), owned)
+        except BaseException:
+            if owned is not None:
+                owned.close()
+            raise
+
+    def rows_after(self, slots: RequestSlots, swa_start: int) -> RequestSlots:
+        """The slots of the rows a delta holds: full attention after the base's position,
+        sliding window from ``max(base position, swa_start)`` (spec 5.9)."""
+        b = self.ref.state_position
+        swa = None if slots.swa is None else slots.swa[max(b, swa_start) - swa_start :]
+        return RequestSlots(slots.token[b:], swa, slots.mamba)
+
+    def __enter__(self) -> "_DeltaBase":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._owned is not None:
+            self._owned.close()
+
+
+def _where(store, container: str) -> str:
+    """A container as compared: a local directory by its real path, a prefix by its URL."""
+    return os.path.realpath(container or ".") if store.local else container.rstrip("/")
 
 
 def complete_identity(identity: Identity) -> Identity:

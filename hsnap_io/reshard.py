@@ -17,9 +17,14 @@ Two halves:
   ``replicas`` times), and target rank r plans, per state kind, which run of which
   source rank's section lands where in its own shard (each global element from exactly
   one source: the lowest rank holding it), proving that the runs tile every target
-  section; it verifies every source section it depends on. Then it allocates and, per
-  section, reads those source sections whole (hashed, 2 MiB at a time), slices the runs
-  out, refuses a digest mismatch before the assembled section is uploaded, and uploads.
+  section; with ``verify`` (the default) it verifies every source section it depends on.
+  Then it allocates and assembles each target section from the source sections it
+  depends on, each read whole, once, 2 MiB at a time (hashed but for ``verify=False``),
+  the runs sliced out of each piece while it is in cache straight into the slots when
+  they are one run — as the plain restore preads into them, with its guarantee: what
+  is uploaded was hashed, a mismatch is rolled back — else into one scratch buffer,
+  checked before it is uploaded. No host buffer of the shard's size: measured against
+  staging the shard before allocating (read once) in bench/RESHARD.md.
   :func:`restore_resharded`, reached from :func:`hsnap_io.restore.restore_request` when
   the set's TP size differs from the target's.
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import math
 import os
@@ -470,7 +476,7 @@ class _SectionPlan:
     dst_shape: tuple[int, ...]
     itemsize: int
 
-    @property
+    @functools.cached_property
     def sources(self) -> list[int]:
         return sorted({r.src for r in self.runs})
 
@@ -563,11 +569,14 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
 _PIECE = 2 << 20  # read and hash 2 MiB at a time, and slice each piece while it is in cache
 
 
-def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray, check: bool) -> tuple[int, int]:
-    """Read source rank ``src``'s section ``p.name`` whole, in order, 2 MiB at a time,
-    hashing every byte, and copy its ``runs`` (row slices) into the target bytes ``out``;
-    with ``check`` the digest is compared before ``out`` goes anywhere (what is uploaded
-    was hashed). Returns (bytes read, bytes written into ``out``)."""
+def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray, check: bool,
+               buf: np.ndarray | None = None) -> tuple[int, int]:
+    """Read source rank ``src``'s section ``p.name`` whole, in order, 2 MiB at a time
+    (into ``buf``, reused while it stays in cache), hashing every byte (``check``), and
+    copy its ``runs`` (row slices) into the target bytes ``out`` — the slots themselves,
+    or a buffer uploaded only after this returns; with ``check`` the digest is compared
+    once the last piece is in (what is uploaded was hashed). Returns (bytes read, bytes
+    written into ``out``)."""
     info = snap.section(p.name)
     shape, axis = p.src_shapes[src], p.axis
     outer = math.prod(shape[:axis])
@@ -575,8 +584,9 @@ def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray
     row = shape[axis] * inner  # bytes of one outer row (a token) of the source
     dst = out.reshape(outer, p.dst_shape[axis] * inner)
     cols = [(r.src_start * inner, (r.src_start + r.count) * inner, r.dst_start * inner) for r in runs]
-    h = xxhash.xxh3_128()
-    buf = np.empty(min(_PIECE, info.length), dtype=np.uint8)  # scratch: only bytes just read are used
+    h = xxhash.xxh3_128() if check else None
+    if buf is None:
+        buf = np.empty(min(_PIECE, info.length), dtype=np.uint8)  # scratch: only bytes just read are used
     rows_per_piece = _PIECE // row if 0 < row <= _PIECE else 0  # 0: a row is longer than a piece
     at = written = 0
     while at < info.length:
@@ -585,7 +595,8 @@ def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray
         n = n_rows * row if rows_per_piece else min(_PIECE, row - c)
         piece = buf[:n]
         snap._read(info.offset + at, n, memoryview(piece))
-        h.update(piece)
+        if h is not None:
+            h.update(piece)
         if rows_per_piece:  # whole rows: one strided copy per run
             block = piece.reshape(n_rows, row)
             for a, b, d in cols:
@@ -598,9 +609,23 @@ def _read_runs(snap, p: _SectionPlan, src: int, runs: list[Run], out: np.ndarray
                     dst[o, d + lo - a : d + hi - a] = piece[lo - c : hi - c]
                     written += hi - lo
         at += n
-    if check and h.hexdigest() != info.digest:
+    if h is not None and h.hexdigest() != info.digest:
         raise DigestMismatchError(snap.path, f"sections[{p.name!r}].digest", info.digest, h.hexdigest())
     return info.length, written
+
+
+def _assemble(sources, p: _SectionPlan, out: np.ndarray, check: bool, path, buf: np.ndarray) -> int:
+    """Target section ``p`` into ``out`` from every source section it depends on, each read
+    whole once (:func:`_read_runs`); refuses a byte count short of ``out`` (the second
+    guard behind the tiling proof). Returns the source bytes read."""
+    read = written = 0
+    for k in p.sources:
+        got, wrote = _read_runs(sources[k], p, k, [r for r in p.runs if r.src == k], out, check, buf)
+        read += got
+        written += wrote
+    if written != out.nbytes:
+        raise ReshardError(path, f"sections[{p.name}]", f"{out.nbytes} bytes assembled from the source ranks", Phrase(f"{written} bytes"))
+    return read
 
 
 def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: int, target_rank: int,
@@ -610,10 +635,14 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     Before anything is allocated: the set agrees (:func:`check_set`), every rank's
     geometry and description fit, the runs of every target section provably tile it
     (:func:`build_plans`), and — ``verify`` True — every source section it depends on is
-    verified and the record is read hashed. Then, under the pool lock: allocate; for each
-    section read its source sections whole (hashed, :func:`_read_runs`), refuse a digest
-    or byte-count mismatch before that section is uploaded, upload; any failure gives
-    every allocation back (:func:`hsnap_io.restore.raise_upload_failure`)."""
+    verified and the record is read hashed. Then, under the pool lock: allocate; assemble
+    each target section from its source sections, each read whole once and hashed (but
+    for ``verify=False``; :func:`_assemble`), straight into the slots when they are one
+    run of a CPU pool (as the plain path preads into them: a digest or byte-count
+    mismatch is found after the bytes landed and rolled back) or else into one scratch
+    buffer, checked before it is uploaded; any failure gives every allocation back, the
+    written slots' old bytes with ``exact_rollback``
+    (:func:`hsnap_io.restore.raise_upload_failure`)."""
     import warnings
 
     from .restore import _VERIFY_MODES, NumericsWarning, _allocate, check_capacity, pool_lock, raise_upload_failure, RestoredRequest
@@ -648,30 +677,36 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
         record = src0.record(verify=mode is not None)
     except OSError as e:
         raise HsnapIOError(path, "read", e) from None
+    piece = np.empty(_PIECE, dtype=np.uint8)  # every source byte passes through it, 2 MiB at a time
+    scratch = None
     read = uploaded = 0
     with pool_lock(view.req_to_token_pool):
         for k in used:
             sources[k].check_unchanged()
         checkpoint = PoolCheckpoint(view)
         engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+        # capability of the engine: the slots as one writable host array (CPU pools, one run)
+        slots_view = getattr(engine, "slots_view", None)
         where = "allocation"
         try:
             row, slots, floor = _allocate(view, src0.state_position, src0.swa_start, path, checkpoint)
             for b, p in zip(view.bindings, plans):
                 where = f"sections[{p.name}]"
-                rows = slots.rows(b.space)
-                out = np.empty(p.nbytes, dtype=np.uint8)  # every byte written below (tiling proved), or refused
-                written = 0
-                for k in p.sources:
-                    got, wrote = _read_runs(sources[k], p, k, [r for r in p.runs if r.src == k], out, mode is not None)
-                    read += got
-                    written += wrote
-                if written != out.nbytes:  # the second guard behind the tiling proof
-                    raise ReshardError(path, where, f"{out.nbytes} bytes assembled from the source ranks", Phrase(f"{written} bytes"))
+                rows = slots.rows(b.space).to(b.buffer.device)
                 if exact_rollback:
                     checkpoint.remember_rows(b.buffer, rows, b.name)
-                engine.import_section(b.buffer, rows.to(b.buffer.device), out)
-                uploaded += out.nbytes
+                # like the plain path: straight into the slots when they are one run (hashed as it
+                # lands; a mismatch rolled back), else through one scratch buffer (checked first)
+                out = slots_view(b.buffer, rows) if slots_view is not None else None
+                direct = out is not None and out.nbytes == p.nbytes
+                if not direct:
+                    if scratch is None:
+                        scratch = np.empty(max(q.nbytes for q in plans), dtype=np.uint8)
+                    out = scratch[: p.nbytes]
+                read += _assemble(sources, p, out, mode is not None, path, piece)
+                if not direct:
+                    engine.import_section(b.buffer, rows, out)
+                uploaded += p.nbytes
             where = "finish upload"
             engine.finish_import()
         except BaseException as e:

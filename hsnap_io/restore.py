@@ -10,7 +10,8 @@ Order of work, so that a refusal leaves the pools untouched:
   3. check capacity in the target's own pages (rows, token slots, SWA slots, mamba
      slots, context length);
   4. with ``verify=True``: the padding and the request record (and, for an engine that
-     does not read files — CUDA, from the map — every digest);
+     does not read files — CUDA, from the map — every digest); a plain snapshot up to
+     ONE_READ_BYTES: every byte, read once into a staging buffer the upload copies from;
   --- nothing above touches the pools ---
   5. allocate as SGLang does for a new request (whole pages of the target), remembering
      the allocators' state; 6. upload section by section, each state section hashed as
@@ -23,6 +24,7 @@ Order of work, so that a refusal leaves the pools untouched:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import math
 import os
@@ -50,12 +52,13 @@ from hsnap_format import (
     geometry_differences,
     identity_differences,
     numerics_differences,
-    open_snapshot,
 )
-from hsnap_format.errors import Phrase, require_type
+from hsnap_format.chain import Chain, Piece, chain_below
+from hsnap_format.pages import open_checked
+from hsnap_format.errors import Phrase, UnsupportedFeatureError, require_type
 from hsnap_format.records import Sharding
-from hsnap_format.remote import is_url, open_url
-from hsnap_format.spec import DTYPES
+from hsnap_format.spec import DTYPES, HEADER_OFFSET, TRAILER
+from hsnap_format.storage import store_for
 
 from .adapters import PoolView, view_pools
 from .export import RequestSlots
@@ -96,18 +99,11 @@ class RestoredRequest:
 
 
 def _open_rank(path, rank: int | None, storage_options=None) -> tuple[Snapshot, SnapshotSet | None]:
+    """This rank's file: the file itself, or rank ``rank`` (0 by default) of a set — a
+    directory or an object-store prefix, whose manifest refuses a rank it does not have."""
     p = os.fspath(path)
-    if is_url(p):  # s3://bucket/key (one rank object) or s3://bucket/prefix (a set)
-        s = open_url(p, ranks=[0 if rank is None else rank], storage_options=storage_options)
-        return (next(iter(s.ranks.values())), s) if isinstance(s, SnapshotSet) else (s, None)
-    if os.path.isdir(p):
-        r = 0 if rank is None else rank
-        s = open_snapshot(p, ranks=[r])
-        if r >= s.manifest.tp_size:
-            s.close()
-            raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"< tp_size {s.manifest.tp_size}", r)])
-        return s.ranks[r], s
-    return open_snapshot(p), None
+    s = store_for(p, storage_options).open(p, ranks=[0 if rank is None else rank])
+    return (next(iter(s.ranks.values())), s) if isinstance(s, SnapshotSet) else (s, None)
 
 
 # Geometry fields a restore does not compare as plain values: the page size is the
@@ -244,13 +240,16 @@ def restore_request(
     are checked before anything is allocated. ``verify`` decides how digests are checked:
 
     * ``True`` (default): every refusal leaves the pools exactly as they were, byte for
-      byte. A file is verified whole before anything is allocated, and each state
-      section is hashed again as it lands in the slots (what was hashed is what was
-      uploaded: a file changed between the check and the upload is caught and rolled
-      back — allocations exactly, the written free slots' old bytes only with
-      ``exact_rollback``). A source that can only be checked while it is read (an
-      object store) gets ``exact_rollback`` automatically, so a digest refusal is
-      byte-exact there too.
+      byte. A plain snapshot whose body is at most :data:`ONE_READ_BYTES` is read once,
+      into a reused staging buffer, every section hashed and the padding checked as it
+      lands, before anything is allocated, and uploaded from that buffer (what was
+      hashed is what was uploaded, whatever the file does afterwards). Otherwise a
+      file is verified whole before anything is allocated, and each state section is
+      hashed again as it lands in the slots (a file changed between the check and the
+      upload is caught and rolled back — allocations exactly, the written free slots'
+      old bytes only with ``exact_rollback``); an object there can only be checked
+      while it is read: it gets ``exact_rollback`` automatically, so a digest refusal
+      is byte-exact there too.
     * ``"during"``: read once — padding and record first, each state section hashed as
       it lands in the slots. Faster (bench/RESULTS.md); a digest mismatch then gives
       back every allocation (free lists, mappings, request row) exactly, but the bytes
@@ -265,8 +264,9 @@ def restore_request(
     Across TP sizes: ``sharding`` is the target rank's own description
     (:func:`hsnap_io.reshard.describe` of its model at its TP size). Given it, a snapshot
     directory written at another TP size is re-sharded (:mod:`hsnap_io.reshard`): this
-    rank reads only its heads/channels from the source rank files it needs, after
-    verifying every source section it depends on; all the guarantees above hold. The
+    rank reads each source section it depends on whole (its digest covers every byte), in
+    2 MiB pieces hashed as they land, and copies only its heads/channels into the slots,
+    after verifying every such section; all the guarantees above hold. The
     target TP size is ``identity.tp_size`` (``tp_size`` when ``identity`` is None).
 
     The file (or set) is opened once: everything checked, hashed and uploaded comes
@@ -300,8 +300,16 @@ class OpenSource:
     resharded: bool = False
     sharding: Any = None
     target_tp: int | None = None
+    # ``snap`` and the links below it when it is a delta (spec 7.5), opened and checked
+    # with it; a plain snapshot is a chain of one link
+    chain: Chain | None = None
+
+    def __post_init__(self) -> None:
+        if self.chain is None:
+            self.chain = Chain.single(self.snap)
 
     def close(self) -> None:
+        self.chain.close()
         (self.snapset or self.snap).close()
 
     def __enter__(self) -> "OpenSource":
@@ -321,23 +329,52 @@ def open_source(path, *, rank: int | None = None, identity: Identity | None = No
         rank = identity.tp_rank
     target_tp = identity.tp_size if identity is not None else tp_size
     p = os.fspath(path)
-    if sharding is None or is_url(p) or not os.path.isdir(p):
+    store = store_for(p, storage_options)
+    if sharding is None or not (store.local and os.path.isdir(p)):  # re-sharding reads a local set's rank files
         snap, snapset = _open_rank(p, rank, storage_options)
-        return OpenSource(p, snap, snapset, rank)
-    snapset = open_snapshot(p)  # the manifest and every rank file: the one open of this restore
+        return _with_chain(OpenSource(p, snap, snapset, rank), store)
+    snapset = store.open(p)  # the manifest and every rank file: the one open of this restore
     try:
         source_tp = snapset.manifest.tp_size
         if target_tp is not None and source_tp != target_tp:
             if rank is None or not 0 <= rank < target_tp:
                 raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"0..{target_tp - 1}", rank)])
+            delta = next((s for s in snapset.ranks.values() if s.base is not None), None)
+            if delta is not None:  # each rank's chain would have to be re-sharded link by link
+                raise UnsupportedFeatureError(delta.path, "re-sharding a snapshot chain", Phrase("a plain set (hsnap compact it first)"),
+                                              Phrase(f"a delta of {delta.base.name!r}"))
+            paged = next((s for s in snapset.ranks.values() if s.pages is not None), None)
+            if paged is not None:  # its rows are split between the file and its page objects
+                raise UnsupportedFeatureError(paged.path, "re-sharding a set that references pages",
+                                              Phrase("a self-contained set (hsnap compact it first)"), Phrase(f"pages in {paged.pages.store!r}"))
             return OpenSource(p, snapset.ranks[0], snapset, rank, resharded=True, sharding=sharding, target_tp=target_tp)
         r = 0 if rank is None else rank
         if r >= source_tp:
             raise IncompatibleSnapshotError(p, [("identity.tp_rank", f"< tp_size {source_tp}", r)])
-        return OpenSource(p, snapset.ranks[r], snapset, r)
+        return _with_chain(OpenSource(p, snapset.ranks[r], snapset, r), store)
     except BaseException:
         snapset.close()
         raise
+
+
+def _with_chain(source: OpenSource, store) -> OpenSource:
+    """``source`` with the chain below its rank file when that is a delta — every link
+    opened once, here, and checked against the one above (spec 7.5) — and with where it
+    lies, so that its page store is found (spec 5.10), before anything else of the restore.
+    A refusal closes what was opened."""
+    snap = source.snap
+    if snap.base is None and snap.pages is None:
+        return source
+    try:
+        if source.snapset is not None:
+            rank = next(r for r, s in source.snapset.ranks.items() if s is snap)
+            source.chain = chain_below(snap, location=source.snapset.path, rank=rank, store=store)
+        else:
+            source.chain = chain_below(snap, location=source.path, store=store)
+    except BaseException:
+        source.close()
+        raise
+    return source
 
 
 def check_target(source: OpenSource, view: PoolView, identity: Identity | None) -> None:
@@ -420,17 +457,119 @@ def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_
     # An engine that does not read files (CUDA: uploads from the map) verifies first.
     remote = getattr(snap, "verifies_while_reading", False)
     during = mode is not None and (remote or engine.reads_files)
+    chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
+    staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
     try:
-        if mode == "before" and not remote or mode is not None and not during:
-            snap.verify()  # every refusal before allocation: pools byte-identical
-        elif mode == "during" and not remote:
-            snap.check_padding()
+        return _restore_checked(source, view, chain, engine, mode, remote, during, numerics, exact_rollback, staged)
+    finally:
+        if staged is not None:
+            staged.release()
+
+
+def _restore_checked(source: OpenSource, view: PoolView, chain: Chain, engine, mode, remote: bool, during: bool, numerics,
+                     exact_rollback: bool, staged: "_Staged | None") -> RestoredRequest:
+    snap = source.snap
+    try:
+        if staged is not None:
+            chain.check_unchanged()  # (an object: a HEAD; its GETs are pinned to the ETag of open as well)
+            staged.verify()  # the one read: every byte hashed into the staging buffer, every refusal before allocation
+        elif mode == "before" and not remote or mode is not None and not during:
+            chain.verify()  # every link and page, every byte: every refusal before allocation, pools byte-identical
+        else:
+            if mode is not None:
+                if not remote:
+                    chain.check_padding()
+                chain.check_records()  # each base's output a prefix of its delta's (read, hashed)
+            # every page reference holds before anything is allocated (spec 7.6): a missing page,
+            # another namespace, key or tokens, a page object that is not the one named; with
+            # digests checked, its bytes are hashed again as they land (like a link's section)
+            chain.check_pages(verify=mode == "before", hashed=mode is not None)
     except OSError as e:
         raise HsnapIOError(snap.path, "read", e) from None
+    if staged is not None:  # uploaded from the buffer it hashed: nothing read after the check
+        with staged.serving():  # the record too (an object: no GET more), hashed again on the way
+            record = snap.record(verify=True)
+        return _upload(chain, view, record, numerics, engine, exact_rollback, False, staged=staged)
     if mode == "before" and remote:
         exact_rollback = True  # checked only while read: a digest refusal must still be byte-exact
     record = snap.record(verify=during and (mode == "during" or remote))  # else verify() covered it
-    return _upload(snap, view, record, numerics, engine, exact_rollback, during)
+    return _upload(chain, view, record, numerics, engine, exact_rollback, during)
+
+
+# The one-read verify (verify=True) stages a payload up to this many bytes: larger ones
+# are verified, then read and hashed again as they land (a file), or land hashed with an
+# undo log of the slots they overwrite (an object).
+ONE_READ_BYTES = 128 << 20
+
+
+class _Staged:
+    """The body of a plain snapshot (every section and the padding between them) read
+    once into a staging buffer, each section hashed and the padding checked as each
+    piece lands (2 MiB preads of a file; ranged GETs of an object, ``parallel`` running
+    ahead of the hashing) — before anything is allocated, so a refusal leaves the pools
+    untouched — then uploaded from that buffer: what reaches the pools is what was hashed,
+    whatever happens to the file meanwhile. One buffer is kept for the next restore
+    (fresh memory is expensive: faulting it in costs more than the copy); restores
+    running at once each take their own."""
+
+    _lock = threading.Lock()
+    _kept: np.ndarray | None = None
+
+    def __init__(self, snap: Snapshot, start: int, stop: int, buf: np.ndarray) -> None:
+        self.snap, self.start, self.stop, self.buf = snap, start, stop, buf
+
+    @classmethod
+    def take(cls, chain: Chain) -> "_Staged | None":
+        """A staging buffer for ``chain``'s body, or None where the one read does not apply:
+        a chain of links or pages (their pieces are read link by link), or a body over
+        :data:`ONE_READ_BYTES`."""
+        snap = chain.head
+        if chain.is_delta or chain.paged:
+            return None
+        start, stop = HEADER_OFFSET + snap.preamble.header_length, snap.file_length - TRAILER.size
+        if not 0 <= stop - start <= ONE_READ_BYTES:
+            return None
+        with cls._lock:
+            buf, cls._kept = (cls._kept, None) if cls._kept is not None and cls._kept.size >= stop - start else (None, cls._kept)
+        if buf is None:
+            buf = np.empty(-(-max(stop - start, 1) // _HASH_PIECE) * _HASH_PIECE, dtype=np.uint8)
+        return cls(snap, start, stop, buf)
+
+    def verify(self) -> None:
+        """Read the body into the buffer, hashing as it lands; raise the first failure in
+        spec 7.2's order (padding, then sections in table order)."""
+        from hsnap_format.remote import stream
+
+        window = getattr(self.snap, "stage_window", _HASH_PIECE)  # an object: bytes per ranged GET
+        result: dict = {}
+        into = memoryview(self.buf)[: self.stop - self.start]
+        failures = [e for _, e in stream(self.snap, window, self.start, self.stop, result=result, into=into) if e is not None]
+        if result.get("padding") is not None:
+            raise result["padding"]
+        if failures:
+            raise failures[0]
+
+    def serving(self):
+        """Reads of the snapshot served from the buffer where it can (an object's)."""
+        serving = getattr(self.snap, "serving", None)
+        return serving(self) if serving is not None else contextlib.nullcontext()
+
+    def serve(self, view: memoryview, offset: int) -> int:
+        """Copy the staged bytes at ``offset`` into ``view``; how many (0: not staged there)."""
+        if not self.start <= offset < self.stop:
+            return 0
+        k = min(len(view), self.stop - offset)
+        view[:k] = memoryview(self.buf)[offset - self.start : offset - self.start + k]
+        return k
+
+    def section(self, info, skip: int, length: int) -> "_StagedRange":
+        return _StagedRange(memoryview(self.buf)[info.offset - self.start + skip :][:length])
+
+    def release(self) -> None:
+        buf, self.buf = self.buf, None
+        with _Staged._lock:
+            if buf is not None and (_Staged._kept is None or _Staged._kept.size < buf.size):
+                _Staged._kept = buf
 
 
 _POOL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
@@ -496,46 +635,124 @@ class VerifiedFileRange:
             raise DigestMismatchError(self.path, f"sections[{self.info.name!r}].digest", self.info.digest, got)
 
 
-def _upload(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
-            check_digests: bool = False) -> RestoredRequest:
-    with pool_lock(view.req_to_token_pool):
-        return _upload_locked(snap, view, record, numerics, engine, exact_rollback, check_digests)
+class _StagedRange:
+    """Staged (hashed) bytes of one piece with :class:`hsnap_io.transfer.FileRange`'s call:
+    the engine copies them straight into the slots (one memcpy for a run of slots)."""
+
+    __slots__ = ("view", "length")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view, self.length = view, len(view)
+
+    def readinto(self, view: memoryview, at: int) -> None:
+        view[:] = self.view[at : at + len(view)]
 
 
-def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
-                   check_digests: bool = False) -> RestoredRequest:
-    pos = snap.state_position
-    snap.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
-    checkpoint = PoolCheckpoint(view)
+class _Window:
+    """A section source of which only ``take`` bytes after the first ``skip`` are handed on
+    — a link's sliding-window rows that left the window before the head's position (spec
+    7.5), or the inline rows on one side of a link's pages (spec 7.6) — while the whole
+    section is read and hashed in order (its digest is over all of it): :meth:`finish`
+    reads the rest before the source's own check."""
+
+    __slots__ = ("src", "skip", "length", "_done", "_total")
+
+    def __init__(self, src, skip: int, take: int | None = None) -> None:
+        self.src, self.skip, self._total = src, skip, src.length
+        self.length = src.length - skip if take is None else take
+        self._done = 0
+
+    def _pass(self, start: int, stop: int) -> None:
+        scratch = memoryview(bytearray(min(max(stop - start, 1), _HASH_PIECE)))
+        for a in range(start, stop, len(scratch)):
+            n = min(len(scratch), stop - a)
+            self.src.readinto(scratch[:n], a)
+
+    def readinto(self, view: memoryview, at: int) -> None:
+        if self._done == 0 and self.skip:
+            self._pass(0, self.skip)
+        self.src.readinto(view, self.skip + at)
+        self._done = max(self._done, at + len(view))
+
+    def finish(self) -> None:
+        if self.skip and self._done == 0:
+            self._pass(0, self.skip)
+        end = self.skip + self.length
+        if end < self._total:
+            self._pass(end, self._total)
+        self.src.finish()
+
+
+def _piece_source(piece, engine, check_digests: bool, staged: "_Staged | None" = None):
+    """What the engine reads one piece of a link's (or page object's) section from (see
+    :func:`_upload_locked`)."""
+    snap, info = piece.link, piece.info
+    if staged is not None and snap is staged.snap:  # hashed in the staging buffer (verify=True, one read)
+        return staged.section(info, piece.skip, piece.length)
+    if not engine.reads_files:  # (an object's raw() is a verified copy of the section)
+        return np.frombuffer(snap.raw(info), dtype=np.uint8)[piece.skip : piece.skip + piece.length]
     ranged = getattr(snap, "section_range", None)  # an object: ranged GETs, hashed on the way in
-    fd = None if ranged else snap.fileno()
+    if ranged:
+        src = ranged(info)
+    elif check_digests:
+        src = VerifiedFileRange(snap.fileno(), info, snap.path)
+    else:  # pread into the slots: nothing mapped, an I/O error is an OSError
+        return FileRange(snap.fileno(), info.offset + piece.skip, piece.length)
+    return _Window(src, piece.skip, piece.take) if piece.skip or piece.length != info.length else src
+
+
+def _upload(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
+            check_digests: bool = False, *, staged: "_Staged | None" = None) -> RestoredRequest:
+    with pool_lock(view.req_to_token_pool):
+        return _upload_locked(chain, view, record, numerics, engine, exact_rollback, check_digests, staged=staged)
+
+
+def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
+                   check_digests: bool = False, *, staged: "_Staged | None" = None) -> RestoredRequest:
+    """Allocate the head's position once, then fill each section from the pieces of the
+    chain that make it up (a plain snapshot: one piece, the section itself): each link's
+    attention rows into the slots of its positions, state and record from the head."""
+    snap = chain.head
+    pos = snap.state_position
+    if staged is None:  # (a staged upload reads nothing more from the file)
+        chain.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
+    checkpoint = PoolCheckpoint(view)
     uploaded = 0
     where = "allocation"
+    ahead = contextlib.ExitStack()  # an object's read-ahead: ended (its GETs waited for) on every way out
     try:
+        pieces = {b.name: chain.pieces(b.name) for b in view.bindings}
+        if staged is None:
+            _read_ahead(ahead, pieces)  # the GETs start now, overlapping the allocation and the undo log
         row, slots, floor = _allocate(view, pos, snap.swa_start, snap.path, checkpoint)
+        by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         for b in view.bindings:
-            where = f"sections[{b.name}]"
-            rows = slots.rows(b.space)
-            info = snap.section(b.name)
+            dest = slots.rows(b.space)
             if exact_rollback:
-                checkpoint.remember_rows(b.buffer, rows, b.name)
-            if engine.reads_files:  # pread into the slots: nothing mapped, an I/O error is an OSError
-                if ranged:
-                    src = ranged(info)
-                elif check_digests:
-                    src = VerifiedFileRange(fd, info, snap.path)
-                else:
-                    src = FileRange(fd, info.offset, info.length)
-            else:  # (an object's raw() is a verified copy of the section)
-                src = np.frombuffer(snap.raw(info), dtype=np.uint8)
-            engine.import_section(b.buffer, rows.to(b.buffer.device), src)
-            if check_digests and engine.reads_files:
-                src.finish()  # DigestMismatchError: rolled back below
-            uploaded += info.length
+                checkpoint.remember_rows(b.buffer, dest, b.name)
+            for piece in pieces[b.name]:
+                rows = dest if piece.start is None else dest[piece.start : piece.stop]
+                if piece.page is not None:
+                    by_page.setdefault(piece.page.path, (piece.page, []))[1].append((b, rows))
+                    continue
+                where = f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")
+                uploaded += _upload_piece(engine, b, rows, piece, check_digests, staged)
+        for ref, targets in by_page.values():
+            where = f"pages.refs[{ref.index}] of {ref.link.path} ({ref.path})"
+            # opened and checked again (what is uploaded is what this open reads, hashed)
+            with open_checked(ref, chain.store) as page:
+                for b, rows in targets:
+                    where = f"sections[{b.name}] of {ref.path}"
+                    info = page.section(b.name)
+                    uploaded += _upload_piece(engine, b, rows, Piece(page, info, 0, None, None), check_digests)
         where = "finish upload"
         engine.finish_import()
     except BaseException as e:
-        raise_upload_failure(engine, checkpoint, snap.path, e, where)
+        try:
+            raise_upload_failure(engine, checkpoint, snap.path, e, where)
+        finally:
+            ahead.close()
+    ahead.close()
     return RestoredRequest(
         req_pool_idx=row,
         token_indices=slots.token,
@@ -547,6 +764,27 @@ def _upload_locked(snap: Snapshot, view: PoolView, record: RequestRecord, numeri
         numerics_differences=numerics,
         swa_evict_floor=floor,
     )
+
+
+def _read_ahead(stack: contextlib.ExitStack, pieces: dict) -> None:
+    """Start each link's read-ahead (a capability of a snapshot read over the network —
+    ``read_ahead``; a local file has none) over the sections the upload will read from it,
+    in the order it reads them (a piece reads its whole section: its digest is over it)."""
+    plan: dict[int, tuple] = {}
+    for name_pieces in pieces.values():
+        for piece in name_pieces:
+            if piece.link is not None and getattr(piece.link, "read_ahead", None) is not None:
+                plan.setdefault(id(piece.link), (piece.link, []))[1].append(piece.info)
+    for link, infos in plan.values():
+        stack.enter_context(link.read_ahead(infos))
+
+
+def _upload_piece(engine, b, rows, piece, check_digests: bool, staged: "_Staged | None" = None) -> int:
+    src = _piece_source(piece, engine, check_digests, staged)
+    engine.import_section(b.buffer, rows.to(b.buffer.device), src)
+    if check_digests and engine.reads_files:
+        src.finish()  # DigestMismatchError: rolled back by the caller
+    return piece.length
 
 
 def raise_upload_failure(engine, checkpoint: PoolCheckpoint, path, cause: BaseException, where: str):

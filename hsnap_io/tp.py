@@ -58,7 +58,11 @@ def staging_dir(path: str, snapshot_id: str) -> str:
 
 
 def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=None, **kw) -> Manifest | None:
-    """Collective: call on every rank with that rank's pools. Returns the manifest on rank 0."""
+    """Collective: call on every rank with that rank's pools. Returns the manifest on rank 0.
+
+    ``base=SET`` (format 1.2, spec 10.4): write a set of deltas — each rank's file a delta
+    of rank ``identity.tp_rank`` of the set ``SET``, which lies beside ``path``; a refusal
+    on any rank (:class:`~hsnap_format.ChainError`) commits nothing, as any other failure."""
     require_type(path, "identity", identity, Identity)
     require_type(path, "record", record, RequestRecord)
     rank, world = dist.get_rank(group), dist.get_world_size(group)

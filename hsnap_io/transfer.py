@@ -157,6 +157,14 @@ class HostEngine:
             return None
         return a
 
+    def slots_view(self, buffer: torch.Tensor, rows: torch.Tensor) -> np.ndarray | None:
+        """The bytes of ``buffer[rows]`` as one writable array when the slots are one run of
+        a contiguous buffer (a re-sharded section is assembled straight into them), else None."""
+        run = self._run_start(buffer, rows)
+        if run is None or not buffer.is_contiguous():
+            return None
+        return _as_bytes(buffer[run : run + len(rows)]).numpy()
+
     def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
         """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk."""
         row_bytes = _row_bytes(buffer)

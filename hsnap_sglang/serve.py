@@ -3,7 +3,8 @@
 It sets ``HSNAP_SGLANG_CPU=1`` (inherited by every process the server starts), activates the platform in this
 process, adds the CPU flags below unless given (and ``--disable-overlap-schedule`` while the radix cache is on:
 SGLang's CPU platform cannot run both), for ``--tp N`` sets ``SGLANG_CPU_OMP_THREADS_BIND`` (one core range
-per rank) unless given, and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).  Equivalent
+per rank) unless given, and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).
+``--enable-hsnap`` (hsnap's flag, not SGLang's) turns on the hsnap plug-in (``HSNAP_SGLANG_PLUGIN=1``).  Equivalent
 by hand::
 
     HSNAP_SGLANG_CPU=1 python -m sglang.launch_server --model-path DIR --device cpu \\
@@ -86,8 +87,14 @@ def engine_kwargs(**overrides) -> dict:
     return kw
 
 
+ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP_SGLANG_PLUGIN=1), not passed to SGLang
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if ENABLE_HSNAP in argv:
+        argv = [a for a in argv if a != ENABLE_HSNAP]
+        os.environ["HSNAP_SGLANG_PLUGIN"] = "1"  # inherited by every process the server starts
     os.environ["HSNAP_SGLANG_CPU"] = "1"
     tp = _tp_size(argv)
     if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:

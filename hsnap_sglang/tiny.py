@@ -2,12 +2,13 @@
 
 ``build_model_dir(path)`` writes ``config.json`` + ``model.safetensors`` (transformers' ``from_config`` with a
 fixed seed; the tiny geometry of :func:`hsnap_io.demo.model.tiny_config`: 4 layers, GDN + full attention every
-2nd layer, with a 40960-token context) + ``generation_config.json`` + a byte-level BPE tokenizer trained here with
+2nd layer, with a 40960-token context; Qwen3-Next and Qwen3.5-MoE with a small MoE, Qwen3.5 dense; both Qwen3.5
+with their constant-initialised parameters perturbed) + ``generation_config.json`` + a byte-level BPE tokenizer trained here with
 ``tokenizers`` on a fixed, generated corpus (``tokenizer.json``, ``tokenizer_config.json``) + ``hsnap_tiny.json``
 (the recipe and a digest of every file).  The same recipe gives the same bytes; an existing directory with the
 same recipe is reused.
 
-    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5] [--seed 0]
+    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--seed 0]
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pathlib import Path
 
 __all__ = ["ARCHS", "RECIPE_FILE", "SPECIAL_TOKENS", "build_model_dir", "build_tokenizer", "corpus", "load_reference_model"]
 
-ARCHS = ("qwen3_next", "qwen3_5")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 RECIPE_FILE = "hsnap_tiny.json"
 RECIPE_VERSION = 1
 MAX_POSITIONS = 40960  # room for the 32k-token measurements; no weight depends on it
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+_ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -74,10 +76,31 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return tok
 
 
+def _moe_config(**overrides):
+    """Qwen3.5-MoE (the family of the project's reference model, Qwen3.5-35B-A3B): the tiny dense Qwen3.5 with the
+    tiny Qwen3-Next's experts in place of its MLP."""
+    import inspect
+
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    from hsnap_io.demo.model import tiny_config
+
+    dense, moe = tiny_config("qwen3_5", **overrides).to_dict(), tiny_config("qwen3_next")
+    accepted = set(inspect.signature(Qwen3_5MoeTextConfig.__init__).parameters)
+    kw = {k: v for k, v in dense.items() if k in accepted}
+    kw.update({k: getattr(moe, k) for k in _MOE_FIELDS})
+    cfg = Qwen3_5MoeTextConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def _config(arch: str):
     from hsnap_io.demo.model import tiny_config
 
-    cfg = tiny_config(arch, max_position_embeddings=MAX_POSITIONS)
+    if arch == "qwen3_5_moe":
+        cfg = _moe_config(max_position_embeddings=MAX_POSITIONS)
+    else:
+        cfg = tiny_config(arch, max_position_embeddings=MAX_POSITIONS)
     cfg.architectures = [_ARCHITECTURES[arch]]
     cfg.bos_token_id = None
     cfg.eos_token_id = 0  # <|endoftext|>
@@ -106,16 +129,39 @@ def _file_digests(path: Path) -> dict[str, str]:
     }
 
 
+# arch -> std of the noise added to parameters that transformers initialises to a constant (norm weights, dt_bias),
+# so that a comparison against transformers sees every parameter (a zero Gemma-style norm weight would hide a
+# swapped q/k norm or a missing "1 +").  Qwen3-Next's recipe predates it and keeps its bytes.
+CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1}
+
+
 def _recipe(arch: str, seed: int) -> dict:
     import tokenizers
     import torch
     import transformers
 
-    return {
+    recipe = {
         "recipe_version": RECIPE_VERSION, "arch": arch, "seed": seed, "weights_dtype": "float32",
         "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
     }
+    if arch in CONSTANT_PARAM_NOISE:
+        recipe["constant_param_noise"] = CONSTANT_PARAM_NOISE[arch]
+    return recipe
+
+
+def _perturb_constant_params(model, std: float, seed: int) -> list[str]:
+    """Add N(0, std) noise (seeded) to every parameter whose elements are all equal; returns their names."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    names = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.numel() > 1 and bool((param == param.reshape(-1)[0]).all()):
+                param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
+                names.append(name)
+    return names
 
 
 def _existing(path: Path, recipe: dict) -> bool:
@@ -150,6 +196,8 @@ def build_model_dir(path: str | os.PathLike, *, arch: str = "qwen3_next", seed: 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if arch in CONSTANT_PARAM_NOISE:
+            _perturb_constant_params(model, CONSTANT_PARAM_NOISE[arch], seed + 1)
         model.eval()
         model.generation_config.eos_token_id = cfg.eos_token_id
         model.generation_config.pad_token_id = cfg.pad_token_id

@@ -3,8 +3,10 @@
 
     .venv/bin/python scripts/mutate.py --mutants 50000 --seed 1 [--jobs 2] [--json out.json]
 
-Inputs: every vector under spec/vectors/ — each ``*.hsnap`` and, of each snapshot
-directory, its ``manifest.json`` and every rank file. Mutant ``i`` is a pure function of
+Inputs: every vector under spec/vectors/ — each ``*.hsnap``, of each snapshot
+directory its ``manifest.json`` and every rank file, and of each page store (spec 5.10)
+every page object (examined by its own reader, spec 5.11, and through the references of
+the paged vectors beside it, spec 7.6). Mutant ``i`` is a pure function of
 (seed, i): pair ``i // 2`` draws a target and one operator (or, one time in seven, a
 stack of 2-4), and ``i % 2`` picks the variant — 0 *raw* (bytes changed, every check
 left stale), 1 *re-signed* (every integrity field recomputed as the mutated bytes lay
@@ -147,7 +149,17 @@ def load_inputs(vectors: str = VECTORS) -> tuple[dict[str, bytes], dict[str, lis
             groups[name] = members
             for m in members:
                 inputs[f"{name}/{m}"] = _read(os.path.join(p, m))
+        elif os.path.isdir(p) and any(n.endswith(".hpage") for n in os.listdir(p)):  # a page store (spec 5.10)
+            members = sorted(n for n in os.listdir(p) if n.endswith(".hpage"))
+            groups[name] = members
+            for m in members:
+                inputs[f"{name}/{m}"] = _read(os.path.join(p, m))
     return inputs, groups
+
+
+def is_page(target: str) -> bool:
+    """A page object of a page store vector (spec 5.11): examined by :func:`_page_library`."""
+    return target.endswith(".hpage")
 
 
 def _read(path: str) -> bytes:
@@ -754,29 +766,36 @@ _CHAINS: list[set[str]] = []
 
 
 def _chain_links(tops: set[str]) -> set[str]:
-    """The files and directories of every chain vector (spec/vectors/*.json with ``links``) that has one of ``tops``."""
+    """The files and directories of every chain vector (spec/vectors/*.json with ``links``) that has one of ``tops``;
+    and of a paged vector (``snapshots``, spec 5.10), its page store."""
     if not _CHAINS:
         for name in sorted(os.listdir(VECTORS)):
             if name.endswith(".json"):
                 with open(os.path.join(VECTORS, name), encoding="utf-8") as f:
-                    _CHAINS.append({d.get("file") or d.get("directory") for d in json.load(f).get("links", [])})
+                    desc = json.load(f)
+                _CHAINS.append({d.get("file") or d.get("directory") for d in desc.get("links", [])})
+                if "snapshots" in desc:
+                    _CHAINS.append({d["file"] for d in desc["snapshots"]} | {desc["store"]})
     return set().union(*(links for links in _CHAINS if links & tops))
 
 
 def _chain_verifies(snap, path: str) -> bool:
     """What ``hsnap verify`` adds for a delta (spec 7.5): its chain opens, every link below
-    verifies and each base's output is a prefix of its delta's."""
+    verifies and each base's output is a prefix of its delta's; for a file that references
+    pages (spec 7.6), every reference holds and every page verifies."""
     from hsnap_format.chain import chain_below
     from hsnap_format.storage import store_for
 
     for r, s in (snap.ranks.items() if hasattr(snap, "ranks") else [(None, snap)]):
-        if s.base is None:
+        if s.base is None and s.pages is None:
             continue
         try:
             with chain_below(s, location=snap.path, rank=r, store=store_for(path)) as chain:
                 for link in chain.links[:-1]:
                     link.verify()
                 chain.check_records()
+                if chain.page_failures(first=True):
+                    return False
         except HsnapError:
             return False
     return True
@@ -847,6 +866,21 @@ def examine(desc: dict, ctx: Context, *, cli: bool | None = None) -> dict:
         return r
     if cli is None:
         cli = ctx.cli_every > 0 and desc["i"] % ctx.cli_every == 0
+    if is_page(desc["target"]):  # a page object: its own reader (spec 5.11), and the snapshots that reference it
+        page_path = os.path.join(os.path.dirname(path), desc["target"])
+        result = _page_library(page_path, files, desc, ctx)
+        if result["cls"] == "typed" and ctx.ind is not None:
+            result = _page_spec_reader_agrees(page_path, result, ctx)
+        verdicts = result.pop("references", {})
+        if cli and result["cls"] in OK_CLASSES + ("typed",):
+            for snap_path, ok in verdicts.items():  # hsnap verify of each referencing snapshot verifies its pages (R-7.6-3)
+                c = _cli_verify(snap_path, ok)
+                if c is not None:
+                    result = dict(result, **c)
+                    if c.get("cls"):
+                        break
+        result.pop("verify_ok", None)
+        return result
     result = _library(path, files, desc, ctx)
     if result["cls"] == "typed":
         result = _spec_reader_agrees(path, result, ctx)
@@ -870,6 +904,149 @@ def _spec_reader_agrees(path: str, result: dict, ctx: Context) -> dict:
             return result
         why = f"refused at open as {result['error']} ({result['field']}), by the independent reader as {e.kind} ({e.field})"
     except Exception as e:  # noqa: BLE001 - the independent reader is test code: its crash is ours
+        return dict(_untyped(e, "independent reader"), cls="harness-error")
+    else:
+        why = f"refused as {result['error']} ({result['field']}) at {result['stage']}, accepted by the independent reader"
+    return dict(result, cls="spec-disagrees", reason=why)
+
+
+def _page_library(path: str, files: dict[str, bytes], desc: dict, ctx: Context) -> dict:
+    """A page object: open (spec 5.11), verify, every section read (hashed and not); then every
+    paged vector beside it checks its references and verifies its pages (spec 7.6) — a refusal
+    there is expected of a changed page, an untyped error is a finding. Accepted and changed:
+    re-signed only, and the page the reference encoder writes from its decoded content, which
+    the independent reader accepts too."""
+    from hsnap_format.pages import encode_page, open_page
+
+    try:
+        page = open_page(path)
+    except HsnapError as e:
+        try:
+            return dict(_typed(e, "open"), references=_references(path))
+        except BaseException as e2:  # noqa: BLE001
+            if _control(e2):
+                raise
+            return _untyped(e2, "references")
+    except BaseException as e:  # noqa: BLE001
+        if _control(e):
+            raise
+        return _untyped(e, "open")
+    typed, stage = None, "steps"
+    try:
+        with page:
+            steps = [("verify", page.verify)]
+            for sec in page.sections:
+                steps += [("read", lambda sec=sec: page.read(sec)), ("read-noverify", lambda sec=sec: page.read(sec, verify=False)),
+                          ("array", lambda sec=sec: page.array(sec))]
+            for stage, fn in steps:
+                try:
+                    fn()
+                except HsnapError as e:
+                    typed = typed or _typed(e, stage)
+            stage = "references"
+            references = _references(path)
+            if typed:
+                return dict(typed, references=references)
+            stage = "model"
+            name = desc["target"]
+            if files[name] == ctx.inputs[name]:
+                return {"cls": "accepted-unchanged", "references": references}
+            if not desc["resign"]:
+                return {"cls": "accepted-but-changed", "reason": f"raw mutant accepted: {name} differs from the vector"}
+            h = page.header
+            data, _ = encode_page(h["namespace"], h["page"]["namespace_id"], h["page"]["index"], h["page"]["prior"], h["page"]["key"],
+                                  h["page"]["tokens"], [(page_spec, page.read(sec).reshape(-1).view("u1").tobytes())
+                                                        for page_spec, sec in zip(_page_specs(page), page.sections)])
+            why = _page_model_diff(files[name], data)
+            if why is not None:
+                return {"cls": "accepted-but-changed", "reason": f"a re-signed page object the reference encoder writes otherwise: {why}"}
+            if ctx.ind is not None:
+                try:
+                    ctx.ind.read_page(path)
+                except ctx.ind.HsnapSpecError as e:
+                    return {"cls": "accepted-but-changed", "reason": f"spec-invalid, the independent reader refuses it: {e.kind}: {str(e)[:300]}"}
+            return {"cls": "accepted-valid", "references": references}
+    except BaseException as e:  # noqa: BLE001
+        if _control(e):
+            raise
+        return _untyped(e, stage)
+
+
+def _references(page_path: str) -> dict[str, bool]:
+    """Each paged snapshot beside the page store of ``page_path``: does it verify whole — the
+    file, its references, every page (spec 7.6)? (A typed refusal is False; anything else
+    propagates: the caller classifies it.)"""
+    from hsnap_format.chain import open_chain
+
+    where = os.path.dirname(os.path.dirname(page_path))
+    out = {}
+    for name in sorted(os.listdir(where)):
+        if name.endswith(".hsnap"):
+            try:
+                with open_chain(os.path.join(where, name)) as chain:
+                    chain.verify()
+                out[os.path.join(where, name)] = True
+            except HsnapError:
+                out[os.path.join(where, name)] = False
+    return out
+
+
+def _cli_verify(path: str, library_ok: bool) -> dict | None:
+    """``hsnap verify [--json]`` of a snapshot that references pages: its exit status is the
+    library's verdict on the whole (the file, its references, every page)."""
+    from hsnap_format import cli
+
+    for argv in (["verify", path], ["verify", "--json", path]):
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = cli.main(argv)
+        except BaseException as e:  # noqa: BLE001
+            if _control(e):
+                raise
+            return dict(_untyped(e, "cli verify"), cli=argv[:-1])
+        if (rc == 0) != library_ok:
+            return {"cls": "cli-disagrees", "stage": "cli verify", "reason": f"hsnap {' '.join(argv[:-1])} {os.path.basename(path)} exit {rc}, "
+                    f"library {'passed' if library_ok else 'refused'}", "message": (out.getvalue() + err.getvalue())[-300:]}
+        if "Traceback" in err.getvalue():
+            return {"cls": "untyped", "stage": "cli verify", "error": "traceback printed", "where": "cli", "message": err.getvalue()[-300:]}
+    return {"cli": True}
+
+
+_PAGE_KEYS = ("format", "digest", "namespace", "page")
+
+
+def _page_model_diff(mbytes: bytes, wbytes: bytes) -> str | None:
+    """None when the accepted page object and the reference encoding of its content differ
+    only where the spec lets them (spec 5.6, 5.11): unknown top-level keys and keys inside
+    ``features``, the optional features, and the offsets that the header's length moves."""
+    def meaning(data: bytes) -> dict:
+        pre = PREAMBLE.unpack(data[:64])
+        h = json.loads(data[HEADER_OFFSET : HEADER_OFFSET + pre[4]])
+        out = {k: h[k] for k in _PAGE_KEYS}
+        out["features.required"] = h["features"]["required"]
+        out["sections"] = [{k: v for k, v in e.items() if k != "offset"} for e in h["sections"]]
+        out["preamble"] = (pre[0], pre[1], pre[3])  # magic, major, byte order (any minor is read)
+        return out
+
+    m, w = meaning(mbytes), meaning(wbytes)
+    return next((f"{k}: {_show(m[k])} where the encoder writes {_show(w[k])}" for k in m if m[k] != w[k]), None)
+
+
+def _page_specs(page):
+    from hsnap_format.layout import SectionSpec
+
+    return [SectionSpec(s.name, s.kind, s.layer, s.dtype, s.shape) for s in page.sections]
+
+
+def _page_spec_reader_agrees(path: str, result: dict, ctx: Context) -> dict:
+    try:
+        ctx.ind.read_page(path)
+    except ctx.ind.HsnapSpecError as e:
+        if result["stage"] != "open" or e.kind == result["error"]:
+            return result
+        why = f"refused at open as {result['error']} ({result['field']}), by the independent reader as {e.kind} ({e.field})"
+    except Exception as e:  # noqa: BLE001
         return dict(_untyped(e, "independent reader"), cls="harness-error")
     else:
         why = f"refused as {result['error']} ({result['field']}) at {result['stage']}, accepted by the independent reader"
@@ -1066,7 +1243,8 @@ def _rank_model(snap, mbytes: bytes, ctx: Context):
         os.unlink(out)
     try:
         w = hsnap_format.SnapshotWriter(out, identity=snap.identity, geometry=snap.geometry, record=snap.record(),
-                                        swa_start=snap.swa_start, features_optional=opt, preallocate=False, base=snap.base)
+                                        swa_start=snap.swa_start, features_optional=opt, preallocate=False, base=snap.base,
+                                        pages=snap.pages)
         with w:
             for spec in w.pending_state_sections():
                 w.write_section(spec.name, snap.array(spec.name))
@@ -1482,8 +1660,10 @@ def _shrinks(ops):
             yield ops[:k] + [dict(op, hex=op["hex"][: len(op["hex"]) // 4 * 2])] + ops[k + 1 :]
 
 
-def minimize(desc: dict, sig: tuple, evaluate, budget: int = 60) -> dict:
-    """Greedy: keep any shrink whose failure has the same signature."""
+def minimize(desc: dict, sig: tuple, evaluate, budget: int = 60, signature_of=None) -> dict:
+    """Greedy: keep any shrink whose failure has the same signature (``signature_of``, default
+    ``signature``)."""
+    signature_of = signature_of or signature
     best = desc
     improved = True
     while improved and budget > 0:
@@ -1491,7 +1671,7 @@ def minimize(desc: dict, sig: tuple, evaluate, budget: int = 60) -> dict:
         for ops in _shrinks(best["ops"]):
             budget -= 1
             cand = dict(best, ops=ops)
-            if signature(evaluate(cand)) == sig:
+            if signature_of(evaluate(cand)) == sig:
                 best, improved = cand, True
                 break
             if budget <= 0:
@@ -1726,19 +1906,9 @@ def save_target_findings(tally: TargetTally, out_dir: str, evaluate, keep: int, 
             continue
         sigs.add(sig)
         seen[f["cls"]] += 1
-        desc = small = f["desc"]
-        budget = 0 if f["cls"] == "hang" or f.get("stage") == "worker" else 40
-        improved = True
-        while improved and budget > 0:
-            improved = False
-            for ops in _shrinks(small["ops"]):
-                budget -= 1
-                cand = dict(small, ops=ops)
-                if target_signature(evaluate(cand)) == sig:
-                    small, improved = cand, True
-                    break
-                if budget <= 0:
-                    break
+        desc = f["desc"]
+        unshrinkable = f["cls"] == "hang" or f.get("stage") == "worker"
+        small = desc if unshrinkable else minimize(desc, sig, evaluate, budget=40, signature_of=target_signature)
         again = f if small is desc else evaluate(small)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{seen[f['cls']]:02d}-{f['cls']}-{desc['target']}-{desc['operator']}")[:90]
         d = os.path.join(out_dir, f["cls"], slug)

@@ -26,7 +26,10 @@ choice made; 1.1 closed them (spec section 14), and each such place now cites
 the section that decides it (``spec 1.1 <section>``). Format 1.1 adds the
 optional feature ``tp-sharding`` (``geometry.sharding``, spec 5.7), validated
 here, and ``reassemble_global`` rebuilds a global tensor from a directory's
-rank files with it.
+rank files with it. Format 1.2 adds chains (``read_chain``, spec 5.9, 7.5); 1.3 pages
+stored once: ``pages`` validated at open (5.10), page objects read by ``read_page``
+(5.11), and ``read_chain`` resolves each link's page references (7.6) and assembles the
+rows of its pages into the head's sections.
 """
 
 from __future__ import annotations
@@ -94,7 +97,15 @@ MAX_STOP_STRINGS = 1024  # spec 5.3 (R-5-1): count and length of request.stop.st
 MAX_STOP_STRING = 4096
 MAX_STOP_TOKEN_IDS = 65536
 
-KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # spec 9
+KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding", "delta", "pages"}  # spec 9 (delta: 1.2, pages: 1.3, required)
+PAGE_TOP_KEYS = {"format", "features", "digest", "namespace", "page", "sections"}  # spec 5.11
+PAGE_FEATURES: set[str] = set()  # spec 5.11: the required features a page object may list (1.3: none)
+NAMESPACE_KEYS = {"attention", "engine", "model_id", "page_size", "sharding", "tp_rank", "tp_size", "weights_hash", "weights_version"}
+NAMESPACE_ATTENTION_KEYS = {"dtype", "heads", "k_head_dim", "kind", "kv_lora_rank", "layers", "qk_rope_head_dim", "storage_dtype", "v_head_dim"}
+HEX64_RE = re.compile(r"[0-9a-f]{64}")
+PAGE_ERROR = "PageError"
+PAGED_KINDS = ("attn_k", "attn_v", "mla_kv")  # spec 5.10: only these rows are paged
+MAX_CHAIN_DEPTH = 1024  # spec 5.9: base.depth 1..1024
 KNOWN_DIGESTS = {"xxh3-128"}
 SECTION_KEYS = {"name", "kind", "layer", "dtype", "shape", "offset", "length", "digest"}
 TOP_KEYS = {"format", "features", "digest", "identity", "geometry", "request", "sections"}
@@ -694,13 +705,125 @@ def _validate_swa_start(v: _V, header) -> None:
         v.fail("request.swa_start", "0 unless geometry.attention.kind is swa", swa_start)
 
 
+def _validate_base(v: _V, header) -> None:
+    """spec 5.9 (1.2): base present (not null) exactly when delta is required (R-5.9-1);
+    then its keys, each present and in range (R-5.9-2); unknown keys inside ignored."""
+    base = header.get("base")
+    delta = "delta" in header["features"]["required"]
+    if (base is not None) != delta:
+        v.fail("base", "present exactly when features.required lists delta",
+               f"base {'present' if base is not None else 'absent'}, delta {'' if delta else 'not '}required")
+    if base is None:
+        return
+    v.obj(base, "base")
+    name = v.str(v.get(base, "name", "base"), "base.name")
+    raw = name.encode("utf-8", "surrogatepass")
+    if not 1 <= len(raw) <= 255 or "/" in name or "\0" in name or name in (".", ".."):
+        v.fail("base.name", "1..255 bytes, no '/' or NUL, not '.' or '..'", _show(name))
+    rd = v.get(base, "root_digest", "base")
+    if not isinstance(rd, str) or not HEX32_RE.fullmatch(rd):
+        v.fail("base.root_digest", "32 lowercase hex digits", _show(rd))
+    v.str(v.get(base, "snapshot_id", "base"), "base.snapshot_id")
+    v.int(v.get(base, "state_position", "base"), "base.state_position", 0, header["request"]["state_position"])
+    v.int(v.get(base, "depth", "base"), "base.depth", 1, MAX_CHAIN_DEPTH)
+
+
+def _validate_pages(v: _V, header) -> None:
+    """spec 5.10 (1.3): pages present (not null) exactly when pages is required (R-5.10-1);
+    its keys present and in range (R-5.10-2); full-attention layers, one reference per full
+    page of the file's rows, and the namespace id of the file's own namespace (R-5.10-3)."""
+    pages = header.get("pages")
+    required = "pages" in header["features"]["required"]
+    if (pages is not None) != required:
+        v.fail("pages", "present exactly when features.required lists pages",
+               f"pages {'present' if pages is not None else 'absent'}, pages {'' if required else 'not '}required")
+    if pages is None:
+        return
+    v.obj(pages, "pages")
+    store = v.str(v.get(pages, "store", "pages"), "pages.store")
+    raw = store.encode("utf-8", "surrogatepass")
+    if not 1 <= len(raw) <= 255 or "/" in store or "\0" in store or store in (".", ".."):
+        v.fail("pages.store", "1..255 bytes, no '/' or NUL, not '.' or '..'", _show(store))
+    S = v.int(v.get(pages, "page_size", "pages"), "pages.page_size", 1, 2**20)
+    nid = v.get(pages, "namespace_id", "pages")
+    if not isinstance(nid, str) or not HEX64_RE.fullmatch(nid):
+        v.fail("pages.namespace_id", "64 lowercase hex digits", _show(nid))
+    refs = v.get(pages, "refs", "pages")
+    if not isinstance(refs, list):
+        v.fail("pages.refs", "an array", _show(refs))
+    for i, r in enumerate(refs):
+        if not (isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and HEX64_RE.fullmatch(r[0])
+                and isinstance(r[1], str) and HEX32_RE.fullmatch(r[1])):
+            v.fail(f"pages.refs[{i}]", "[64 hex, 32 hex]", _show(r))
+    att = header["geometry"].get("attention")
+    if att is None or not att["layers"]:
+        v.fail("pages", "full-attention layers", "none")
+    first, count = page_range(header, S)
+    if len(refs) != count:
+        v.fail("pages.refs", f"{count} references", len(refs))
+    want = namespace_id(namespace_of(header, S))
+    if nid != want:
+        v.fail("pages.namespace_id", want, nid)
+
+
+def page_range(header: dict, S: int) -> tuple[int, int]:
+    """spec 5.10: pages first .. first + count - 1, the full pages of positions B .. P - 1."""
+    B, P = base_position(header), header["request"]["state_position"]
+    first = -(-B // S)
+    return first, max(0, P // S - first)
+
+
+def namespace_of(header: dict, S: int) -> dict:
+    """spec 5.10: the namespace object of a file's pages."""
+    ident, att = header["identity"], header["geometry"]["attention"]
+    sh = header["geometry"].get("sharding")
+    return {
+        "attention": {k: (sorted(att[k]) if k == "layers" else att.get(k)) for k in NAMESPACE_ATTENTION_KEYS},
+        "engine": {k: ident["engine"][k] for k in ("commit", "name", "version")},
+        "model_id": ident["model_id"], "page_size": S,
+        "sharding": None if sh is None else sh.get("attention"),
+        "tp_rank": ident["tp_rank"], "tp_size": ident["tp_size"],
+        "weights_hash": ident.get("weights_hash", ""), "weights_version": ident["weights_version"],
+    }
+
+
+def namespace_id(ns: dict) -> str:
+    """spec 5.10: SHA-256 of "hsnap-page-namespace-v1\n" and the namespace's canonical JSON."""
+    import hashlib
+
+    return hashlib.sha256(b"hsnap-page-namespace-v1\n" + canonical_json(ns).encode("utf-8")).hexdigest()
+
+
+def page_key(prior: str | None, tokens) -> str:
+    """spec 5.10: SHA-256 of the prior key's 32 bytes and the page's ids as u32 little-endian."""
+    import hashlib
+
+    h = hashlib.sha256(bytes.fromhex(prior) if prior else b"")
+    h.update(b"".join(struct.pack("<I", int(t)) for t in tokens))
+    return h.hexdigest()
+
+
+def paged_rows(header: dict) -> int:
+    """G of spec 5.4: the rows a file takes from its pages."""
+    pages = header.get("pages")
+    return 0 if pages is None else pages["page_size"] * len(pages["refs"])
+
+
+def base_position(header: dict) -> int:
+    """B of spec 5.4: a delta's base.state_position, else 0."""
+    base = header.get("base")
+    return 0 if base is None else base["state_position"]
+
+
 def section_plan(header: dict, rng_len: int | None) -> list[dict]:
-    """The section table 5.4 implies (name, kind, layer, dtype, shape)."""
+    """The section table 5.4 implies (name, kind, layer, dtype, shape); B of a delta (5.9)."""
     geo, req = header["geometry"], header["request"]
     att = geo.get("attention")
     mam = geo.get("mamba")
-    sp = req["state_position"]
-    swa_start = req.get("swa_start", 0)
+    B = base_position(header)
+    sp = req["state_position"] - B - paged_rows(header)  # rows of full-attention sections (5.4: B, G)
+    swa_start = max(req.get("swa_start", 0), B)
+    sp_swa = req["state_position"]
     plan: list[dict] = []
 
     def add(name, kind, layer, dtype, shape):
@@ -724,7 +847,7 @@ def section_plan(header: dict, rng_len: int | None) -> list[dict]:
             add(f"attn.{L}.k", "attn_k", L, att["dtype"], [sp, att["heads"], att["k_head_dim"]])
             add(f"attn.{L}.v", "attn_v", L, att["dtype"], [sp, att["heads"], att["v_head_dim"]])
         elif g == "swa":
-            n = sp - swa_start
+            n = sp_swa - swa_start
             add(f"swa.{L}.k", "swa_k", L, att["dtype"], [n, att["heads"], att["k_head_dim"]])
             add(f"swa.{L}.v", "swa_v", L, att["dtype"], [n, att["heads"], att["v_head_dim"]])
         else:
@@ -802,8 +925,9 @@ def read_snapshot(path, *, verify: bool = True) -> Snapshot:
     return parse_snapshot(b"".join(chunks), name, verify=verify)
 
 
-def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -> Snapshot:
-    """Checks 2..20 of 7.1 in order, then 7.2 and decoding when ``verify``."""
+def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True, _page: bool = False) -> Snapshot:
+    """Checks 2..20 of 7.1 in order, then 7.2 and decoding when ``verify``. ``_page``: a page
+    object (spec 5.11): its own step 13 and, after step 18, its namespace and page checks."""
     E = lambda kind, fld, exp, found: HsnapSpecError(kind, name, fld, exp, found)  # noqa: E731
     size = len(data)
     # 2, 3: magic
@@ -855,12 +979,13 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
         raise E(MALFORMED_HEADER, "header", "canonical JSON (section 4)", str(e)) from None
     if not isinstance(header, dict):
         raise E(MALFORMED_HEADER, "header", "an object", type(header).__name__)
-    missing = TOP_KEYS - header.keys()
+    top, fmt = (PAGE_TOP_KEYS, "hsnap-page") if _page else (TOP_KEYS, "hsnap")
+    missing = top - header.keys()
     if missing:
-        raise E(MALFORMED_HEADER, "header", f"keys {sorted(TOP_KEYS)}",
+        raise E(MALFORMED_HEADER, "header", f"keys {sorted(top)}",
                 f"missing {sorted(missing)}")
-    if header["format"] != "hsnap":
-        raise E(MALFORMED_HEADER, "format", '"hsnap"', _show(header["format"]))
+    if header["format"] != fmt:
+        raise E(MALFORMED_HEADER, "format", _show(fmt), _show(header["format"]))
     feats = header["features"]
     # spec 1.1 5.6: both keys, arrays of strings only; other keys ignored;
     # duplicates allowed; an optional list that disagrees with the content is no error
@@ -870,9 +995,11 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
         raise E(MALFORMED_HEADER, "features",
                 '{"required": [string...], "optional": [string...]}', _show(feats))
     # 14: features, digest algorithm
+    # spec 5.11: no feature applies to a page object in 1.3, so a page requires none
+    known = PAGE_FEATURES if _page else KNOWN_FEATURES
     for feat in feats["required"]:
-        if feat not in KNOWN_FEATURES:
-            raise E(UNSUPPORTED_FEATURE, "features.required", sorted(KNOWN_FEATURES),
+        if feat not in known:
+            raise E(UNSUPPORTED_FEATURE, "features.required", sorted(known),
                     _show(feat))
     # spec 1.1 5.6: a digest that is not a known name, of any JSON type: UnsupportedFeature
     if not isinstance(header["digest"], str) or header["digest"] not in KNOWN_DIGESTS:
@@ -938,11 +1065,22 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     root = digest128(header_digest + b"".join(bytes.fromhex(s["digest"]) for s in table))
     if root != root_digest:
         raise E(DIGEST_MISMATCH, "trailer.root_digest", root_digest.hex(), root.hex())
+    if _page:  # spec 5.11, after step 18
+        _validate_page(v, header, table)
+        snap = Snapshot(file=name, major=major, minor=minor, header_length=header_length, data_offset=data_offset,
+                        file_length=file_length, header_digest=header_digest, preamble_check=preamble_check,
+                        trailer_check=trailer_check, root_digest=root_digest, header_bytes=hbytes, header=header,
+                        sections=[dict(s) for s in table], raw_file=data)
+        if verify:
+            verify_snapshot(snap)
+        return snap
     # 19: identity / geometry / request
     _validate_identity(v, header["identity"])
     _validate_geometry(v, header["geometry"])
     _validate_request(v, header["request"])
     _validate_swa_start(v, header)
+    _validate_base(v, header)
+    _validate_pages(v, header)
     # 20: rng_state <=> last section, then the plan
     req = header["request"]
     has_rng = req.get("has_rng_state", False)
@@ -975,6 +1113,67 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True) -
     if verify:
         verify_snapshot(snap)
     return snap
+
+
+def _validate_page(v: _V, header: dict, table: list) -> None:
+    """spec 5.11: namespace (exactly its keys, each as the field it copies), page (exactly its
+    keys), then the two digests, then the plan."""
+    ns, page = header["namespace"], header["page"]
+    v.obj(ns, "namespace")
+    if set(ns) != NAMESPACE_KEYS:
+        v.fail("namespace", f"exactly the keys {sorted(NAMESPACE_KEYS)}", sorted(ns))
+    v.obj(ns["attention"], "namespace.attention")
+    if set(ns["attention"]) != NAMESPACE_ATTENTION_KEYS:
+        v.fail("namespace.attention", f"exactly the keys {sorted(NAMESPACE_ATTENTION_KEYS)}", sorted(ns["attention"]))
+    v.obj(ns["engine"], "namespace.engine")
+    if set(ns["engine"]) != {"commit", "name", "version"}:
+        v.fail("namespace.engine", "exactly the keys commit, name, version", sorted(ns["engine"]))
+    S = v.int(ns["page_size"], "namespace.page_size", 1, 2**20)
+    ident = {k: ns[k] for k in ("model_id", "weights_version", "weights_hash", "tp_size", "tp_rank")}
+    ident["engine"] = ns["engine"]
+    _validate_identity(v, ident)
+    att = dict(ns["attention"], page_size=S)
+    _validate_geometry(v, {"attention": att})
+    if not att["layers"]:
+        v.fail("namespace.attention.layers", "at least one layer", "[]")
+    if ns["sharding"] is not None:  # geometry.sharding.attention (5.7) of this rank
+        _validate_axis(v, ns["sharding"], "namespace.sharding", 1, [None, att["heads"], None])
+    v.obj(page, "page")
+    if set(page) != {"namespace_id", "index", "prior", "key", "tokens"}:
+        v.fail("page", "exactly the keys index, key, namespace_id, prior, tokens", sorted(page))
+    index = v.int(page["index"], "page.index", 0, 2**40)
+    for k in ("key", "namespace_id"):
+        if not isinstance(page[k], str) or not HEX64_RE.fullmatch(page[k]):
+            v.fail(f"page.{k}", "64 lowercase hex digits", _show(page[k]))
+    prior = page["prior"]
+    if (prior is None) != (index == 0) or (prior is not None and not (isinstance(prior, str) and HEX64_RE.fullmatch(prior))):
+        v.fail("page.prior", "null exactly at index 0, else 64 hex", _show(prior))
+    toks = page["tokens"]
+    if not isinstance(toks, list) or len(toks) != S or not all(v.is_int(t) and 0 <= t <= 2**31 - 1 for t in toks):
+        v.fail("page.tokens", f"{S} token ids", _show(toks))
+    nid = namespace_id(ns)
+    if page["namespace_id"] != nid:
+        raise HsnapSpecError(DIGEST_MISMATCH, v.file, "page.namespace_id", page["namespace_id"], nid)
+    key = page_key(prior, toks)
+    if page["key"] != key:
+        raise HsnapSpecError(DIGEST_MISMATCH, v.file, "page.key", page["key"], key)
+    plan = []
+    for L in sorted(att["layers"]):
+        if att["kind"] == "mla":
+            plan.append((f"mla.{L}.kv", "mla_kv", L, att["dtype"], [S, 1, att["k_head_dim"]]))
+        else:
+            plan.append((f"attn.{L}.k", "attn_k", L, att["dtype"], [S, att["heads"], att["k_head_dim"]]))
+            plan.append((f"attn.{L}.v", "attn_v", L, att["dtype"], [S, att["heads"], att["v_head_dim"]]))
+    if [tuple(x) for x in plan] != [(e["name"], e["kind"], e["layer"], e["dtype"], e["shape"]) for e in table]:
+        v.fail("sections", "the page plan of 5.11", "another table")
+
+
+def read_page(path, *, verify: bool = True) -> Snapshot:
+    """A page object (spec 5.11)."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    return parse_snapshot(data, os.path.basename(path), verify=verify, _page=True)
 
 
 def verify_snapshot(snap: Snapshot) -> None:
@@ -1102,8 +1301,10 @@ def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
         raise M("manifest.json", "canonical JSON (section 4)", str(e)) from None
     if not isinstance(m, dict):
         raise M("manifest.json", "an object", type(m).__name__)
-    # spec 1.1 10.1: unknown top-level keys are ignored; rank entries are exact
-    for k in ("format", "version", "snapshot_id", "state_position", "tp_size", "ranks"):
+    # spec 1.1 10.1: unknown top-level keys are ignored; rank entries are exact. spec 10.2:
+    # line 1 is checked key by key in its order (format, version, ...), a missing key at its
+    # own place — a manifest without tp_size but with another major is UnsupportedVersion
+    for k in ("format", "version"):
         if k not in m:
             raise M(k, "present", "missing")
     if m["format"] != "hsnap-manifest":
@@ -1114,6 +1315,9 @@ def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
         raise M("version", "[int, int]", _show(ver))
     if ver[0] != 1:
         raise HsnapSpecError(UNSUPPORTED_VERSION, dname, "version", "[1, *]", _show(ver))
+    for k in ("snapshot_id", "state_position", "tp_size", "ranks"):
+        if k not in m:
+            raise M(k, "present", "missing")
     v.str(m["snapshot_id"], "snapshot_id")
     v.int(m["state_position"], "state_position")
     tp = v.int(m["tp_size"], "tp_size", 1, 65536)  # spec 1.1 10.1
@@ -1132,3 +1336,208 @@ def parse_manifest(text: bytes, dname: str = "<manifest>") -> tuple[dict, str]:
         if not isinstance(r["root_digest"], str) or not HEX32_RE.fullmatch(r["root_digest"]):
             raise M(f"{f}.root_digest", "32 lowercase hex digits", _show(r["root_digest"]))
     return m, stored
+
+
+# ---------------------------------------------------------------------------
+# Chains (spec 5.9, 7.5; format 1.2)
+# ---------------------------------------------------------------------------
+
+CHAIN_ERROR = "ChainError"
+BINDING = ("model_id", "weights_version", "weights_hash", "tp_size", "tp_rank")  # 5.1, with engine.*
+
+
+@dataclass
+class Chain:
+    links: list[Snapshot]  # the plain snapshot first, the head last
+    sections: dict  # name -> values of the head's sections at its position (7.5, "The head's sections")
+
+
+def _identity_binding(ident: dict) -> dict:
+    out = {k: ident.get(k, "" if k == "weights_hash" else None) for k in BINDING}
+    out.update({f"engine.{k}": ident["engine"][k] for k in ("name", "version", "commit")})
+    return out
+
+
+def _geometry_meaning(geo: dict) -> dict:
+    """geometry with the defaults of 5.2/5.6 applied (7.5 step 7 compares every field)."""
+    g = {"attention": geo.get("attention"), "mamba": geo.get("mamba"), "start_layer": geo.get("start_layer", 0),
+         "num_layers": geo.get("num_layers", 0), "sharding": geo.get("sharding")}
+    if g["attention"] is not None:
+        a = dict(g["attention"])
+        for k, d in (("swa_layers", []), ("swa_window", None), ("kv_lora_rank", None), ("qk_rope_head_dim", None)):
+            a.setdefault(k, d)
+        a["layers"], a["swa_layers"] = sorted(a["layers"]), sorted(a["swa_layers"])
+        g["attention"] = a
+    if g["mamba"] is not None:
+        m = dict(g["mamba"])
+        m.setdefault("conv_slice_axis", 0)
+        m["layers"] = sorted(m["layers"])
+        g["mamba"] = m
+    return g
+
+
+def _check_link(base: Snapshot, delta: Snapshot, depth_named: int) -> None:
+    """7.5 steps 5-7: the base found is the one the delta names, and the same request."""
+    name = delta.file
+    C = lambda fld, exp, found: HsnapSpecError(CHAIN_ERROR, name, fld, exp, found)  # noqa: E731
+    ref = delta.header["base"]
+    if base.root_digest.hex() != ref["root_digest"]:
+        raise HsnapSpecError(DIGEST_MISMATCH, name, "base.root_digest", ref["root_digest"], base.root_digest.hex())
+    bh, dh = base.header, delta.header
+    bdepth = bh["base"]["depth"] if bh.get("base") is not None else 0
+    for fld, want, got in (("base.snapshot_id", ref["snapshot_id"], bh["identity"].get("snapshot_id", "")),
+                           ("base.state_position", ref["state_position"], bh["request"]["state_position"]),
+                           ("base.depth", depth_named - 1, bdepth)):
+        if want != got:
+            raise C(fld, _show(want), _show(got))
+    bi, di = _identity_binding(bh["identity"]), _identity_binding(dh["identity"])
+    for k in bi:
+        if bi[k] != di[k]:
+            raise C(f"identity.{k}", _show(bi[k]), _show(di[k]))
+    if _geometry_meaning(bh["geometry"]) != _geometry_meaning(dh["geometry"]):
+        raise C("geometry", "the base's geometry", "another geometry")
+    br, dr = bh["request"], dh["request"]
+    if br["rid"] != dr["rid"]:
+        raise C("request.rid", _show(br["rid"]), _show(dr["rid"]))
+    if br["prompt_tokens"] != dr["prompt_tokens"]:
+        raise C("request.prompt_tokens", br["prompt_tokens"], dr["prompt_tokens"])
+    if base.section("request.prompt_ids")["digest"] != delta.section("request.prompt_ids")["digest"]:
+        raise C("request.prompt_ids", "the base's prompt digest", "another")
+    for k in ("output_tokens", "state_position", "swa_start"):
+        if br.get(k, 0) > dr.get(k, 0):
+            raise C(f"request.{k}", f">= {br.get(k, 0)}", dr.get(k, 0))
+
+
+def _open_link(where: str, rank: int | None, verify: bool) -> Snapshot:
+    if rank is None:
+        if os.path.isdir(where):
+            raise HsnapSpecError(CHAIN_ERROR, os.path.basename(where), "base.name", "a rank file", "a snapshot directory")
+        return read_snapshot(where, verify=verify)
+    if not os.path.isdir(where):
+        raise HsnapSpecError(CHAIN_ERROR, os.path.basename(where), "base.name", "a snapshot directory", "a rank file")
+    d = read_directory(where, verify=verify)
+    return d.ranks[rank]
+
+
+def read_chain(path, *, rank: int | None = None, verify: bool = True, max_depth: int = MAX_CHAIN_DEPTH) -> Chain:
+    """Spec 7.5: the chain whose head is ``path`` (a rank file, or rank ``rank`` of a
+    snapshot directory), opened link by link with steps 1-8, then (``verify``) every link
+    verified head first and each base's output ids a prefix of its delta's (R-7.5-2), and
+    the head's sections assembled from the links."""
+    path = os.fspath(path).rstrip(os.sep)
+    head = _open_link(path, rank, verify)
+    links, where = [head], path
+    if head.header.get("base") is not None and head.header["base"]["depth"] > max_depth:
+        raise HsnapSpecError(CHAIN_ERROR, head.file, "base.depth", f"<= {max_depth}", head.header["base"]["depth"])
+    seen = {os.path.basename(path)}
+    snap = head
+    while snap.header.get("base") is not None:
+        ref = snap.header["base"]
+        if ref["name"] in seen:  # step 2
+            raise HsnapSpecError(CHAIN_ERROR, snap.file, "base.name", "a link not yet followed", f"{ref['name']!r}: a cycle")
+        seen.add(ref["name"])
+        where = os.path.join(os.path.dirname(where), ref["name"])  # beside the delta (its set directory)
+        if not os.path.lexists(where):  # step 3
+            raise HsnapSpecError(CHAIN_ERROR, snap.file, "base.name", f"{ref['name']!r} present", "missing")
+        base = _open_link(where, rank, verify)  # step 4
+        _check_link(base, snap, ref["depth"])  # steps 5-7
+        links.append(base)
+        snap = base
+    links.reverse()
+    if verify:
+        for base, delta in zip(links, links[1:]):
+            b = base.section("request.output_ids")["values"].tolist()
+            d = delta.section("request.output_ids")["values"].tolist()
+            if d[: len(b)] != b:
+                raise HsnapSpecError(CHAIN_ERROR, delta.file, "request.output_ids", "the base's output ids first", "others")
+    locations = []  # where each link was found (its file, or its set directory)
+    where = path
+    for link in reversed(links):
+        locations.append(where)
+        if link.header.get("base") is not None:
+            where = os.path.join(os.path.dirname(where), link.header["base"]["name"])
+    locations.reverse()
+    for link, loc in zip(links, locations):
+        if link.header.get("pages") is not None:
+            _resolve_pages(link, loc, verify)
+    sections = _head_sections(links) if verify else {}
+    return Chain(links=links, sections=sections)
+
+
+def _resolve_pages(link: Snapshot, location: str, verify: bool) -> None:
+    """spec 7.6 for one link: its keys against its own token ids (R-7.6-1), then each page
+    object found beside it against its reference (R-7.6-2), verified (R-7.6-3)."""
+    pages = link.header["pages"]
+    S = pages["page_size"]
+    first, count = page_range(link.header, S)
+    tokens = [int(t) for t in read_section_ints(link, "request.prompt_ids")] + [int(t) for t in read_section_ints(link, "request.output_ids")]
+    key = None
+    keys = []
+    for j in range(first + count):
+        key = page_key(key, tokens[j * S:(j + 1) * S])
+        keys.append(key)
+    for i, (k, root) in enumerate(pages["refs"]):
+        if keys[first + i] != k:
+            raise HsnapSpecError(DIGEST_MISMATCH, link.file, f"pages.refs[{i}] (key of page {first + i})", k, keys[first + i])
+    store = os.path.join(os.path.dirname(location), pages["store"])
+    link.pages = []
+    for i, (k, root) in enumerate(pages["refs"]):
+        j = first + i
+        p = os.path.join(store, f"{pages['namespace_id']}-{k}-{root}.hpage")
+        if not os.path.lexists(p):
+            raise HsnapSpecError(PAGE_ERROR, link.file, f"pages.refs[{i}]", "the page object", "missing")
+        page = read_page(p, verify=verify)
+        if page.root_digest.hex() != root:
+            raise HsnapSpecError(DIGEST_MISMATCH, link.file, f"pages.refs[{i}].root_digest", root, page.root_digest.hex())
+        ph = page.header["page"]
+        for fld, want, got in (("namespace_id", pages["namespace_id"], ph["namespace_id"]), ("index", j, ph["index"]),
+                               ("key", k, ph["key"]), ("tokens", tokens[j * S:(j + 1) * S], ph["tokens"])):
+            if want != got:
+                raise HsnapSpecError(PAGE_ERROR, link.file, f"pages.refs[{i}].{fld}", _show(want), _show(got))
+        link.pages.append(page)
+
+
+def read_section_ints(snap: Snapshot, name: str) -> list:
+    s = snap.section(name)
+    if "values" in s:
+        return s["values"].tolist()
+    raw = snap.raw_file[s["offset"]:s["offset"] + s["length"]]
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw))
+
+
+def _link_rows(link: Snapshot, name: str) -> np.ndarray:
+    """A link's rows of positions B .. P - 1 of a full-attention section: with pages (5.10),
+    its own rows before its first page, the pages, its own rows after its last page."""
+    vals = link.section(name)["values"]
+    pages = getattr(link, "pages", None)
+    if not pages:
+        return vals
+    S = link.header["pages"]["page_size"]
+    first, count = page_range(link.header, S)
+    B = base_position(link.header)
+    head = first * S - B
+    parts = [vals[:head]] + [p.section(name)["values"] for p in pages] + [vals[head:]]
+    return np.concatenate(parts, axis=0)
+
+
+def _head_sections(links: list[Snapshot]) -> dict:
+    """7.5 "The head's sections": every section of 5.4 at the head's position."""
+    head = links[-1]
+    hreq = head.header["request"]
+    S = hreq.get("swa_start", 0)
+    out = {}
+    for s in head.sections:
+        kind = s["kind"]
+        if kind not in ("attn_k", "attn_v", "mla_kv", "swa_k", "swa_v"):
+            out[s["name"]] = s["values"]
+            continue
+        parts = []
+        for link in links:
+            B = base_position(link.header)
+            first = max(B, link.header["request"].get("swa_start", 0)) if kind.startswith("swa") else B
+            start = max(first, S) if kind.startswith("swa") else first
+            vals = _link_rows(link, s["name"]) if kind in PAGED_KINDS else link.section(s["name"])["values"]
+            parts.append(vals[start - first :])
+        out[s["name"]] = np.concatenate(parts, axis=0)
+    return out
+

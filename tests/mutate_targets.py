@@ -1192,7 +1192,7 @@ def req_identity():
 
 def _grammar_output(n: int = 9) -> list[int]:
     """A constrained decode of SCHEMA (the first allowed token each step: deterministic)."""
-    from hsnap_io import sglang as hs
+    from hsnap_sglang import req as hs
 
     _, m = hs.replay_grammar(grammar_backend(), ("json", SCHEMA), [], require_reasoning=False)
     out = []
@@ -1285,7 +1285,7 @@ def make_source_req(name: str):
 
 def make_retracted(name: str, path: str):
     """A Req retracted to ``path`` by retract_to_disk (its slots released the SGLang way)."""
-    from hsnap_io.retract import retract_to_disk
+    from hsnap_sglang.retract import retract_to_disk
 
     ps, req = make_source_req(name)
     with scheduler_context():
@@ -1295,7 +1295,7 @@ def make_retracted(name: str, path: str):
 
 
 def build_req_seeds(out: str, *, retract: bool, small: bool = False) -> None:
-    from hsnap_io import sglang as hs
+    from hsnap_sglang import req as hs
 
     meta = {}
     if retract:
@@ -1359,7 +1359,7 @@ class ReqGen:
         self.vocab = meta["vocab"]
 
     def focused(self, rng):
-        from hsnap_io import sglang as hs
+        from hsnap_sglang import req as hs
 
         def extra(rng):
             t = _pick(rng, sorted(self.inputs))
@@ -1473,7 +1473,7 @@ class ReqExaminer:
         return self.pools[key]
 
     def warm(self) -> None:
-        from hsnap_io import sglang as hs  # noqa: F401 - imports SGLang's Req machinery
+        from hsnap_sglang import req as hs  # noqa: F401 - imports SGLang's Req machinery
         import sglang_reqs as sr
 
         sr.tokenizer()
@@ -1498,8 +1498,8 @@ class ReqExaminer:
     def examine(self, desc: dict) -> dict:
         import sglang_reqs as sr
 
-        from hsnap_io import sglang as hs
-        from hsnap_io.retract import load_retracted
+        from hsnap_sglang import req as hs
+        from hsnap_sglang.retract import load_retracted
 
         meta = self.seeds.meta["files"][desc["target"]]
         try:
@@ -1518,7 +1518,9 @@ class ReqExaminer:
         stage = "resume_req" if self.family == "resume" else "load_retracted"
         try:
             if self.family == "resume":
-                got = (self.call or hs.resume_req)(path, tokenizer=sr.tokenizer(), grammar_backend=grammar_backend(), **kw)
+                # the target's vocabulary, as SGLang's scheduler builds every Req with model_config.vocab_size
+                got = (self.call or hs.resume_req)(path, tokenizer=sr.tokenizer(), grammar_backend=grammar_backend(),
+                                                   vocab_size=self.vocab, **kw)
             else:
                 got = (self.call or load_retracted)(path, req, **kw)
         except HsnapError as e:
@@ -1574,7 +1576,7 @@ def fresh_request_problems(req, vocab: int) -> str | None:
     """What SGLang checks of a fresh request (tokenizer_manager: SamplingParams.verify with
     the model's vocab size, token_ids_logprob in the vocabulary; the sampler: ids in the
     vocabulary, n == 1 here) and what snapshot_req refuses, applied to the resumed Req."""
-    from hsnap_io import sglang as hs
+    from hsnap_sglang import req as hs
 
     sp = req.sampling_params
     try:

@@ -200,13 +200,13 @@ def req_rows(ps, req):
 
 
 def jsonable_view(req) -> dict:
-    from hsnap_io.sglang import classified_view
+    from hsnap_sglang.req import classified_view
 
     return json.loads(json.dumps(classified_view(req), default=str))
 
 
 def _child_resume(spec_path: str) -> None:
-    from hsnap_io.sglang import resume_req
+    from hsnap_sglang.req import resume_req
 
     spec = json.load(open(spec_path))
     out = {}

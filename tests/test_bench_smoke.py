@@ -48,3 +48,7 @@ def test_gpu_check_imports_and_runs_its_cpu_parts(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert "CPU parts OK at 53 tokens" in p.stdout
     assert "SKIP: torch.cuda.is_available() is False" in p.stdout
+    # step 6 (two real servers on the GPU) shows what it would start: SGLang's own server, the plug-in from the environment
+    plan = p.stdout.split("SKIP: step 6 (two servers) needs one too", 1)[1].splitlines()[1:3]
+    assert all(line.strip().startswith("HSNAP_SGLANG_PLUGIN=1 python -m sglang.launch_server --model-path ") for line in plan), plan
+    assert "--max-mamba-cache-size 8" in plan[0] and "--max-mamba-cache-size 12" in plan[1]

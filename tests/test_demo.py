@@ -1,8 +1,9 @@
-"""``hsnap demo`` end to end, small: greedy and sampled continuation in a fresh process are bit-identical to an
+"""``hsnap demo --library`` (the library-level demo; ``hsnap demo`` itself runs two real servers:
+tests/engine/test_hsnap_demo.py) end to end, small: greedy and sampled continuation in a fresh process are bit-identical to an
 uninterrupted run with no history position recomputed, and the negative client's bad snapshots are refused with
 their typed errors, target pools untouched.
 
-One ``hsnap demo --all --json`` run (four child processes) serves most tests; one more fresh process resumes the same
+One ``hsnap demo --library --all --json`` run (four child processes) serves most tests; one more fresh process resumes the same
 snapshot with another thread count to show the numerics warning.
 """
 
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,7 +30,7 @@ N, K = 16, 4
 
 
 def _demo(*args, timeout=300):
-    cmd = [sys.executable, "-m", "hsnap_format.cli", "demo", *args]
+    cmd = [sys.executable, "-m", "hsnap_format.cli", "demo", "--library", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -182,15 +184,80 @@ def test_output_path_that_is_not_a_snapshot_is_not_replaced(tmp_path, capsys):
     p.write_text("mine")
     assert main(["--out", str(p)]) == 2
     assert p.read_text() == "mine"
-    assert "not an hsnap file" in capsys.readouterr().err
+    assert "exists: the demo never replaces a file" in capsys.readouterr().err
     assert main(["--n", "4", "--k", "4", "--out", str(tmp_path / "x.hsnap")]) == 2
 
 
-def test_previous_snapshot_is_replaced(demo, tmp_path):
-    from hsnap_io.demo.run import _remove_previous
+def test_item5_library_demo_never_replaces_a_previous_snapshot(demo, tmp_path, capsys):
+    """The demo used to delete "the previous demo snapshot" at --out; it writes only new files now (a snapshot
+    path, a --workdir, the reshard set: each refused when it exists, left byte for byte as it was)."""
+    from hsnap_io.demo.run import main
 
     p = tmp_path / "old.hsnap"
     shutil.copyfile(demo["out"], p)
-    assert "removed the previous demo snapshot" in _remove_previous(str(p))
-    assert not p.exists()
-    assert _remove_previous(str(p)) is None
+    before = p.read_bytes()
+    assert main(["--out", str(p)]) == 2
+    assert p.read_bytes() == before and "never replaces" in capsys.readouterr().err
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "reference.json").write_text("mine")
+    assert main(["--negative", "--workdir", str(work)]) == 2
+    assert os.listdir(work) == ["reference.json"] and (work / "reference.json").read_text() == "mine"
+    assert "exists" in capsys.readouterr().err
+    tp2 = tmp_path / "tp2" / "request.tp2"
+    tp2.mkdir(parents=True)
+    (tp2 / "manifest.json").write_text("mine")
+    assert main(["--reshard", "2:1", "--out", str(tmp_path / "tp2" / "x.hsnap")]) == 2
+    assert (tp2 / "manifest.json").read_text() == "mine"
+
+
+def test_item5_library_demo_default_output_is_a_new_directory(tmp_path, monkeypatch):
+    from hsnap_io.demo.run import _default_out
+
+    monkeypatch.chdir(tmp_path)
+    first, second = _default_out(), _default_out()
+    assert first != second and os.path.dirname(first).startswith("hsnap-demo-library-")
+    assert all(os.path.isdir(os.path.dirname(p)) and not os.path.exists(p) for p in (first, second))
+
+
+def test_item5_hsnap_demo_dispatches_library_lazily():
+    """``hsnap demo --library`` reaches the library demo without importing SGLang's server or torch first."""
+    code = ("import sys\nfrom hsnap_sglang.demo import main\n"
+            "rc = main(['--library', '--n', '4', '--k', '4'])\n"
+            "print(rc, sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "2 []", proc.stdout + proc.stderr[-2000:]
+    assert "need 1 <= k < N" in proc.stderr
+
+
+_STUBBORN = """
+import signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+print("child", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_item5_demo_stops_a_server_that_ignores_sigterm_and_its_children(tmp_path):
+    """The demo's servers are always stopped: SIGTERM to the server's pid, then, after the bound, SIGKILL to it and to
+    every descendant still running (each by its pid) — here a real process tree that ignores SIGTERM."""
+    psutil = pytest.importorskip("psutil")
+    from hsnap_sglang.demo import DemoServer
+
+    srv = DemoServer("stubborn", tmp_path, tmp_path / "stubborn.log", [], dict(os.environ), launcher=("-c", _STUBBORN)).spawn()
+    try:
+        deadline = time.monotonic() + 60
+        while b"child" not in (tmp_path / "stubborn.log").read_bytes():
+            assert time.monotonic() < deadline and srv.proc.poll() is None
+            time.sleep(0.05)
+        child = int((tmp_path / "stubborn.log").read_text().split()[1])
+        t0 = time.monotonic()
+        out = srv.stop(grace=1.0)
+        assert time.monotonic() - t0 < 30
+        assert out["left"] == [] and sorted(out["killed"]) == sorted([srv.pid, child]) and out["exit_code"] is None
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        assert srv.proc.poll() is not None
+    finally:
+        for pid in srv.living():
+            psutil.Process(pid).kill()

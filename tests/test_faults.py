@@ -308,8 +308,10 @@ def _restore_fails(path, exc=hf.HsnapIOError, **kw):
 
 @pytest.mark.parametrize("which", ["first", "middle", "last"])
 def test_restore_read_error_during_verify(snap_path, monkeypatch, which):
-    """An I/O error while verify() reads (padding or a section: first, middle, last read):
-    typed, target untouched. verify() reads with pread, so a real one is an OSError too."""
+    """An I/O error while restore reads the payload (its verify pass and what it uploads:
+    first, middle, last read): typed, target untouched. Every read is a pread, so a real
+    one is an OSError too. (Counted on a restore that succeeds: since issue 21 the default
+    verify reads a small payload once, into a staging buffer, before allocating.)"""
     real = os.preadv
     calls = [0]
 
@@ -318,8 +320,9 @@ def test_restore_read_error_during_verify(snap_path, monkeypatch, which):
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", counting)
-    with hf.open(snap_path) as s:
-        s.verify()
+    ps = target(KIND, 1)
+    restore_request(snap_path, req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                    identity=identity(), exact_rollback=True)
     total = calls[0]
     n = {"first": 1, "middle": total // 2, "last": total}[which]
     seen = [0]

@@ -148,11 +148,17 @@ def test_two_rank_directory():
         assert np.array_equal(a, b)
 
 
+CHAIN_LINKS = ["chain-base", "chain-delta-1", "chain-delta-2"]  # files of chain.json (format 1.2)
+CHAIN_SETS = ["chain-tp2-base", "chain-tp2-delta-1", "chain-tp2-delta-2"]  # directories of chain-tp2.json
+
+
 def test_every_vector_has_a_description():
     hsnaps = sorted(p.stem for p in VECTORS.glob("*.hsnap"))
-    assert hsnaps == sorted(SINGLE)
-    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank", "hybrid-tp2"])
-    for d in ("two-rank", "hybrid-tp2"):
+    assert hsnaps == sorted(SINGLE + CHAIN_LINKS + ["paged-a", "paged-b"])  # paged-*: pages.json (1.3, tests/test_pagestore.py)
+    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages"])
+    assert [link.get("file") for link in _desc("chain")["links"]] == [f"{n}.hsnap" for n in CHAIN_LINKS]
+    assert [link["directory"] for link in _desc("chain-tp2")["links"]] == CHAIN_SETS
+    for d in ["two-rank", "hybrid-tp2"] + CHAIN_SETS:
         assert sorted(p.name for p in (VECTORS / d).iterdir()) == [
             "manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
 

@@ -495,7 +495,7 @@ def test_resume_oracle_catches_a_req_a_fresh_request_could_not_be(target_seeds, 
     vocabulary, or whose rows do not hold the file's bytes, is reported."""
     import torch
 
-    from hsnap_io.sglang import resume_req
+    from hsnap_sglang.req import resume_req
 
     seeds = target_seeds("resume")
     ex = mt.examiner(seeds, str(tmp_path / "x"))

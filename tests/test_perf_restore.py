@@ -59,12 +59,17 @@ def _section(path, kind, i=0):
         return [s for s in snap.sections if s.kind == kind][i]
 
 
-@pytest.mark.parametrize("verify", [True, "during"])
+@pytest.mark.parametrize("verify", ["two-pass", "during"])
 @pytest.mark.parametrize("exact", [False, True])
 def test_a_change_after_the_checks_is_caught_while_uploading(snap_path, tmp_path, monkeypatch, exact, verify):
     """Regression (verify-then-upload read the file twice): the file changes in place
     after open, checks and capacity, just before the upload; the bytes that land are
-    hashed, so the restore is refused and rolled back."""
+    hashed, so the restore is refused and rolled back. ("two-pass": verify=True on a
+    payload over the one-read bound, which verifies, then reads and hashes again; under
+    it verify=True uploads the bytes it hashed before allocating — tests/test_read_once.py.)"""
+    if verify == "two-pass":
+        monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)
+        verify = True
     p = str(tmp_path / "req.hsnap")
     shutil.copy(snap_path, p)
     sec = _section(p, "temporal", 1)

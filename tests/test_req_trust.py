@@ -25,7 +25,7 @@ import sglang_reqs as sr  # noqa: E402
 import hsnap_format as hf  # noqa: E402
 import hsnap_format.reader as hf_reader  # noqa: E402
 from hsnap_io import export_request  # noqa: E402
-from hsnap_io import sglang as hs  # noqa: E402
+from hsnap_sglang import req as hs  # noqa: E402
 
 KINDS = ["swa_mamba", "hybrid_linear"]  # SWA slots + a separate Mamba pool; Mamba in the KV pool
 
@@ -130,7 +130,7 @@ def _retracted(kind, tmp_path, edit=None, pool_seed=3, name="r.hsnap"):
     its pools and tree cache."""
     from test_retract import tree_cache
 
-    from hsnap_io.retract import retract_to_disk
+    from hsnap_sglang.retract import retract_to_disk
 
     ps, req = _source(kind, seed=21, pool_seed=pool_seed)
     tc = tree_cache(ps)
@@ -162,7 +162,7 @@ def scheduler_context():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("key,value", ITEM4_EXTRAS, ids=[f"{k.rsplit('.', 1)[1]}={v}" for k, v in ITEM4_EXTRAS])
 def test_item4_load_retracted_malformed_extra_leaks_no_slots(tmp_path, scheduler_context, kind, key, value):
-    from hsnap_io.retract import load_retracted
+    from hsnap_sglang.retract import load_retracted
 
     ps, req, path = _retracted(kind, tmp_path, _set_extra(key, value))
     sp.occupy(ps, 1, 30, seed=77)  # other requests take the freed slots
@@ -368,7 +368,7 @@ def test_item6_resume_req_opens_the_file_once(tmp_path, monkeypatch):
 def test_item6_load_retracted_opens_the_file_once(tmp_path, monkeypatch, scheduler_context):
     """B is the same request retracted from pools with other KV bytes: the old code checked
     A's record, then uploaded B's state."""
-    from hsnap_io.retract import load_retracted
+    from hsnap_sglang.retract import load_retracted
 
     ps, req, path = _retracted("hybrid_linear", tmp_path, pool_seed=3, name="a.hsnap")
     _, req_b, other = _retracted("hybrid_linear", tmp_path, pool_seed=4, name="b.hsnap")
@@ -493,6 +493,24 @@ def test_item8_a_top_logprob_id_past_the_vocabulary_is_refused(tmp_path):
     target = io_cases.target("hybrid_linear", 1)
     err = _assert_refused_untouched(target, lambda: _resume(target, path), error=hf.MalformedHeaderError, tries=1)
     assert err.field == "request.top_logprob_ids[0][1]"
+
+
+def test_item8_a_carried_vocab_size_other_than_the_targets_is_refused(tmp_path):
+    """A fresh Req gets the target model's vocabulary size (SGLang's scheduler passes
+    model_config.vocab_size): a record carrying another one — 2**31-1 with ids all below
+    it — is refused before the pools; the true size resumes."""
+    ps, req = _source("hybrid_linear")
+
+    def edit(record):
+        record.extra["sglang.Req.vocab_size"] = 2**31 - 1
+
+    path = _write(ps, req, tmp_path / "r.hsnap", edit)
+    target = io_cases.target("hybrid_linear", 1)
+    err = _assert_refused_untouched(target, lambda: _resume(target, path, vocab_size=sr.vocab_size()),
+                                    error=hf.IncompatibleSnapshotError, tries=1)
+    assert "vocab_size" in str(err) and str(2**31 - 1) in str(err)
+    good = _write(ps, req, tmp_path / "g.hsnap")
+    assert _resume(target, good, vocab_size=sr.vocab_size()).vocab_size == sr.vocab_size()
 
 
 def test_item8_stop_strings_without_a_tokenizer_are_refused_before_the_pools(tmp_path):

@@ -1,4 +1,4 @@
-"""Retraction to disk (hsnap_io.retract) beside SGLang's own in-memory retraction.
+"""Retraction to disk (hsnap_sglang.retract) beside SGLang's own in-memory retraction.
 
 Two identical pool sets hold the same decoding request. One is retracted by SGLang
 (Req.offload_kv_cache -> RetractionBackup, schedule_batch.release_req, later
@@ -107,7 +107,7 @@ def test_retract_to_disk_beside_sglang_in_memory_retraction(tmp_path, kind):
     from sglang.srt.managers.schedule_batch import release_req
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    from hsnap_io.retract import load_retracted, retract_to_disk
+    from hsnap_sglang.retract import load_retracted, retract_to_disk
 
     mem_ps, mem_req, mem_tc = _pool_and_req(kind)
     disk_ps, disk_req, disk_tc = _pool_and_req(kind)
@@ -161,7 +161,7 @@ def test_retract_to_disk_beside_sglang_in_memory_retraction(tmp_path, kind):
 
 
 def test_load_retracted_refuses_another_request_pools_unchanged(tmp_path):
-    from hsnap_io.retract import load_retracted, retract_to_disk
+    from hsnap_sglang.retract import load_retracted, retract_to_disk
 
     ps, req, tc = _pool_and_req("hybrid_linear")
     path = tmp_path / "r.hsnap"
@@ -177,7 +177,7 @@ def test_load_retracted_refuses_another_request_pools_unchanged(tmp_path):
 
 def test_retracted_requests_resume_in_a_fresh_process(tmp_path):
     """A restart between retraction and reload: one fresh process loads every kind."""
-    from hsnap_io.retract import retract_to_disk
+    from hsnap_sglang.retract import retract_to_disk
 
     items, expected = [], {}
     for kind in KINDS:
@@ -198,8 +198,8 @@ def test_retracted_requests_resume_in_a_fresh_process(tmp_path):
 
 
 def test_a_refused_retraction_writes_nothing_and_frees_nothing(tmp_path):
-    from hsnap_io.retract import retract_to_disk
-    from hsnap_io.sglang import UnsupportedRequestError
+    from hsnap_sglang.retract import retract_to_disk
+    from hsnap_sglang.req import UnsupportedRequestError
 
     ps, req, tc = _pool_and_req("swa_mamba")
     req.custom_logit_processor = '{"callable": "x"}'

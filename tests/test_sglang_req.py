@@ -1,4 +1,4 @@
-"""hsnap_io.sglang: a live SGLang Req in, a live SGLang Req out (issue 11).
+"""hsnap_sglang.req: a live SGLang Req in, a live SGLang Req out (issue 11).
 
 Real components only: SGLang's Req constructor, SamplingParams.normalize with a real
 tokenizer, SGLang's pool classes and allocators on device='cpu', SGLang's own
@@ -23,7 +23,7 @@ import sglang_pools as sp  # noqa: E402
 import sglang_reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_io import sglang as hs  # noqa: E402
+from hsnap_sglang import req as hs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SGLang's XGrammarGrammar passes a GrammarMatcher argument xgrammar 0.2.7 deprecates
@@ -85,7 +85,7 @@ def test_an_unclassified_attribute_is_refused_before_writing(tmp_path):
 def test_docs_table_is_generated_from_the_code():
     text = open(os.path.join(ROOT, "docs", "sglang.md"), encoding="utf-8").read()
     begin, end = text.index(hs.DOC_BEGIN), text.index(hs.DOC_END) + len(hs.DOC_END) + 1
-    assert text[begin:end] == hs.render_table(), "run: python -m hsnap_io.sglang --docs"
+    assert text[begin:end] == hs.render_table(), "run: python -m hsnap_sglang.req --docs"
 
 
 # --------------------------------------------------------------------------- refusals

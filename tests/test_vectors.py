@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
 SINGLE = ("attention-only", "hybrid", "mla-fp8")
 SETS = ("two-rank", "hybrid-tp2")  # directories; hybrid-tp2 is the format-1.1 vector
-HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "sections")
+CHAINS = ("chain", "chain-tp2")  # format 1.2: a plain snapshot and two deltas (files; TP-2 sets)
+HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "base", "sections")  # base: a delta's
 TABLE_KEYS = ("name", "kind", "layer", "dtype", "shape", "offset", "length", "digest")
 
 
@@ -47,6 +48,12 @@ def rank_vectors():
     for name in SETS:
         d = load(name)
         out += [(f"{name}/{r['file']}", VEC / d["directory"] / r["file"], r) for r in d["ranks"]]
+    for name in CHAINS:
+        for link in load(name)["links"]:
+            if "file" in link:
+                out.append((link["file"], VEC / link["file"], link))
+            else:
+                out += [(f"{link['directory']}/{r['file']}", VEC / link["directory"] / r["file"], r) for r in link["ranks"]]
     return out
 
 
@@ -63,7 +70,7 @@ def test_every_vector_regenerates_byte_for_byte():
 def test_generate_check_command():
     r = subprocess.run([sys.executable, str(VEC / "generate.py"), "--check"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK 5 vectors")
+    assert r.stdout.startswith("OK 8 vectors")
 
 
 def test_vectors_are_tiny():
@@ -83,7 +90,7 @@ def _numbers(arr: np.ndarray) -> list:
 @pytest.mark.parametrize("label,path,desc", RANKS, ids=[r[0] for r in RANKS])
 def test_decodes_to_its_description(label, path, desc):
     with Snapshot(path) as snap:
-        header = {k: desc[k] for k in HEADER_KEYS if k != "sections"}
+        header = {k: desc[k] for k in HEADER_KEYS if k != "sections" and k in desc}
         header["sections"] = [{k: s[k] for k in TABLE_KEYS} for s in desc["sections"]]
         assert snap.header == header
         exp = desc["expected"]
@@ -223,9 +230,9 @@ def test_one_zero_vectors_are_one_zero_files_read_by_the_one_one_reader():
     """Spec 9: a 1.1 reader reads every 1.0 file; the 1.0 vectors stay minor 0, undescribed."""
     from hsnap_format.spec import MINOR
 
-    assert MINOR == 1
+    assert MINOR == 3  # 1.2: snapshot chains (spec 5.9); 1.3: pages stored once (spec 5.10)
     for label, path, desc in RANKS:
-        if label.startswith("hybrid-tp2/"):
+        if label.startswith(("hybrid-tp2/", "chain-")):  # 1.1 and 1.2 content (tests/test_chain_format.py)
             continue
         with Snapshot(path) as snap:
             assert snap.version == (1, 0) and desc["expected"]["version"] == [1, 0]

@@ -29,7 +29,8 @@ from textual.screen import Screen
 from .commands import SectionCommands
 from .compat import Reference, load_reference
 from hsnap_format.errors import HsnapError
-from hsnap_format.remote import StorageOptions, endpoint_shown, is_url
+from hsnap_format.remote import StorageOptions, endpoint_shown
+from hsnap_format.storage import store_for
 from hsnap_format.viewmodel import leftover_hint
 
 from .model import Document, display_name, try_open
@@ -76,7 +77,7 @@ class HsnapViewApp(App):
         self.tokenizer_error: str | None = None
         # a snapshot on an object store can keep the app waiting on the network: it opens
         # after the first frame, behind a screen that says so (a local file opens here)
-        self.opening = [p for p in (config.path, config.other) if p is not None and is_url(p)]
+        self.opening = [p for p in (config.path, config.other) if p is not None and not store_for(p).local]
         if not self.opening:
             self._load()
 
@@ -173,7 +174,7 @@ class HsnapViewApp(App):
     def open_diff_with(self, path: str) -> None:
         """Diff mode against a snapshot chosen from inside the app (``d`` with one file open);
         one on an object store opens off the event loop, the app saying it waits."""
-        if is_url(path):
+        if not store_for(path).local:
             try:
                 bound = StorageOptions().request_bound_s
             except HsnapError as e:

@@ -1,4 +1,4 @@
-"""The processes of ``hsnap demo``: each is ``python -m hsnap_io.demo.run --child ROLE ...``.
+"""The processes of ``hsnap demo --library``: each is ``python -m hsnap_io.demo.run --child ROLE ...``.
 
 Arguments and paths come on the command line; each child writes its result as one JSON file (``--result``); no
 pickle anywhere.  Every child pins the torch thread count first (bit-exactness depends on it).
@@ -7,12 +7,12 @@ pickle anywhere.  Every child pins the torch thread count first (bit-exactness d
 * ``export``: generate k tokens, write the model's attention KV and GDN conv / recurrent state into real SGLang pools
   (``HybridReqToTokenPool`` + ``HybridLinearKVPool``) at the request's slots.  A greedy request is SGLang's own
   ``Req`` (constructor, ``HybridReqToTokenPool.alloc``, outputs / logprobs / reasoning / stream offsets advanced as
-  the scheduler advances them), snapshotted with :func:`hsnap_io.sglang.snapshot_req` and released with SGLang's
+  the scheduler advances them), snapshotted with :func:`hsnap_sglang.req.snapshot_req` and released with SGLang's
   ``release_kv_cache``; a sampled one keeps the demo's own sampler state, which no SGLang ``Req`` holds, and goes
   through :func:`hsnap_io.export_request` with a hand-built record.  Then exit.  With ``--negative-dir`` also the
   sources of the negative client: one snapshot file and a committed 2-rank snapshot directory.
 * ``resume``: a fresh process.  Builds pools of another capacity with other slots in use (every buffer filled with
-  noise), gets a live ``Req`` from :func:`hsnap_io.sglang.resume_req` (a sampled snapshot: :func:`hsnap_io.restore_request`),
+  noise), gets a live ``Req`` from :func:`hsnap_sglang.req.resume_req` (a sampled snapshot: :func:`hsnap_io.restore_request`),
   rebuilds the model's cache from the slots in ``req.kv`` and continues to N tokens, streaming from the offsets.
   It is given only the snapshot path: prompt, outputs so far, sampling parameters, budget, stream offsets,
   reasoning state (and a sampled snapshot's sampler state) all come from the snapshot.
@@ -205,7 +205,7 @@ class Demo:
 
     def export_req(self, path: str, pools, part, name: str, prompt, n: int, identity) -> dict[str, Any]:
         """The paused request as SGLang's own Req in the pools -> snapshot_req -> SGLang's release."""
-        from hsnap_io.sglang import snapshot_req
+        from hsnap_sglang.req import snapshot_req
 
         from . import reqs
         from .model import cache_to_pool_tensors, write_to_pools
@@ -443,7 +443,7 @@ def _resume(demo: Demo, args) -> dict[str, Any]:
 
 def _is_req_snapshot(path: str) -> bool:
     import hsnap_format as hf
-    from hsnap_io.sglang import FORMAT, FORMAT_KEY
+    from hsnap_sglang.req import FORMAT, FORMAT_KEY
 
     with hf.open(path) as snap:
         return snap.request.get("extra", {}).get(FORMAT_KEY) == FORMAT
@@ -454,7 +454,7 @@ def _resume_req(demo: Demo, pools, occupants, identity, path: str) -> dict[str, 
     import torch
 
     from hsnap_io import NumericsWarning
-    from hsnap_io.sglang import resume_req
+    from hsnap_sglang.req import resume_req
 
     from . import reqs
     from .model import pool_tensors_to_cache, read_from_pools, request_slots

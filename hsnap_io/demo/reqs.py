@@ -79,7 +79,9 @@ def stream(req) -> dict[str, Any]:
         "logprob_start": lp_start,
         "logprobs": [float(x) for x in req.logprob.output_token_logprobs_val[lp_start:end]],
     }
-    req.send_token_offset = req.send_output_token_logprobs_offset = req.send_decode_id_offset = end
+    req.send_token_offset = req.send_output_token_logprobs_offset = end
+    decode_ids, _ = req.init_incremental_detokenize()  # as SGLang's output streamer: an offset into these ids
+    req.send_decode_id_offset = len(decode_ids)
     return chunk
 
 

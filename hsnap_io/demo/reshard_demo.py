@@ -1,4 +1,4 @@
-"""``hsnap demo --reshard 2:1``: the paused request exported as a TP 2 snapshot set (two rank
+"""``hsnap demo --library --reshard 2:1``: the paused request exported as a TP 2 snapshot set (two rank
 files split the way a TP 2 engine holds the state: SGLang's own sharding of KV heads and of
 the GDN ``[q|k|v]`` conv channels and value heads) and resumed at TP 1 in a fresh process,
 which must continue exactly (tokens equal, max |Δlogprob| 0, no history recomputed).
@@ -170,16 +170,16 @@ def parse(spec: str) -> tuple[int, int]:
 
 
 def run(args) -> dict[str, Any]:
-    from .run import PROMPT, DemoError, _spawn, _wait, _SPAWNED, _validate
+    from .run import PROMPT, DemoError, _default_out, _spawn, _wait, _SPAWNED, _validate
 
     _validate(args)
     src, dst = parse(args.reshard)
+    if args.out is None:
+        args.out = _default_out()
     out_dir = os.path.dirname(os.path.abspath(args.out))
     target = os.path.join(out_dir, SET_NAME.format(tp=src))
-    if os.path.lexists(target):
-        if os.path.islink(target) or not os.path.isfile(os.path.join(target, "manifest.json")):
-            raise DemoError(f"{target} exists and is not a snapshot directory: not replacing it")
-        shutil.rmtree(target)
+    if os.path.lexists(target):  # never replaced: the demo writes only new files
+        raise DemoError(f"{target} exists: the demo never replaces a snapshot (choose another --out)")
     os.makedirs(out_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="hsnap-reshard-")
     t0 = time.perf_counter()
@@ -230,7 +230,7 @@ def format_report(r: dict[str, Any]) -> str:
     yes = lambda b: "yes" if b else "NO"  # noqa: E731
     src, dst = r["reshard"].split(":")
     lines = [
-        f"hsnap demo --reshard {r['reshard']}: a TP {src} snapshot set resumed at TP {dst} in a fresh process",
+        f"hsnap demo --library --reshard {r['reshard']}: a TP {src} snapshot set resumed at TP {dst} in a fresh process",
         f"  snapshot set:            {r['snapshot_set']}",
     ]
     for rk in r["source_ranks"]:

@@ -1,5 +1,6 @@
-"""``hsnap demo``: a hybrid model resumes in a fresh process with identical tokens and logprobs.
+"""``hsnap demo --library``: a hybrid model resumes in a fresh process with identical tokens and logprobs.
 
+The library-level demo (``hsnap demo`` without ``--library`` runs two real SGLang servers: ``hsnap_sglang.demo``).
 On CPU, nothing downloaded, through real SGLang pools and real hsnap files:
 
 1. child 1 (``reference``) generates N tokens uninterrupted (greedy; with ``--all`` also sampled);
@@ -15,6 +16,8 @@ On CPU, nothing downloaded, through real SGLang pools and real hsnap files:
 ``--negative`` runs the negative client instead (wrong weights, wrong layout, missing rank file, corrupted
 section: each refused with its typed error, target pools untouched); ``--all`` runs greedy, sampled and negative.
 Children are ``python -m hsnap_io.demo.run --child ROLE ...``; results travel as JSON files (never pickle).
+Nothing is ever replaced or deleted: the snapshot goes to a path that must not exist (``--out``; default a new
+directory ``hsnap-demo-library-<date>-<time>/``), the negative client's files to a ``--workdir`` without them.
 Exit status: 0 when everything is identical / refused as it should be, 1 when not, 2 when the demo could not run.
 """
 
@@ -32,9 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsnap_format.spec import MAGIC as _HSNAP_MAGIC
 
-DEFAULT_OUT = os.path.join("out", "demo", "request.hsnap")
+DEFAULT_NAME = "request.hsnap"  # inside a new directory hsnap-demo-library-<date>-<time>/ unless --out is given
 # A fixed prompt: the bytes of a sentence are the token ids (all < 128 < the tiny model's vocabulary of 512).
 PROMPT_TEXT = "Snapshots move one live request between processes."
 PROMPT = list(PROMPT_TEXT.encode("ascii"))
@@ -75,7 +77,7 @@ class Child:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hsnap demo",
+        prog="hsnap demo --library",
         description="Pause a tiny random-weight hybrid model (attention + GDN) after k tokens, move the request "
         "through real SGLang pools into an hsnap file, restore it into other pools in a fresh process and continue: "
         "token ids and logprobs must equal an uninterrupted run exactly, with no history position recomputed.",
@@ -92,13 +94,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--arch", choices=("qwen3_5", "qwen3_next"), default="qwen3_5", help="tiny model family")
     p.add_argument("--model-seed", type=int, default=0, help="seed of the random weights (default 0)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"snapshot file to leave on disk (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"snapshot file to leave on disk, a path that does not exist yet (default: "
+                   f"hsnap-demo-library-<date>-<time>/{DEFAULT_NAME}, a new directory)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--negative", action="store_true", help="run the negative client only")
     mode.add_argument("--all", action="store_true", help="greedy + sampled + negative client in one run")
     p.add_argument("--reshard", metavar="SRC:DST", help="export the paused request as a TP SRC snapshot set and resume it at TP DST (2:1)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--workdir", help="keep the children's JSON results and logs here (default: a temporary dir)")
+    p.add_argument("--workdir", help="keep the children's JSON results and logs in this new directory (default: a temporary "
+                   "directory, removed afterwards)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per child process (default 600)")
     return p
 
@@ -117,10 +121,23 @@ def _validate(args) -> None:
         raise DemoError(f"bad temperature {args.temperature}")
 
 
+def _default_out() -> str:
+    """A new directory for this run's snapshot (never one that exists)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(100):
+        d = f"hsnap-demo-library-{stamp}" + (f"-{i}" if i else "")
+        try:
+            os.mkdir(d)
+            return os.path.join(d, DEFAULT_NAME)
+        except FileExistsError:
+            continue
+    raise DemoError(f"no free name hsnap-demo-library-{stamp}-N in {os.getcwd()}")
+
+
 def _variants(args) -> list[Variant]:
-    out = os.path.abspath(args.out)
     if args.negative:
         return []
+    out = os.path.abspath(args.out)
     if args.all:
         stem, ext = os.path.splitext(out)
         t = args.temperature if args.temperature > 0 else SAMPLED_TEMPERATURE
@@ -130,18 +147,10 @@ def _variants(args) -> list[Variant]:
     return [Variant("greedy", 0.0, None, out)]
 
 
-def _remove_previous(path: str) -> str | None:
-    """Delete a previous demo snapshot at ``path`` (only an hsnap file); refuse anything else."""
-    if not os.path.lexists(path):
-        return None
-    if os.path.islink(path) or not os.path.isfile(path):
-        raise DemoError(f"{path} exists and is not a snapshot file: not replacing it (choose another --out)")
-    with open(path, "rb") as f:
-        head = f.read(len(_HSNAP_MAGIC))
-    if head != _HSNAP_MAGIC:
-        raise DemoError(f"{path} exists and is not an hsnap file: not replacing it (choose another --out)")
-    os.remove(path)
-    return f"removed the previous demo snapshot {path}"
+def _refuse_existing(path: str) -> None:
+    """The demo writes only new files: an existing ``path`` (a previous snapshot or anything else) is left alone."""
+    if os.path.lexists(path):
+        raise DemoError(f"{path} exists: the demo never replaces a file (choose another --out)")
 
 
 # ------------------------------------------------------------------------------------------------ children
@@ -373,30 +382,25 @@ def _process_row(c: Child) -> dict[str, Any]:
 def run_demo(args) -> dict[str, Any]:
     """Run the children and build the report (a JSON-able dict). Raises :class:`DemoError` when it cannot run."""
     _validate(args)
+    if args.out is None and not args.negative:
+        args.out = _default_out()
     variants = _variants(args)
     negative = args.negative or args.all
     resume_threads = args.threads if args.resume_threads is None else args.resume_threads
-    removed = []
+    for v in variants:
+        _refuse_existing(v.path)
     for v in variants:
         os.makedirs(os.path.dirname(v.path), exist_ok=True)
-        msg = _remove_previous(v.path)
-        if msg:
-            removed.append(msg)
-            _progress(args, msg)
 
     own_workdir = args.workdir is None
     workdir = tempfile.mkdtemp(prefix="hsnap-demo-") if own_workdir else os.path.abspath(args.workdir)
-    os.makedirs(workdir, exist_ok=True)
+    if not own_workdir:
+        try:  # a new directory: the children's results, logs and negative files never replace anything
+            os.makedirs(workdir)
+        except FileExistsError:
+            raise DemoError(f"--workdir {workdir} exists: the demo writes only into a new directory") from None
     negdir = os.path.join(workdir, "negative")
     if negative:
-        if os.path.lexists(negdir):  # a previous run's, in a kept --workdir: only ever our own names
-            from .children import NEGATIVE_CORRUPT, NEGATIVE_FILE, NEGATIVE_TP2
-
-            ours = {NEGATIVE_FILE, NEGATIVE_TP2, NEGATIVE_CORRUPT}
-            names = os.listdir(negdir) if os.path.isdir(negdir) and not os.path.islink(negdir) else None
-            if names is None or any(n not in ours and not n.startswith(f".{NEGATIVE_TP2}") for n in names):
-                raise DemoError(f"{negdir} holds files the demo did not write: not replacing it")
-            shutil.rmtree(negdir)
         os.makedirs(negdir)
     t0 = time.perf_counter()
     try:
@@ -435,7 +439,6 @@ def run_demo(args) -> dict[str, Any]:
                 "numerics": children["export"].data["numerics"],
             },
             "processes": [_process_row(c) for c in phase1 + phase2],
-            "removed": removed,
             "variants": {},
             "negative": None,
         }
@@ -498,7 +501,7 @@ def _slots(s: dict) -> str:
 def format_report(r: dict[str, Any]) -> str:
     c = r["config"]
     out = []
-    out.append(f"hsnap demo: tiny random-weight {c['arch']} (seed {c['model_seed']}), {r['model']['model_id']} "
+    out.append(f"hsnap demo --library: tiny random-weight {c['arch']} (seed {c['model_seed']}), {r['model']['model_id']} "
                f"weights {r['model']['weights_version']}")
     num = r["model"]["numerics"]
     out.append(f"numerics: torch {num.get('torch')}, {c['threads']} thread(s) (resume: {c['resume_threads']}), "
@@ -610,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps({"ok": False, "error": str(e)}, indent=2))
         else:
-            print(f"hsnap demo: {e}", file=sys.stderr)
+            print(f"hsnap demo --library: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=_json_default))

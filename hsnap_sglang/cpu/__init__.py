@@ -11,7 +11,7 @@ carry it into every process SGLang starts (scheduler, detokenizer, TP workers), 
   (:mod:`.finder`: the ``sgl_kernel`` shim, the torchvision schemas);
 * ``sglang.srt.plugins`` entry point (:func:`sglang_plugin`, run by SGLang's ``load_plugins`` in every process):
   replaces the Triton launchers met on the forward path with torch (:mod:`.triton_free`) through SGLang's
-  ``HookRegistry``.
+  ``HookRegistry``, and lets ``--enable-deterministic-inference`` (seeded sampling) run here (:mod:`.deterministic`).
 
 Without the opt-in this module imports only the standard library.
 """
@@ -99,9 +99,11 @@ def activate() -> None:
 
 
 def sglang_plugin() -> None:
-    """``sglang.srt.plugins`` entry point: in an opted-in process, register the Triton-launch replacements."""
+    """``sglang.srt.plugins`` entry point: in an opted-in process, register the Triton-launch replacements and what
+    ``--enable-deterministic-inference`` needs here (:mod:`.deterministic`)."""
     if not _install():
         return
-    from . import triton_free
+    from . import deterministic, triton_free
 
     triton_free.register()
+    deterministic.register()

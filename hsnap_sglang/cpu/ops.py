@@ -32,9 +32,15 @@ __all__ = [
     "chunk_gated_delta_rule",
     "fused_gate_sigmoid_mul",
     "fused_gdn_gating",
+    "fused_qk_gemma_rmsnorm",
+    "fused_qk_gemma_rmsnorm_with_gate",
+    "fused_qkvzba_split_reshape_cat_contiguous",
     "fused_sigmoid_gating_delta_rule_update",
+    "fused_sigmoid_mul_",
     "gated_delta_rule_chunked",
     "gated_delta_rule_recurrent",
+    "gemma_rms_norm",
+    "murmur_hash32",
     "rms_norm_gated",
 ]
 
@@ -394,3 +400,139 @@ def assign_req_to_token_pool(req_pool_indices: torch.Tensor, req_to_token: torch
         if n > 0:
             req_to_token[int(row), int(start) : int(end)] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
         offset += n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen3.5 (dense GDN hybrid): output gate, Gemma-style q/k norms, the contiguous qkvz/ba split
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fused_sigmoid_mul_(x: torch.Tensor, gate: torch.Tensor) -> None:
+    """Attention output gate, in place: x = x * sigmoid(gate), in float32, stored in x's dtype (SGLang
+    ``elementwise.fused_sigmoid_mul``; torch.ops.sgl_kernel.fused_sigmoid_mul_cpu as Qwen3.5 calls it).
+
+    ``x`` [T, H * D] contiguous; ``gate`` [T, H * D] or a [T, H, D] strided view (last dimension contiguous).
+    """
+    if x.dim() != 2 or gate.dim() not in (2, 3) or gate.shape[0] != x.shape[0] or gate[0].numel() != x.shape[1]:
+        raise RuntimeError(f"fused_sigmoid_mul: x [T, H*D] and gate [T, H*D] or [T, H, D] expected, got x "
+                           f"{tuple(x.shape)} and gate {tuple(gate.shape)}")
+    g = gate.reshape(x.shape).float()
+    x.copy_((x.float() * torch.sigmoid(g)).to(x.dtype))
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma-style RMSNorm over the last dimension, float32 inside, x's dtype out: x * rsqrt(mean(x^2) + eps) *
+    (1 + w) (transformers ``Qwen3_5RMSNorm``; sgl_kernel's ``NormMode::GemmaNorm``)."""
+    xf = x.float()
+    y = xf * torch.rsqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def fused_qk_gemma_rmsnorm(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                           eps: float, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head Gemma RMSNorm of q [T, H * D] and k [T, H_kv * D] (SGLang ``models.utils.fused_qk_gemma_rmsnorm``;
+    torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_cpu).  Returns new tensors shaped like q and k."""
+    q_out = gemma_rms_norm(q.reshape(q.shape[0], -1, head_dim), q_weight, eps).reshape(q.shape)
+    k_out = gemma_rms_norm(k.reshape(k.shape[0], -1, head_dim), k_weight, eps).reshape(k.shape)
+    return q_out, k_out
+
+
+def fused_qk_gemma_rmsnorm_with_gate(q_gate: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                                     k_weight: torch.Tensor, eps: float, head_dim: int,
+                                     num_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q and the output gate interleaved per head in ``q_gate`` [T, H * 2D] ([q_h0, gate_h0, q_h1, ...]):
+    returns (norm(q) [T * H, D], norm(k) [T * H_kv, D], gate [T * H, D]), all contiguous (SGLang
+    ``models.utils.fused_qk_gemma_rmsnorm_with_gate``; torch.ops.sgl_kernel.fused_qk_gemma_rmsnorm_with_gate_cpu)."""
+    tokens = q_gate.shape[0]
+    if q_gate.shape[-1] != num_head * head_dim * 2:
+        raise RuntimeError(f"fused_qk_gemma_rmsnorm_with_gate: q_gate has {q_gate.shape[-1]} columns, expected "
+                           f"num_head * head_dim * 2 = {num_head * head_dim * 2}")
+    per_head = q_gate.reshape(tokens, num_head, 2 * head_dim)
+    q_out = gemma_rms_norm(per_head[..., :head_dim], q_weight, eps).reshape(tokens * num_head, head_dim)
+    gate = per_head[..., head_dim:].reshape(tokens * num_head, head_dim).clone(memory_format=torch.contiguous_format)
+    k_out = gemma_rms_norm(k.reshape(tokens, -1, head_dim), k_weight, eps).reshape(-1, head_dim)
+    return q_out, k_out, gate
+
+
+def fused_qkvzba_split_reshape_cat_contiguous(mixed_qkvz: torch.Tensor, mixed_ba: torch.Tensor, num_heads_qk: int,
+                                              num_heads_v: int, head_qk: int, head_v: int):
+    """Qwen3.5's GDN input projections split (SGLang ``triton_gdn_fused_proj.fused_qkvzba_split_reshape_cat_contiguous``;
+    torch.ops.sgl_kernel.fused_qkvzba_split_reshape_cat_contiguous_cpu): ``mixed_qkvz`` [T, q | k | v | z] and
+    ``mixed_ba`` [T, b | a] (every head of a kind together) -> mixed_qkv [T, q | k | v], z [T, H_v, Dv],
+    b [T, H_v], a [T, H_v], contiguous copies.  Exact in every dtype (sgl_kernel's build takes bf16/fp16 only)."""
+    k_dim, v_dim = num_heads_qk * head_qk, num_heads_v * head_v
+    qkv_dim = 2 * k_dim + v_dim
+    tokens = mixed_qkvz.shape[0]
+    if tuple(mixed_qkvz.shape) != (tokens, qkv_dim + v_dim) or tuple(mixed_ba.shape) != (tokens, 2 * num_heads_v):
+        raise RuntimeError(f"fused_qkvzba_split_reshape_cat_contiguous: expected mixed_qkvz {(tokens, qkv_dim + v_dim)} "
+                           f"and mixed_ba {(tokens, 2 * num_heads_v)}, got {tuple(mixed_qkvz.shape)} and {tuple(mixed_ba.shape)}")
+    def copy(t):  # a new tensor always (an op's output must not alias its input, even where a slice is contiguous)
+        return t.clone(memory_format=torch.contiguous_format)
+
+    mixed_qkv = copy(mixed_qkvz[:, :qkv_dim])
+    z = copy(mixed_qkvz[:, qkv_dim:].reshape(tokens, num_heads_v, head_v))
+    return mixed_qkv, z, copy(mixed_ba[:, :num_heads_v]), copy(mixed_ba[:, num_heads_v:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# seeded sampling: MurmurHash3_x86_32 over (seed, position, column)
+# ---------------------------------------------------------------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x int64 in [0, 2**32) and a 32-bit constant, with no int64 overflow: c is split into
+    16-bit halves, each partial product stays below 2**48."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return ((((x * hi) & 0xFFFF) << 16) + x * lo) & _MASK32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) & _MASK32) | (x >> (32 - r))
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl32(h ^ k, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _low32(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of each element of an integer tensor, as int64 (C++ ``static_cast<uint32_t>``)."""
+    if x.dtype == torch.uint64:
+        x = x.view(torch.int64)  # same bits; the masks below keep only what the cast keeps
+    return x.to(torch.int64) & _MASK32
+
+
+def murmur_hash32(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """SGLang's seeded-sampling hash (``kernels/ops/sampling/murmur_hash.py``: the Triton ``murmur_hash32_kernel``;
+    torch.ops.sgl_kernel.murmur_hash32_cpu): out[i, j] = MurmurHash3_x86_32, hash seed 0, of the 16 bytes
+    (seed[i] low 32 bits, seed[i] high 32 bits, positions[i] low 32 bits, col_indices[j] low 32 bits), each
+    little-endian.  seed uint64 [n], positions int64 or uint64 [n], col_indices int64 [m] -> uint32 [n, m].
+
+    Every output depends only on its own (seed, position, column): a row's hashes do not depend on its batch.
+    """
+    if seed.dim() != 1 or positions.dim() != 1 or col_indices.dim() != 1:
+        raise RuntimeError(f"murmur_hash32_cpu: 1-D seed, positions and col_indices expected, got "
+                           f"{tuple(seed.shape)}, {tuple(positions.shape)}, {tuple(col_indices.shape)}")
+    if seed.shape[0] != positions.shape[0]:
+        raise RuntimeError("murmur_hash32_cpu: seed and positions must have the same length")
+    if seed.dtype != torch.uint64:
+        raise RuntimeError(f"murmur_hash32_cpu: seed must have dtype torch.uint64, got {seed.dtype}")
+    if positions.dtype not in (torch.int64, torch.uint64):
+        raise RuntimeError(f"murmur_hash32_cpu: positions must have dtype torch.int64 or torch.uint64, got {positions.dtype}")
+    if col_indices.dtype != torch.int64:
+        raise RuntimeError(f"murmur_hash32_cpu: col_indices must have dtype torch.int64, got {col_indices.dtype}")
+    bits = seed.view(torch.int64)
+    h = torch.zeros(seed.shape, dtype=torch.int64, device=seed.device)
+    for block in (bits & _MASK32, (bits >> 32) & _MASK32, _low32(positions)):  # per row
+        h = _murmur3_mix(h, block)
+    h = _murmur3_mix(h[:, None], _low32(col_indices)[None, :])  # the column block, per (row, column)
+    return _fmix32(h ^ 16).to(torch.uint32)

@@ -22,3 +22,22 @@ def tiny_model_dir(tmp_path_factory):
     from hsnap_sglang.tiny import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("tiny") / "qwen3-next-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_arch_dir(tmp_path_factory):
+    """arch -> the tiny random-weight model of that architecture (hsnap_sglang.tiny.ARCHS), the same local
+    tokenizer; each built once per session."""
+    missing = engine_extra_missing()
+    if missing:
+        pytest.skip(f"hsnap[engine] not installed (missing {missing}): scripts/bootstrap installs it")
+    from hsnap_sglang.tiny import build_model_dir
+
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = build_model_dir(tmp_path_factory.mktemp(f"tiny-{arch}") / f"{arch}-tiny", arch=arch)
+        return built[arch]
+
+    return get

@@ -43,13 +43,18 @@ def engine_env(**extra: str) -> dict[str, str]:
 class Server:
     """``python -m hsnap_sglang.serve --model-path DIR ...`` as a child process, its output in ``log_path``."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, *args: str, env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> None:
+        """``args`` follow the defaults below; ``drop``: default switches to leave out (e.g. "--disable-radix-cache")."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
+        # --sleep-on-idle: an idle scheduler waits on its sockets instead of spinning a core (servers of one test
+        # module run side by side on two cores)
+        defaults = [a for a in ("--disable-radix-cache", "--disable-overlap-schedule", "--skip-server-warmup", "--sleep-on-idle")
+                    if a not in drop]
         self.argv = [
             sys.executable, "-m", "hsnap_sglang.serve", "--model-path", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(self.port), "--disable-radix-cache", "--disable-overlap-schedule", "--skip-server-warmup",
+            "--port", str(self.port), *defaults,
             "--max-total-tokens", "4096", "--max-mamba-cache-size", "8", "--max-running-requests", "4",
             "--grammar-backend", "none", "--log-level", "warning", *args,
         ]

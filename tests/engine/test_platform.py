@@ -36,7 +36,7 @@ print(json.dumps({
 
 
 def test_nothing_of_the_platform_loads_without_the_opt_in():
-    state = _run("import torch, hsnap_format, hsnap_io, hsnap_io.sglang\n" + _STATE, opt_in=False)
+    state = _run("import torch, hsnap_format, hsnap_io, hsnap_io.sglang, hsnap_sglang.req\n" + _STATE, opt_in=False)
     assert not [m for m in state["modules"] if m.startswith(("hsnap_sglang.cpu", "sgl_kernel"))], state["modules"]
     assert "CpuPlatformFinder" not in state["finders"]
     assert state["sglang_cpu"] is None
@@ -70,9 +70,9 @@ sglang_plugin()
 from sglang.srt.plugins.hook_registry import HookRegistry
 print(json.dumps({"hooks": sorted(HookRegistry._hooks)}))
 """
-    from hsnap_sglang.cpu.triton_free import REPLACEMENTS
+    from hsnap_sglang.cpu import deterministic, triton_free
 
-    assert set(_run(code, opt_in=True)["hooks"]) == set(REPLACEMENTS)
+    assert set(_run(code, opt_in=True)["hooks"]) == set(triton_free.REPLACEMENTS) | set(deterministic.REPLACEMENTS)
 
 
 def test_item4_unsupported_sgl_kernel_names_raise_an_error_naming_themselves():

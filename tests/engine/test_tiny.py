@@ -42,3 +42,19 @@ def test_tokenizer_round_trips_and_fits_the_vocabulary(tmp_path):
     ids = tok(text).input_ids
     assert tok.decode(ids) == text and max(ids) < 512 and len(tok) == 512
     assert tok.eos_token_id == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_recipes_leave_no_parameter_constant(tmp_path, arch):
+    # a Gemma-style norm weight of 0 (transformers' init) would let a swapped q/k norm or a missing "1 +" pass the
+    # comparison against transformers (test_server_qwen3_5.py): the recipe perturbs every constant parameter
+    from safetensors.torch import load_file
+
+    from hsnap_sglang.tiny import CONSTANT_PARAM_NOISE
+
+    path = build_model_dir(tmp_path / arch, arch=arch)
+    recipe = json.loads((path / RECIPE_FILE).read_text())["recipe"]
+    assert recipe["arch"] == arch and recipe["constant_param_noise"] == CONSTANT_PARAM_NOISE[arch]
+    weights = load_file(path / "model.safetensors")
+    constant = [n for n, t in weights.items() if t.numel() > 1 and bool((t == t.reshape(-1)[0]).all())]
+    assert constant == [] and any("q_norm" in n for n in weights) and any("dt_bias" in n for n in weights)

@@ -62,7 +62,7 @@ def test_seeds_open_and_verify():
 @pytest.mark.slow
 def test_bounded_fuzz_run(tmp_path):
     pytest.importorskip("atheris", reason="atheris is not installed: pip install atheris")
-    seconds = int(os.environ.get("HSNAP_FUZZ_SECONDS", "60"))
+    seconds = int(os.environ.get("HSNAP_FUZZ_SECONDS", "30"))
     corpus, crashes = tmp_path / "corpus", tmp_path / "crashes"
     corpus.mkdir()
     crashes.mkdir()

@@ -52,6 +52,10 @@ def identity_rows(doc: Document, rank: int | None = None) -> list[tuple[str, obj
         ("created at", ident.created_at),
         ("written by", f"hsnap {ident.hsnap_version}"),
     ]
+    if snap.base is not None:  # a delta (spec 5.9): its attention rows start at its base's position
+        b = snap.base
+        rows.append(("delta of", f"{b.name} at position {b.state_position} (snapshot {b.snapshot_id}, root {b.root_digest}), "
+                                 f"{b.depth} link{'s' if b.depth != 1 else ''} below: attention rows from position {b.state_position}"))
     rows += [(f"numerics.{k}", v) for k, v in sorted(ident.numerics.items())]
     if doc.manifest is not None:
         m = doc.manifest

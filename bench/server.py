@@ -1,0 +1,271 @@
+"""The hsnap plug-in inside a running SGLang server (issue 19, Measure): what an export costs the other requests,
+how fast a pause is durable, and how fast a resumed request gets its first token against re-prefilling its history.
+
+    python -m bench.server                          # 53 / 4k / 32k committed tokens, as far as --budget allows
+    python -m bench.server --sizes 53,4096 --rounds 2 --budget 120
+
+One real server (``python -m hsnap_sglang.serve --enable-hsnap``: SGLang's ``launch_server`` with the plug-in, on
+hsnap's CPU platform; the tiny random-weight Qwen3-Next of ``hsnap_sglang.tiny``, bfloat16, radix cache on).  A
+warm-up export and resume go first (the first export of a server process hashes the model directory for its
+identity).  Then for each size n (the committed positions of the exported request x: a prompt of n - K + 1 tokens
+and K outputs) and round:
+
+* **stall**: two other requests decode throughout; x is prefilled and decodes beside them; after K outputs it is
+  exported (``POST /hsnap/export``).  The others' inter-token gaps (client side, one event per token): *before* =
+  while x decodes beside them, before the export is asked for; *around* = every gap that overlaps the export call.
+  Extra decode steps = (max around - median before) / median before; the goal is at most 1.
+* **pause-to-durable**: the server's figure, from the export request's arrival at the scheduler to the snapshot
+  committed (fsynced, renamed), and the client's whole call.
+* **resume-to-first-token**: ``POST /hsnap/resume`` to the first event carrying a new token (client side, HTTP
+  included), the server otherwise idle, its radix cache flushed; the server's restore time beside it.
+* **re-prefill**: the recompute alternative in the same server: x's history (prompt + K outputs) sent as a new
+  ``/generate`` (radix cache flushed), to its first token.
+
+Sizes whose projected time does not fit the remaining budget are reported as skipped.  Writes bench/SERVER.md
+(``--results`` to change, ``--results ''`` for none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from hsnap_sglang import client  # noqa: E402
+from hsnap_sglang.demo import DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
+
+SIZES = (53, 4096, 32768)
+K = 24  # outputs before the export: enough decode steps beside x for the "before" gaps
+OTHERS = 2
+# 3 Mamba slots per running request (SGLang caps --max-running-requests by them): x and the others at once
+CAPACITY = {"--max-total-tokens": "81920", "--max-mamba-cache-size": "16", "--max-running-requests": "4"}
+
+
+@dataclass
+class Round:
+    committed: int
+    bytes: int
+    pause_call_s: float
+    pause_to_durable_s: float
+    write_s: float
+    resume_first_token_s: float
+    restore_s: float
+    reprefill_first_token_s: float
+    gaps_before: list[float]
+    gaps_around: list[float]
+
+    @property
+    def extra_steps(self) -> float | None:
+        if not self.gaps_before or not self.gaps_around:
+            return None
+        med = statistics.median(self.gaps_before)
+        return (max(self.gaps_around) - med) / med
+
+
+@dataclass
+class Size:
+    n: int
+    rounds: list[Round] = field(default_factory=list)
+    skipped: str | None = None
+
+
+def _abort(url: str, rid: str) -> None:
+    _post(url, "/abort_request", {"rid": rid}, 60)
+
+
+def _first_token_s(url: str, body: dict) -> float:
+    s = Stream(url, body)
+    t0 = time.monotonic()
+    s.start()
+    s.wait_tokens(1)
+    s.finish()
+    return s.times[0] - t0
+
+
+def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
+    prompt = prompt_ids(zlib.crc32(tag.encode()), max(1, n - K + 1))
+    flush_cache(url)
+    others = [Stream(url, payload(f"bg{i}-{tag}", 10_000, ids=prompt_ids(100 + i, 30))) for i in range(OTHERS)]
+    for o in others:
+        o.start()
+    for o in others:
+        o.wait_tokens(5)
+    x = Stream(url, payload(f"x-{tag}", K + 40, ids=prompt))  # still decoding when the export reaches the scheduler
+    x.start()
+    x.wait_tokens(2)  # prefilled and decoding beside the others
+    t_decoding = time.monotonic()
+    x.wait_tokens(K)
+    path = d / f"x-{tag}.hsnap"
+    t0 = time.monotonic()
+    out = client.pause(url, f"x-{tag}", str(path))
+    t1 = time.monotonic()
+    x.finish()
+    before, around = [], []
+    for o in others:
+        for a, b in zip(o.times, o.times[1:]):
+            if a >= t_decoding and b < t0:
+                before.append(b - a)
+            if b >= t0 and a <= t1:
+                around.append(b - a)
+    for o in others:
+        _abort(url, o.rid)
+    for o in others:
+        o.join(120)
+    k = int(out["output_tokens"])
+    history = prompt + list(x.final["output_ids"][:k])
+    flush_cache(url)
+    reprefill = _first_token_s(url, payload(f"re-{tag}", 1, ids=history))
+    flush_cache(url)
+    first: list[float] = []
+    t_res = time.monotonic()
+    run = client.resume(url, str(path), on_chunk=lambda rid, text, ids, e: first.append(time.monotonic() - t_res) if ids and not first else None)
+    t = out["timings"]
+    r = Round(committed=int(out["committed_positions"]), bytes=int(out["bytes"]), pause_call_s=t1 - t0,
+              pause_to_durable_s=float(t["pause_to_durable_s"]), write_s=float(t["write_s"]),
+              resume_first_token_s=first[0] if first else float("nan"), restore_s=float(run.info["result"]["timings"]["restore_s"]),
+              reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around)
+    log(f"{n} ({r.committed} committed): pause-to-durable {fmt(r.pause_to_durable_s)}, resume->first token {fmt(r.resume_first_token_s)} "
+        f"vs re-prefill {fmt(r.reprefill_first_token_s)}; others' gap median {fmt(statistics.median(before)) if before else '-'} "
+        f"-> around the export max {fmt(max(around)) if around else '-'}")
+    return r
+
+
+def fmt(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _span(xs: list[float]) -> str:
+    xs = [x for x in xs if x == x]
+    if not xs:
+        return "-"
+    lo, hi = min(xs), max(xs)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} – {fmt(hi)}"
+
+
+def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) -> str:
+    out = ["# The hsnap plug-in in a running server (python -m bench.server)", ""]
+    import torch
+
+    out.append(f"Machine: {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores usable; torch "
+               f"{torch.__version__}; load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {wall:.0f} s in all  ")
+    out.append(f"Server: `python -m hsnap_sglang.serve --enable-hsnap` (SGLang's launch_server, hsnap's CPU platform), tiny "
+               f"random-weight {args.arch}, bfloat16, radix cache on, {' '.join(f'{k} {v}' for k, v in CAPACITY.items())}; "
+               f"ready after {srv.ready_s:.1f} s  ")
+    out.append(f"Per round: {OTHERS} other requests decode throughout; x exported after {K} outputs; then re-prefill and resume "
+               "with the server otherwise idle, radix cache flushed. Times are client side (HTTP included) except "
+               "pause-to-durable and restore (the server's). Ranges: min–max over the rounds.")
+    out.append("")
+    head = ["committed positions", "rounds", "snapshot", "pause call", "pause-to-durable", "resume → first token (restore)",
+            "re-prefill → first token", "others' gap before: median / p90", "around the export: max", "extra decode steps (goal ≤ 1)"]
+    rows = []
+    for s in sizes:
+        if s.skipped:
+            rows.append([f"{s.n:,}", "0", s.skipped, "", "", "", "", "", "", ""])
+            continue
+        rs = s.rounds
+        before = [g for r in rs for g in r.gaps_before]
+        p90 = sorted(before)[int(0.9 * (len(before) - 1))] if before else float("nan")
+        extra = [r.extra_steps for r in rs if r.extra_steps is not None]
+        rows.append([
+            f"{statistics.median(r.committed for r in rs):,.0f}", str(len(rs)), f"{statistics.median(r.bytes for r in rs) / 1e6:.2f} MB",
+            _span([r.pause_call_s for r in rs]), _span([r.pause_to_durable_s for r in rs]),
+            f"{_span([r.resume_first_token_s for r in rs])} ({_span([r.restore_s for r in rs])})",
+            _span([r.reprefill_first_token_s for r in rs]),
+            f"{fmt(statistics.median(before)) if before else '-'} / {fmt(p90) if before else '-'} ({len(before)} gaps)",
+            _span([max(r.gaps_around) for r in rs if r.gaps_around]),
+            (f"{min(extra):.1f}–{max(extra):.1f}" if len(extra) > 1 else f"{extra[0]:.1f}") if extra else "-",
+        ])
+    w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
+    out.append("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
+    out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
+    out += ["| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |" for r in rows]
+    out.append("")
+    done = [s for s in sizes if not s.skipped and s.rounds]
+    if done:
+        worst = max((r.extra_steps for s in done for r in s.rounds if r.extra_steps is not None), default=None)
+        if worst is not None:
+            out.append(f"Stall: the other requests' longest gap around an export was {worst:.1f} decode steps more than their "
+                       f"median gap ({'within' if worst <= 1.0 else 'OVER'} the goal of one extra step).")
+        for s in done:
+            res = statistics.median(r.resume_first_token_s for r in s.rounds)
+            pre = statistics.median(r.reprefill_first_token_s for r in s.rounds)
+            out.append(f"At {statistics.median(r.committed for r in s.rounds):,.0f} committed positions: resume gets its first token in "
+                       f"{fmt(res)}, re-prefilling the history in {fmt(pre)} ({pre / res:.1f}x).")
+    out.append("")
+    out.append("Raw rounds (JSON):")
+    out.append("")
+    out.append("```json")
+    out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps} for r in s.rounds] for s in done}, sort_keys=True))
+    out.append("```")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=list(SIZES))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds in all, server start included (default 300)")
+    ap.add_argument("--arch", choices=("qwen3_next", "qwen3_5"), default="qwen3_next")
+    ap.add_argument("--model-dir", default=None, help="a tiny model directory to use or build (default: built in a temporary directory)")
+    ap.add_argument("--results", default=None, help="markdown output (default bench/SERVER.md; '' for none)")
+    args = ap.parse_args(argv)
+    if any(n < K for n in args.sizes) or max(args.sizes) > 40000:
+        ap.error(f"--sizes: each between {K} and 40000 committed positions")
+    t_start = time.monotonic()
+    load0 = os.getloadavg()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    from hsnap_sglang.tiny import build_model_dir
+
+    sizes = [Size(n) for n in sorted(args.sizes)]
+    with tempfile.TemporaryDirectory(prefix="hsnap-bench-server-") as tmp:
+        d = Path(tmp)
+        model = build_model_dir(args.model_dir or d / "model", arch=args.arch)
+        srv = DemoServer("bench", model, d / "server.log", server_args(CAPACITY), server_env())
+        try:
+            srv.start(420.0)
+            log(f"server ready after {srv.ready_s:.1f} s")
+            one_round(srv.url, K + 10, "warmup", d, lambda m: log("warm-up: " + m))
+            rate = None  # seconds per committed position of one round, from the sizes done so far
+            for s in sizes:
+                left = args.budget - (time.monotonic() - t_start)
+                projected = None if rate is None else rate * s.n * 1.3
+                if projected is not None and projected + 5 > left:
+                    s.skipped = f"skipped: a round projected at ~{fmt(projected)}, {fmt(max(left, 0))} of budget left"
+                    log(f"{s.n}: {s.skipped}")
+                    continue
+                for i in range(args.rounds):
+                    t = time.monotonic()
+                    s.rounds.append(one_round(srv.url, s.n, f"{s.n}-{i}", d, log))
+                    took = time.monotonic() - t
+                    rate = took / s.n if s.n >= 1024 else rate
+                    if i + 1 < args.rounds and took + 5 > args.budget - (time.monotonic() - t_start):
+                        break
+        finally:
+            srv.stop()
+        text = report(sizes, args, srv, time.monotonic() - t_start, load0, os.getloadavg())
+    print(text)
+    results = os.path.join(REPO, "bench", "SERVER.md") if args.results is None else args.results
+    if results:
+        with open(results, "w") as f:
+            f.write(text + "\n")
+        print(f"\nwrote {results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""Snapshot chains (spec 5.9, 7.5; format 1.2, feature ``delta``).
+
+Attention KV is append-only; conv and temporal state are overwritten every token; the
+record grows. A *delta* is a rank file that names its base by the base's root digest
+(``base`` in its header) and holds only the attention rows after the base's position,
+the whole recurrent state and the whole record. A base may itself be a delta: a
+*chain* is a plain snapshot and the deltas above it, the last one its *head*.
+
+A chain's links live side by side: ``base.name`` is a file name beside the delta (a
+rank file), or a directory name beside the delta's set directory (rank ``r`` of a TP
+set has its base in rank ``r`` of the named set). Links are found through the storage
+seam (:mod:`hsnap_format.storage`), so a chain lies in a local directory or under one
+object-store prefix alike.
+
+:func:`open_chain` opens a head and every link below it and checks each link against
+the one above before anything else happens (spec 7.5): the digest it is named by, its
+position, snapshot id and depth, and that it is the same request of the same model on
+the same rank — typed refusals, never a loop (a visited set and a stated depth limit).
+:meth:`Chain.verify` then reads and hashes every byte of every link and checks that
+each base's output is a prefix of its delta's. :meth:`Chain.pieces` says which rows of
+which link make up each section of the head's position — what a restore uploads and
+what :func:`compact` writes: one plain snapshot byte-identical to a direct export at
+the head's position.
+
+Pure: numpy and xxhash through the reader and writer; no torch, no SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import xxhash
+
+from .errors import ChainError, DigestMismatchError, HsnapError, HsnapIOError, Phrase
+from .layout import PAGED_KINDS, ROW_KINDS, first_position, inline_runs
+from .manifest import SnapshotSet
+from .reader import SectionInfo, Snapshot
+from .records import BaseRef, Geometry, Identity, RequestRecord, identity_differences
+from .spec import DTYPES, MAX_CHAIN_DEPTH
+from .storage import Store, store_for
+
+_COPY_CHUNK = 2 << 20  # hashed while in cache, as the reader's verify
+_OPEN_PAGES = 256  # page objects a compaction keeps open at once (one descriptor each)
+
+
+# ------------------------------------------------------------------------- link rules
+
+
+@dataclass(frozen=True)
+class LinkFacts:
+    """What the chain rules compare between a base and its delta (from a file's header,
+    or from what an export is about to write)."""
+
+    path: str | None
+    identity: Identity
+    geometry: Geometry
+    rid: str
+    state_position: int
+    swa_start: int
+    prompt_tokens: int
+    output_tokens: int
+    prompt_digest: str  # XXH3-128 of the prompt's int32 bytes: the section's digest
+
+    @classmethod
+    def of_snapshot(cls, snap: Snapshot) -> "LinkFacts":
+        r = snap.request
+        return cls(snap.path, snap.identity, snap.geometry, r["rid"], snap.state_position, snap.swa_start, r["prompt_tokens"],
+                   r["output_tokens"], snap.section("request.prompt_ids").digest)
+
+    @classmethod
+    def of_export(cls, path, identity: Identity, geometry: Geometry, record: RequestRecord, swa_start: int) -> "LinkFacts":
+        prompt = np.ascontiguousarray(record.prompt_ids, dtype=DTYPES["int32"])
+        return cls(None if path is None else os.fspath(path), identity, geometry, record.rid, record.state_position, swa_start,
+                   len(record.prompt_ids), len(record.output_ids), xxhash.xxh3_128_hexdigest(prompt.view(np.uint8)))
+
+
+def _identity(b: LinkFacts, d: LinkFacts):
+    return identity_differences(b.identity, d.identity)
+
+
+def _meaning(geometry: Geometry) -> dict:
+    """Every field of a geometry as compared (layer lists as sets: their order means nothing, spec 5.6)."""
+    flat = geometry.flat()
+    flat.update({k: sorted(v) for k, v in flat.items() if k.endswith("layers") and isinstance(v, (list, tuple))})
+    flat["geometry.sharding"] = None if geometry.sharding is None else geometry.sharding.to_header()
+    return flat
+
+
+def _geometry(b: LinkFacts, d: LinkFacts):
+    mb, md = _meaning(b.geometry), _meaning(d.geometry)
+    return [(k, mb.get(k), md.get(k)) for k in dict.fromkeys([*mb, *md]) if mb.get(k) != md.get(k)]
+
+
+def _equal(field: str, attr: str):
+    return lambda b, d: [] if getattr(b, attr) == getattr(d, attr) else [(field, getattr(b, attr), getattr(d, attr))]
+
+
+def _at_least(field: str, attr: str, what: str):
+    return lambda b, d: [] if getattr(b, attr) <= getattr(d, attr) else [(field, Phrase(f">= the base's {what} {getattr(b, attr)}"), getattr(d, attr))]
+
+
+# The same request of the same model on the same rank, grown, never shrunk (R-7.5-1):
+# each rule gives (field, expected — the base's, found — the delta's) for what differs.
+LINK_RULES = (
+    _identity,  # model, weights, engine, TP size and rank
+    _geometry,  # the pools: every field, sharding included
+    _equal("request.rid", "rid"),
+    _equal("request.prompt_tokens", "prompt_tokens"),
+    _equal("request.prompt_ids (digest)", "prompt_digest"),
+    _at_least("request.state_position", "state_position", "position"),
+    _at_least("request.output_tokens", "output_tokens", "output tokens"),
+    _at_least("request.swa_start", "swa_start", "swa_start"),
+)
+
+
+def link_problems(base: LinkFacts, delta: LinkFacts) -> list[tuple[str, object, object]]:
+    """Every breach of :data:`LINK_RULES` by ``delta`` over ``base``."""
+    return [p for rule in LINK_RULES for p in rule(base, delta)]
+
+
+def check_link(base: LinkFacts, delta: LinkFacts, where) -> None:
+    """:class:`ChainError` naming ``where`` (the delta) and the first rule ``delta`` breaks."""
+    problems = link_problems(base, delta)
+    if problems:
+        field, expected, found = problems[0]
+        raise ChainError(where, f"{field} (base {base.path})" if base.path else field, expected, found,
+                         detail=f"not a delta of its base ({len(problems)} difference{'s' if len(problems) > 1 else ''})")
+
+
+def check_ref(ref: BaseRef, base: Snapshot, where) -> None:
+    """The base found is the one named (R-7.5-1): its root digest (``DigestMismatchError``:
+    expected the digest named, found the base's), then snapshot id, position and depth."""
+    if base.root_digest != ref.root_digest:
+        raise DigestMismatchError(where, "base.root_digest", ref.root_digest, base.root_digest)
+    depth = 0 if base.base is None else base.base.depth
+    for field, named, found in (("base.snapshot_id", ref.snapshot_id, base.identity.snapshot_id),
+                                ("base.state_position", ref.state_position, base.state_position),
+                                ("base.depth", ref.depth - 1, depth)):
+        if named != found:
+            shown = Phrase(f"{named} links below the base") if field == "base.depth" else named
+            raise ChainError(where, field, shown, found, detail=f"the base {base.path}")
+
+
+def check_output_prefix(base: Snapshot, delta: Snapshot) -> None:
+    """The base's output ids are the first of its delta's (both read and hashed)."""
+    b, d = base.read("request.output_ids"), delta.read("request.output_ids")
+    n = len(b)
+    if len(d) < n or not np.array_equal(d[:n], b):
+        at = next((i for i in range(min(n, len(d))) if b[i] != d[i]), min(n, len(d)))
+        raise ChainError(delta.path, "request.output_ids", Phrase(f"the base's {n} output tokens first ({base.path})"),
+                         Phrase(f"another token at output {at}" if at < len(d) else f"{len(d)} output tokens"))
+
+
+def base_ref(base: Snapshot, name: str) -> BaseRef:
+    """The ``base`` a delta of ``base`` writes, ``name`` being where its links find it."""
+    depth = 0 if base.base is None else base.base.depth
+    return BaseRef(name=name, root_digest=base.root_digest, snapshot_id=base.identity.snapshot_id,
+                   state_position=base.state_position, depth=depth + 1)
+
+
+# ------------------------------------------------------------------------- the chain
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows of one link's section that fill rows ``start..stop`` of the head's whole
+    section (the section a plain export at the head's position would hold): ``take`` bytes
+    after the first ``skip`` bytes of the link's section (None: to its end). ``start``/
+    ``stop`` are None for a recurrent or record section, taken whole from the head.
+
+    A *page piece* (``page`` set, format 1.3, spec 7.6) comes from a page object instead:
+    the whole section of the same name of the page ``page`` names; ``link``/``info`` are
+    then None (the page object is opened by whoever reads the piece)."""
+
+    link: Snapshot | None
+    info: SectionInfo | None
+    skip: int
+    start: int | None
+    stop: int | None
+    take: int | None = None
+    page: "PageRef | None" = None
+
+    @property
+    def length(self) -> int:
+        return self.take if self.take is not None else self.info.length - self.skip
+
+
+def _row_bytes(info: SectionInfo) -> int:
+    n = DTYPES[info.dtype].itemsize
+    for d in info.shape[1:]:
+        n *= d
+    return n
+
+
+class Chain:
+    """A head and every link below it, opened and checked (spec 7.5); ``links[0]`` is the
+    plain snapshot at the bottom, ``links[-1]`` the head. A plain snapshot is a chain of
+    one link. Owns what it opened below the head (closed by :meth:`close`).
+
+    ``locations[i]``: where link i was found (its file, or the set directory holding it as
+    rank ``rank``), through ``store``: a link that references pages (spec 5.10) finds its
+    page store beside it."""
+
+    def __init__(self, links: list[Snapshot], owned: list, location: str | None = None, *, locations: list[str] | None = None,
+                 store: Store | None = None, rank: int | None = None) -> None:
+        self.links = tuple(links)
+        self._owned = owned
+        self.location = location
+        self.locations = tuple(locations) if locations is not None else ((location,) * len(self.links) if len(self.links) == 1 else (None,) * len(self.links))
+        self.store = store if store is not None else (store_for(location) if location is not None else None)
+        self.rank = rank
+
+    @classmethod
+    def single(cls, snap: Snapshot) -> "Chain":
+        return cls([snap], [])
+
+    @property
+    def head(self) -> Snapshot:
+        return self.links[-1]
+
+    @property
+    def is_delta(self) -> bool:
+        return len(self.links) > 1
+
+    @property
+    def paged(self) -> bool:
+        """Some link takes full pages from a page store (spec 5.10)."""
+        return any(link.pages is not None for link in self.links)
+
+    @property
+    def state_position(self) -> int:
+        return self.head.state_position
+
+    def __len__(self) -> int:
+        return len(self.links)
+
+    # -- pages (format 1.3, spec 7.6)
+    def page_refs(self, link_index: int | None = None) -> list["PageRef"]:
+        """The pages every link (or link ``link_index``) references, in position order."""
+        from .pages import page_refs, pages_dir
+
+        out = []
+        for i, link in enumerate(self.links):
+            if link.pages is None or (link_index is not None and i != link_index):
+                continue
+            if self.locations[i] is None or self.store is None:
+                raise ChainError(link.path, "pages.store", Phrase("a snapshot opened from its location (open_chain)"),
+                                 Phrase("a file opened alone: its page store is unknown"))
+            out += page_refs(link, pages_dir(self.store, self.locations[i], link.pages.store), self.store)
+        return out
+
+    def request_tokens(self, link: Snapshot, *, verify: bool = True) -> np.ndarray:
+        """Token id of every position of ``link``'s request (its record, read and hashed)."""
+        return np.concatenate([link.read("request.prompt_ids", verify=verify), link.read("request.output_ids", verify=verify)])
+
+    def iter_pages(self, *, verify: bool = True, keys_fn=None, hashed: bool = True):
+        """Open, check and yield every page the chain references, one at a time (closed after
+        the consumer's step; spec 7.6): first each link's keys against SGLang's page hash
+        chain over its own token ids (R-7.6-1), then each page object found against its
+        reference (R-7.6-2) — a missing page is :class:`PageError` — and, with ``verify``,
+        every byte of it (R-7.6-3). Yields ``(ref, page)``."""
+        from .pages import check_keys, open_checked
+
+        for i, link in enumerate(self.links):
+            if link.pages is None:
+                continue
+            tokens = self.request_tokens(link, verify=hashed)
+            check_keys(link, tokens, keys_fn)
+            for ref in self.page_refs(i):
+                page = open_checked(ref, self.store, tokens)
+                try:
+                    if verify:
+                        page.verify()
+                    yield ref, page
+                finally:
+                    page.close()
+
+    def check_pages(self, *, verify: bool = True, keys_fn=None, hashed: bool = True) -> None:
+        """:meth:`iter_pages` to the end: every reference holds (and, with ``verify``, every
+        page verifies) — before a restore allocates anything."""
+        for _ in self.iter_pages(verify=verify, keys_fn=keys_fn, hashed=hashed):
+            pass
+
+    def _segments(self, link: Snapshot, info: SectionInfo, refs_by_link: dict) -> list[tuple]:
+        """The runs of positions ``link`` contributes to section ``info``'s rows, in order:
+        ``("rows", a, b, row)`` — rows of its own section from row ``row`` — and
+        ``("page", a, b, ref)`` — a page object (spec 7.6)."""
+        row0 = first_position(info.kind, link.swa_start, link.base_position)
+        if link.pages is None or info.kind not in PAGED_KINDS:
+            return [("rows", row0, link.state_position, 0)]
+        S = link.pages.page_size
+        runs = inline_runs(link.base_position, link.state_position, S)
+        out, row = [], 0
+        pages = {ref.page: ref for ref in refs_by_link[id(link)]}
+        cursor = link.base_position
+        for a, b in runs:
+            while cursor < a:  # the pages before this run
+                out.append(("page", cursor, cursor + S, pages[cursor // S]))
+                cursor += S
+            out.append(("rows", a, b, row))
+            row += b - a
+            cursor = b
+        while cursor + S <= link.state_position and cursor // S in pages:
+            out.append(("page", cursor, cursor + S, pages[cursor // S]))
+            cursor += S
+        return out
+
+    def pieces(self, name: str) -> list[Piece]:
+        """The rows of each link (or page object) that make up the head's section ``name``
+        at the head's position, in order (spec 7.5, 7.6): a full-attention section from every
+        link — its pages from their page objects —, a sliding-window one from positions
+        ``swa_start`` on, state and record from the head."""
+        head = self.head
+        h = head.section(name)
+        paged = h.kind in PAGED_KINDS and self.paged
+        if h.kind not in ROW_KINDS or not (self.is_delta or paged):
+            rows = h.shape[0] if h.kind in ROW_KINDS else None
+            return [Piece(head, h, 0, 0 if rows is not None else None, rows)]
+        origin = first_position(h.kind, head.swa_start)  # position of row 0 of the whole section
+        rb = _row_bytes(h)
+        refs_by_link: dict = {}
+        if paged:
+            for i, link in enumerate(self.links):
+                refs_by_link[id(link)] = self.page_refs(i) if link.pages is not None else []
+        out, cursor = [], origin
+        for link in self.links:
+            info = link.section(name)
+            for kind, a, b, extra in self._segments(link, info, refs_by_link):
+                start = max(a, origin)
+                if start >= b:
+                    continue
+                if start != cursor:  # the link rules make this impossible; never upload a gap or an overlap
+                    raise ChainError(link.path, f"sections[{name!r}]", Phrase(f"rows from position {cursor}"), Phrase(f"rows from position {start}"))
+                if kind == "rows":
+                    out.append(Piece(link, info, (extra + start - a) * rb, start - origin, b - origin, (b - start) * rb))
+                else:
+                    out.append(Piece(None, None, 0, start - origin, b - origin, (b - start) * rb, extra))
+                cursor = b
+        if cursor != head.state_position:
+            raise ChainError(head.path, f"sections[{name!r}]", Phrase(f"rows up to position {head.state_position}"), Phrase(f"rows up to {cursor}"))
+        return out
+
+    # -- checks that read bytes
+    def check_records(self) -> None:
+        """Each base's output ids are a prefix of its delta's (R-7.5-2; read and hashed)."""
+        for base, delta in zip(self.links, self.links[1:]):
+            check_output_prefix(base, delta)
+
+    def verify_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """Every link's verify failures (spec 7.2), head first then down the chain, then the
+        record prefixes (R-7.5-2)."""
+        failures: list[HsnapError] = []
+        for link in reversed(self.links):
+            failures += link.verify_failures(first=first)
+            if first and failures:
+                return failures[:1]
+        try:
+            self.check_records()
+        except HsnapError as e:
+            failures.append(e)
+        if first and failures:
+            return failures[:1]
+        failures += self.page_failures(first=first)
+        return failures[:1] if first else failures
+
+    def page_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """Every referenced page checked and verified (R-7.6-3), in position order: the
+        reference failures and each page's verify failures (spec 7.2)."""
+        if not self.paged:
+            return []
+        from .pages import check_keys, open_checked
+
+        failures: list[HsnapError] = []
+        for i, link in enumerate(self.links):
+            if link.pages is None:
+                continue
+            try:
+                tokens = self.request_tokens(link)
+                check_keys(link, tokens)
+            except HsnapError as e:
+                failures.append(e)
+                if first:
+                    return failures
+                continue
+            for ref in self.page_refs(i):
+                try:
+                    page = open_checked(ref, self.store, tokens)
+                except HsnapError as e:
+                    failures.append(e)
+                else:
+                    with page:
+                        failures += page.verify_failures(first=first)
+                if first and failures:
+                    return failures[:1]
+        return failures
+
+    def verify(self) -> None:
+        failures = self.verify_failures(first=True)
+        if failures:
+            raise failures[0]
+
+    def check_padding(self) -> None:
+        for link in reversed(self.links):
+            link.check_padding()
+
+    def check_unchanged(self) -> None:
+        for link in self.links:
+            link.check_unchanged()
+
+    def close(self) -> None:
+        for o in self._owned:
+            o.close()
+        self._owned = []
+
+    def __enter__(self) -> "Chain":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<hsnap.Chain {self.head.path!r}: {len(self.links)} links, position {self.state_position}>"
+
+
+def _missing(e: HsnapError) -> bool:
+    return isinstance(e, HsnapIOError) and isinstance(e.os_error, FileNotFoundError)
+
+
+def chain_below(head: Snapshot, *, location: str, rank: int | None = None, store: Store | None = None,
+                max_depth: int = MAX_CHAIN_DEPTH) -> Chain:
+    """The chain of ``head``, opened from ``location`` — the head's file, or the set
+    directory (prefix) holding it as rank ``rank``. Opens each link once, in order down
+    from the head, checking it against the link above before opening the next (spec 7.5);
+    the head itself stays the caller's. Refusals: :class:`ChainError` (missing link, cycle,
+    too deep, another request/identity/geometry/position), ``DigestMismatchError`` (a base
+    that is not the one named), or what opening the base refuses."""
+    store = store or store_for(location)
+    if head.base is None:
+        return Chain([head], [], location, locations=[location], store=store, rank=rank)
+    if head.base.depth > max_depth:  # bounded before anything is opened (R-7.5-1)
+        raise ChainError(head.path, "base.depth", f"<= {max_depth} links", head.base.depth)
+    links, owned, locations = [head], [], [location]
+    visited = {store.split(location)[1]}
+    snap, loc = head, location
+    try:
+        while snap.base is not None:
+            ref = snap.base
+            if ref.name in visited:
+                raise ChainError(snap.path, "base.name", Phrase("a link not yet in the chain"), Phrase(f"{ref.name!r} again: a cycle"))
+            visited.add(ref.name)
+            base_loc = store.join(store.split(loc)[0], ref.name)
+            try:
+                opened = store.open(base_loc, ranks=None if rank is None else [rank])
+            except HsnapError as e:
+                if _missing(e):
+                    raise ChainError(snap.path, "base.name", Phrase(f"the base {base_loc}"), Phrase("missing")) from None
+                raise
+            owned.append(opened)
+            in_set = isinstance(opened, SnapshotSet)
+            if in_set != (rank is not None):
+                raise ChainError(snap.path, "base.name", Phrase("a snapshot directory" if rank is not None else "a rank file"),
+                                 Phrase(f"{base_loc}: {'a snapshot directory' if in_set else 'a rank file'}"))
+            base = opened.ranks[rank] if in_set else opened
+            check_ref(ref, base, snap.path)
+            check_link(LinkFacts.of_snapshot(base), LinkFacts.of_snapshot(snap), snap.path)
+            links.append(base)
+            locations.append(base_loc)
+            snap, loc = base, base_loc
+    except BaseException:
+        for o in owned:
+            o.close()
+        raise
+    return Chain(links[::-1], owned, location, locations=locations[::-1], store=store, rank=rank)
+
+
+def open_chain(path, *, rank: int | None = None, storage_options=None, max_depth: int = MAX_CHAIN_DEPTH) -> Chain:
+    """Open the chain whose head is ``path`` — a rank file, or rank ``rank`` (default 0)
+    of a set (a directory or an object-store prefix) — through the store that holds it.
+    The chain owns every file it opened; close it (a context manager)."""
+    p = os.fspath(path)
+    store = store_for(p, storage_options)
+    opened = store.open(p, ranks=None if rank is None else [rank])
+    try:
+        if isinstance(opened, SnapshotSet):
+            r = next(iter(opened.ranks))
+            chain = chain_below(opened.ranks[r], location=opened.path, rank=r, store=store, max_depth=max_depth)
+        else:
+            chain = chain_below(opened, location=p, store=store, max_depth=max_depth)
+    except BaseException:
+        opened.close()
+        raise
+    chain._owned.append(opened)
+    return chain
+
+
+# ------------------------------------------------------------------------- compaction
+
+
+def iter_piece(piece: Piece, chunk: int = _COPY_CHUNK) -> Iterator[memoryview]:
+    """The bytes of ``piece``, in order, read by pread (ranged GETs) — and the whole of its
+    link's section hashed on the way (the bytes before and after the piece too), so the last
+    step raises ``DigestMismatchError`` if the section does not match its digest (nothing is
+    final before the iteration ends)."""
+    info, snap = piece.info, piece.link
+    stop = piece.skip + piece.length
+    h = xxhash.xxh3_128()
+    for at in range(0, info.length, chunk):
+        n = min(chunk, info.length - at)
+        data = snap._read(info.offset + at, n)
+        h.update(data)
+        lo, hi = max(piece.skip, at), min(stop, at + n)
+        if hi > lo:
+            yield data[lo - at : hi - at]
+    got = h.hexdigest()
+    if got != info.digest:
+        raise DigestMismatchError(snap.path, f"sections[{info.name!r}].digest", info.digest, got)
+
+
+def write_compacted(chain: Chain, writer) -> None:
+    """Stream the head's whole sections into ``writer`` (a SnapshotWriter planned with the
+    head's identity, geometry, record and swa_start). A page piece's page object is opened
+    and checked against its reference (spec 7.6) and its section hashed like a link's."""
+    from .pages import open_checked
+
+    opened: dict = {}  # page objects stay open across sections (every section reads every page), within a bound
+    try:
+        for spec in writer.pending_state_sections():
+            writer.begin_section(spec.name)
+            for piece in chain.pieces(spec.name):
+                if piece.page is None:
+                    for data in iter_piece(piece):
+                        writer.write_chunk(data)
+                    continue
+                page = opened.get(piece.page.path)
+                if page is None:
+                    page = open_checked(piece.page, chain.store)
+                    if len(opened) < _OPEN_PAGES:
+                        opened[piece.page.path] = page
+                try:
+                    for data in iter_piece(Piece(page, page.section(spec.name), 0, piece.start, piece.stop)):
+                        writer.write_chunk(data)
+                finally:
+                    if piece.page.path not in opened:
+                        page.close()
+            writer.end_section()
+    finally:
+        for page in opened.values():
+            page.close()
+
+
+def compact(chain: Chain, path, *, storage_options=None, fsync: bool = True, mode: int = 0o600, writer=None):
+    """Write the chain as one plain snapshot at ``path`` (a file or an ``s3://`` URL): the
+    head's identity, geometry, record, ``swa_start`` and optional features, every state
+    section at the head's position — byte for byte what a plain export of the same pools
+    at that position, with the head's identity and record, writes (spec 7.5). Every byte
+    copied was read and hashed; a mismatch aborts the write (nothing under ``path``).
+    Returns the writer's :class:`~hsnap_format.writer.CommitInfo`."""
+    head = chain.head
+    kw = dict(identity=head.identity, geometry=head.geometry, record=head.record(), swa_start=head.swa_start,
+              features_optional=head.header["features"]["optional"], mode=mode)
+    w = writer(**kw) if writer is not None else store_for(path, storage_options).writer(os.fspath(path), writeback=fsync, **kw)
+    with w:
+        write_compacted(chain, w)
+        return w.commit(fsync=fsync)
+
+
+def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_depth: int = MAX_CHAIN_DEPTH):
+    """``hsnap compact HEAD -o OUT``: a rank file's chain into one plain rank file, or a
+    set's (every rank's chain) into one plain set; local paths or ``s3://`` URLs. Every
+    link is opened and checked first, every byte read hashed. Returns ``(links, bytes)``
+    (the links of rank 0's chain, and the bytes written)."""
+    src = os.fspath(head)
+    store = store_for(src, storage_options)
+    opened = store.open(src)
+    try:
+        if not isinstance(opened, SnapshotSet):
+            with chain_below(opened, location=src, store=store, max_depth=max_depth) as chain:
+                info = compact(chain, out, storage_options=storage_options, fsync=fsync)
+                return len(chain), info.file_length
+        chains = []
+        try:
+            for r, snap in opened.ranks.items():
+                chains.append(chain_below(snap, location=opened.path, rank=r, store=store, max_depth=max_depth))
+            w = store_for(out, storage_options).set_writer(os.fspath(out))
+            total = 0
+            try:
+                for r, chain in enumerate(chains):
+                    total += compact(chain, None, fsync=fsync, writer=lambda r=r, **kw: w.rank_writer(r, **kw)).file_length
+                w.commit(tp_size=len(chains))
+            except BaseException:
+                w.abort()
+                raise
+            return len(chains[0]), total
+        finally:
+            for c in chains:
+                c.close()
+    finally:
+        opened.close()
+
+
+__all__ = ["LinkFacts", "LINK_RULES", "link_problems", "check_link", "check_ref", "check_output_prefix", "base_ref", "Piece", "Chain",
+           "chain_below", "open_chain", "compact", "compact_path", "iter_piece", "write_compacted"]

@@ -1,0 +1,319 @@
+"""Clients of a server running the hsnap plug-in: Python calls and the ``hsnap pause | resume | drain`` commands.
+
+    from hsnap_sglang import client
+    info = client.pause("http://127.0.0.1:30000", "req-42", "/snaps/req-42.hsnap")    # export, release, end the stream
+    info = client.pause(url, "req-42", "/snaps/ck.hsnap", keep_running=True)           # a checkpoint: it keeps decoding
+    run = client.resume("http://127.0.0.1:30001", "/snaps/req-42.hsnap", on_chunk=print)  # stream the rest
+    run.final["meta_info"]["finish_reason"], run.text, run.output_ids, run.info         # info: the X-Hsnap-Resume header
+    client.drain(url, "/snaps/upgrade-1")   # every request of the server; resume("/snaps/upgrade-1") brings them back
+    client.drain(url, "/snaps/upgrade-1", dedup=True)   # shared full pages stored once (dir/pages)
+    client.checkpoint(url, "req-42", "/ck", every=64)  # a link now and every 64 output tokens; after a crash:
+    run = client.resume(url2, "/ck", seen=(len(text_so_far), len(ids_so_far)))  # the newest link; on_chunk: only what is new
+    client.stats(url, "req-42")["forwards"]  # {"decode": n, "extend": m}: completed forwards in that server
+
+Every HTTP error becomes a :class:`ServerError` (an :class:`hsnap_format.HsnapError`) carrying the server's typed
+reason: ``error_type`` (``IncompatibleSnapshotError``, ``UnknownRequestError``, ...), ``status``, ``field``,
+``expected``, ``found``.  Only the standard library and hsnap_format are imported (no torch, no SGLang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
+
+__all__ = ["ServerError", "ResumeRun", "pause", "resume", "drain", "checkpoint", "stats", "stream_events", "pause_main", "resume_main",
+           "drain_main", "checkpoint_main"]
+
+DEFAULT_TIMEOUT_S = 600.0
+RESUME_HEADER = "X-Hsnap-Resume"
+
+
+class ServerError(HsnapError):
+    """The server refused (an HTTP error status): ``error_type`` is the server-side error class, ``error`` the whole
+    answer (``message``, ``path``, ``field``, ``expected``, ``found``, ``differences``...)."""
+
+    def __init__(self, url: str, status: int, error: dict) -> None:
+        self.url, self.status, self.error = url, status, dict(error)
+        self.error_type = str(error.get("type", "HTTPError"))
+        super().__init__(error.get("path") or url, str(error.get("field") or "server"), error.get("expected"), error.get("found"),
+                         detail=f"{self.error_type} (HTTP {status}): {error.get('message', '')}")
+
+    def __reduce__(self):
+        return (type(self), (self.url, self.status, self.error))
+
+
+def _request(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if payload is None else "POST")
+    try:
+        return urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            error = json.loads(body).get("error")
+        except ValueError:
+            error = None
+        if not isinstance(error, dict):
+            error = {"type": "HTTPError", "message": body[:300].decode(errors="replace")}
+        raise ServerError(url + route, e.code, error) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise HsnapIOError(url + route, "connect", e) from None
+
+
+def _json(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    with _request(url, route, payload, timeout) as r:
+        return json.loads(r.read())
+
+
+def pause(url: str, rid: str, path: str, *, keep_running: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Export request ``rid`` to ``path`` (a path on the server's machine, or ``s3://``) at its next committed decode
+    boundary.  Without ``keep_running`` the server releases its slots once the snapshot is durable and ends the
+    client's stream with ``finish_reason {"type": "hsnap_export", "path": ...}``.  Returns the server's report
+    (``path``, ``bytes``, ``committed_positions``, ``snapshot_id``, ``timings``...)."""
+    return _json(url, "/hsnap/export", {"rid": rid, "path": path, "keep_running": keep_running}, timeout)
+
+
+def drain(url: str, dir: str, *, dedup: bool = False, page_size: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:  # noqa: A002
+    """Export every request of the server into ``dir`` (``{"ok", "items": [{rid, path, ok, result|error}]}``).
+    ``dedup``: their full pages of ``page_size`` positions (default 64) stored once, in ``dir/pages`` (format 1.3);
+    the answer's ``dedup`` says what was written against the sum of single snapshots."""
+    body = {"dir": dir}
+    if dedup:
+        body.update(dedup=True, page_size=page_size or 0)
+    return _json(url, "/hsnap/drain", body, timeout)
+
+
+def checkpoint(url: str, rid: str, dir: str, *, every: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:  # noqa: A002
+    """Checkpoint request ``rid`` into ``dir`` at its next committed decode boundary (returned once durable, with
+    ``link`` 1) and every ``every`` output tokens after that, while it keeps decoding: ``<name>.ckNNNNNN.hsnap``, a
+    plain link then deltas of the link before.  ``resume(url2, dir)`` takes the newest committed link.  ``every=0``
+    stops checkpointing it."""
+    return _json(url, "/hsnap/checkpoint", {"rid": rid, "dir": dir, "every": every}, timeout)
+
+
+def stats(url: str, rid: str | None = None, *, timeout: float = 60.0) -> dict:
+    """Completed forwards (``forwards``: decode / extend) of ``rid`` in that server, its requests, pools, checks."""
+    q = "" if rid is None else "?" + urllib.parse.urlencode({"rid": rid})
+    return _json(url, "/hsnap/stats" + q, None, timeout)
+
+
+def stream_events(response) -> Any:
+    """The ``data:`` events of a server-sent-events response, in order (``[DONE]`` ends it)."""
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        body = line[5:].strip()
+        if body == "[DONE]":
+            return
+        yield json.loads(body)
+
+
+@dataclass
+class ResumeRun:
+    """What :func:`resume` saw: the resume report (``info``), every event, and per request the last event."""
+
+    info: Any
+    events: list = field(default_factory=list)
+    finals: dict = field(default_factory=dict)  # rid -> last event
+
+    @property
+    def final(self) -> dict:
+        return next(iter(self.finals.values()))
+
+    @property
+    def text(self) -> str:
+        return self.final.get("text", "")
+
+    @property
+    def output_ids(self) -> list:
+        return list(self.final.get("output_ids", []))
+
+
+def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], None] | None = None, stream: bool = True,
+           seen: tuple[int, int] | dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> ResumeRun:
+    """Resume the snapshot (or every snapshot of a drain's or a checkpoint directory) at ``path`` in the server at
+    ``url`` and read the rest of the request(s).  ``on_chunk(rid, new_text, new_ids, event)`` gets each event with
+    what it adds to that request's text and token ids (events carry the text and ids so far, as /generate's do).
+    ``seen``: what this client already received of the request — ``(text characters, output ids)``, or a dict rid ->
+    that — when it is not what the snapshot holds (a stream cut by a crash, resumed from the last checkpoint: the
+    client may have more, or less): ``on_chunk`` then gets only what lies beyond it, so the text continues with
+    nothing repeated or missing.  (With the server's ``--incremental-streaming-output`` the events carry only what
+    follows the snapshot: a client that had less than the snapshot does not get the part in between from them.)
+    A refusal raises :class:`ServerError` before any output."""
+    with _request(url, "/hsnap/resume", {"path": path, "stream": stream}, timeout) as r:
+        header = r.headers.get(RESUME_HEADER)
+        run = ResumeRun(info=json.loads(header) if header else None)
+        if not stream:
+            body = json.loads(r.read())
+            for event in body if isinstance(body, list) else [body]:
+                run.events.append(event)
+                run.finals[event["meta_info"]["id"]] = event
+            return run
+        # what each request's client already had (its first event repeats it: events carry the text and ids so far)
+        had = {i["result"]["rid"]: i["result"].get("client_had", {}) for i in _items(run.info) if i.get("ok")}
+        # per request: where the next event's addition starts in the whole stream, and what the client has
+        at: dict[str, tuple[int, int]] = {}
+        floor: dict[str, tuple[int, int]] = {}
+        for event in stream_events(r):
+            if "error" in event:
+                err = event["error"]
+                raise ServerError(url + "/hsnap/resume", 200, err if isinstance(err, dict) else {"message": str(err)})
+            rid = event["meta_info"]["id"]
+            run.events.append(event)
+            text, ids = event.get("text") or "", list(event.get("output_ids") or [])
+            incremental = bool(had.get(rid, {}).get("incremental"))
+            if rid not in at:
+                h = had.get(rid, {})
+                snap_has = (int(h.get("text_chars", 0)), int(h.get("output_ids", 0)))
+                at[rid] = snap_has if incremental else (0, 0)  # incremental events start after the snapshot's part
+                mine = seen.get(rid) if isinstance(seen, dict) else seen
+                floor[rid] = tuple(mine) if mine is not None else snap_has
+            (a_text, a_ids), (f_text, f_ids) = at[rid], floor[rid]
+            add_text, add_ids = (text, ids) if incremental else (text[a_text:], ids[a_ids:])
+            if on_chunk is not None:
+                on_chunk(rid, add_text[max(0, f_text - a_text):], add_ids[max(0, f_ids - a_ids):], event)
+            at[rid] = (a_text + len(add_text), a_ids + len(add_ids))
+            floor[rid] = (max(f_text, at[rid][0]), max(f_ids, at[rid][1]))
+            run.finals[rid] = event
+        return run
+
+
+def _items(info) -> list:
+    """The resume report as a list of ``{path, ok, result | error}`` (one snapshot: a list of one)."""
+    return info if isinstance(info, list) else [info] if info else []
+
+
+def pause_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="hsnap pause", description="Export one live request of a server (hsnap plug-in) at its "
+                                "next committed decode boundary; its slots are released and its client's stream ends with "
+                                "finish_reason hsnap_export (--keep-running: a checkpoint, the request keeps decoding).")
+    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("rid", help="the request id")
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the snapshot path on the server's machine, or s3://")
+    p.add_argument("--keep-running", action="store_true", help="snapshot and keep decoding (nothing released)")
+    p.add_argument("--json", action="store_true", help="the server's report as JSON")
+    args = p.parse_args(argv)
+    try:
+        out = pause(args.url, args.rid, args.output, keep_running=args.keep_running)
+    except HsnapError as e:
+        return _fail("pause", e)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    t = out.get("timings", {})
+    print(f"paused {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
+          f"{out['output_tokens']} output tokens -> {escape_text(out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
+    print(f"pause-to-durable {t.get('pause_to_durable_s', 0) * 1e3:.1f} ms (waited {t.get('wait_s', 0) * 1e3:.1f} ms for the boundary, "
+          f"wrote in {t.get('write_s', 0) * 1e3:.1f} ms); {'still running (checkpoint)' if out.get('keep_running') else 'slots released'}")
+    return 0
+
+
+def resume_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="hsnap resume", description="Resume a snapshot (or a drain's directory of snapshots) "
+                                "in a server running the hsnap plug-in and print the rest of the stream.")
+    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("path", help="a snapshot path on the server's machine, a directory of snapshots, or s3://")
+    p.add_argument("--json", action="store_true", help="every event as one JSON line")
+    args = p.parse_args(argv)
+    started: set[str] = set()
+
+    def show(rid, text, ids, event):
+        if args.json:
+            print(json.dumps(event), flush=True)
+            return
+        if rid not in started:
+            started.add(rid)
+            print(f"[{escape_text(rid)}] ", end="", file=sys.stderr, flush=True)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    try:
+        run = resume(args.url, args.path, on_chunk=show)
+    except HsnapError as e:
+        return _fail("resume", e)
+    if not args.json:
+        print(file=sys.stdout)
+        for item in _items(run.info):
+            if not item.get("ok"):
+                err = item.get("error", {})
+                print(f"not resumed {escape_text(item.get('path'))}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
+                continue
+            res = item["result"]
+            final = run.finals.get(res["rid"], {})
+            meta = final.get("meta_info", {})
+            print(f"resumed {escape_text(res['rid'])} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
+                  f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
+                  f"{meta.get('completion_tokens')} output tokens, finish {json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
+    return 0
+
+
+def drain_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="hsnap drain", description="Export every request of a server running the hsnap plug-in "
+                                "(graceful shutdown for a rolling upgrade); `hsnap resume URL DIR` brings them back.")
+    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
+    p.add_argument("--dedup", action="store_true", help="store shared full pages (a system prompt) once, in DIR/pages (format 1.3)")
+    p.add_argument("--page-size", type=int, default=None, metavar="N", help="positions per stored page with --dedup (default 64)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size)
+    except HsnapError as e:
+        return _fail("drain", e)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for item in out.get("items", []):
+            if item["ok"]:
+                res = item["result"]
+                print(f"drained {escape_text(item['rid'])} -> {escape_text(item['path'])} ({res['committed_positions']} committed positions, "
+                      f"{res['bytes']} bytes)")
+            else:
+                err = item["error"]
+                print(f"not drained {escape_text(item['rid'])}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
+        print(f"{len(out.get('items', []))} requests, {'all exported' if out.get('ok', True) else 'some refused'} into {escape_text(args.output)}")
+        d = out.get("dedup")
+        if d:
+            print(f"dedup: {d['bytes_written']} bytes written ({d['pages_put']} pages put, {d['pages_reused']} reused) "
+                  f"against {d['single_bytes']} bytes of single snapshots")
+    return 0 if out.get("ok", True) else 1
+
+
+def checkpoint_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="hsnap checkpoint", description="Checkpoint one live request of a server (hsnap plug-in) "
+                                "now and every N output tokens while it keeps decoding: a chain of links in DIR; after a crash "
+                                "`hsnap resume URL DIR` resumes the newest committed link.")
+    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("rid", help="the request id")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
+    p.add_argument("--every", type=int, required=True, metavar="N", help="output tokens between links (0: stop checkpointing)")
+    p.add_argument("--json", action="store_true", help="the server's report as JSON")
+    args = p.parse_args(argv)
+    try:
+        out = checkpoint(args.url, args.rid, args.output, every=args.every)
+    except HsnapError as e:
+        return _fail("checkpoint", e)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    elif out.get("stopped"):
+        print(f"stopped checkpointing {escape_text(args.rid)}: {out['links']} links, last {escape_text(str(out['last']))}")
+    else:
+        print(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {escape_text(out['dir'])}: first link "
+              f"{escape_text(out['path'])} ({out['committed_positions']} committed positions, {out['bytes']} bytes)")
+    return 0
+
+
+def _fail(cmd: str, e: HsnapError) -> int:
+    kind = e.error_type if isinstance(e, ServerError) else type(e).__name__
+    print(f"hsnap {cmd}: {kind}: {escape_text(str(e))}", file=sys.stderr)
+    return 1

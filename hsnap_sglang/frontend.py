@@ -1,0 +1,441 @@
+"""hsnap in SGLang's HTTP process: the ``/hsnap/*`` routes and what the TokenizerManager needs for them.
+
+Routes (JSON bodies; errors are an HTTP error status with ``{"error": {type, status, message, path, field,
+expected, found, ...}}``, sent before any output):
+
+* ``POST /hsnap/export {"rid", "path", "keep_running": false}`` — the export's result (path, bytes, committed
+  positions, snapshot id, timings) once the snapshot is durable (and, without ``keep_running``, the request's slots
+  are released and its client's stream has ended with ``finish_reason {"type": "hsnap_export", "path": ...}``).
+* ``POST /hsnap/resume {"path", "stream": false, "return_text_in_logprobs": false}`` — the rest of the request, in
+  /generate's shape (one JSON, or ``text/event-stream`` of ``data: {...}`` events and ``data: [DONE]``), continuing
+  the original stream: each event carries the whole text, ``output_ids`` and ``meta_info`` logprobs so far, the part
+  from before the snapshot included (the client's incremental-streaming setting gives deltas instead, as for
+  /generate).  The resume result (snapshot id, committed positions, bytes, timings) is in the ``X-Hsnap-Resume``
+  header.  A directory (or a drain's directory of snapshots) resumes every snapshot in it; the events of all of them
+  are interleaved, each naming its request in ``meta_info.id``.
+* ``POST /hsnap/drain {"dir", "dedup": false, "page_size": 64}`` — every request of the server exported into ``dir``:
+  ``{"ok", "items": [...]}``; ``dedup``: full pages stored once in ``dir/pages`` (``"dedup": {bytes_written, single_bytes, ...}``).
+* ``POST /hsnap/checkpoint {"rid", "dir", "every"}`` — checkpoint the request into ``dir`` now (answered once that
+  link is durable) and every ``every`` output tokens after, while it keeps decoding (``every: 0`` stops).
+* ``GET /hsnap/stats[?rid=]`` — completed forwards per request (decode / extend), requests, pool free counts and
+  SGLang's own invariant checks.
+
+Before the scheduler is asked to resume anything, the HTTP process reads the snapshot's record (hsnap_format:
+header and record, hashed) to learn the rid and how the client is served, and registers the request's state with
+SGLang's TokenizerManager, seeded with what the client already has (token ids, text, logprobs), so that no output
+of the resumed request can arrive before its state exists.
+"""
+
+import asyncio
+import json
+import logging
+import os
+import uuid
+from typing import Any
+
+from hsnap_format import HsnapError, open_snapshot
+from hsnap_format.errors import Phrase
+
+from hsnap_format.storage import is_url
+
+from .errors import PluginError, RequestBusyError, error_dict
+from .messages import (HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapReqOutput, HsnapResumeReqInput,
+                       HsnapStatsReqInput)
+
+logger = logging.getLogger("hsnap_sglang")
+
+
+
+RESUME_HEADER = "X-Hsnap-Resume"
+_HEADER_LIMIT = 6000
+
+
+# ----------------------------------------------------------------------------- hooks (plugin.HOOKS)
+
+
+def install(result, tm, *args, **kwargs):
+    """AFTER ``TokenizerManager.init_request_dispatcher``: the scheduler's hsnap answers reach their callers."""
+    from sglang.utils import TypeBasedDispatcher
+
+    tm._hsnap = HsnapFrontend(tm)
+    tm._result_dispatcher += TypeBasedDispatcher([(HsnapReqOutput, tm._hsnap.on_answer)])
+
+
+_routes_added = False
+
+
+def before_launch_server(*args, **kwargs):
+    """BEFORE ``http_server.launch_server``: the /hsnap routes join SGLang's FastAPI app."""
+    global _routes_added
+    if not _routes_added:
+        from sglang.srt.entrypoints import http_server
+
+        http_server.app.include_router(router())
+        _routes_added = True
+    return None
+
+
+# ----------------------------------------------------------------------------- the TokenizerManager side
+
+
+class HsnapFrontend:
+    def __init__(self, tm) -> None:
+        self.tm = tm
+        self.waiting: dict[str, asyncio.Future] = {}
+
+    async def call(self, msg) -> HsnapReqOutput:
+        """Send one hsnap request to the scheduler and wait for its answer (several may be in flight)."""
+        self.tm.auto_create_handle_loop()
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[msg.op_id] = fut
+        try:
+            await self.tm._async_dispatch_to_scheduler(msg)
+            return await fut
+        finally:
+            self.waiting.pop(msg.op_id, None)
+
+    def on_answer(self, out: HsnapReqOutput) -> None:
+        fut = self.waiting.get(out.op_id)
+        if fut is not None and not fut.done():
+            fut.set_result(out)
+
+    # ------------------------------------------------------------------ resume
+
+    async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None):
+        """Register the request's state (seeded), ask the scheduler; on refusal take the state back and raise."""
+        info = read_resume_info(path)
+        rid = info["rid"]
+        tm = self.tm
+        if rid in tm.rid_to_state:
+            raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
+        obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
+        tm._init_req_state(obj, request)
+        state = tm.rid_to_state[rid]
+        _seed_state(state, info, _streamed_text(tm.tokenizer, info))
+        # what the client already had: the first event repeats it (/generate's events carry the text so far)
+        had = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
+               "incremental": bool(stream and tm.incremental_streaming_output)}
+        try:
+            out = await self.call(HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path))
+        except BaseException:
+            tm.rid_to_state.pop(rid, None)
+            raise
+        if not out.ok:
+            if tm.rid_to_state.get(rid) is state:
+                del tm.rid_to_state[rid]
+            raise _AnsweredError(out.error)
+        return obj, dict(out.result, client_had=had)
+
+
+class _AnsweredError(Exception):
+    """The scheduler refused: its error dict, as it is."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(error.get("message"))
+        self.error = error
+
+
+def read_resume_info(path: str) -> dict:
+    """What the HTTP process needs of a snapshot before the scheduler resumes it: the record (rank 0's in a set),
+    read through hsnap_format (every byte read is hashed), and the carried client options."""
+    with open_snapshot(path) as snap:
+        first = snap.ranks[min(snap.ranks)] if hasattr(snap, "ranks") else snap
+        record = first.record()
+    record.validate(path)
+    extra = record.extra
+    req = lambda name, default=None: extra.get(f"sglang.Req.{name}", default)  # noqa: E731
+    lp = lambda name, default=None: extra.get(f"sglang.ReqLogprob.{name}", default)  # noqa: E731
+
+    def json_extra(key):
+        v = extra.get(key)
+        return json.loads(v) if isinstance(v, str) else v
+
+    return {
+        "path": path,
+        "rid": record.rid,
+        "prompt_ids": [int(x) for x in record.prompt_ids],
+        "output_ids": [int(x) for x in record.output_ids],
+        "output_logprobs": None if record.output_logprobs is None else [float(x) for x in record.output_logprobs],
+        "top_logprob_values": None if record.top_logprob_values is None else record.top_logprob_values.tolist(),
+        "top_logprob_ids": None if record.top_logprob_ids is None else record.top_logprob_ids.tolist(),
+        "return_logprob": bool(req("return_logprob", False)),
+        "logprob_start_len": req("logprob_start_len", -1),
+        "top_logprobs_num": int(lp("top_logprobs_num", 0) or 0),
+        "token_ids_logprob": lp("token_ids_logprob"),
+        "output_token_logprobs_idx": lp("output_token_logprobs_idx"),
+        "output_token_ids_logprobs_val": json_extra("sglang.ReqLogprob.output_token_ids_logprobs_val"),
+        "output_token_ids_logprobs_idx": json_extra("sglang.ReqLogprob.output_token_ids_logprobs_idx"),
+        "input": {name: json_extra(f"sglang.ReqLogprob.{name}") for name in (
+            "input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
+            "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx")},
+        "sampling": {k: v for k, v in record.sampling.items() if k != "__json__" and k not in record.sampling.get("__json__", [])},
+    }
+
+
+def _generate_input(info: dict, *, stream: bool, text_in_logprobs: bool):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(
+        rid=info["rid"], input_ids=info["prompt_ids"], sampling_params=dict(info["sampling"]), stream=stream,
+        return_logprob=info["return_logprob"], logprob_start_len=info["logprob_start_len"], top_logprobs_num=info["top_logprobs_num"],
+        token_ids_logprob=info["token_ids_logprob"], return_text_in_logprobs=text_in_logprobs,
+    )
+    obj.normalize_batch_and_arguments()
+    return obj
+
+
+def _seed_state(state, info: dict, text: str) -> None:
+    """What the client had before the snapshot, so every event continues the original stream."""
+    outputs = info["output_ids"]
+    state.output_ids = list(outputs)
+    state.append_text(text)
+    state.last_output_offset = len(outputs)
+    if not info["return_logprob"]:
+        return
+    state.output_token_logprobs_val = list(info["output_logprobs"] or [])
+    state.output_token_logprobs_idx = list(info["output_token_logprobs_idx"] or outputs)
+    if info["top_logprobs_num"] > 0 and info["top_logprob_values"] is not None:
+        state.output_top_logprobs_val = [list(r) for r in info["top_logprob_values"]]
+        state.output_top_logprobs_idx = [list(r) for r in info["top_logprob_ids"]]
+    if info["token_ids_logprob"] is not None:
+        state.output_token_ids_logprobs_val = list(info["output_token_ids_logprobs_val"] or [])
+        state.output_token_ids_logprobs_idx = list(info["output_token_ids_logprobs_idx"] or [])
+    for name, value in info["input"].items():
+        if value:
+            setattr(state, name, list(value))
+
+
+def _streamed_text(tokenizer, info: dict) -> str:
+    """The text the client received for the output tokens of the snapshot, computed as SGLang's detokenizer
+    computed it: its own incremental algorithm (``DetokenizerManager._decode_batch_token_id_output``) fed one token
+    per message, then the export's finishing message (which flushes what is pending)."""
+    if tokenizer is None or not info["output_ids"]:
+        return ""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+
+    d = DetokenizerManager.__new__(DetokenizerManager)
+    d.tokenizer, d.decode_status, d.disable_tokenizer_batch_decode = tokenizer, {}, False
+    d.is_tool_call_parser_gpt_oss, d.tool_close_token_ids = False, ()
+    try:
+        d.vocab_size = len(tokenizer)
+    except TypeError:
+        d.vocab_size = getattr(tokenizer, "vocab_size", None)
+    sp = info["sampling"]
+    skip, spaces = bool(sp.get("skip_special_tokens", True)), bool(sp.get("spaces_between_special_tokens", True))
+    prompt, outputs = info["prompt_ids"], info["output_ids"]
+    read = len(prompt)
+    surr = max(read - INIT_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+    messages = [(prompt[surr:] + outputs[:1], None)] + [([t], None) for t in outputs[1:]] + [([], {"type": "hsnap_export"})]
+    pieces = []
+    for ids, finished in messages:
+        msg = SimpleNamespace(rids=["hsnap"], decoded_texts=[""], decode_ids=[ids], read_offsets=[read - surr], finished_reasons=[finished],
+                              no_stop_trim=[False], skip_special_tokens=[skip], spaces_between_special_tokens=[spaces])
+        pieces.append(d._decode_batch_token_id_output(msg)[0])
+    return "".join(pieces)
+
+
+def snapshot_entries(path: str) -> list[str]:
+    """``path`` itself when it is one snapshot (a rank file, a TP set directory, an ``s3://`` object or set); for a
+    local directory of snapshots (what a drain writes), every ``*.hsnap`` file and set directory in it, by name — of
+    the checkpoint links of a request (``<name>.ckNNNNNN.hsnap``) only its newest committed one (the others are the
+    chain below it)."""
+    from hsnap_format.checkpoints import newest_links, parse_link
+
+    if is_url(path) or not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
+        return [path]
+    out = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name.startswith(".") or parse_link(name) is not None:
+            continue  # staging directories, temporaries; checkpoint links: below
+        if (os.path.isfile(full) and name.endswith(".hsnap")) or os.path.isfile(os.path.join(full, "manifest.json")):
+            out.append(full)
+    return sorted(out + list(newest_links(path).values()))
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _tm():
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return get_global_state().tokenizer_manager
+
+
+def _frontend() -> HsnapFrontend:
+    return _tm()._hsnap
+
+
+def _error_response(error: dict):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=int(error.get("status", 500)), content={"error": error})
+
+
+def _bad(field: str, expected, found):
+    return _error_response(error_dict(HsnapError("request body", field, Phrase(expected), found)))
+
+
+async def _body(request) -> dict | None:
+    try:
+        body = await request.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _local(path: str) -> str:
+    return path if is_url(path) else os.path.abspath(path)
+
+
+def _answer_response(out: HsnapReqOutput):
+    from fastapi.responses import JSONResponse
+
+    if not out.ok and not out.items:
+        return _error_response(out.error or {})
+    content: dict[str, Any] = dict(out.result)
+    if out.items:
+        content.update(ok=out.ok, items=out.items)
+    return JSONResponse(status_code=200, content=content)
+
+
+def router():
+    from fastapi import APIRouter, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    r = APIRouter(prefix="/hsnap")
+
+    @r.post("/export")
+    async def export(request: Request):
+        body = await _body(request)
+        if body is None:
+            return _bad("body", "a JSON object {rid, path, keep_running?}", None)
+        rid, path, keep = body.get("rid"), body.get("path"), body.get("keep_running", False)
+        if type(rid) is not str or not rid:
+            return _bad("rid", "a request id (string)", rid)
+        if type(path) is not str or not path:
+            return _bad("path", "a path or s3:// URL (string)", path)
+        if type(keep) is not bool:
+            return _bad("keep_running", "true or false", keep)
+        out = await _frontend().call(HsnapExportReqInput(op_id=uuid.uuid4().hex, rid=rid, path=_local(path), keep_running=keep))
+        return _answer_response(out)
+
+    @r.post("/drain")
+    async def drain(request: Request):
+        body = await _body(request)
+        d = None if body is None else body.get("dir")
+        if type(d) is not str or not d:
+            return _bad("dir", "a directory or s3:// prefix (string)", d)
+        dedup, page = body.get("dedup", False), body.get("page_size", 0)
+        if type(dedup) is not bool:
+            return _bad("dedup", "true or false", dedup)
+        if type(page) is not int or not 0 <= page <= 1 << 20:
+            return _bad("page_size", "positions per page object, 1..1048576 (0: the default)", page)
+        out = await _frontend().call(HsnapDrainReqInput(op_id=uuid.uuid4().hex, dir=_local(d), dedup=dedup, page_size=page))
+        return _answer_response(out)
+
+    @r.post("/checkpoint")
+    async def checkpoint(request: Request):
+        body = await _body(request)
+        if body is None:
+            return _bad("body", "a JSON object {rid, dir, every}", None)
+        rid, d, every = body.get("rid"), body.get("dir"), body.get("every")
+        if type(rid) is not str or not rid:
+            return _bad("rid", "a request id (string)", rid)
+        if type(every) is not int or not 0 <= every <= 1 << 32:
+            return _bad("every", "output tokens between checkpoints, >= 1 (0: stop)", every)
+        if every == 0 and d is None:
+            d = ""
+        elif type(d) is not str or not d:
+            return _bad("dir", "a directory or s3:// prefix (string)", d)
+        out = await _frontend().call(HsnapCheckpointReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d) if d else d, every=every))
+        return _answer_response(out)
+
+    @r.get("/stats")
+    async def stats(rid: str | None = None):
+        out = await _frontend().call(HsnapStatsReqInput(op_id=uuid.uuid4().hex, rid=rid))
+        return _answer_response(out)
+
+    @r.post("/resume")
+    async def resume(request: Request):
+        from sglang.srt.entrypoints.http_server import dumps_json
+
+        body = await _body(request)
+        if body is None:
+            return _bad("body", "a JSON object {path, stream?}", None)
+        path, stream, text_lp = body.get("path"), body.get("stream", False), body.get("return_text_in_logprobs", False)
+        if type(path) is not str or not path:
+            return _bad("path", "a snapshot path, a directory of snapshots or an s3:// URL (string)", path)
+        if type(stream) is not bool or type(text_lp) is not bool:
+            return _bad("stream", "true or false", stream)
+        fe = _frontend()
+        tm = fe.tm
+        try:
+            entries = snapshot_entries(_local(path))
+        except OSError as e:
+            return _error_response(error_dict(HsnapError(path, "path", Phrase("a readable snapshot or directory"), Phrase(str(e)))))
+        if not entries:
+            return _error_response(error_dict(HsnapError(path, "path", Phrase("a snapshot, or a directory holding *.hsnap snapshots"),
+                                                         Phrase("no snapshot"))))
+        resumed, results = [], []
+        for entry in entries:
+            try:
+                obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request)
+            except _AnsweredError as e:
+                results.append({"path": entry, "ok": False, "error": e.error})
+                continue
+            except HsnapError as e:
+                results.append({"path": entry, "ok": False, "error": error_dict(e)})
+                continue
+            except Exception as e:  # noqa: BLE001 - the call answers; the server keeps serving
+                logger.exception("hsnap resume of %s failed", entry)
+                results.append({"path": entry, "ok": False, "error": error_dict(PluginError(entry, "resume", detail=f"{type(e).__name__}: {e}"))})
+                continue
+            resumed.append(obj)
+            results.append({"path": entry, "ok": True, "result": result})
+        if not resumed:
+            return _error_response(results[0]["error"])
+        header = json.dumps(results[0] if len(entries) == 1 and os.fspath(entries[0]) == _local(path) else results,
+                            separators=(",", ":"), default=str)
+        headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "resumed": len(resumed)})}
+        waiters = [tm._wait_one_response(obj, request) for obj in resumed]
+        if not stream:
+            outs = [await w.__anext__() for w in waiters]
+            return JSONResponse(content=outs[0] if len(outs) == 1 and len(entries) == 1 else outs, headers=headers)
+
+        async def events():
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(w):
+                try:
+                    async for out in w:
+                        await queue.put(out)
+                except ValueError as e:  # a disconnect or an abort, as /generate reports it
+                    await queue.put({"error": {"message": str(e), "type": "invalid_request_error"}})
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.create_task(pump(w)) for w in waiters]
+            left = len(tasks)
+            try:
+                while left:
+                    out = await queue.get()
+                    if out is None:
+                        left -= 1
+                        continue
+                    yield b"data: " + dumps_json(out) + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        background = tm.create_abort_task(resumed[0]) if len(resumed) == 1 else None
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=background)
+
+    return r
+
+
+__all__ = ["HsnapFrontend", "install", "before_launch_server", "router", "read_resume_info", "snapshot_entries", "RESUME_HEADER"]

@@ -1,0 +1,76 @@
+"""hsnap inside a running SGLang server: pause one live request over HTTP, export it, resume it elsewhere.
+
+An SGLang general plug-in (entry point group ``sglang.srt.plugins``, name ``hsnap``), **off unless the operator
+turns it on** with ``HSNAP_SGLANG_PLUGIN=1`` in the server's environment (``python -m hsnap_sglang.serve
+--enable-hsnap`` sets it).  Off, :func:`sglang_plugin` returns before importing anything: no hook is registered,
+no message type is added, no route exists.  On, it registers, through SGLang's own ``HookRegistry``:
+
+=================================================================  =====  ==============================================
+target                                                             type   what
+=================================================================  =====  ==============================================
+``Scheduler.init_request_dispatcher``                              AFTER  adds the hsnap request types to the scheduler's
+                                                                          ``TypeBasedDispatcher`` (``+=``)
+``Scheduler.ingest_requests``                                      AFTER  runs the exports waiting for a committed
+                                                                          decode boundary (:mod:`.scheduler`)
+``Scheduler.process_batch_result``                                 AROUND counts, per request, the forwards that
+                                                                          completed (decode / extend)
+``TokenizerManager.init_request_dispatcher``                       AFTER  routes the scheduler's hsnap answers to their
+                                                                          waiting HTTP calls (:mod:`.frontend`)
+``http_server.launch_server``                                      BEFORE adds the ``/hsnap/*`` routes to SGLang's
+                                                                          FastAPI app
+=================================================================  =====  ==============================================
+
+and registers its message types (:mod:`.messages`, msgspec structs of plain values) with SGLang's IPC decoder
+(``io_struct.hook_custom_types``).  The hooks are thin: each imports its module only when SGLang calls it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+__all__ = ["ENV_VAR", "HOOKS", "enabled", "sglang_plugin"]
+
+ENV_VAR = "HSNAP_SGLANG_PLUGIN"
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+
+# target -> (hook: "module:function" in hsnap_sglang, HookType name)
+HOOKS: dict[str, tuple[str, str]] = {
+    f"{_SCHED}.init_request_dispatcher": ("scheduler:install", "AFTER"),
+    f"{_SCHED}.ingest_requests": ("scheduler:after_ingest", "AFTER"),
+    f"{_SCHED}.process_batch_result": ("scheduler:around_process_batch_result", "AROUND"),
+    f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
+    "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
+}
+
+
+def enabled() -> bool:
+    """Whether the operator turned the plug-in on (``HSNAP_SGLANG_PLUGIN=1``)."""
+    return os.environ.get(ENV_VAR) == "1"
+
+
+def _lazy(spec: str):
+    """The hook SGLang calls: imports ``hsnap_sglang.<module>`` on first call (the scheduler module is never
+    imported by the HTTP process, nor the frontend by a scheduler)."""
+    module, func = spec.split(":")
+
+    def hook(*args, **kwargs):
+        return getattr(importlib.import_module(f"hsnap_sglang.{module}"), func)(*args, **kwargs)
+
+    hook.__qualname__ = hook.__name__ = f"hsnap_sglang.{module}.{func}"
+    return hook
+
+
+def sglang_plugin() -> None:
+    """``sglang.srt.plugins`` entry point, run by SGLang's ``load_plugins()`` in every server process."""
+    if not enabled():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from . import messages
+
+    messages.register()
+    for target, (spec, kind) in HOOKS.items():
+        HookRegistry.register(target, _lazy(spec), HookType[kind])

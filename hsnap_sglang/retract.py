@@ -1,0 +1,131 @@
+"""Retraction to disk: the durable counterpart of SGLang's in-memory retraction.
+
+SGLang retracts a decoding request under memory pressure by copying its KV (and,
+where the KV pool does not carry it, its Mamba state) into CPU tensors
+(``Req.offload_kv_cache`` -> ``RetractionBackup``), releasing its slots
+(``schedule_batch.release_req``) and later loading the copy into fresh slots
+(``Req.load_kv_cache``). The copy dies with the process. Here the copy is an hsnap
+file, so a retracted hybrid request survives a restart and needs no recompute:
+
+    info = retract_to_disk("r.hsnap", req, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
+                           tree_cache=tree_cache, identity=identity)
+    # req is retracted exactly as SGLang retracts it: slots freed, reset_for_retract()
+    load_retracted("r.hsnap", req, req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc,
+                   identity=identity)                      # same process: the same Req object
+    req = resume_req("r.hsnap", ...)                       # a fresh process: a new Req
+
+Mamba state travels once: the pool adapters take it from the KV pool when that pool
+declares ``cpu_copy_carries_mamba`` and from the request pool's ``mamba_pool``
+otherwise, the same rule as ``Req._mamba_pool_needing_backup``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hsnap_format import CommitInfo, HsnapError, Identity
+from hsnap_format.errors import require_type
+
+from hsnap_io._sglang_env import import_sglang
+
+from .req import _export_req
+
+
+def retract_to_disk(
+    path: str | os.PathLike[str],
+    req,
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    tree_cache,
+    identity: Identity,
+    **export_kwargs,
+) -> CommitInfo:
+    """Write ``req`` to ``path``, then release its slots with SGLang's own
+    ``release_req`` (``release_kv_cache(checkpoint=False)`` + ``reset_for_retract``).
+
+    The file records the request as it will be after the retraction
+    (``retraction_count + 1``, ``retracted_stain``), so a fresh process resumes the
+    same counters SGLang would report. A refusal comes before anything is written
+    or freed; the slots are freed only once the file is durable.
+    """
+    import_sglang()
+    from sglang.srt.managers.schedule_batch import release_req
+
+    info = _export_req(
+        path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        identity=identity, extra={"sglang.Req.retraction_count": int(req.retraction_count) + 1, "sglang.Req.retracted_stain": True},
+        **export_kwargs,
+    )
+    # SGLang's retraction minus its in-memory backup (offload_kv=False): the file is the backup.
+    release_req(
+        req=req,
+        remaing_req_count=0,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+        tree_cache=tree_cache,
+        hisparse_coordinator=None,
+        offload_kv=False,
+    )
+    return info
+
+
+def load_retracted(
+    path: str | os.PathLike[str],
+    req,
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    identity: Identity | None,
+    tree_cache=None,
+    **restore_kwargs,
+):
+    """Give a request retracted by :func:`retract_to_disk` fresh slots holding its
+    state again (the same ``Req`` object, same process). Returns ``req``.
+
+    The file is opened once: the record it is checked against and the state uploaded
+    come through that one open. Refused before the pools are touched when the request
+    is not retracted, the file does not belong to the target, is not this request's
+    (rid, history), or carries a malformed ReqKvInfo value; then as
+    :func:`hsnap_io.restore_request` refuses. On a target with Mamba ping-pong track
+    buffers the request gets fresh track slots, as SGLang's re-admission gives them. A
+    failure after allocation gives every allocation back and leaves ``req`` retracted.
+    """
+    import_sglang()
+    from hsnap_io.adapters import view_pools
+    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source, pool_lock, restore_opened
+    from .req import _binder, _check_tracking_capacity, _mamba_tracking_slots, _read_record, decode_carried
+
+    require_type(path, "identity", identity, Identity, optional=True)
+    rank = restore_kwargs.pop("rank", None)
+    open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
+        fpath = source.snap.path
+        if not req.is_retracted or req.kv.req_pool_idx is not None:
+            raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
+        check_target(source, view, identity)
+        record = _read_record(source.snap, fpath)
+        checks = [
+            ("request.rid", req.rid, record.rid),
+            ("request.output_tokens", len(req.output_ids), len(record.output_ids)),
+            ("request.prompt_tokens", len(req.origin_input_ids), len(record.prompt_ids)),
+        ]
+        for field, expected, found in checks:
+            if expected != found:
+                raise HsnapError(fpath, field, expected, found, detail="not the retracted request this file holds")
+        if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
+            raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
+        kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
+        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
+        tracking = _mamba_tracking_slots(req_to_token_pool)
+        with pool_lock(req_to_token_pool):
+            _check_tracking_capacity(req_to_token_pool, tracking, fpath)
+            restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                           identity=identity, bind=_binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
+    req.is_retracted = False
+    req.already_computed = 0
+    return req
+
+
+__all__ = ["retract_to_disk", "load_retracted"]

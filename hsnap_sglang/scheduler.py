@@ -1,0 +1,838 @@
+"""hsnap in SGLang's scheduler process (every TP rank): export a request at a committed decode boundary, resume a
+snapshot as a decoding request, drain, and count the forwards each request got.
+
+Where the work happens (``event_loop_normal`` / ``event_loop_overlap`` of SGLang 0.5.23):
+
+* the hsnap messages are dispatched in ``process_input_requests`` (inside ``ingest_requests``), right after the
+  previous batch's ``process_batch_result``: a committed boundary (every output token of the request is appended,
+  ``kv_committed_len == kv_allocated_len == seqlen - 1``).  An export is queued there and run by
+  :func:`after_ingest` in the same iteration, before the next batch is scheduled.
+* with the overlap scheduler the batch launched in the previous iteration is still in flight at that point (its
+  result is processed later in the iteration).  The request is then *parked*: taken out of the running batch
+  (``ScheduleBatch.filter_batch``), so no further batch includes it; the export runs at the next ``ingest`` once no
+  queued result holds it — a boundary no batch in flight has passed.  ``keep_running`` puts it back afterwards.
+* a request that is queued or still being prefilled (chunked prefill) is **waited for**: it is exported at its
+  first committed decode boundary (one output token), unless it finishes first (``RequestFinishedError``).
+* resume admits the restored ``Req`` as SGLang's PD-decode admission does (``prepare_for_prebuilt``: metadata of a
+  request whose KV is in place), stashes its last output token in the scheduler's ``FutureMap`` (the decode input
+  relay) and merges it into the running batch: its next forward is a decode; it never extends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from hsnap_format import HsnapError, SnapshotExistsError
+from hsnap_format.errors import Phrase
+
+from hsnap_format.storage import is_url, store_for
+
+from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
+from .messages import (HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapReqOutput, HsnapResumeReqInput,
+                       HsnapStatsReqInput)
+
+logger = logging.getLogger("hsnap_sglang")
+
+
+
+MAX_TEXT_WAIT = 32  # decode steps an export waits at most for the text to end on a whole character
+MAX_COUNTED_RIDS = 4096  # per-rid forward counts kept (oldest forgotten first)
+DEDUP_PAGE_SIZE = 64  # positions per page object of a dedup drain (the pool's own page is 1 on CPU: a file per token)
+_ERROR_BYTES = 4096  # one rank's error, as JSON, in the TP agreement
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+# ----------------------------------------------------------------------------- hooks (plugin.HOOKS)
+
+
+def install(result, sched, *args, **kwargs):
+    """AFTER ``Scheduler.init_request_dispatcher``: the hsnap request types join SGLang's dispatcher."""
+    from sglang.utils import TypeBasedDispatcher
+
+    sched._hsnap = HsnapScheduler(sched)
+    sched._request_dispatcher += TypeBasedDispatcher(sched._hsnap.handlers())
+
+
+def after_ingest(result, sched, *args, **kwargs):
+    """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
+    hs = getattr(sched, "_hsnap", None)
+    if hs is not None and (hs.pending or hs.checkpoints):
+        hs.service()
+
+
+def around_process_batch_result(original, sched, batch, result, *args, **kwargs):
+    """AROUND ``Scheduler.process_batch_result``: count, per request, the completed forwards whose output it took
+    (a request already finished or retracted when the result comes — the overlap scheduler's one extra step — is
+    not counted)."""
+    hs = getattr(sched, "_hsnap", None)
+    live = [r.rid for r in batch.reqs if not r.finished() and not r.is_retracted] if hs is not None else ()
+    mode = batch.forward_mode
+    out = original(sched, batch, result, *args, **kwargs)
+    if hs is not None:
+        hs.count(mode, live)
+    return out
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+@dataclasses.dataclass
+class _Export:
+    rid: str
+    path: str
+    keep_running: bool
+    asked: float  # time.monotonic() when the request arrived
+    op: Any = None  # the HsnapExportReqInput to answer (None: a drain member)
+    drain: "_Drain | None" = None
+    req: Any = None  # the Req, once found
+    parked: bool = False  # taken out of the running batch (overlap), to be exported or given back
+    waited: int = 0  # boundaries passed because the text ended mid-character
+    found_in: str = ""  # where the request was when the export was asked for
+    checkpoint: "_Checkpointing | None" = None  # a link of a request's checkpoints (keep_running)
+    base: str | None = None  # the link it is a delta of (None: plain)
+
+
+@dataclasses.dataclass
+class _Drain:
+    op: HsnapDrainReqInput
+    members: list
+    items: dict = dataclasses.field(default_factory=dict)  # rid -> item
+    pages: Any = None  # dedup: the page store session every member's full pages go to (closed when answered)
+
+
+@dataclasses.dataclass
+class _Checkpointing:
+    """A request checkpointed every ``links.every`` output tokens (hsnap_format.checkpoints): a link is queued as a
+    keep_running export at the first committed boundary where one is due."""
+
+    links: Any  # hsnap_format.checkpoints.Checkpoints
+    written: int = 0
+    write_s: float = 0.0  # time the scheduler spent writing links (the running request's decode waited that long)
+
+
+def _finish_reason_class():
+    from sglang.srt.managers.schedule_batch import BaseFinishReason
+
+    class FINISH_HSNAP_EXPORT(BaseFinishReason):
+        """The request left this server as a snapshot: the client's stream ends saying where it is."""
+
+        def __init__(self, path: str, snapshot_id: str, committed: int):
+            super().__init__()
+            self.path, self.snapshot_id, self.committed = path, snapshot_id, committed
+
+        def to_json(self):
+            return {"type": "hsnap_export", "path": self.path, "snapshot_id": self.snapshot_id, "committed_positions": self.committed}
+
+    return FINISH_HSNAP_EXPORT
+
+
+class HsnapScheduler:
+    def __init__(self, sched) -> None:
+        from sglang.srt.runtime_context import get_parallel
+
+        self.sched = sched
+        parallel = get_parallel()
+        self.tp_size, self.tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
+        self.group = sched.tp_cpu_group if self.tp_size > 1 else None
+        self.pending: list[_Export] = []
+        self.parked: dict[str, Any] = {}  # rid -> Req out of the running batch (overlap), until exported/given back
+        self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
+        self.checkpoints: dict[str, _Checkpointing] = {}  # rid -> its periodic checkpoints
+        self.finish_reason = _finish_reason_class()
+        self._identity = None
+        self.exports = self.resumes = 0
+
+    def handlers(self):
+        return [(HsnapExportReqInput, self.on_export), (HsnapResumeReqInput, self.on_resume),
+                (HsnapDrainReqInput, self.on_drain), (HsnapCheckpointReqInput, self.on_checkpoint), (HsnapStatsReqInput, self.on_stats)]
+
+    # ------------------------------------------------------------------ helpers
+
+    def identity(self):
+        if self._identity is None:
+            from .identity import server_identity
+
+            self._identity = server_identity(self.sched.server_args, tp_size=self.tp_size, tp_rank=self.tp_rank)
+        return self._identity
+
+    def _answer(self, op, *, ok: bool, result=None, error=None, items=None) -> None:
+        out = HsnapReqOutput(op_id=op.op_id, rid=op.rid, ok=ok, result=result or {}, error=error, items=items or [])
+        self.sched.send_control_output(out, op)  # rank 0 only (SGLang's sender is a no-op on the others)
+
+    def locate(self, rid: str):
+        """Where ``rid`` is: ("running" | "parked" | "prefilled" | "prefilling" | "waiting", Req) or (None, None)."""
+        s = self.sched
+        for req in s.running_batch.reqs:
+            if req.rid == rid:
+                return "running", req
+        if rid in self.parked:
+            return "parked", self.parked[rid]
+        chunked = s.chunked_req
+        if chunked is not None and chunked.rid == rid:
+            return "prefilling", chunked
+        last = s.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            for req in last.reqs:  # prefilled in the last step, merged into the running batch at the next
+                if req.rid == rid:
+                    return "prefilled", req
+        for batch, _ in getattr(s, "result_queue", ()):
+            for req in batch.reqs:
+                if req.rid == rid and not req.finished():
+                    return "prefilled", req
+        for req in s.waiting_queue:
+            if req.rid == rid:
+                return "waiting", req
+        grammar = getattr(s.grammar_manager, "grammar_queue", None) or ()
+        for req in grammar:
+            if getattr(req, "rid", None) == rid:
+                return "waiting", req
+        return None, None
+
+    def _in_flight(self, req) -> bool:
+        """A batch whose result is not processed yet holds ``req`` (the overlap scheduler)."""
+        return any(req in batch.reqs for batch, _ in getattr(self.sched, "result_queue", ()))
+
+    # ------------------------------------------------------------------ export
+
+    def on_export(self, msg: HsnapExportReqInput):
+        where, req = self.locate(msg.rid)
+        try:
+            if where is None:
+                raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+            if self._busy(msg.rid):
+                raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
+            self._check_target(msg.path)
+        except HsnapError as e:
+            self._answer(msg, ok=False, error=error_dict(e))
+            return None
+        self._drop_links(msg.rid)
+        self.pending.append(_Export(msg.rid, msg.path, bool(msg.keep_running), time.monotonic(), op=msg, req=req, found_in=where))
+        return None  # answered by service(), at the boundary
+
+    def _busy(self, rid: str) -> bool:
+        """An export asked for by a caller (not a checkpoint link) waits for ``rid``."""
+        return any(e.rid == rid and e.checkpoint is None for e in self.pending)
+
+    def _drop_links(self, rid: str) -> None:
+        """A pending checkpoint link of ``rid`` gives way to the export queued next (which takes over a parked
+        request: it finds it parked)."""
+        self.pending = [e for e in self.pending if not (e.rid == rid and e.checkpoint is not None)]
+
+    def _check_target(self, path: str) -> None:
+        if self.tp_size > 1 and is_url(path):
+            raise HsnapError(path, "path", Phrase("a local directory: a TP server writes its set through the local file system"), path)
+        _check_target_free(path)
+
+    def service(self) -> None:
+        """Run every export whose request is at a committed decode boundary now; park (overlap) those whose last
+        batch is still in flight; keep waiting for the ones being queued or prefilled."""
+        if self.checkpoints:
+            self._queue_due_links()
+        for ex in list(self.pending):
+            try:
+                self._service_one(ex)
+            except Exception as e:  # noqa: BLE001 - a fault of the plug-in never takes the scheduler down
+                logger.exception("hsnap export of %s failed", ex.rid)
+                if ex in self.pending:
+                    self.pending.remove(ex)
+                parked = self.parked.pop(ex.rid, None)
+                if parked is not None and not parked.finished():
+                    self.admit([parked])
+                self._done(ex, error=error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}")))
+
+    def _service_one(self, ex: _Export) -> None:
+        where, req = self.locate(ex.rid)
+        if req is not None:
+            ex.req = req
+        if where is None or (ex.req is not None and ex.req.finished()):
+            self.pending.remove(ex)
+            self.parked.pop(ex.rid, None)
+            why = ex.req.finished_reason.to_json() if ex.req is not None and ex.req.finished_reason is not None else None
+            self._done(ex, error=error_dict(RequestFinishedError(ex.path, "request", Phrase("a request still decoding at the export boundary"),
+                                                                 Phrase(f"finished: {json.dumps(why)}" if why else "gone"))))
+        elif where in ("running", "parked") and not self._in_flight(req):  # snapshot_req refuses anything uncommitted
+            if not _text_complete(req, self.sched.tokenizer) and ex.waited < MAX_TEXT_WAIT:
+                ex.waited += 1  # mid-character: one more token (never sends a client half a character)
+                if where == "parked":
+                    self.parked.pop(ex.rid, None)
+                    ex.parked = False
+                    self.admit([req])
+                return
+            self.pending.remove(ex)
+            self._export(ex, req, where)
+        elif where == "running":  # overlap: its last batch is in flight; take it out of the next ones
+            self.sched.running_batch.filter_batch(reqs_to_exclude=[req])
+            self.parked[ex.rid] = req
+            ex.parked = True
+
+    def _export(self, ex: _Export, req, where: str) -> None:
+        t0 = time.monotonic()
+        try:
+            info = self._write(ex.path, req, base=ex.base, pages=ex.drain.pages if ex.drain is not None else None)
+        except HsnapError as e:
+            err = _error_of(e)
+        except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
+            logger.exception("hsnap export of %s failed", ex.rid)
+            err = error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}"))
+        else:
+            err = None
+        t_written = time.monotonic()
+        if err is not None or ex.keep_running:
+            if where == "parked":
+                self.parked.pop(ex.rid, None)
+                self.admit([req])  # back into the running batch: it missed no token
+            if err is not None:
+                self._done(ex, error=err)
+                return
+        else:
+            self._release_exported(req, info)
+        self.exports += 1
+        t_done = time.monotonic()
+        result = dict(info, rid=ex.rid, keep_running=ex.keep_running, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
+                      output_tokens=len(req.output_ids),
+                      timings={"wait_s": t0 - ex.asked, "write_s": t_written - t0, "release_s": t_done - t_written,
+                               "pause_to_durable_s": t_written - ex.asked, "total_s": t_done - ex.asked})
+        self._done(ex, result=result)
+
+    def _write(self, path: str, req, *, base: str | None = None, pages=None) -> dict:
+        """Write ``req`` to ``path``: one file at TP 1; at TP > 1 a set (every rank its rank file, manifest last,
+        hsnap_io.tp's protocol over the TP CPU group). The same collectives run on every rank, whatever fails.
+        ``base``: a delta of that link (a checkpoint); ``pages``: full pages into that page store (a dedup drain);
+        both TP 1 only (refused earlier at TP > 1)."""
+        import uuid
+
+        from hsnap_io.tp import export_request_tp
+
+        from .req import req_record, snapshot_req
+
+        s = self.sched
+        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
+        identity = self.identity()
+        if self.tp_size == 1:
+            sid = uuid.uuid4().hex
+            info = snapshot_req(path, req, identity=dataclasses.replace(identity, snapshot_id=sid), base=base, pages=pages, **pools)
+            return {"path": str(path), "bytes": int(info.file_length), "payload_bytes": int(info.payload_bytes),
+                    "committed_positions": int(req.kv.kv_committed_len), "snapshot_id": sid, "tp_size": 1}
+
+        # one snapshot id for the set: rank 0's, sent to the others with the first agreement
+        err, record, swa_start = None, None, 0
+        try:
+            record, swa_start = req_record(req, path=path)
+        except HsnapError as e:
+            err = e
+        agreed = self.agree(err, payload=uuid.uuid4().hex if self.tp_rank == 0 else "")
+        if agreed.error is not None:
+            raise agreed.error
+        sid = agreed.payloads[0]
+        manifest = None
+        try:
+            manifest = export_request_tp(path, identity=dataclasses.replace(identity, snapshot_id=sid), record=record, group=self.group,
+                                         swa_start=swa_start, req_pool_idx=int(req.kv.req_pool_idx), **pools)
+        except HsnapError as e:
+            err = e
+        agreed = self.agree(err, payload=str(sum(r.length for r in manifest.ranks)) if manifest is not None else "")
+        if agreed.error is not None:
+            raise agreed.error
+        return {"path": str(path), "bytes": int(agreed.payloads[0] or 0), "committed_positions": int(req.kv.kv_committed_len),
+                "snapshot_id": sid, "tp_size": self.tp_size}
+
+    def _release_exported(self, req, info: dict) -> None:
+        """The snapshot is durable: end the request the way SGLang ends a finished one (the tree cache's own
+        release path: the radix tree keeps what it can key and frees only what the request owns), and close the
+        client's stream with a finish reason that says where the snapshot is."""
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        s = self.sched
+        req.finished_reason = self.finish_reason(info["path"], info["snapshot_id"], info["committed_positions"])
+        if any(r is req for r in s.running_batch.reqs):
+            s.running_batch.filter_batch(reqs_to_exclude=[req])
+        self.parked.pop(req.rid, None)
+        s.batch_result_processor._prepare_kv_cache_release(req)
+        release_kv_cache(req, s.tree_cache, checkpoint=True)
+        req.time_stats.set_completion_time()
+        s.output_streamer.stream_output([req], req.return_logprob)
+
+    def _done(self, ex: _Export, *, result=None, error=None) -> None:
+        if ex.checkpoint is not None:
+            self._link_done(ex, result, error)
+            return
+        if ex.drain is None:
+            self._answer(ex.op, ok=error is None, result=result, error=error)
+            return
+        d = ex.drain
+        d.items[ex.rid] = {"rid": ex.rid, "path": ex.path, "ok": error is None, "result": result, "error": error}
+        if len(d.items) == len(d.members):
+            items = [d.items[m.rid] for m in d.members]
+            result = {"dir": d.op.dir, "requests": len(items)}
+            if d.pages is not None:
+                result["dedup"] = _dedup_report(d.pages, items)
+                try:
+                    d.pages.close()  # its markers: every member is committed (or refused) by now
+                except Exception:  # noqa: BLE001 - a marker left behind expires (its lease); the drain is done
+                    logger.exception("hsnap drain %s: closing the page store session", d.op.dir)
+            self._answer(d.op, ok=all(i["ok"] for i in items), items=items, result=result)
+
+    # ------------------------------------------------------------------ drain
+
+    def on_drain(self, msg: HsnapDrainReqInput):
+        """Every request present now (running, parked, prefilled, prefilling, queued) is exported into ``dir`` at its
+        next committed decode boundary (queued ones once prefilled); answered when all are done."""
+        s = self.sched
+        rids: list[str] = []
+        for req in [*s.running_batch.reqs, *self.parked.values(), *([s.chunked_req] if s.chunked_req is not None else []),
+                    *(s.last_batch.reqs if s.last_batch is not None and s.last_batch.forward_mode.is_extend() else []),
+                    *[r for b, _ in getattr(s, "result_queue", ()) for r in b.reqs], *s.waiting_queue]:
+            if not req.finished() and req.rid not in rids and not self._busy(req.rid):
+                rids.append(req.rid)
+        drain = _Drain(msg, [])
+        try:
+            if msg.dedup and self.tp_size > 1:
+                raise HsnapError(msg.dir, "dedup", Phrase("a TP 1 server (a dedup drain of a TP set is not supported)"), f"TP {self.tp_size}")
+            if not is_url(msg.dir):
+                os.makedirs(msg.dir, exist_ok=True)
+            if msg.dedup and rids:
+                from hsnap_io.pagestore import page_store
+
+                drain.pages = page_store(store_for(msg.dir).join(msg.dir, "pages"), page_size=msg.page_size or DEDUP_PAGE_SIZE)
+            for rid in rids:
+                drain.members.append(_Export(rid, drain_path(msg.dir, rid, self.tp_size), False, time.monotonic(), drain=drain))
+            for m in drain.members:
+                self._check_target(m.path)
+        except (HsnapError, OSError) as e:
+            if drain.pages is not None:
+                drain.pages.close()
+            err = e if isinstance(e, HsnapError) else HsnapError(msg.dir, "dir", detail=str(e))
+            self._answer(msg, ok=False, error=_error_of(err))
+            return None
+        if not drain.members:
+            self._answer(msg, ok=True, items=[], result={"dir": msg.dir, "requests": 0})
+            return None
+        for m in drain.members:
+            self._drop_links(m.rid)
+        self.pending.extend(drain.members)
+        return None
+
+    # ------------------------------------------------------------------ periodic checkpoints
+
+    def on_checkpoint(self, msg: HsnapCheckpointReqInput):
+        """Checkpoint ``rid`` into ``dir``: a plain link at its next committed decode boundary (answered once
+        durable), then a delta of the link before every ``every`` output tokens, while it decodes here; ``every``
+        0 stops (answered at once).  Links: hsnap_format.checkpoints (``<name>.ckNNNNNN.hsnap``)."""
+        from hsnap_format.checkpoints import Checkpoints
+
+        try:
+            if msg.every == 0:
+                ck = self.checkpoints.pop(msg.rid, None)  # a link on its way is still written (it may hold the request parked)
+                if ck is None:
+                    raise UnknownRequestError(None, "rid", Phrase("a request checkpointed in this server"), msg.rid)
+                self._answer(msg, ok=True, result=dict(_checkpoint_state(ck), rid=msg.rid, stopped=True))
+                return None
+            where, req = self.locate(msg.rid)
+            if where is None:
+                raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+            if self.tp_size > 1:
+                raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (checkpoints of a TP set are not supported)"), f"TP {self.tp_size}")
+            if self._busy(msg.rid):
+                raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
+            ck = _Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
+            path, base = ck.links.next_link()
+            self._check_target(path)
+        except HsnapError as e:
+            self._answer(msg, ok=False, error=_error_of(e))
+            return None
+        self._drop_links(msg.rid)
+        self.checkpoints[msg.rid] = ck
+        self.pending.append(_Export(msg.rid, path, True, time.monotonic(), op=msg, req=req, found_in=where, checkpoint=ck, base=base))
+        return None
+
+    def _queue_due_links(self) -> None:
+        """A link for every checkpointed request that is due one (and has no export on its way); a request that
+        finished or left this server is no longer checkpointed."""
+        for rid, ck in list(self.checkpoints.items()):
+            if any(e.rid == rid for e in self.pending):
+                continue
+            where, req = self.locate(rid)
+            if req is None or req.finished():
+                del self.checkpoints[rid]
+            elif where in ("running", "parked") and ck.links.due(len(req.output_ids)):
+                path, base = ck.links.next_link()
+                self.pending.append(_Export(rid, path, True, time.monotonic(), req=req, found_in=where, checkpoint=ck, base=base))
+
+    def _link_done(self, ex: _Export, result, error) -> None:
+        ck = ex.checkpoint
+        if error is None:
+            ck.links.committed(ex.path, int(result["output_tokens"]), ex.base)
+            ck.written += 1
+            ck.write_s += float(result["timings"]["write_s"])
+            result = dict(result, link=ck.links.seq, base=ex.base, dir=ck.links.directory, every=ck.links.every)
+        elif self.checkpoints.get(ex.rid) is ck:  # a link that cannot be written stops the checkpoints (logged)
+            logger.error("hsnap checkpoint of %s stopped: %s", ex.rid, error.get("message"))
+            del self.checkpoints[ex.rid]
+        if ex.op is not None:
+            self._answer(ex.op, ok=error is None, result=result, error=error)
+
+    # ------------------------------------------------------------------ resume
+
+    def on_resume(self, msg: HsnapResumeReqInput):
+        t0 = time.monotonic()
+        s = self.sched
+        agreement = _Agreement(self)
+        req, err = None, None
+        try:
+            if self.locate(msg.rid)[0] is not None or any(e.rid == msg.rid for e in self.pending):
+                raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
+            from .req import resume_req
+
+            self._make_room(msg.path)
+            grammar_backend = getattr(s.grammar_manager, "grammar_backend", None)
+            req = resume_req(
+                msg.path,
+                req_to_token_pool=s.req_to_token_pool,
+                token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                identity=self.identity(),
+                tokenizer=s.tokenizer,
+                grammar_backend=grammar_backend,
+                loaded_lora_ids=_loaded_lora_ids(s),
+                tree_cache=s.tree_cache,
+                rank=self.tp_rank if self.tp_size > 1 else None,
+                http_worker_ipc=msg.http_worker_ipc,
+                req_kwargs=_req_kwargs(s),
+                expect_rid=msg.rid,
+                vocab_size=s.model_config.vocab_size,
+                commit=agreement.commit if self.tp_size > 1 else None,
+            )
+        except HsnapError as e:
+            err = e
+        except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the restore
+            logger.exception("hsnap resume of %s failed", msg.path)
+            err = PluginError(msg.path, "resume", detail=f"{type(e).__name__}: {e}")
+        if self.tp_size > 1 and not agreement.done:
+            outcome = self.agree(err)  # this rank failed before the restore's commit: tell the others
+            err = err or outcome.error
+        elif self.tp_size > 1 and err is None and agreement.error is not None:
+            err = agreement.error
+        if err is not None:
+            self._answer(msg, ok=False, error=_error_of(err))
+            return None
+        t_restored = time.monotonic()
+        self.admit([req], resumed=True)
+        self.resumes += 1
+        restored = req.hsnap_restored
+        self._answer(msg, ok=True, result={
+            "rid": req.rid, "path": msg.path, "snapshot_id": restored.snapshot_id, "committed_positions": int(restored.state_position),
+            "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
+            "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
+            "timings": {"restore_s": t_restored - t0, "admit_s": time.monotonic() - t_restored}, "tp_size": self.tp_size,
+        })
+        return None
+
+    def _make_room(self, path: str) -> None:
+        """Room for the snapshot's slots, evicting unreferenced radix-cache entries the way SGLang's admission does
+        (``evict_to_free_tokens``, ``ensure_mamba_capacity``) — only for a snapshot whose header belongs here
+        (identity, geometry): a snapshot refused on its header never costs the cache anything."""
+        import math
+        from types import SimpleNamespace
+
+        from hsnap_io.adapters import view_pools
+        from hsnap_io.restore import check_compatible, open_source
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
+
+        s = self.sched
+        if not s.tree_cache.supports_prefix_sharing():
+            return
+        view = view_pools(s.req_to_token_pool, s.token_to_kv_pool_allocator)
+        try:
+            with open_source(path, rank=self.tp_rank if self.tp_size > 1 else None, identity=self.identity()) as source:
+                check_compatible(source.snap, view, self.identity())
+                position = int(source.snap.state_position)
+        except HsnapError:
+            return  # resume_req refuses it, by name
+        page = view.geometry.attention.page_size if view.geometry.attention is not None else 1
+        s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, math.ceil(position / page) * page)
+        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
+
+    def admit(self, reqs: list, *, resumed: bool = False) -> None:
+        """Put requests whose KV and Mamba state are in their slots into the running batch as decoding requests.
+
+        SGLang's own PD-decode admission: ``ScheduleBatch.init_new`` + ``prepare_for_prebuilt`` (decode metadata of
+        a request with its KV in place; ``seq_lens`` = committed positions), the last output token stashed in the
+        ``FutureMap`` (the relay every decode step reads its input from), then ``merge_batch``.  The penalizers
+        (frequency/presence/repetition penalties, min_new_tokens) are fed the earlier output tokens as decoding would
+        have fed them.  A resumed request re-anchors the detokenizer on its last tokens and stays out of the radix
+        tree (its history was not prefilled here; releasing it frees exactly its own slots)."""
+        from sglang.srt.managers.overlap_utils import RelayPayload
+        from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET, ScheduleBatch
+
+        s = self.sched
+        for req in reqs:
+            if resumed:
+                s.init_req_max_new_tokens(req)
+                req.skip_radix_cache_insert = True
+                _anchor_detokenizer(req, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+        for req in reqs:  # one batch per request: the penalizers are fed its own history
+            batch = ScheduleBatch.init_new([req], s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache, s.model_config,
+                                           s.enable_overlap, s.spec_algorithm)
+            batch.prepare_for_prebuilt()
+            orchestrator = batch.sampling_info.penalizer_orchestrator
+            if orchestrator.is_required:
+                for token in list(req.output_ids)[:-1]:  # the next prepare_for_decode feeds the last one
+                    orchestrator.cumulate_output_tokens(torch.tensor([token], dtype=torch.int64, device=batch.device))
+            last = torch.tensor([req.output_ids[-1]], dtype=torch.int64, device=batch.device)
+            s.future_map.stash(batch.req_pool_indices, RelayPayload(bonus_tokens=last))
+            batch.input_ids = None
+            if s.running_batch.is_empty():
+                s.running_batch = batch
+            else:
+                s.running_batch.merge_batch(batch)
+
+    # ------------------------------------------------------------------ the TP agreement
+
+    def agree(self, error: BaseException | None, payload: str = "") -> "_Outcome":
+        """Collective over the TP CPU group (every rank calls it at the same point): each rank's error (class name
+        and message, as JSON in a fixed-size byte tensor: no pickle) and a short payload; the first failing rank's
+        error comes back as a typed HsnapError on every rank."""
+        if self.tp_size == 1:
+            return _Outcome(error, [payload])
+        import torch.distributed as dist
+
+        mine = {"payload": payload, "error": None if error is None else _error_of(error)}
+        data = json.dumps(mine, default=str).encode()
+        if len(data) > _ERROR_BYTES - 4:
+            mine["error"] = {k: mine["error"][k] for k in ("type", "status", "message", "field")} if mine["error"] else None
+            if mine["error"]:
+                mine["error"]["message"] = mine["error"]["message"][:1000]
+            data = json.dumps(mine, default=str).encode()[: _ERROR_BYTES - 4]
+        buf = torch.zeros(_ERROR_BYTES, dtype=torch.uint8)
+        buf[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+        buf[4 : 4 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.zeros_like(buf) for _ in range(self.tp_size)]
+        dist.all_gather(out, buf, group=self.group)
+        payloads, errors = [], []
+        for rank, t in enumerate(out):
+            raw = bytes(t.tolist())
+            n = int.from_bytes(raw[:4], "little")
+            try:
+                got = json.loads(raw[4 : 4 + n].decode())
+            except ValueError:
+                got = {"payload": "", "error": {"type": "PluginError", "status": 500, "message": f"tp rank {rank}: unreadable agreement"}}
+            payloads.append(got.get("payload", ""))
+            if got.get("error"):
+                errors.append((rank, got["error"]))
+        if not errors:
+            return _Outcome(error, payloads)
+        # the cause, not its echo: a rank that only saw another one fail says RankFailedError / RemoteRankError
+        rank, e = next(((r, e) for r, e in errors if e.get("type") not in _ECHOES), errors[0])
+        if rank == self.tp_rank and error is not None:
+            return _Outcome(error, payloads)
+        return _Outcome(RemoteRankError(rank, e), payloads)
+
+    # ------------------------------------------------------------------ stats
+
+    def count(self, mode, rids) -> None:
+        kind = "decode" if mode.is_decode() else "extend" if mode.is_extend() else str(getattr(mode, "name", mode)).lower()
+        for rid in rids:
+            c = self.forwards.get(rid)
+            if c is None:
+                c = self.forwards[rid] = {"decode": 0, "extend": 0}
+                while len(self.forwards) > MAX_COUNTED_RIDS:
+                    self.forwards.popitem(last=False)
+            c[kind] = c.get(kind, 0) + 1
+
+    def on_stats(self, msg: HsnapStatsReqInput):
+        s = self.sched
+        rtp, alloc = s.req_to_token_pool, s.token_to_kv_pool_allocator
+        pools = {"req_rows_free": int(rtp.available_size()), "token_slots_free": int(alloc.available_size())}
+        if getattr(rtp, "mamba_allocator", None) is not None:
+            pools["mamba_slots_free"] = int(rtp.mamba_allocator.available_size())
+        result = {
+            "plugin": {"enabled": True, "tp_size": self.tp_size, "overlap": bool(s.enable_overlap),
+                       "radix_cache": bool(s.tree_cache.supports_prefix_sharing()), "exports": self.exports, "resumes": self.resumes},
+            "requests": {"running": [r.rid for r in s.running_batch.reqs], "waiting": [r.rid for r in s.waiting_queue],
+                         "prefilling": [s.chunked_req.rid] if s.chunked_req is not None else [], "parked": list(self.parked),
+                         "pending_exports": [e.rid for e in self.pending]},
+            "pools": pools,
+            "checks": self.checks(),
+            "checkpoints": {rid: _checkpoint_state(ck) for rid, ck in self.checkpoints.items()},
+        }
+        if msg.rid is not None:
+            result["rid"] = msg.rid
+            result["forwards"] = self.forwards.get(msg.rid)
+            result["where"] = self.locate(msg.rid)[0]
+        else:
+            result["forwards_by_rid"] = dict(self.forwards)
+        self._answer(msg, ok=True, result=result)
+        return None
+
+    def checks(self) -> dict:
+        """SGLang's own invariant checks, run now: the pool accounting (every token, Mamba and request slot is free,
+        cached in the tree or owned by a request) and, when the server is idle, the tree's sanity check."""
+        s = self.sched
+        ic = s.invariant_checker
+        out: dict[str, Any] = {"idle": bool(s.is_fully_idle())}
+        try:
+            ps = s.pool_stats_observer.get_pool_stats()
+            if out["idle"] and not self.parked:
+                leak, messages = ic._check_all_pools(ps)
+                rows_ok = len(s.req_to_token_pool.free_slots) + s.pool_stats_observer.session_held_req_count() == (
+                    s.req_to_token_pool.size + s.req_to_token_pool.pre_alloc_size)
+                out.update(pool_leak=bool(leak), req_rows_ok=bool(rows_ok), messages=list(messages))
+                if s.tree_cache.supports_prefix_sharing() and hasattr(s.tree_cache, "sanity_check"):
+                    try:
+                        s.tree_cache.sanity_check()
+                        out["tree_sanity"] = "ok"
+                    except Exception as e:  # noqa: BLE001 - reported, not raised
+                        out["tree_sanity"] = f"{type(e).__name__}: {e}"
+            else:
+                full_uncached, _ = ic._get_total_uncached_sizes()
+                uncached = full_uncached + sum(_private_tokens(r, ic.page_size) for r in self.parked.values())
+                leak, message = ic._check_full_pool(ps, uncached=uncached)
+                out.update(pool_leak=bool(leak), messages=[message])
+        except Exception as e:  # noqa: BLE001 - a check that cannot run says so
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+
+class RemoteRankError(HsnapError):
+    """Another TP rank refused; ``remote`` is its error (:func:`error_dict`), which the HTTP answer carries."""
+
+    def __init__(self, rank: int, remote: dict) -> None:
+        self.rank, self.remote = rank, dict(remote, tp_rank=rank)
+        super().__init__(remote.get("path"), f"tp rank {rank}: {remote.get('field') or remote.get('type')}",
+                         detail=f"{remote.get('type')}: {remote.get('message')}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.remote))
+
+
+_ECHOES = ("RankFailedError", "RemoteRankError")
+
+
+def _error_of(e: BaseException) -> dict:
+    return dict(e.remote) if isinstance(e, RemoteRankError) else error_dict(e)
+
+
+@dataclasses.dataclass
+class _Outcome:
+    error: BaseException | None
+    payloads: list
+
+
+class _Agreement:
+    """resume_req's ``commit`` at TP > 1: inside the restore's rollback, every rank says it succeeded; a rank that
+    failed earlier calls :meth:`HsnapScheduler.agree` after its failure instead (same collective, same order)."""
+
+    def __init__(self, hs: HsnapScheduler) -> None:
+        self.hs, self.done, self.error = hs, False, None
+
+    def commit(self) -> None:
+        self.done = True
+        outcome = self.hs.agree(None)
+        if outcome.error is not None:
+            self.error = outcome.error
+            raise outcome.error  # the restore gives back every allocation of this rank
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def drain_path(dir_: str, rid: str, tp_size: int) -> str:
+    """Where a drain puts ``rid``: ``DIR/<rid>.hsnap`` (a TP set: a directory ``DIR/<rid>``); a rid that is not a safe
+    file name is named by its hash (the record inside says which request it is)."""
+    name = _file_name(rid)
+    leaf = name if tp_size > 1 else f"{name}.hsnap"
+    return store_for(dir_).join(dir_, leaf)
+
+
+def _file_name(rid: str) -> str:
+    """``rid`` where it is a safe file name, else ``rid-<its hash>``: what a drain and checkpoints name files by."""
+    import xxhash
+
+    return rid if _SAFE_NAME.fullmatch(rid) else f"rid-{xxhash.xxh3_64_hexdigest(rid.encode())}"
+
+
+def _checkpoint_state(ck: _Checkpointing) -> dict:
+    links = ck.links
+    return {"dir": links.directory, "every": links.every, "last": links.last, "last_output_tokens": links.last_output,
+            "links": ck.written, "write_s": ck.write_s}
+
+
+def _dedup_report(pages, items: list) -> dict:
+    """What a dedup drain wrote against what single snapshots would have: each file plus every page object it
+    references (put now or reused), summed over the requests."""
+    st = pages.stats
+    files = sum(int(i["result"]["bytes"]) for i in items if i["ok"])
+    return {"page_size": pages.page_size, "pages_put": st.pages_put, "pages_reused": st.pages_reused,
+            "page_bytes_put": st.bytes_put, "page_bytes_reused": st.bytes_reused, "file_bytes": files,
+            "bytes_written": files + st.bytes_put, "single_bytes": files + st.bytes_put + st.bytes_reused}
+
+
+def _check_target_free(path: str) -> None:
+    """Refuse at once (not only at commit time) a local path that exists: snapshots are never overwritten."""
+    if not is_url(path) and os.path.lexists(path):
+        raise SnapshotExistsError(path, "path", "no file or directory", Phrase("one exists"))
+
+
+def _text_complete(req, tokenizer) -> bool:
+    """Whether the request's text ends on a whole character: SGLang's detokenizer holds back (streams only the
+    printable part of) a token sequence that ends inside a multi-byte character, and would flush it as U+FFFD when
+    the request ends.  An export at such a boundary would end the client's stream with a replacement character the
+    uninterrupted stream never has; so the export waits for the next whole-character boundary."""
+    if tokenizer is None or not len(req.output_ids):
+        return True
+    sp = req.sampling_params
+    tail = (list(req.origin_input_ids_unpadded) + list(req.output_ids))[-8:]
+    text = tokenizer.decode(tail, skip_special_tokens=sp.skip_special_tokens, spaces_between_special_tokens=sp.spaces_between_special_tokens)
+    return not text.endswith("\ufffd")
+
+
+def _remaining(req) -> int | None:
+    m = req.sampling_params.max_new_tokens
+    return None if m is None else max(0, int(m) - len(req.output_ids))
+
+
+def _private_tokens(req, page_size: int) -> int:
+    from sglang.srt.mem_cache.common import kv_private_tokens
+
+    return int(kv_private_tokens(req.kv, page_size))
+
+
+def _loaded_lora_ids(sched) -> set[str]:
+    registry = getattr(getattr(getattr(sched, "tp_worker", None), "model_runner", None), "lora_manager", None)
+    loras = getattr(registry, "loras", None) or {}
+    return set(loras)
+
+
+def _req_kwargs(sched) -> dict:
+    kw = {}
+    if getattr(sched.metrics_reporter, "enable_metrics", False):
+        kw["metrics_collector"] = sched.metrics_collector
+    return kw
+
+
+def _anchor_detokenizer(req, offset: int) -> None:
+    """A fresh detokenizer (the target's) learns a request at its first output message: ``decode_ids`` from
+    ``send_decode_id_offset`` on, the first ``read_offset - surr_offset`` of them as context only.  Give it the last
+    ``offset`` tokens of the committed text as context, so it emits exactly the text of the new tokens."""
+    history = list(req.origin_input_ids_unpadded) + list(req.output_ids)
+    n = max(1, min(offset, len(req.origin_input_ids_unpadded), len(history)))
+    req.surr_and_decode_ids = history[-n:]
+    req.cur_decode_ids_len = len(req.output_ids)
+    req.read_offset = len(req.origin_input_ids_unpadded)
+    req.surr_offset = req.read_offset - n
+    req.send_decode_id_offset = 0
+    req.send_token_offset = len(req.output_ids)  # the client has every output token up to the snapshot
+    req.send_output_token_logprobs_offset = len(req.output_ids)
+    req.decoded_text = ""
+
+
+__all__ = ["HsnapScheduler", "install", "after_ingest", "around_process_batch_result", "drain_path", "RemoteRankError"]

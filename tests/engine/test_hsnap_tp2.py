@@ -1,0 +1,136 @@
+"""hsnap inside a TP 2 server on CPU (issue 19 item 6): every rank writes its rank file of one snapshot set (hsnap_io.tp's
+protocol over the scheduler's TP CPU group, manifest last); a fresh TP 2 server resumes the set, each rank its own
+file, exactly; a set one rank cannot restore (its file corrupted) is refused on every rank — the other rank gives
+back what it had allocated (the agreement runs inside the restore's rollback) — with the failing rank's reason.
+
+The source server also shows TP 2 itself on CPU (item 6; it was tests/engine/test_tp2.py, with a server of its own):
+``python -m hsnap_sglang.serve --tp 2`` runs two scheduler ranks (gloo all-reduce; one core range per rank through
+SGLANG_CPU_OMP_THREADS_BIND, which the wrapper sets) and serves greedy requests deterministically, within bfloat16
+rounding of transformers' float32 model (tolerance: see test_engine.py; the TP-sharded reductions add their own
+rounding), and stops on SIGTERM with no process left."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine_support import PROMPT_IDS, full_distribution, reference_logprobs
+from hsnap_support import Stream, flush_cache, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+
+from hsnap_sglang import client
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+N = 48
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny_model_dir, tmp_path_factory):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("TP 2 on CPU needs two cores (one per rank)")
+    work = tmp_path_factory.mktemp("hsnap-tp2")
+    ids = prompt(71, 40)
+    src = hsnap_server(tiny_model_dir, work / "src.log", "--tp", "2")
+    # the target is another process from the start; it is asked nothing until the source has stopped
+    dst = hsnap_server(tiny_model_dir, work / "dst.log", "--tp", "2", "--max-mamba-cache-size", "7", "--max-total-tokens", "3000")
+    start_together(src, dst)
+    try:
+        full = {"input_ids": PROMPT_IDS, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 512}
+        greedy = [src.post("/generate", full)]
+        flush_cache(src.url)  # the same request again from an empty tree: determinism, not the cache
+        greedy.append(src.post("/generate", full))
+        other = Stream(src.url, payload("other", prompt(72, 21), 60))
+        other.start()
+        x = Stream(src.url, payload("x", ids, N))
+        x.start()
+        x.wait_tokens(8)
+        out = client.pause(src.url, "x", str(work / "x-set"))
+        x.finish()
+        other.finish()
+    except BaseException:
+        dst.stop()
+        raise
+    finally:
+        src_code = src.stop()
+    src_alive = src.living_descendants()
+    try:
+        # a copy of the set whose rank-1 file has one byte flipped inside a state section
+        import shutil
+
+        import hsnap_format as hf
+
+        bad = work / "x-set-bad"
+        shutil.copytree(work / "x-set", bad)
+        with hf.open(str(bad / "rank-1.hsnap")) as snap:
+            sec = next(s for s in snap.sections if s.kind == "temporal")
+        with open(bad / "rank-1.hsnap", "r+b") as f:
+            f.seek(sec.offset + 7)
+            b = f.read(1)[0]
+            f.seek(sec.offset + 7)
+            f.write(bytes([b ^ 0x10]))
+        before = wait_idle(dst.url)
+        try:
+            client.resume(dst.url, str(bad))
+            refused = None
+        except client.ServerError as e:
+            refused = e
+        after = wait_idle(dst.url)
+        o = Stream(dst.url, payload("o", prompt(73, 30), 70))
+        o.start()
+        o.wait_tokens(2)
+        run = client.resume(dst.url, str(work / "x-set"))
+        o.finish()
+        forwards = stats(dst.url, "x")["forwards"]
+        idle = wait_idle(dst.url)
+        flush_cache(dst.url)
+        refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
+    finally:
+        dst.stop()
+    return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
+            "refused": refused, "before": before, "after": after, "greedy": greedy, "src_code": src_code, "src_alive": src_alive,
+            "src_ready_s": src.ready_after_s}
+
+
+def test_item6_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_model_dir):
+    import torch
+
+    print(f"\nlaunch_server --tp 2: launch -> ready {tp2['src_ready_s']:.1f} s")
+    first, second = tp2["greedy"]
+    assert first["meta_info"]["output_token_logprobs"] == second["meta_info"]["output_token_logprobs"]
+    ids = [p[1] for p in first["meta_info"]["output_token_logprobs"]]
+    _, decode = reference_logprobs(tiny_model_dir, PROMPT_IDS, ids, "float32")
+    rows = torch.tensor([full_distribution(t) for t in first["meta_info"]["output_top_logprobs"]], dtype=torch.float64)
+    assert (rows - decode).abs().max().item() <= 0.25
+    assert tp2["src_code"] is not None and tp2["src_alive"] == []
+
+
+def test_item6_tp2_export_writes_every_rank_and_the_manifest(tp2):
+    import hsnap_format as hf
+
+    out = tp2["out"]
+    assert out["tp_size"] == 2
+    with hf.open(str(tp2["work"] / "x-set")) as snap:
+        assert sorted(snap.ranks) == [0, 1] and snap.manifest.snapshot_id == out["snapshot_id"]
+        for r in snap.ranks.values():
+            r.verify()
+            assert r.state_position == out["committed_positions"] and r.identity.tp_size == 2
+    assert out["bytes"] == sum(os.path.getsize(tp2["work"] / "x-set" / f"rank-{r}.hsnap") for r in (0, 1))
+    assert tp2["x"].final["meta_info"]["finish_reason"]["path"] == str(tp2["work"] / "x-set")
+
+
+def test_item6_tp2_resume_is_exact_with_decode_inputs_only(tp2):
+    assert tokens(tp2["run"].final) == tp2["refs"]["x"]
+    assert tp2["forwards"] == {"decode": N - tp2["out"]["output_tokens"], "extend": 0}
+    assert tokens(tp2["other"].final) == tp2["refs"]["other"] and tokens(tp2["o"].final) == tp2["refs"]["o"]
+    assert tp2["idle"]["checks"]["pool_leak"] is False
+
+
+def test_item6_tp2_one_rank_refusing_refuses_on_every_rank_without_side_effect(tp2):
+    e = tp2["refused"]
+    assert isinstance(e, client.ServerError), "the corrupted set was resumed"
+    assert e.error_type == "DigestMismatchError" and e.error.get("tp_rank") == 1, e.error
+    assert "rank-1.hsnap" in e.error["path"]
+    keep = lambda s: {"pools": s["pools"], "requests": s["requests"]}  # noqa: E731
+    assert keep(tp2["before"]) == keep(tp2["after"]) and tp2["after"]["checks"]["pool_leak"] is False

@@ -1,0 +1,168 @@
+"""Periodic checkpoints of a running request (issue 20 item 3), at the library level: a live SGLang ``Req`` in real
+SGLang pools (tests/sglang_pools.py) decodes step by step, a :class:`hsnap_format.checkpoints.Checkpoints` writes a
+link every M output tokens (plain, then deltas of the link before), the "process" stops at a random step; the newest
+committed link resumes into fresh pools exactly as the request was at that link."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import io_cases  # noqa: E402
+import sglang_pools as sp  # noqa: E402
+import sglang_reqs as sr  # noqa: E402
+
+from hsnap_format import HsnapError, open_chain  # noqa: E402
+from hsnap_format.checkpoints import Checkpoints, link_name, newest_links, parse_link  # noqa: E402
+from hsnap_sglang import req as hs  # noqa: E402
+
+
+def _pools():
+    ps = sp.build("hybrid_linear", size=1024)
+    sp.occupy(ps, 2, 37, seed=5)
+    return ps
+
+
+def _decode_step(ps, req, rng: random.Random) -> None:
+    """One decode step as a scheduler leaves it at a committed boundary: the last output token's KV row written
+    into a new slot, the Mamba slot overwritten, a new output token sampled (with its logprob)."""
+    n = req.kv.kv_committed_len
+    slot = sp._alloc_tokens(ps, 1).to(torch.int64)
+    ps.req_to_token_pool.write((req.kv.req_pool_idx, slice(n, n + 1)), slot.to(torch.int32))
+    sp._fill_request(ps, sp.RequestRecord(req.kv.req_pool_idx, slot, int(req.kv.mamba_pool_idx), 1, rng.randrange(1 << 30)))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = n + 1
+    token = rng.randrange(sr.vocab_size())
+    req.output_ids.append(token)
+    if req.return_logprob:
+        req.logprob.output_token_logprobs_val.append(sr._f32(-rng.random()))
+        req.logprob.output_token_logprobs_idx.append(token)
+
+
+def _rows(ps, req) -> dict:
+    return {k: v.clone() for k, v in sr.req_rows(ps, req).items()}
+
+
+CASE = dict(params=dict(max_new_tokens=400, temperature=0.0, ignore_eos=True), return_logprob=True, top_logprobs_num=0,
+            token_ids_logprob=None, stop=None, stream=True, detok=False, reasoning="none")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_item3_checkpoint_chain_resumes_the_newest_link_exactly(tmp_path, seed):
+    """Every M tokens a link (base = the link before; a fresh plain link after ``rebase_every``); stopped at a random
+    step, mid-way between links, with a dead writer's temporary of the next link beside them: the newest committed
+    link is the highest number; it opens as a chain down to the plain link, verifies, and resumes into fresh pools
+    with the rows, Mamba state, tokens and logprobs the request had at that link."""
+    rng = random.Random(seed)
+    M = rng.choice([3, 5, 8])
+    ps = _pools()
+    req, _ = sr.decode_req(ps, {**sr.random_case(seed), **CASE})
+    cp = Checkpoints.start(str(tmp_path), "req", every=M, rebase_every=4)
+    at_link: dict[str, tuple] = {}
+    stop = rng.randrange(6 * M, 12 * M)
+    for _ in range(stop):
+        if cp.due(len(req.output_ids)):
+            cp.write(lambda path, base: hs.snapshot_req(path, req, req_to_token_pool=ps.req_to_token_pool,
+                                                        token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                                                        identity=io_cases.identity(), base=base), len(req.output_ids))
+            at_link[cp.last] = (_rows(ps, req), list(req.output_ids), list(req.logprob.output_token_logprobs_val), cp.depth)
+        _decode_step(ps, req, rng)
+    # a writer killed while writing the next link leaves its temporary (a hidden name), never the final name
+    nxt = cp.next_link()[0]
+    open(os.path.join(tmp_path, f".{os.path.basename(nxt)}.hsnap-tmp-1-deadbeef"), "wb").close()
+
+    newest = newest_links(str(tmp_path))
+    assert list(newest) == ["req"] and newest["req"] == cp.last and parse_link(os.path.basename(cp.last)) == ("req", cp.seq)
+    assert cp.seq == len(at_link) >= 6 and len(os.listdir(tmp_path)) == cp.seq + 1
+    rows, outputs, logprobs, depth = at_link[cp.last]
+    with open_chain(cp.last) as chain:  # a delta down to the last plain link (rebase_every 4)
+        assert len(chain) == depth and 1 <= depth <= 4
+        chain.verify()
+    target = sp.build("hybrid_linear", size=1024)
+    sp.occupy(target, 3, 11, seed=9)
+    got = hs.resume_req(cp.last, req_to_token_pool=target.req_to_token_pool, token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
+                        identity=io_cases.identity(), tokenizer=sr.tokenizer())
+    assert list(got.output_ids) == outputs and list(got.logprob.output_token_logprobs_val) == logprobs
+    resumed = sr.req_rows(target, got)
+    assert resumed.keys() == rows.keys()
+    for name, value in rows.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_item3_checkpoint_numbers_continue_after_existing_links_and_refuse_bad_settings(tmp_path):
+    """A checkpointer started where links of its name exist (a request resumed after a crash, checkpointed again into
+    the same directory) numbers after the highest — never overwriting — and starts with a plain link; other names and
+    temporaries do not count; typed refusals for a bad interval or name."""
+    for leaf in (link_name("req", 1), link_name("req", 7), link_name("other", 12), ".req.ck000009.hsnap.hsnap-tmp-1-00", "req.hsnap"):
+        open(os.path.join(tmp_path, leaf), "wb").close()
+    cp = Checkpoints.start(str(tmp_path), "req", every=4)
+    path, base = cp.next_link()
+    assert os.path.basename(path) == link_name("req", 8) and base is None
+    assert newest_links(str(tmp_path)) == {"other": str(tmp_path / link_name("other", 12)), "req": str(tmp_path / link_name("req", 7))}
+    cp.committed(path, 10, None)
+    assert not cp.due(13) and cp.due(14) and cp.next_link() == (str(tmp_path / link_name("req", 9)), path)
+    for bad in (dict(every=0), dict(every=2.5), dict(every=4, rebase_every=0)):
+        with pytest.raises(HsnapError):
+            Checkpoints.start(str(tmp_path), "req", **bad)
+    with pytest.raises(HsnapError):
+        Checkpoints.start(str(tmp_path), "a/b", every=4)
+
+
+# --------------------------------------------------------------------------- the client's side of a cut stream
+
+
+def _sse_server(info: dict, events: list[dict]):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("X-Hsnap-Resume", json.dumps(info))
+            self.end_headers()
+            for e in events:
+                self.wfile.write(b"data: " + json.dumps(e).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("incremental, seen, expected", [
+    (False, None, (" world!", [3, 4])),  # the client had what the snapshot holds ("Hello", 2 ids)
+    (True, None, (" world!", [3, 4])),
+    (False, (8, 3), ("rld!", [4])),  # it had read more before the crash: those parts are not given again
+    (True, (8, 3), ("rld!", [4])),
+    (False, (3, 1), ("lo world!", [2, 3, 4])),  # it had read less: the part it missed comes first
+])
+def test_item3_client_resume_continues_the_clients_cut_stream(incremental, seen, expected):
+    """``client.resume(..., seen=(chars, ids))``: on_chunk gets exactly what lies beyond what the client had, from
+    /generate-shaped events carrying the text so far (or, incremental, deltas after the snapshot's part)."""
+    from hsnap_sglang import client
+
+    meta = {"id": "c"}
+    if incremental:
+        events = [{"text": " wor", "output_ids": [3], "meta_info": meta}, {"text": "ld!", "output_ids": [4], "meta_info": meta}]
+    else:
+        events = [{"text": "Hello wor", "output_ids": [1, 2, 3], "meta_info": meta},
+                  {"text": "Hello world!", "output_ids": [1, 2, 3, 4], "meta_info": meta}]
+    info = {"path": "/ck", "ok": True, "result": {"rid": "c", "client_had": {"text_chars": 5, "output_ids": 2, "incremental": incremental}}}
+    httpd = _sse_server(info, events)
+    try:
+        got = []
+        client.resume(f"http://127.0.0.1:{httpd.server_address[1]}", "/ck", seen=seen, on_chunk=lambda rid, t, ids, e: got.append((t, ids)))
+    finally:
+        httpd.shutdown()
+    assert ("".join(t for t, _ in got), [i for _, ids in got for i in ids]) == expected
