@@ -62,6 +62,7 @@ def one_run(url: str, every: int | None, n: int, tag: str, d: Path) -> dict:
     if every:
         first_write = float(first["timings"]["write_s"])
         out.update(links=state["links"], write_s=state["write_s"], periodic_write_s=state["write_s"] - first_write,
+                   writer_s=state.get("writer_s", 0.0), merged=state.get("merged", 0),
                    first_link_output=first["output_tokens"], link_bytes=sorted(p.stat().st_size for p in (d / tag).iterdir()))
     return out
 
@@ -87,13 +88,14 @@ def report(results: dict, args, srv: DemoServer, wall: float, load0, load1) -> s
                f"overlap scheduler off, {' '.join(f'{k} {v}' for k, v in CAPACITY.items())}; ready after {srv.ready_s:.1f} s  ")
     out.append(f"Per run: one greedy request alone, {PROMPT} prompt tokens, {args.tokens} output tokens; checkpoints switched on after "
                f"2 tokens; gaps from token {SKIP + 1} on; {args.rounds} rounds per mode, modes interleaved. Links: plain, then a "
-               "delta of the link before every M tokens, fsynced and renamed in the scheduler loop.")
+               "delta of the link before every M tokens: captured (new rows, recurrent state, record: host copies) in the scheduler loop, "
+               "written, fsynced and renamed by the scheduler's link writer thread.")
     out.append("")
     base = summarize(results["none"])
     head = ["mode", "gaps", "mean gap", "median", "p99", "max", "client: mean vs none", "links / run", "scheduler write per link",
-            "link writes / span of the run", "write per link / (M x median gap without)"]
+            "link writes / span of the run", "write per link / (M x median gap without)", "writer thread per link", "merged / run"]
     rows = [["no checkpoints", str(base["n"]), fmt_ms(base["mean"]), fmt_ms(base["median"]), fmt_ms(base["p99"]), fmt_ms(base["max"]),
-             "", "", "", "", ""]]
+             "", "", "", "", "", "", ""]]
     for key, runs in results.items():
         if key == "none":
             continue
@@ -104,7 +106,9 @@ def report(results: dict, args, srv: DemoServer, wall: float, load0, load1) -> s
         rows.append([f"every {key} tokens", str(s["n"]), fmt_ms(s["mean"]), fmt_ms(s["median"]), fmt_ms(s["p99"]), fmt_ms(s["max"]),
                      f"{(s['mean'] / base['mean'] - 1) * 100:+.1f} %", f"{statistics.median(links):.0f}",
                      fmt_ms(statistics.median(per_link)), f"{statistics.median(frac) * 100:.2f} % (max {max(frac) * 100:.2f} %)",
-                     f"{statistics.median(per_link) / (int(key) * base['median']) * 100:.1f} %"])
+                     f"{statistics.median(per_link) / (int(key) * base['median']) * 100:.1f} %",
+                     fmt_ms(statistics.median(r["writer_s"] / max(1, r["links"]) for r in runs)),
+                     f"{statistics.median(r['merged'] for r in runs):.0f}"])
     w = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     out.append("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
     out.append("|" + "|".join("-" * (x + 2) for x in w) + "|")
@@ -112,7 +116,8 @@ def report(results: dict, args, srv: DemoServer, wall: float, load0, load1) -> s
     out.append("")
     out.append("*client: mean vs none* compares the request's mean inter-token gap with the no-checkpoint runs of the same "
                "session (client side: HTTP, the load of a shared machine included). *scheduler: link writes / decode time* is the "
-               "scheduler's own time writing the periodic links (the decode of the request waits that long) over the client's "
+               "scheduler's own time on the periodic links (the capture at the boundary; the writer thread's time is the "
+               "*writer thread per link* column, off the decode path) (the decode of the request waits that long) over the client's "
                "span of the same tokens: the overhead free of the client's noise, but against decode steps slowed by the machine's "
                "load. The last column sets the median link write against M decode steps of the median gap without checkpoints "
                "(the least loaded steps): the overhead of a request decoding at that pace. Goal: at most 2 %.")

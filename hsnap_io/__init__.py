@@ -16,6 +16,10 @@ import importlib
 
 _EXPORTS = {
     "export_request": "export",
+    "capture_request": "export",
+    "write_captured": "export",
+    "CapturedRequest": "export",
+    "WrittenLink": "export",
     "restore_request": "restore",
     "RestoredRequest": "restore",
     "NumericsWarning": "restore",

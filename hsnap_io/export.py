@@ -144,6 +144,134 @@ def export_request(
             return w.commit(fsync=fsync)
 
 
+@dataclass
+class CapturedRequest:
+    """What a checkpoint link needs from the pools, copied to host memory at a committed boundary
+    (:func:`capture_request`): later decode steps cannot change it, and the slots may be freed once
+    this exists. :func:`write_captured` writes it (off the decode path: any thread)."""
+
+    identity: Identity
+    geometry: object
+    record: RequestRecord
+    swa_start: int
+    base_position: int  # the rows held start there (0: a plain snapshot)
+    sections: dict  # section name -> list of host uint8 chunks (own copies)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(c.nbytes) for chunks in self.sections.values() for c in chunks)
+
+
+def capture_request(
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    req_pool_idx: int,
+    record: RequestRecord,
+    identity: Identity,
+    swa_start: int = 0,
+    base_position: int = 0,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> CapturedRequest:
+    """The synchronous half of a (delta) export: the attention rows after ``base_position`` (every
+    row when 0), the whole recurrent state of the Mamba slot and the record, as host copies.
+    ``base_position`` is the state position of the base the delta will name
+    (:func:`write_captured` checks it against the base it opens)."""
+    require_type(None, "identity", identity, Identity)
+    require_type(None, "record", record, RequestRecord)
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    slots = request_slots(view, req_pool_idx, record.state_position, swa_start)
+    if base_position:
+        if not 0 < base_position <= record.state_position:
+            raise ChainError(None, "base.state_position", Phrase(f"<= the request's position {record.state_position}"), base_position)
+        swa = None if slots.swa is None else slots.swa[max(base_position, swa_start) - swa_start :]
+        slots = RequestSlots(slots.token[base_position:], swa, slots.mamba)
+    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    sections: dict = {}
+
+    def sink_for(name):
+        def sink(data, first: bool, last: bool) -> None:
+            sections.setdefault(name, []).append(np.array(data, dtype=np.uint8, copy=True).reshape(-1))
+
+        return sink
+
+    for b in view.bindings:
+        engine.export_section(b.buffer, slots.rows(b.space), sink_for(b.name))
+    engine.finish_export()
+    return CapturedRequest(complete_identity(identity), view.geometry, record, swa_start, base_position, sections)
+
+
+@dataclass(frozen=True)
+class WrittenLink:
+    """A snapshot :func:`write_captured` committed, as the next delta of it needs it: the chain
+    facts of its header, what a delta names (its root digest, id, position, depth) and its output
+    ids — so a checkpointer that wrote it names it as a base without re-opening the file (the
+    same checks as for an opened base; a resume still verifies the whole chain)."""
+
+    path: str
+    info: CommitInfo
+    facts: LinkFacts
+    ref: BaseRef  # what a delta of this link writes as its base
+    output_ids: np.ndarray
+
+
+def write_captured(path, cap: CapturedRequest, *, base=None, fsync: bool = True, mode: int = 0o600, storage_options=None) -> WrittenLink:
+    """The asynchronous half: write ``cap`` to ``path`` (a delta of ``base`` when given — a path or
+    open snapshot as for :func:`export_request`, or the :class:`WrittenLink` an earlier call
+    returned, not re-opened: the same chain checks — whose position must be ``cap.base_position``),
+    committed atomically (temporary, fsync, rename). Touches no pool."""
+    store = store_for(path, storage_options)
+    view = _GeometryOnly(cap.geometry)
+    if (base is None) != (cap.base_position == 0):
+        raise ChainError(path, "base", Phrase("a base exactly when the capture holds the rows after one"), base)
+    opener = _HeldBase.check if isinstance(base, WrittenLink) else _DeltaBase.open
+    with opener(base, path, store, cap.identity, view, cap.record, cap.swa_start) as delta:
+        ref = None if delta is None else delta.ref
+        if ref is not None and ref.state_position != cap.base_position:
+            raise ChainError(path, "base.state_position", Phrase(f"{cap.base_position} (the rows captured start there)"), ref.state_position)
+        with store.writer(os.fspath(path), writeback=fsync, identity=cap.identity, geometry=cap.geometry, record=cap.record,
+                          swa_start=cap.swa_start, mode=mode, base=ref, pages=None) as w:
+            planned = [s.name for s in w.pending_state_sections()]
+            if planned != list(cap.sections):
+                raise AssertionError(f"section plan {planned[:4]}... != captured sections {list(cap.sections)[:4]}...")
+            for name, chunks in cap.sections.items():
+                sink = _sink(w, name)
+                for i, c in enumerate(chunks):
+                    sink(c, i == 0, i == len(chunks) - 1)
+            info = w.commit(fsync=fsync)
+    own_depth = 0 if ref is None else ref.depth
+    return WrittenLink(os.fspath(path), info, LinkFacts.of_export(path, cap.identity, cap.geometry, cap.record, cap.swa_start),
+                       BaseRef(name=store.split(os.fspath(path))[1], root_digest=info.root_digest, snapshot_id=cap.identity.snapshot_id,
+                               state_position=cap.record.state_position, depth=own_depth + 1),
+                       np.asarray(cap.record.output_ids))
+
+
+class _HeldBase:
+    """A :class:`WrittenLink` as a delta's base: :class:`_DeltaBase`'s checks on the facts held."""
+
+    def __init__(self, ref: BaseRef) -> None:
+        self.ref = ref
+
+    @classmethod
+    @contextlib.contextmanager
+    def check(cls, base: WrittenLink, path, store, identity: Identity, view, record: RequestRecord, swa_start: int):
+        container = store.split(os.fspath(path))[0]
+        if _where(store, store.split(base.path)[0]) != _where(store, container):
+            raise ChainError(path, "base", Phrase(f"a snapshot beside the delta (in {container})"), base.path)
+        if base.ref.depth - 1 >= MAX_CHAIN_DEPTH:
+            raise ChainError(path, "base.depth", Phrase(f"<= {MAX_CHAIN_DEPTH} links (compact the chain first: hsnap compact)"), base.ref.depth)
+        check_link(base.facts, LinkFacts.of_export(path, identity, view.geometry, record, swa_start), path)
+        prefix = base.output_ids
+        if not np.array_equal(record.output_ids[: len(prefix)], prefix):
+            raise ChainError(path, "request.output_ids", Phrase(f"the base's {len(prefix)} output tokens first ({base.path})"), Phrase("other tokens"))
+        yield cls(base.ref)
+
+
+@dataclass(frozen=True)
+class _GeometryOnly:
+    geometry: object
+
+
 def _rows(token: torch.Tensor, runs) -> torch.Tensor:
     return torch.cat([token[a:b] for a, b in runs]) if runs else token[:0]
 

@@ -65,7 +65,7 @@ def install(result, sched, *args, **kwargs):
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints):
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy()):
         hs.service()
 
 
@@ -116,7 +116,125 @@ class _Checkpointing:
 
     links: Any  # hsnap_format.checkpoints.Checkpoints
     written: int = 0
-    write_s: float = 0.0  # time the scheduler spent writing links (the running request's decode waited that long)
+    write_s: float = 0.0  # scheduler time per link (capturing rows/state/record at the boundary: the decode waited that long)
+    writer_s: float = 0.0  # the background writer's time (header, write, fsync, rename): off the decode path
+    merged: int = 0  # links due while the previous one was still being written: folded into the next (never blocks decode)
+    base_position: int = 0  # state position of the last committed link (the next delta holds the rows after it)
+    waiting: bool = False  # a link came due while one is being written (counted once in ``merged``)
+    held: Any = None  # hsnap_io.export.WrittenLink of the last committed link: the next delta's base, not re-opened
+
+
+@dataclasses.dataclass
+class _LinkJob:
+    """A checkpoint link captured at a committed boundary, written by the link writer thread."""
+
+    ex: "_Export"
+    capture: Any  # hsnap_io.export.CapturedRequest (host copies)
+    result: dict  # the export's answer so far (the info is added once written)
+    capture_s: float
+    base: Any = None  # the base as write_captured takes it (the held WrittenLink, else the path)
+    info: Any = None  # hsnap_io.export.WrittenLink once written
+    error: Any = None
+    writer_s: float = 0.0
+    done: Any = None  # threading.Event, set once written (or failed)
+
+
+class _LinkWriter:
+    """One background thread per scheduler that writes captured checkpoint links (header planning, write, fsync,
+    rename), so none of that runs in the scheduler loop. At most ``depth`` links wait; the scheduler collects the
+    finished ones at its next boundary (``collect``: bookkeeping and answers stay on the scheduler thread)."""
+
+    def __init__(self, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self.depth = depth
+        self._q: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._lock = threading.Lock()
+        self._finished: list[_LinkJob] = []
+        self.in_flight: dict[str, _LinkJob] = {}  # rid -> its link being written (scheduler thread only)
+        self._thread = None
+        self._threading = threading
+        self.export_waiting: str | None = None  # rid whose export waits (blocking the scheduler) for its link
+        # tests only: a link whose ``<gate>/<file name>.hold`` exists waits until it is removed (a link "being written")
+        self._gate = os.environ.get("HSNAP_SGLANG_TEST_LINK_GATE") or None
+
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def full(self) -> bool:
+        return len(self.in_flight) >= self.depth
+
+    def submit(self, job: _LinkJob) -> None:
+        if self._thread is None:
+            import atexit
+
+            self._thread = self._threading.Thread(target=self._run, name="hsnap-link-writer", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        job.done = self._threading.Event()
+        self.in_flight[job.ex.rid] = job
+        self._q.put_nowait(job)  # never blocks: full() is checked before capturing
+
+    def _run(self) -> None:
+        from hsnap_io.export import write_captured
+
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self._gate is not None:
+                self._hold(job)
+            t0 = time.monotonic()
+            try:
+                job.info = write_captured(job.ex.path, job.capture, base=job.base)
+            except HsnapError as e:
+                job.error = _error_of(e)
+            except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
+                logger.exception("hsnap checkpoint link %s failed", job.ex.path)
+                job.error = error_dict(PluginError(job.ex.path, "export", detail=f"{type(e).__name__}: {e}"))
+            job.writer_s = time.monotonic() - t0
+            job.capture = None  # the host copies go now
+            with self._lock:
+                self._finished.append(job)
+            job.done.set()
+
+    def _hold(self, job: _LinkJob) -> None:
+        """Tests: wait while ``<gate>/<link>.hold`` exists, saying so (``.held``; ``.export-waiting`` once an export
+        of the request waits for this link)."""
+        hold = os.path.join(self._gate, os.path.basename(job.ex.path) + ".hold")
+        said: set[str] = set()
+        while os.path.exists(hold):
+            for tag, now in (("held", True), ("export-waiting", self.export_waiting == job.ex.rid)):
+                if now and tag not in said:
+                    open(hold[: -len(".hold")] + "." + tag, "w").close()
+                    said.add(tag)
+            time.sleep(0.01)
+
+    def wait(self, rid: str) -> None:
+        """Block until ``rid``'s link on its way (if any) is written or failed."""
+        job = self.in_flight.get(rid)
+        if job is not None:
+            self.export_waiting = rid
+            try:
+                job.done.wait()
+            finally:
+                self.export_waiting = None
+
+    def collect(self) -> list[_LinkJob]:
+        """The links written (or failed) since the last call; they are no longer in flight."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        for job in done:
+            if self.in_flight.get(job.ex.rid) is job:
+                del self.in_flight[job.ex.rid]
+        return done
+
+    def close(self) -> None:
+        """Server shutdown: the links queued are written, then the thread ends (joined)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
 
 
 def _finish_reason_class():
@@ -147,6 +265,7 @@ class HsnapScheduler:
         self.parked: dict[str, Any] = {}  # rid -> Req out of the running batch (overlap), until exported/given back
         self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.checkpoints: dict[str, _Checkpointing] = {}  # rid -> its periodic checkpoints
+        self.links = _LinkWriter()  # writes the checkpoint links off the decode path
         self.finish_reason = _finish_reason_class()
         self._identity = None
         self.exports = self.resumes = 0
@@ -235,6 +354,8 @@ class HsnapScheduler:
     def service(self) -> None:
         """Run every export whose request is at a committed decode boundary now; park (overlap) those whose last
         batch is still in flight; keep waiting for the ones being queued or prefilled."""
+        if self.links.busy():
+            self._collect_links()
         if self.checkpoints:
             self._queue_due_links()
         for ex in list(self.pending):
@@ -267,8 +388,16 @@ class HsnapScheduler:
                     ex.parked = False
                     self.admit([req])
                 return
+            if ex.checkpoint is None and ex.rid in self.links.in_flight:
+                # a pause/drain/export of a checkpointed request: its link on the way is committed first (and
+                # answered), so no link is written after this export and the final snapshot follows the last link
+                self.links.wait(ex.rid)
+                self._collect_links()
             self.pending.remove(ex)
-            self._export(ex, req, where)
+            if ex.checkpoint is not None:
+                self._capture_link(ex, req, where)
+            else:
+                self._export(ex, req, where)
         elif where == "running":  # overlap: its last batch is in flight; take it out of the next ones
             self.sched.running_batch.filter_batch(reqs_to_exclude=[req])
             self.parked[ex.rid] = req
@@ -295,6 +424,7 @@ class HsnapScheduler:
                 return
         else:
             self._release_exported(req, info)
+            self.checkpoints.pop(ex.rid, None)  # its checkpoints end with it (its last link was committed before)
         self.exports += 1
         t_done = time.monotonic()
         result = dict(info, rid=ex.rid, keep_running=ex.keep_running, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
@@ -443,6 +573,9 @@ class HsnapScheduler:
                 raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (checkpoints of a TP set are not supported)"), f"TP {self.tp_size}")
             if self._busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
+            if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)
+                self.links.wait(msg.rid)
+                self._collect_links()
             ck = _Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
             path, base = ck.links.next_link()
             self._check_target(path)
@@ -464,13 +597,78 @@ class HsnapScheduler:
             if req is None or req.finished():
                 del self.checkpoints[rid]
             elif where in ("running", "parked") and ck.links.due(len(req.output_ids)):
+                job = self.links.in_flight.get(rid)
+                if job is not None or self.links.full():  # the writer is behind: never block the decode; a link due
+                    # now folds into the next one (a delta of the last committed link, taken once the writer is free)
+                    since = len(req.output_ids) - (job.result["output_tokens"] if job is not None else ck.links.last_output)
+                    if since >= ck.links.every and not ck.waiting:
+                        ck.merged += 1
+                        ck.waiting = True
+                    continue
+                ck.waiting = False
                 path, base = ck.links.next_link()
                 self.pending.append(_Export(rid, path, True, time.monotonic(), req=req, found_in=where, checkpoint=ck, base=base))
+
+    def _capture_link(self, ex: _Export, req, where: str) -> None:
+        """At the committed boundary: the link's rows after the base, the recurrent state and the record, copied to
+        host memory (the only part the decode waits for); the link writer thread writes and commits it."""
+        import uuid
+
+        from hsnap_io.export import capture_request
+
+        from .req import req_record
+
+        t0 = time.monotonic()
+        ck = ex.checkpoint
+        try:
+            record, swa_start = req_record(req, path=ex.path)
+            s = self.sched
+            cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                                  req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
+                                  identity=dataclasses.replace(self.identity(), snapshot_id=uuid.uuid4().hex),
+                                  base_position=ck.base_position if ex.base is not None else 0)
+        except HsnapError as e:
+            err = _error_of(e)
+        except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
+            logger.exception("hsnap checkpoint link of %s failed", ex.rid)
+            err = error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}"))
+        else:
+            err = None
+        if where == "parked":
+            self.parked.pop(ex.rid, None)
+            self.admit([req])  # back into the running batch: it missed no token
+        if err is not None:
+            self._done(ex, error=err)
+            return
+        capture_s = time.monotonic() - t0
+        result = dict(rid=ex.rid, keep_running=True, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
+                      output_tokens=len(req.output_ids), committed_positions=int(record.state_position),
+                      snapshot_id=cap.identity.snapshot_id, tp_size=1, path=str(ex.path), captured_bytes=cap.nbytes,
+                      timings={"wait_s": t0 - ex.asked, "write_s": capture_s})
+        held = ck.held if ex.base is not None and ck.held is not None and ck.held.path == ex.base else ex.base
+        self.links.submit(_LinkJob(ex, cap, result, capture_s, base=held))
+
+    def _collect_links(self) -> None:
+        """The links the writer finished: bookkept and answered here, on the scheduler thread."""
+        for job in self.links.collect():
+            ex = job.ex
+            ex.checkpoint.writer_s += job.writer_s
+            if job.error is not None:
+                self._done(ex, error=job.error)
+                continue
+            self.exports += 1
+            ex.checkpoint.held = job.info
+            info = job.info.info
+            result = dict(job.result, bytes=int(info.file_length), payload_bytes=int(info.payload_bytes))
+            result["timings"] = dict(result["timings"], writer_s=job.writer_s, total_s=time.monotonic() - ex.asked,
+                                     pause_to_durable_s=time.monotonic() - ex.asked)
+            self._done(ex, result=result)
 
     def _link_done(self, ex: _Export, result, error) -> None:
         ck = ex.checkpoint
         if error is None:
             ck.links.committed(ex.path, int(result["output_tokens"]), ex.base)
+            ck.base_position = int(result["committed_positions"])
             ck.written += 1
             ck.write_s += float(result["timings"]["write_s"])
             result = dict(result, link=ck.links.seq, base=ex.base, dir=ck.links.directory, every=ck.links.every)
@@ -763,7 +961,7 @@ def _file_name(rid: str) -> str:
 def _checkpoint_state(ck: _Checkpointing) -> dict:
     links = ck.links
     return {"dir": links.directory, "every": links.every, "last": links.last, "last_output_tokens": links.last_output,
-            "links": ck.written, "write_s": ck.write_s}
+            "links": ck.written, "write_s": ck.write_s, "writer_s": ck.writer_s, "merged": ck.merged}
 
 
 def _dedup_report(pages, items: list) -> dict:

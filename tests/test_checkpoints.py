@@ -166,3 +166,56 @@ def test_item3_client_resume_continues_the_clients_cut_stream(incremental, seen,
     finally:
         httpd.shutdown()
     assert ("".join(t for t, _ in got), [i for _, ids in got for i in ids]) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_item3_captured_link_is_the_direct_export_at_capture_time_whatever_decodes_after(tmp_path, seed):
+    """The checkpoint writer's split (hsnap_io.export.capture_request at the boundary, write_captured later, off the
+    decode path): the rows after the base, the recurrent state and the record are host copies, so decode steps taken
+    between capture and write (the Mamba slot overwritten, new rows) change nothing: each link is byte-identical to
+    snapshot_req's at the capture boundary (plain and delta), and the chain resumes exactly."""
+    import dataclasses
+
+    from hsnap_io.export import capture_request, write_captured
+
+    rng = random.Random(seed)
+    ps = _pools()
+    req, _ = sr.decode_req(ps, {**sr.random_case(seed), **CASE})
+    pools = dict(req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator)
+    base, base_position, last_rows = None, 0, None
+    for k in range(4):
+        ident = dataclasses.replace(io_cases.identity(), snapshot_id=f"{k:032x}", created_at="2026-01-01T00:00:00.000000Z")
+        direct, path = tmp_path / f"d{k}.hsnap", tmp_path / f"req.ck{k + 1:06d}.hsnap"
+        record, swa_start = hs.req_record(req, path=str(path))
+        hs.snapshot_req(str(direct), req, identity=ident, base=None if base is None else str(tmp_path / f"d{k - 1}.hsnap"), **pools)
+        cap = capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=record, identity=ident, swa_start=swa_start,
+                              base_position=base_position, **pools)
+        rows, outputs = _rows(ps, req), list(req.output_ids)
+        for _ in range(rng.randrange(1, 6)):  # the request decodes on while the link waits for the writer
+            _decode_step(ps, req, rng)
+        if base is not None:  # the base by path (opened and checked) and as held by its writer (not re-opened): one file
+            by_path = write_captured(str(tmp_path / f"p{k}.hsnap"), cap, base=base.path)
+        link = write_captured(str(path), cap, base=base)
+        assert link.info.file_length == os.path.getsize(direct) and link.path == str(path)
+        if k == 0:
+            assert path.read_bytes() == direct.read_bytes()
+        else:
+            assert (tmp_path / f"p{k}.hsnap").read_bytes() == path.read_bytes()
+            assert dataclasses.replace(by_path.ref, name=link.ref.name) == link.ref and link.ref.depth == k + 1
+        base, base_position, last_rows = link, record.state_position, (rows, outputs)
+    with pytest.raises(HsnapError):  # a capture whose rows do not start at the base's position is refused by name
+        cap = capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=hs.req_record(req)[0], identity=io_cases.identity(),
+                              base_position=base_position - 1, **pools)
+        write_captured(str(tmp_path / "bad.hsnap"), cap, base=base)
+    assert not os.path.exists(tmp_path / "bad.hsnap")
+    with open_chain(base.path) as chain:
+        assert len(chain) == 4
+        chain.verify()
+    target = sp.build("hybrid_linear", size=1024)
+    got = hs.resume_req(base.path, identity=io_cases.identity(), tokenizer=sr.tokenizer(), req_to_token_pool=target.req_to_token_pool,
+                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator)
+    rows, outputs = last_rows
+    assert list(got.output_ids) == outputs
+    resumed = sr.req_rows(target, got)
+    for name, value in rows.items():
+        assert torch.equal(resumed[name], value), name

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +36,7 @@ PAGE = 16
 SHARED = prompt(51, 2 * PAGE)  # two full pages shared by the three drained requests
 DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  # 3 x 40 prompt tokens: one prefill chunk
 CK_PROMPT, CK_N, CK_M = prompt(71, 30), 96, 8
+GATED_N = 300
 MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 
 
@@ -47,8 +49,9 @@ def work(tmp_path_factory):
 def servers(tiny_model_dir, work):
     """S1 (killed) and S2 (a fresh server: it knows nothing of the requests until they are resumed there),
     started side by side (a start is mostly imports)."""
+    (work / "gate").mkdir()
     started = {"s1": hsnap_server(tiny_model_dir, work / "s1.log", radix=False),
-               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False)}
+               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False, env={"HSNAP_SGLANG_TEST_LINK_GATE": str(work / "gate")})}
     start_together(*started.values())
     yield started
     for srv in started.values():
@@ -106,10 +109,44 @@ def resumed(servers, work, crashed):
         ref_c.start()
         ref_c.finish()
         refs = references(s2.url, DEDUP)
+        gated = _pause_while_a_link_is_written(s2, work)
     finally:
         s2.stop()
     return {"had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards": forwards, "run_d": run_d, "idle": idle,
-            "ref_c": ref_c.final, "refs": refs}
+            "ref_c": ref_c.final, "refs": refs, "gated": gated}
+
+
+def _wait_for(path: Path, what, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared: {what()}"
+        time.sleep(0.05)
+
+
+def _pause_while_a_link_is_written(s2, work) -> dict:
+    """Request g checkpointed every 4 tokens; its second link is held in the writer thread (the server's test gate)
+    while the request decodes on; a pause of g is asked for and reaches the boundary (the scheduler waits for the
+    link: said by the gate); then the link is let go."""
+    gate, ck = work / "gate", work / "ckg"
+    hold = gate / "g.ck000002.hsnap.hold"
+    hold.touch()
+    g = Stream(s2.url, payload("g", CK_PROMPT, GATED_N))
+    g.start()
+    g.wait_tokens(2)
+    first = client.checkpoint(s2.url, "g", str(ck), every=4)
+    _wait_for(gate / "g.ck000002.hsnap.held", lambda: stats(s2.url)["checkpoints"])
+    during = stats(s2.url)["checkpoints"]["g"]
+    out: dict = {}
+    pause = threading.Thread(target=lambda: out.update(pause=client.pause(s2.url, "g", str(work / "g-final.hsnap"))), daemon=True)
+    pause.start()
+    _wait_for(gate / "g.ck000002.hsnap.export-waiting", lambda: os.listdir(gate))
+    files_while_held = sorted(os.listdir(ck))
+    hold.unlink()
+    pause.join(300)
+    g.finish()
+    idle = wait_idle(s2.url)
+    return {"first": first, "during": during, "pause": out.get("pause"), "files_while_held": files_while_held,
+            "files": sorted(os.listdir(ck)), "final": g.final, "idle": idle}
 
 
 def test_item3_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resumed, work):
@@ -172,4 +209,30 @@ def test_item5_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, res
     for rid, final in run.finals.items():
         assert tokens(final) == resumed["refs"][rid], rid
     checks = resumed["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
+
+
+def test_item3_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(resumed, work):
+    """A pause of a checkpointed request whose link is in the writer thread: the link is committed first (never
+    after the request's slots are released), the final snapshot continues it, and no later link is written."""
+    g = resumed["gated"]
+    assert g["first"]["link"] == 1 and g["during"]["links"] == 1, g
+    assert [n for n in g["files_while_held"] if not n.startswith(".")] == ["g.ck000001.hsnap"], g  # link 2 not yet committed
+    pause = g["pause"]
+    assert pause is not None and pause["keep_running"] is False, g
+    assert g["files"] == ["g.ck000001.hsnap", "g.ck000002.hsnap"], g["files"]  # committed, no temporary, no link 3
+    assert g["final"]["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    link2 = str(work / "ckg" / "g.ck000002.hsnap")
+    with open_chain(link2) as chain:
+        assert len(chain) == 2 and chain.links[0].base is None
+        chain.verify()
+        at_link = chain.head.request["output_tokens"]
+    with open_snapshot(pause["path"]) as final:
+        final.verify()
+        outputs = list(final.read("request.output_ids"))
+    with open_snapshot(link2) as snap:
+        assert list(snap.read("request.output_ids")) == outputs[:at_link] and at_link <= len(outputs)
+    assert pause["committed_positions"] >= len(CK_PROMPT) + at_link - 1
+    assert "g" not in g["idle"]["checkpoints"]
+    checks = g["idle"]["checks"]
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
