@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine_support import REQUEST_TIMEOUT_S, Server
 
-from hsnap_sglang import client
+from hsnap_sglang import client, demo
 
 # SGLang's own invariant checks, strict: a leak found while idle, or a tree that fails its sanity check, raises in
 # the scheduler (the server dies and every later call fails)
@@ -84,46 +84,15 @@ def flush_cache(url: str) -> None:
             time.sleep(0.5)
 
 
-class Stream(threading.Thread):
-    """A streamed /generate in a thread: its events (with arrival times), the error if any."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        super().__init__(daemon=True)
-        self.url, self.body = url, dict(body, stream=True)
-        self.events: list[dict] = []
-        self.times: list[float] = []
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        try:
-            req = urllib.request.Request(self.url + "/generate", data=json.dumps(self.body).encode(), headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
-                for event in client.stream_events(r):
-                    self.events.append(event)
-                    self.times.append(time.monotonic())
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.done.set()
-
-    def wait_tokens(self, n: int, timeout: float = REQUEST_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.events or self.events[-1]["meta_info"]["completion_tokens"] < n:
-            if self.done.is_set() or time.monotonic() > deadline:
-                raise AssertionError(f"{self.body['rid']}: {len(self.events)} events, error {self.error!r}")
-            time.sleep(0.005)
+class Stream(demo.Stream):
+    """The demo's streamed /generate in a thread (events, arrival times, the error if any); ``finish`` asserts
+    instead of raising the demo's error, and lets a stream that got no event through (the test looks at it)."""
 
     def finish(self, timeout: float = REQUEST_TIMEOUT_S) -> "Stream":
         self.join(timeout)
         assert not self.is_alive(), f"{self.body['rid']} still streaming"
         assert self.error is None, self.error
         return self
-
-    @property
-    def final(self) -> dict:
-        return self.events[-1]
-
 
 def deltas(events: list[dict], had: tuple[int, int] = (0, 0)) -> list[tuple[str, list[int]]]:
     """What each event adds to the text and the token ids (events carry both so far); empty additions left out."""
