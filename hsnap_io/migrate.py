@@ -39,6 +39,7 @@ compact first — which puts the whole history on the downtime path).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import time
@@ -71,6 +72,7 @@ from .transfer import DEFAULT_STAGING_BYTES, engine_for
 LINK_NAME = "link-{:04d}.hsnap"  # the pre-copy rounds, in order: link-0000 plain, the others deltas
 FINAL_NAME = "final.hsnap"  # the last delta, written after the source stopped the request
 APPLIED_SUFFIX = ".applied"  # put by a following target beside each round it applied: the source stops once it sees it
+ABANDONED_NAME = "abandoned.json"  # put by a source that gives the migration up (the request finished, was refused...)
 
 
 class MigrationError(HsnapError):
@@ -120,6 +122,13 @@ class MigrationSource:
         stopping now leaves only the rows decoded since the last round on the downtime path."""
         return bool(self.links) and self._store.exists(self.links[-1] + APPLIED_SUFFIX)
 
+    def abandon(self, reason: str) -> None:
+        """Give the migration up (the request stays, or ended, on the source): a following
+        target releases what it applied and raises :class:`MigrationError` saying ``reason``."""
+        self._store.put_bytes(self._store.join(self.container, ABANDONED_NAME),
+                              json.dumps({"reason": str(reason)[:4000], "links": len(self.links)}).encode())
+        self.stopped = True
+
     def stop(self, req_pool_idx: int, record: RequestRecord) -> CommitInfo:
         """The last link, once the request is stopped: the tail rows, the recurrent state and
         the record (a plain snapshot when no round was pre-copied: stop-and-copy)."""
@@ -166,13 +175,16 @@ class MigrationTarget:
         self._owned = None
 
     # -- the first link: a restore into fresh slots
-    def _apply_first(self, path: str) -> AppliedLink:
+    def _apply_first(self, path: str, accept) -> AppliedLink:
         source = open_source(path, identity=self.identity, storage_options=self.storage_options)
         try:
             paged = next((link for link in source.chain.links if link.pages is not None), None)
             if paged is not None:  # its rows would come from the page store: pre-copy has nothing to gain there
                 raise UnsupportedFeatureError(paged.path, "migrating a link that references pages", Phrase("a self-contained link"),
                                               Phrase(f"pages in {paged.pages.store!r}"))
+            if accept is not None:  # the caller's own refusals (the request itself), before allocating
+                check_compatible(source.snap, self.view, self.identity)
+                accept(source.snap, source.snap.record(verify=self.verify))
             restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
                                       exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
         except BaseException:
@@ -188,13 +200,16 @@ class MigrationTarget:
         self._last, self._owned = snap, owner
 
     # -- every later link: a delta of the one applied last, into the same request
-    def apply(self, path) -> AppliedLink:
-        """Apply the next link (see the module's guarantees); returns what it added."""
+    def apply(self, path, *, accept=None) -> AppliedLink:
+        """Apply the next link (see the module's guarantees); returns what it added.
+        ``accept(snap, record)``, when given, runs after every check and before anything is
+        allocated: what it raises refuses the link as the checks do (a scheduler checks there
+        that the request can run on the target)."""
         p = os.fspath(path)
         if self.request is None:
-            applied = self._apply_first(p)
+            applied = self._apply_first(p, accept)
         else:
-            applied = self._apply_delta(p)
+            applied = self._apply_delta(p, accept)
         self.applied.append(applied)
         return applied
 
@@ -204,10 +219,12 @@ class MigrationTarget:
             return next(iter(opened.ranks.values())), opened
         return opened, opened
 
-    def _apply_delta(self, p: str) -> AppliedLink:
+    def _apply_delta(self, p: str, accept) -> AppliedLink:
         snap, owner = self._open(p)
         try:
             record = self._check_delta(snap)
+            if accept is not None:
+                accept(snap, record)
             applied = self._upload_delta(snap, record)
         except BaseException:
             owner.close()
@@ -304,30 +321,52 @@ class MigrationTarget:
         return fresh
 
     # -- following a container
-    def follow(self, container, *, timeout_s: float = 60.0, poll_s: float = 0.001) -> Iterator[AppliedLink]:
-        """Apply the links of ``container`` as they are committed, in order, until the final
-        one, putting ``<link>.applied`` beside each round once applied (the source's cue to
-        stop); a link not committed within ``timeout_s`` of the last is a :class:`MigrationError`."""
+    def next_names(self, container) -> tuple[str, str, str]:
+        """Where the next link of ``container`` will appear: (next round, final link, abandoned marker)."""
         c = os.fspath(container).rstrip("/")
         store = store_for(c, self.storage_options)
-        final = store.join(c, FINAL_NAME)
+        return (store.join(c, LINK_NAME.format(len(self.applied))), store.join(c, FINAL_NAME), store.join(c, ABANDONED_NAME))
+
+    def step(self, container, *, accept=None) -> AppliedLink | None:
+        """One look at ``container``, never waiting: apply the next link if it is committed
+        (putting ``<link>.applied`` beside a round once applied: the source's cue to stop);
+        None if it is not there yet. A source that gave up (:meth:`MigrationSource.abandon`)
+        is a :class:`MigrationError` (what was applied stays: :meth:`release` gives it back)."""
+        c = os.fspath(container).rstrip("/")
+        store = store_for(c, self.storage_options)
+        nxt, final, abandoned = self.next_names(c)
+        # a final link exists only after every round: look for the next round again after seeing it
+        if store.exists(nxt):
+            path = nxt
+        elif store.exists(final) and not store.exists(nxt):
+            path = final
+        elif store.exists(abandoned):
+            try:
+                raw = store.read_bytes(abandoned, 8192)[0]
+            except HsnapError:
+                raw = b"(unreadable)"
+            raise MigrationError(c, ABANDONED_NAME, Phrase("a migration the source carries on"),
+                                 Phrase(f"abandoned by the source: {raw[:4000].decode('utf-8', 'replace').strip()}"))
+        else:
+            return None
+        applied = self.apply(path, accept=accept)
+        if not applied.final:
+            store.put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
+        return applied
+
+    def follow(self, container, *, timeout_s: float = 60.0, poll_s: float = 0.001, accept=None) -> Iterator[AppliedLink]:
+        """Apply the links of ``container`` as they are committed, in order, until the final
+        one (:meth:`step` in a loop); a link not committed within ``timeout_s`` of the last is
+        a :class:`MigrationError`."""
+        c = os.fspath(container).rstrip("/")
         deadline = time.monotonic() + timeout_s
         while True:
-            n = len(self.applied)
-            nxt = store.join(c, LINK_NAME.format(n))
-            # a final link exists only after every round: look for the next round again after seeing it
-            if store.exists(nxt):
-                path = nxt
-            elif store.exists(final) and not store.exists(nxt):
-                path = final
-            elif time.monotonic() > deadline:
-                raise MigrationError(c, LINK_NAME.format(n), Phrase(f"committed within {timeout_s} s"), Phrase("missing"))
-            else:
+            applied = self.step(c, accept=accept)
+            if applied is None:
+                if time.monotonic() > deadline:
+                    raise MigrationError(c, LINK_NAME.format(len(self.applied)), Phrase(f"committed within {timeout_s} s"), Phrase("missing"))
                 time.sleep(poll_s)
                 continue
-            applied = self.apply(path)
-            if not applied.final:  # tell the source this round is in (MigrationSource.caught_up)
-                store.put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
             yield applied
             if applied.final:
                 return
@@ -365,4 +404,4 @@ def _is_final(path: str) -> bool:
     return os.path.basename(path.rstrip("/")) == FINAL_NAME
 
 
-__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX"]
+__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME"]
