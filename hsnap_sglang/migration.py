@@ -96,6 +96,7 @@ class Migrating:
     since: float = 0.0  # when the last round was committed
     writer_s: float = 0.0
     stopped_checkpoints: bool = False
+    left_at_stop: int = 0  # rows after the last round when the stop was decided (the boundary it waits for adds its step)
 
 
 @dataclasses.dataclass
@@ -144,11 +145,11 @@ def on_migrate(hs, msg) -> None:
 
     where, req = hs.locate(msg.rid)
     try:
-        if where is None:
-            raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
         if hs.tp_size > 1:
             raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
                              f"TP {hs.tp_size}")
+        if where is None:
+            raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
         if hs._busy(msg.rid) or msg.rid in hs.migrations:
             raise RequestBusyError(None, "rid", Phrase("a request no other export or migration is waiting for"), msg.rid)
         store = store_for(msg.dir)
@@ -203,6 +204,7 @@ def advance_migrations(hs) -> None:
         left = int(req.kv.kv_committed_len) - m.base_position
         final = left <= m.tail or len(m.links) >= m.max_rounds
         name = FINAL_NAME if final else LINK_NAME.format(len(m.links))
+        m.left_at_stop = left
         m.queued = True
         hs.pending.append(_Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
                                   base=m.links[-1]))
@@ -266,6 +268,7 @@ def finish(hs, ex, req, where: str) -> None:
     result = {
         "rid": ex.rid, "dir": m.container, "final": str(ex.path), "rounds": m.rounds, "committed_positions": committed,
         "output_tokens": len(req.output_ids), "prompt_tokens": len(req.origin_input_ids), "final_rows": committed - m.base_position,
+        "rows_left_at_stop": m.left_at_stop,
         "final_bytes": int(written.info.file_length), "precopy_bytes": sum(r["bytes"] for r in m.rounds),
         "stopped_checkpoints": m.stopped_checkpoints,
         "timings": {"total_s": t_committed - m.started, "precopy_s": t_stop - m.started, "final_capture_s": t_captured - t_stop,

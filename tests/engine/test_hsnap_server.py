@@ -56,7 +56,7 @@ PREFIX = prompt(51, 600)
 TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
 RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
-MG = {"mg": (prompt(91, 30), 90), "mg-other": (prompt(92, 20), 70), "mg-lone": (prompt(93, 26), 60)}
+MG = {"mg": (prompt(91, 30), 90), "mg-other": (prompt(92, 20), 70), "mg-lone": (prompt(93, 26), 60), "mg-s3": (prompt(94, 24), 50)}
 MG_TAIL, MG_ROUNDS = 2, 4
 
 
@@ -170,7 +170,7 @@ def _last_token_at(stream) -> float:
 
 
 @pytest.fixture(scope="module")
-def migrated(servers, work):
+def migrated(servers, work, store):
     """mg is live-migrated from O (overlap scheduler) to S3 (radix cache) while mg-other decodes beside it in O; then
     a follow that no source feeds (S3 refuses after its timeout, unchanged) and a migration no target follows (O gives
     it up, mg-lone decodes on); uninterrupted references in O.  Runs before O stops (the overlap fixture needs it)."""
@@ -190,6 +190,12 @@ def migrated(servers, work):
         out["dst_idle"], out["src_idle"] = wait_idle(dst), wait_idle(src)
         out["dst_before"] = dst_before
         out["files"] = sorted(os.listdir(work / "mig"))
+        # the same through the object store (a real SeaweedFS): the servers of two hosts would share nothing else
+        s3m = Stream(src, payload("mg-s3", *MG["mg-s3"]))
+        s3m.start()
+        s3m.wait_tokens(4)
+        out["mig_s3"] = client.move(src, dst, "mg-s3", f"s3://{store['bucket']}/mig-s3", timeout_s=120)
+        out["s3m"] = s3m.finish()
         # a follow nobody feeds: refused after its timeout, S3's pools as they were
         try:
             client.follow(dst, str(work / "nobody"), rid="nobody", timeout_s=1.5)
@@ -249,7 +255,10 @@ def test_item4_live_migration_precopies_while_decoding_and_stops_for_the_tail(mi
     positions = [r["committed_positions"] for r in rounds] + [src["committed_positions"]]
     assert positions == sorted(positions) and rounds[0]["output_tokens"] >= 6
     assert src["final_rows"] == positions[-1] - positions[-2]
-    assert src["final_rows"] <= MG_TAIL or len(rounds) == MG_ROUNDS
+    # stopped once at most tail rows were left (or the round budget ran out); reaching the committed boundary adds the
+    # step in flight (the overlap scheduler) and nothing more
+    assert src["rows_left_at_stop"] <= MG_TAIL or len(rounds) == MG_ROUNDS
+    assert src["rows_left_at_stop"] <= src["final_rows"] <= src["rows_left_at_stop"] + 2
     # the decode went on during the pre-copy: the request committed more positions than link-0000 holds
     assert src["committed_positions"] > rounds[0]["committed_positions"]
     names = [f"link-{i:04d}.hsnap" for i in range(len(rounds))]
@@ -259,6 +268,15 @@ def test_item4_live_migration_precopies_while_decoding_and_stops_for_the_tail(mi
     assert [a["committed_positions"] for a in applied] == positions
     assert applied[-1]["rows"] == src["final_rows"]  # the downtime path uploads the tail only
     assert sum(a["rows"] for a in applied) == src["committed_positions"]
+
+
+def test_item4_live_migration_through_an_object_store(migrated):
+    mg = _migrated(migrated)
+    mig = mg["mig_s3"]
+    assert tokens(mig.run.final) == mg["refs"]["mg-s3"]
+    assert mig.source["final"].startswith("s3://") and mg["s3m"].final["meta_info"]["finish_reason"]["migration"].startswith("s3://")
+    assert [a["committed_positions"] for a in mig.run.info["links"]] == [r["committed_positions"] for r in mig.source["rounds"]] + [
+        mig.source["committed_positions"]]
 
 
 def test_item4_live_migration_stream_continues_without_repeated_or_missing_text(migrated):
