@@ -785,18 +785,28 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
     """Each target section of the set of deltas into ``dests[space]`` (the delta's fresh
     token slots, the request's Mamba slot), assembled from the source sections it depends
     on — each read whole once, 2 MiB at a time, hashed with ``check`` (:func:`_assemble`) —
-    into one scratch buffer, checked before it is uploaded. ``at[0]`` names the section in
-    progress (for the caller's rollback message). Returns (bytes uploaded, source bytes read)."""
+    as :func:`restore_resharded` assembles: straight into the slots when they are one run of
+    a CPU pool (the Mamba slot always is; a digest or byte-count mismatch found after the
+    bytes landed is the caller's to roll back), else into one scratch buffer checked before
+    it is uploaded. ``at[0]`` names the section in progress (for the caller's rollback
+    message). Returns (bytes uploaded, source bytes read)."""
     sources = _sources(deltaset)
     piece = np.empty(_PIECE, dtype=np.uint8)
-    scratch = np.empty(max((p.nbytes for p in plans), default=0), dtype=np.uint8)
+    slots_view = getattr(engine, "slots_view", None)
+    scratch = None
     read = uploaded = 0
     for b, p in zip(view.bindings, plans):
         at[0] = f"sections[{p.name}]"
-        out = scratch[: p.nbytes]
+        rows = dests[b.space].to(b.buffer.device)
+        out = slots_view(b.buffer, rows) if slots_view is not None and p.nbytes else None
+        direct = out is not None and out.nbytes == p.nbytes
+        if not direct:
+            if scratch is None:
+                scratch = np.empty(max(q.nbytes for q in plans), dtype=np.uint8)
+            out = scratch[: p.nbytes]
         read += _assemble(sources, p, out, check, deltaset.path, piece)
-        if p.nbytes:
-            engine.import_section(b.buffer, dests[b.space].to(b.buffer.device), out)
+        if not direct and p.nbytes:
+            engine.import_section(b.buffer, rows, out)
         uploaded += p.nbytes
     return uploaded, read
 

@@ -250,3 +250,20 @@ def test_item4_tp2_to_tp1_live_migration_from_two_source_processes(tmp_path):
     got = tc.request_bytes(ps, tgt.request)
     assert got == _direct(tmp_path / "direct", 1, 0)
     assert got == tc.expected_bytes(M, 1, 0, rows, states[-1], tc.POSITIONS[-1])
+
+
+# ----------------------------------------------------------------------------- TP 2 -> TP 2: set links at the same TP size
+
+
+def test_item4_tp2_set_links_followed_by_each_rank_of_a_tp2_target_end_at_the_final_set(tmp_path):
+    """Links written as TP sets at the target's own TP size: each target rank applies its own
+    rank file of every set as is (no description needed), and ``follow`` ends at the final
+    set (an applied link names the set, not its rank file)."""
+    rows, states = tc.rounds()
+    _, links = _tp2_migration(tmp_path, rows, states)
+    for r in range(2):
+        ps = tc.target(2, r)
+        tgt = MigrationTarget(req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc, identity=rp.identity(2, r))
+        applied = list(tgt.follow(tmp_path / "mig", timeout_s=2))
+        assert [a.path for a in applied] == links and applied[-1].final
+        assert tc.request_bytes(ps, tgt.request) == tc.expected_bytes(M, 2, r, rows, states[-1], tc.POSITIONS[-1])
