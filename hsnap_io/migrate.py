@@ -257,6 +257,7 @@ class MigrationTarget:
         self._last: Snapshot | SnapshotSet | None = None
         self._resharded = False
         self._owned = None
+        self._saved_state: dict = {}  # the Mamba slot's rows as before the delta in progress (a rollback's), reused link after link
 
     # -- the first link: a restore into fresh slots
     def _apply_first(self, path: str, accept) -> AppliedLink:
@@ -426,7 +427,9 @@ class MigrationTarget:
                 fresh = self._extend_slots(old, new, checkpoint, snap.path)
                 dests = {"token": fresh, "mamba": None if req.mamba_pool_idx is None else torch.tensor([req.mamba_pool_idx])}
                 for b in view.bindings:
-                    if b.space == "mamba" or self.exact_rollback:  # the request's own state is overwritten: always put back
+                    if b.space == "mamba":  # the request's own state is overwritten: always put back (into memory kept)
+                        checkpoint.remember_rows(b.buffer, dests[b.space], b.name, keep=self._saved_state)
+                    elif self.exact_rollback:
                         checkpoint.remember_rows(b.buffer, dests[b.space], b.name)
                 uploaded = upload(engine, dests, at)
                 at[0] = "finish upload"
@@ -528,6 +531,7 @@ class MigrationTarget:
                 rtp.mamba_allocator.free(torch.tensor([req.mamba_pool_idx], dtype=torch.int64))
             rtp.free_rows([req.req_pool_idx])
         self.request = None
+        self._saved_state.clear()
         self.close()
 
     def close(self) -> None:

@@ -195,6 +195,11 @@ def test_item4_tp2_to_tp1_hostile_deltas_are_refused_pools_identical_and_the_fin
     assert tc.request_bytes(ps, tgt.request) == first
 
     assert tgt.apply(links[1]).rows == tc.POSITIONS[1] - tc.POSITIONS[0]
+    second = tc.request_bytes(ps, tgt.request)
+    monkeypatch.setattr(reshard, "_assemble", fail_last)  # the final link fails once too: the state after link-0001 comes back
+    _refused(tgt, ps, links[2], hf.HsnapError)
+    monkeypatch.undo()
+    assert tc.request_bytes(ps, tgt.request) == second
     for link in links[:2]:  # every section of every earlier link changed in place
         for r in range(2):
             cc.flip_every_section(os.path.join(link, f"rank-{r}.hsnap"))
