@@ -148,6 +148,7 @@ def source_rank(rank: int, world: int, port: str, directory: str) -> None:
 
     from hsnap_io.migrate import MigrationSource
 
+    torch.set_num_threads(1)  # a forked rank runs no intra-op thread pool inherited from its parent
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         rows, states = rounds()
