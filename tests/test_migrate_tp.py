@@ -53,10 +53,10 @@ def _fingerprint(ps):
     return sp.pool_state_fingerprint(rp.pool_set(ps))
 
 
-def _refused(tgt, ps, path, exc_type):
+def _refused(tgt, ps, path, exc_type, **kw):
     before, at = _fingerprint(ps), tgt.request.state_position
     with pytest.raises(exc_type) as info:
-        tgt.apply(path)
+        tgt.apply(path, **kw)
     assert isinstance(info.value, hf.HsnapError)
     assert sp.diff_fingerprints(before, _fingerprint(ps)) == []  # nothing allocated, no byte written
     assert tgt.request.state_position == at  # the migration is where it was
@@ -141,7 +141,19 @@ def test_item4_tp2_to_tp1_hostile_deltas_are_refused_pools_identical_and_the_fin
     rows, states = tc.rounds()
     ranks, links = _tp2_migration(tmp_path, rows, states)
     ps, tgt = _target(1, 0, exact_rollback=True)
+    seen = []
+
+    def refuse(snap, record):  # a scheduler's own check, after every check of the link and before allocating
+        seen.append((snap.identity.tp_size, record.state_position))
+        raise hf.CapacityError(snap.path, "scheduler", detail="no room")
+
+    before = _fingerprint(ps)
+    with pytest.raises(hf.CapacityError):
+        tgt.apply(links[0], accept=refuse)
+    assert sp.diff_fingerprints(before, _fingerprint(ps)) == [] and tgt.request is None
     assert tgt.apply(links[0]).rows == tc.POSITIONS[0]
+    _refused(tgt, ps, links[1], hf.CapacityError, accept=refuse)
+    assert seen == [(2, tc.POSITIONS[0]), (2, tc.POSITIONS[1])]  # the source set's record, as each link would continue it
     first = tc.request_bytes(ps, tgt.request)
     assert first == tc.expected_bytes(M, 1, 0, rows, states[0], tc.POSITIONS[0])
 
