@@ -184,7 +184,7 @@ class MigrationSource:
         """Give the migration up (the request stays, or ended, on the source): a following
         target releases what it applied and raises :class:`MigrationError` saying ``reason``."""
         self._store.put_bytes(self._store.join(self.container, ABANDONED_NAME),
-                              json.dumps({"reason": str(reason)[:4000], "links": len(self.links)}).encode())
+                              json.dumps({"type": "abandoned", "reason": str(reason)[:4000], "links": len(self.links)}).encode())
         self.stopped = True
 
     def stop(self, req_pool_idx: int, record: RequestRecord) -> CommitInfo:
@@ -496,7 +496,7 @@ class MigrationTarget:
             except HsnapError:
                 raw = b"(unreadable)"
             raise MigrationError(c, ABANDONED_NAME, Phrase("a migration the source carries on"),
-                                 Phrase(f"abandoned by the source: {raw[:4000].decode('utf-8', 'replace').strip()}"))
+                                 Phrase(f"abandoned by the source: {_abandoned_reason(raw)}"))
         else:
             return None
         applied = self.apply(path, accept=accept)
@@ -552,6 +552,17 @@ class MigrationTarget:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _abandoned_reason(raw: bytes) -> str:
+    """What ``abandoned.json`` says, one line: ``<error type>: <reason>`` (its bytes as text if not that JSON)."""
+    try:
+        said = json.loads(raw)
+        if isinstance(said, dict):
+            return " ".join(f"{said.get('type') or 'given up'}: {said.get('reason', '')}".split())[:1000]
+    except ValueError:
+        pass
+    return " ".join(raw[:1000].decode("utf-8", "replace").split())
 
 
 def _is_final(path: str) -> bool:

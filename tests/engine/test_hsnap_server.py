@@ -203,6 +203,11 @@ def migrated(servers, work, store):
         except client.ServerError as e:
             out["unfed"] = e
         out["unfed_pools"] = (out["dst_idle"]["pools"], wait_idle(dst)["pools"])
+        # a migration the source refuses (no such request): the target, already following, hears it at once
+        try:
+            client.move(src, dst, "no-such-rid", str(work / "refused"), timeout_s=120)
+        except client.ServerError as e:
+            out["refused"] = (e, wait_idle(dst)["pools"])
         # a migration no target follows: given up after its timeout, the request decodes on in O (it runs long
         # enough never to finish first; aborted once it has decoded on, compared with a reference of that length)
         lone = Stream(src, payload("mg-lone", *MG["mg-lone"]))
@@ -312,6 +317,16 @@ def test_item4_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrat
     assert "link-0000.hsnap" in str(e)
     before, after = mg["unfed_pools"]
     assert before == after
+
+
+def test_item4_migration_the_source_refuses_ends_the_follow_at_once(migrated):
+    mg = _migrated(migrated)
+    e, pools = mg["refused"]
+    assert e.error_type == "UnknownRequestError" and e.status == 404
+    follow = e.follow_error  # not its 120 s timeout: the source's reason, from abandoned.json
+    assert isinstance(follow, client.ServerError) and follow.error_type == "MigrationError", follow
+    assert "abandoned by the source" in str(follow) and "UnknownRequestError" in str(follow)
+    assert pools == mg["unfed_pools"][1]
 
 
 def test_item4_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
