@@ -11,7 +11,8 @@ expected, found, ...}}``, sent before any output):
   the original stream: each event carries the whole text, ``output_ids`` and ``meta_info`` logprobs so far, the part
   from before the snapshot included (the client's incremental-streaming setting gives deltas instead, as for
   /generate).  The resume result (snapshot id, committed positions, bytes, timings) is in the ``X-Hsnap-Resume``
-  header.  A directory (or a drain's directory of snapshots) resumes every snapshot in it; the events of all of them
+  header.  A directory or ``s3://`` prefix (a drain's, or checkpoints': of those only each request's newest link)
+  resumes every snapshot in it; the events of all of them
   are interleaved, each naming its request in ``meta_info.id``.
 * ``POST /hsnap/drain {"dir", "dedup": false, "page_size": 64}`` — every request of the server exported into ``dir``:
   ``{"ok", "items": [...]}``; ``dedup``: full pages stored once in ``dir/pages`` (``"dedup": {bytes_written, single_bytes, ...}``).
@@ -285,7 +286,9 @@ def snapshot_entries(path: str) -> list[str]:
     chain below it)."""
     from hsnap_format.checkpoints import newest_links, parse_link
 
-    if is_url(path) or not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
+    if is_url(path):
+        return _url_entries(path)
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
         return [path]
     out = []
     for name in sorted(os.listdir(path)):
@@ -295,6 +298,24 @@ def snapshot_entries(path: str) -> list[str]:
         if (os.path.isfile(full) and name.endswith(".hsnap")) or os.path.isfile(os.path.join(full, "manifest.json")):
             out.append(full)
     return sorted(out + list(newest_links(path).values()))
+
+
+def _url_entries(url: str) -> list[str]:
+    """:func:`snapshot_entries` of an ``s3://`` URL: the object or set it names, else the prefix taken as a directory
+    (one level): every ``*.hsnap`` object and set in it, of checkpoint links only each request's newest."""
+    from hsnap_format.checkpoints import newest_links, parse_link
+    from hsnap_format.storage import store_for
+
+    store = store_for(url)
+    u = url.rstrip("/")
+    if store.exists(u) or store.exists(store.join(u, "manifest.json")):
+        return [url]
+    files = [e.path for e in store.list(u)]
+    if not files and not store.subdirs(u):
+        return [url]  # nothing there: resumed as named, refused by name
+    out = [f for f in files if f.endswith(".hsnap") and parse_link(store.split(f)[1]) is None and not store.split(f)[1].startswith(".")]
+    out += [d for d in store.subdirs(u) if store.exists(store.join(d, "manifest.json"))]
+    return sorted(out + list(newest_links(u).values()))
 
 
 # ----------------------------------------------------------------------------- routes

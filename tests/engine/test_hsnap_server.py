@@ -359,6 +359,8 @@ def overlap(servers, work, store, migrated):
     ck_stream.start()
     ck_stream.wait_tokens(7)
     ck = client.pause(src.url, "ov-ck", ck_url, keep_running=True)  # a checkpoint into the object store
+    ck_dir = f"s3://{store['bucket']}/ck-dir"
+    cks = client.checkpoint(src.url, "ov-ck", ck_dir, every=8)  # ... and periodic checkpoints there (a chain of links)
     ck_stream.finish()
     other.finish()
     src_idle = wait_idle(src.url)
@@ -366,8 +368,9 @@ def overlap(servers, work, store, migrated):
     src.stop()
     run = client.resume(dst, str(work / "x-overlap.hsnap"))
     ck_run = client.resume(dst, ck_url)
+    ck_dir_run = client.resume(dst, ck_dir)  # the prefix: of its links, the newest (the chain below it checked)
     forwards = stats(dst, "ov-x")["forwards"]
-    return {"x": x, "out": out, "run": run, "forwards": forwards, "refs": refs, "other": other, "ck": ck, "ck_stream": ck_stream,
+    return {"cks": cks, "ck_dir_run": ck_dir_run, "x": x, "out": out, "run": run, "forwards": forwards, "refs": refs, "other": other, "ck": ck, "ck_stream": ck_stream,
             "ck_run": ck_run, "src_idle": src_idle}
 
 
@@ -386,6 +389,18 @@ def test_item8_overlap_scheduler_checkpoint_keeps_the_request_decoding(overlap, 
     assert overlap["ck_stream"].final["meta_info"]["finish_reason"]["type"] == "length"
     assert tokens(overlap["ck_stream"].final) == overlap["refs"]["ck"]  # parked for a step, given back, unchanged
     assert tokens(overlap["ck_run"].final) == overlap["refs"]["ck"]
+
+
+def test_item3_checkpoints_into_an_object_store_prefix_resume_from_the_newest_link(overlap, store):
+    """Periodic checkpoints into an s3:// prefix; resuming the prefix takes the newest committed link (issue 20 item 3
+    across hosts): the request continues from there to exactly its uninterrupted end."""
+    first, run = overlap["cks"], overlap["ck_dir_run"]
+    assert first["path"].startswith(f"s3://{store['bucket']}/ck-dir/") and first["link"] == 1
+    assert isinstance(run.info, list) and len(run.info) == 1  # a prefix: one entry per request found there
+    info = run.info[0]
+    assert info["ok"] and ".ck0000" in info["path"] and info["path"] != first["path"]  # a later link than the first
+    assert info["result"]["output_tokens"] > first["output_tokens"]
+    assert tokens(run.final) == overlap["refs"]["ck"]
 
 
 # ----------------------------------------------------------------------------- item 2: checkpoint and drain (S2 -> S3)
