@@ -106,6 +106,7 @@ LINK_NAME = "link-{:04d}.hsnap"  # the pre-copy rounds, in order: link-0000 plai
 FINAL_NAME = "final.hsnap"  # the last delta, written after the source stopped the request
 APPLIED_SUFFIX = ".applied"  # put by a following target beside each round it applied: the source stops once it sees it
 ABANDONED_NAME = "abandoned.json"  # put by a source that gives the migration up (the request finished, was refused...)
+REFUSED_NAME = "refused.json"  # put by a target that refused a link (MigrationTarget.refuse): the source gives up at once
 
 
 class MigrationError(HsnapError):
@@ -170,14 +171,20 @@ class MigrationSource:
     def caught_up(self) -> bool:
         """The target (:meth:`MigrationTarget.follow`) has applied every link written so far:
         stopping now leaves only the rows decoded since the last round on the downtime path.
-        A source at TP > 1: collective (every source rank gets the same answer: all saw it)."""
+        A source at TP > 1: collective (every source rank gets the same answer: all saw it).
+        A target that refused (:meth:`MigrationTarget.refuse`) is a :class:`MigrationError` saying why."""
+        refused = self._store.join(self.container, REFUSED_NAME)
+        said_no = self._store.exists(refused)
         seen = bool(self.links) and self._store.exists(self.links[-1] + APPLIED_SUFFIX)
-        if self.identity.tp_size > 1:
+        if self.identity.tp_size > 1:  # every rank the same answers: refused if any saw it, caught up if all did
             import torch.distributed as dist
 
-            flag = torch.tensor([int(seen)], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-            seen = bool(flag.item())
+            flags = torch.tensor([int(said_no), int(not seen)], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            said_no, seen = bool(flags[0].item()), not bool(flags[1].item())
+        if said_no:
+            raise MigrationError(refused, "target", Phrase("a target applying the links"),
+                                 Phrase(f"refused by the target: {marker_reason(self._store, refused)}"))
         return seen
 
     def abandon(self, reason: str) -> None:
@@ -491,12 +498,8 @@ class MigrationTarget:
         elif store.exists(final) and not store.exists(nxt):
             path = final
         elif store.exists(abandoned):
-            try:
-                raw = store.read_bytes(abandoned, 8192)[0]
-            except HsnapError:
-                raw = b"(unreadable)"
             raise MigrationError(c, ABANDONED_NAME, Phrase("a migration the source carries on"),
-                                 Phrase(f"abandoned by the source: {_abandoned_reason(raw)}"))
+                                 Phrase(f"abandoned by the source: {marker_reason(store, abandoned)}"))
         else:
             return None
         applied = self.apply(path, accept=accept)
@@ -524,6 +527,15 @@ class MigrationTarget:
             if applied.final:
                 return
             deadline = time.monotonic() + timeout_s
+
+    def refuse(self, container, error: HsnapError | dict) -> None:
+        """Tell the source this target gives up (``refused.json``, saying why): a source waiting for
+        the next ``.applied`` marker stops pre-copying at once. Call :meth:`release` too."""
+        c = os.fspath(container).rstrip("/")
+        store = store_for(c, self.storage_options)
+        said = error if isinstance(error, dict) else {"type": type(error).__name__, "message": str(error)}
+        store.put_bytes(store.join(c, REFUSED_NAME), json.dumps({"type": said.get("type"), "reason": str(said.get("message", ""))[:4000],
+                                                                 "applied": len(self.applied)}).encode())
 
     def release(self) -> None:
         """Give the request's slots back (an abandoned migration); the target is then empty."""
@@ -554,8 +566,12 @@ class MigrationTarget:
         self.close()
 
 
-def _abandoned_reason(raw: bytes) -> str:
-    """What ``abandoned.json`` says, one line: ``<error type>: <reason>`` (its bytes as text if not that JSON)."""
+def marker_reason(store, path: str) -> str:
+    """What ``abandoned.json`` / ``refused.json`` says, one line: ``<error type>: <reason>``."""
+    try:
+        raw = store.read_bytes(path, 8192)[0]
+    except HsnapError:
+        return "(unreadable)"
     try:
         said = json.loads(raw)
         if isinstance(said, dict):
@@ -569,4 +585,4 @@ def _is_final(path: str) -> bool:
     return os.path.basename(path.rstrip("/")) == FINAL_NAME
 
 
-__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME"]
+__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]

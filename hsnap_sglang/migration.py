@@ -140,7 +140,7 @@ def held_kv_rows(hs) -> list:
 
 
 def on_migrate(hs, msg) -> None:
-    from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME
+    from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME, REFUSED_NAME
 
     from .scheduler import _Export
 
@@ -148,7 +148,7 @@ def on_migrate(hs, msg) -> None:
     store = store_for(msg.dir)
     used = None
     try:
-        used = next((store.join(msg.dir, n) for n in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME) if store.exists(store.join(msg.dir, n))), None)
+        used = next((store.join(msg.dir, n) for n in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME, REFUSED_NAME) if store.exists(store.join(msg.dir, n))), None)
         if hs.tp_size > 1:
             raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
                              f"TP {hs.tp_size}")
@@ -183,7 +183,7 @@ def advance_migrations(hs) -> None:
     """At a scheduler iteration: for every migration whose last round the target applied, the next round or the
     final link (queued as an export: it runs at the request's next committed boundary); a migration whose request
     finished, or whose target is silent past ``timeout_s``, is given up."""
-    from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, MigrationError
+    from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, MigrationError, marker_reason
 
     from .scheduler import _Export
 
@@ -196,6 +196,10 @@ def advance_migrations(hs) -> None:
                                                      Phrase(f"finished: {json.dumps(why)}" if why else "gone")))
             continue
         if m.queued:
+            continue
+        if m.watch is not None and m.watch.hit is not None and m.watch.hit.endswith(REFUSED_NAME):
+            abandon(hs, m, rid, MigrationError(m.watch.hit, "target", Phrase("a target applying the links"),
+                                               Phrase(f"refused by the target: {marker_reason(m.store, m.watch.hit)}")), say=False)
             continue
         if m.watch is None or m.watch.hit is None:
             if now - m.since > m.timeout_s:
@@ -215,8 +219,8 @@ def advance_migrations(hs) -> None:
 
 
 def round_done(hs, ex, result, error) -> None:
-    """A pre-copy round committed (or failed) by the link writer: watch for the target applying it."""
-    from hsnap_io.migrate import APPLIED_SUFFIX
+    """A pre-copy round committed (or failed) by the link writer: watch for the target applying it (or refusing)."""
+    from hsnap_io.migrate import APPLIED_SUFFIX, REFUSED_NAME
 
     m = ex.migration
     if hs.migrations.get(ex.rid) is not m:
@@ -231,7 +235,7 @@ def round_done(hs, ex, result, error) -> None:
     m.rounds.append({"link": ex.path, "committed_positions": m.base_position, "output_tokens": int(result["output_tokens"]),
                      "bytes": int(result["bytes"]), "capture_s": float(result["timings"]["write_s"]),
                      "writer_s": float(result["timings"].get("writer_s", 0.0)), "committed_at": m.since})
-    m.watch = _Watch(m.store, [ex.path + APPLIED_SUFFIX])
+    m.watch = _Watch(m.store, [ex.path + APPLIED_SUFFIX, m.store.join(m.container, REFUSED_NAME)])
 
 
 def finish(hs, ex, req, where: str) -> None:
@@ -282,7 +286,7 @@ def finish(hs, ex, req, where: str) -> None:
     hs._answer(m.op, ok=True, result=result)
 
 
-def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dict | None = None) -> None:
+def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dict | None = None, say: bool = True) -> None:
     """Give the migration up: ``abandoned.json`` for a following target (it gives back what it applied), the
     request stays here (its pending round dropped; a parked request back in the running batch), the caller told."""
     if hs.migrations.get(rid) is m:
@@ -295,7 +299,8 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
         if parked is not None and not parked.finished():
             hs.admit([parked])
     error = error if error is not None else error_dict(err)
-    _say_abandoned(m.store, m.container, error, len(m.links))
+    if say:  # (not to a target that refused: it knows)
+        _say_abandoned(m.store, m.container, error, len(m.links))
     hs._answer(m.op, ok=False, error=error)
 
 
@@ -464,13 +469,25 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
 
 
 def fail_follow(hs, op_id: str, err: BaseException) -> None:
+    """The follow ends refused: every slot of the links applied so far given back; ``refused.json`` tells the source
+    (it stops pre-copying at once) unless the source itself gave up; the caller gets the reason."""
+    from hsnap_io.migrate import ABANDONED_NAME, REFUSED_NAME
+
     f = hs.follows.pop(op_id)
     if f.watch is not None:
         f.watch.cancel()
+    error = error_dict(err)
     try:
-        f.target.release()  # every slot of the links applied so far
+        f.target.release()
     finally:
-        hs._answer(f.op, ok=False, error=error_dict(err))
+        try:
+            if not f.store.exists(f.store.join(f.container, ABANDONED_NAME)) and not f.store.exists(f.store.join(f.container, REFUSED_NAME)):
+                if f.store.local:
+                    f.store.makedirs(f.container)
+                f.target.refuse(f.container, error)
+        except Exception:  # noqa: BLE001 - the source then times out instead (its own deadline)
+            logger.exception("hsnap follow of %s: writing %s", f.container, REFUSED_NAME)
+        hs._answer(f.op, ok=False, error=error)
 
 
 def expire_arrivals(hs) -> None:

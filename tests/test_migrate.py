@@ -369,3 +369,24 @@ def test_item4_abandoned_migration_is_a_typed_error_for_the_follower_and_release
     tgt.release()
     assert (t.token_to_kv_pool_allocator.available_size(), t.req_to_token_pool.mamba_allocator.available_size(),
             t.req_to_token_pool.available_size()) == free
+
+
+def test_item4_target_refusal_stops_the_source_with_the_targets_reason(tmp_path):
+    """``MigrationTarget.refuse`` puts refused.json (the target's typed reason): the source's ``caught_up`` raises
+    MigrationError saying it, instead of waiting for an ``.applied`` marker that never comes."""
+    from hsnap_io.migrate import REFUSED_NAME, MigrationError
+
+    ps, req = cc.source("hybrid_linear")
+    src = MigrationSource(tmp_path / "mig", req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                          identity=ic.identity())
+    src.precopy(req.req_pool_idx, cc.record(cc.POSITIONS[0]))
+    assert src.caught_up() is False
+    t = ic.target("hybrid_linear", 1)
+    tgt = _target(t)
+    with pytest.raises(hf.CapacityError) as refused:  # this target cannot hold it
+        tgt.step(tmp_path / "mig", accept=lambda snap, record: (_ for _ in ()).throw(hf.CapacityError(snap.path, "target pools", 10, 1)))
+    tgt.refuse(tmp_path / "mig", refused.value)
+    tgt.release()
+    with pytest.raises(MigrationError) as info:
+        src.caught_up()
+    assert info.value.path.endswith(REFUSED_NAME) and "refused by the target: CapacityError" in str(info.value)

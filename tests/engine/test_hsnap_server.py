@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,7 +58,8 @@ PREFIX = prompt(51, 600)
 TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
 RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
-MG = {"mg": (prompt(91, 30), 64), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 24)}
+# long enough that none finishes before its migration does (a request that finishes first is given up: another test)
+MG = {"mg": (prompt(91, 30), 100), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 160)}
 MG_TAIL, MG_ROUNDS = 2, 4
 
 
@@ -195,7 +197,7 @@ def migrated(servers, work, store):
         s3m = Stream(src, payload("mg-s3", *MG["mg-s3"]))
         s3m.start()
         s3m.wait_tokens(4)
-        out["mig_s3"] = client.move(src, dst, "mg-s3", f"s3://{store['bucket']}/mig-s3", timeout_s=120)
+        out["mig_s3"] = client.move(src, dst, "mg-s3", f"s3://{store['bucket']}/mig-s3", tail=64, timeout_s=120)
         out["s3m"] = s3m.finish()
         # a follow nobody feeds: refused after its timeout, S3's pools as they were
         try:
@@ -213,6 +215,16 @@ def migrated(servers, work, store):
         lone = Stream(src, payload("mg-lone", *MG["mg-lone"]))
         lone.start()
         lone.wait_tokens(4)
+        # first a target that refuses it (it expects another request): it says so in refused.json, the source stops
+        # pre-copying at once (not after its 120 s timeout) and the request decodes on
+        said: dict = {}
+        follower = threading.Thread(target=lambda: said.update(follow=_error_of(client.follow, dst, str(work / "wrong"), rid="another",
+                                                                                  timeout_s=120)), daemon=True)
+        follower.start()
+        out["wrong_error"] = _error_of(client.migrate, src, "mg-lone", str(work / "wrong"), timeout_s=120)
+        follower.join(180)
+        out["wrong_follow"] = said.get("follow")
+        out["wrong_pools"] = wait_idle(dst)["pools"]
         try:
             client.migrate(src, "mg-lone", str(work / "lone"), timeout_s=1)
         except client.ServerError as e:
@@ -235,6 +247,14 @@ def migrated(servers, work, store):
     except BaseException as e:  # noqa: BLE001 - the migration tests fail on it; the overlap fixture goes on
         out["error"] = e
     return out
+
+
+def _error_of(call, *args, **kw):
+    try:
+        call(*args, **kw)
+    except client.ServerError as e:
+        return e
+    return None
 
 
 def _migrated(migrated) -> dict:
@@ -327,6 +347,18 @@ def test_item4_migration_the_source_refuses_ends_the_follow_at_once(migrated):
     assert isinstance(follow, client.ServerError) and follow.error_type == "MigrationError", follow
     assert "abandoned by the source" in str(follow) and "UnknownRequestError" in str(follow)
     assert pools == mg["unfed_pools"][1]
+
+
+def test_item4_migration_the_target_refuses_ends_the_source_at_once(migrated):
+    """The target refuses the first link (it was told to expect another request): no slot taken, refused.json says
+    why; the source stops pre-copying on that (its reason names the target's refusal, not its own timeout) and the
+    request decodes on there (compared with its reference below)."""
+    mg = _migrated(migrated)
+    follow, src = mg["wrong_follow"], mg["wrong_error"]
+    assert follow is not None and follow.error_type == "IncompatibleSnapshotError" and "request.rid" in str(follow), follow
+    assert src is not None and src.error_type == "MigrationError" and "refused by the target" in str(src), src
+    assert "IncompatibleSnapshotError" in str(src)
+    assert mg["wrong_pools"] == mg["unfed_pools"][1]
 
 
 def test_item4_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
