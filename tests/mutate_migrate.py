@@ -1,0 +1,971 @@
+"""The mutation run's migration and chain targets (issues 18, 20): ``scripts/mutate.py
+--target migrate|chain`` (registered in tests/mutate_targets.py, whose pools, classes and
+helpers they share).
+
+Seeds (:func:`build_seeds`): for two pool kinds (a GDN/Mamba hybrid at page 1, MHA at page
+16: SGLang's ``alloc`` and ``alloc_extend`` paths), a real live migration written by
+:class:`hsnap_io.migrate.MigrationSource` over SGLang's pools while the request decodes
+(``link-0000`` plain at 24 positions, ``link-0001``/``link-0002`` deltas at 31/38, the
+``final.hsnap`` delta at 45), and beside it honest links that must not continue it: the same
+request migrated again (other snapshot ids), another rid, another model, the other pool
+kind (another geometry), a final link whose output ids do not extend the applied link's
+(re-signed: it verifies on its own); and, for the chain target, the request checkpointed
+by :class:`hsnap_format.checkpoints.Checkpoints` (``c.ck000001`` ... ``c.ck000004``, a plain
+link every two: two chains in one directory).
+
+``migrate``: mutant ``i`` picks a kind, a number ``k`` of links a
+:class:`~hsnap_io.migrate.MigrationTarget` applies correctly (into target pools whose free
+rows hold a sentinel, other requests in use), and what comes as link ``k``: its bytes
+mutated (header, record, sections, digests: raw and re-signed), another honest link (twice,
+skipped, the plain link again, the final early, another migration / rid / model /
+geometry, the diverging final; re-signed: the same re-based onto the applied link so it
+passes the base check and meets the link rules), a truncated or missing file, the source's
+``abandoned.json`` (honest, garbage, huge, a directory), or the correct link refused by the
+caller's ``accept``. It is fed through ``apply``, ``step`` or ``follow`` (their ``.applied`` marker).
+``chain``: a head of a chain (the migration's final link or an earlier one, or the newest
+checkpoint by :func:`~hsnap_format.checkpoints.newest_links`) restored by
+``restore_request`` into the same kind of pools, with a link anywhere below it mutated (its
+re-signed variant re-bases every link above it on the mutated one, so the chain rules are
+reached), removed, or stray links added to the checkpoint directory.
+
+The oracle (its own parse of each file's header and section bytes, never the library's
+planner):
+
+  typed                 refused with an HsnapError (or the caller's own exception out of    ok
+                        ``accept``); pools and free lists byte-identical to before the call;
+                        migrate: the migration then takes the correct links and ends
+                        byte-equal to the source's request, and ``release`` gives back
+                        every slot
+  accepted-unchanged    accepted; the request's rows and record are what the honest link    ok
+                        (chain) says, byte for byte
+  accepted-valid        accepted a re-signed or substituted file that is a valid link of    ok
+                        its own (the rows and record are what *it* says, its delta extends
+                        the applied link, continuous positions)
+  accepted-but-changed  accepted, and some row, record or position differs from what the   FAILURE
+                        accepted file (chain) says, or the raw mutant's bytes differ from
+                        the honest link's, or a delta whose output ids do not extend the
+                        applied link's, or ``accept`` was never asked
+  not-resumable         refused typed, but the migration could not take the correct links  FAILURE
+                        afterwards (or its position / applied list moved)
+  leaked-slots, pool-changed, untyped, hang, harness-error: as tests/mutate_targets.py says
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import struct
+
+import numpy as np
+
+import mutate_targets as mt
+from hsnap_format.errors import HsnapError
+
+KINDS = {"hl": ("hybrid_linear", 1), "p16": ("mha", 16)}
+OTHER_KIND = {"hl": "p16", "p16": "hl"}
+POSITIONS = (24, 31, 38, 45)  # link-0000 (plain), link-0001, link-0002, final
+LINKS = ("link-0000.hsnap", "link-0001.hsnap", "link-0002.hsnap", "final.hsnap")
+CK_NAMES = tuple(f"c.ck{n:06d}.hsnap" for n in range(1, 5))  # checkpoints, a plain link every two
+FOREIGN = ("again", "rid", "model")  # honest migrations that are not this one
+ATT_KINDS = ("attn_k", "attn_v", "mla_kv", "swa_k", "swa_v")
+TARGET_SIZE = 1024
+
+
+def _identity(**over):
+    import io_cases as ic
+
+    return ic.identity(**over)
+
+
+# ============================================================================ seeds
+
+
+def _migrate_into(directory: str, kind: str, page: int, *, rid: str = "req-1", model: str | None = None) -> None:
+    """A live migration of one request, written by MigrationSource while it decodes."""
+    import chain_cases as cc
+
+    from hsnap_io.migrate import MigrationSource
+
+    ps, req = cc.source(kind, page)
+    ident = _identity(model_id=model) if model else _identity()
+    src = MigrationSource(directory, req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                          identity=ident, fsync=False)
+    for i, pos in enumerate(POSITIONS):
+        if i:
+            cc.step(ps, req, i, 0, 0)
+        (src.stop if i == len(POSITIONS) - 1 else src.precopy)(req.req_pool_idx, cc.record(pos, rid=rid))
+
+
+def _checkpoint_into(directory: str, kind: str, page: int) -> None:
+    """The same request checkpointed every few tokens (Checkpoints, rebase every 2 links)."""
+    import chain_cases as cc
+
+    from hsnap_format.checkpoints import Checkpoints
+
+    ps, req = cc.source(kind, page)
+    cp = Checkpoints.start(directory, "c", every=1, rebase_every=2)
+    for i, pos in enumerate(POSITIONS):
+        if i:
+            cc.step(ps, req, i, 0, 0)
+        cp.write(lambda path, base, pos=pos: cc.export(ps, req, path, pos, base=base, snapshot_id=f"ck-{i}", fsync=False), pos)
+
+
+TP_LINKS = ("link-0", "link-1", "link-2", "link-3")  # a TP-2 chain: one set directory per link
+TP_MEMBERS = ("manifest.json", "rank-0.hsnap", "rank-1.hsnap")
+
+
+def _tp_chain_into(directory: str, kind: str, page: int) -> None:
+    """A TP-2 chain of set directories (each rank its own pools and shard, the deltas' base a
+    set directory beside them), written by export_request into SetWriter's rank paths."""
+    import chain_cases as cc
+    import hsnap_format as hf
+
+    from hsnap_io import export_request
+
+    os.makedirs(directory, exist_ok=True)
+    srcs = [cc.source(kind, page, seed=10 + r) for r in range(2)]
+    paths: list[str] = []
+    for i, pos in enumerate(POSITIONS):
+        if i:
+            for r, (ps, req) in enumerate(srcs):
+                cc.step(ps, req, i + 10 * r, 0, 0)
+        path = os.path.join(directory, TP_LINKS[i])
+        sw = hf.SetWriter(path)
+        try:
+            for r, (ps, req) in enumerate(srcs):
+                export_request(sw.rank_path(r), req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                               req_pool_idx=req.req_pool_idx, record=cc.record(pos),
+                               identity=_identity(tp_size=2, tp_rank=r, snapshot_id=f"tp-{i}", created_at=cc.CREATED_AT),
+                               base=paths[-1] if paths else None, fsync=False)
+            sw.commit(tp_size=2, fsync=False)
+        except BaseException:
+            sw.abort()
+            raise
+        paths.append(path)
+
+
+def _diverging_final(data: bytes) -> bytes:
+    """``final.hsnap`` with one output id (below the base's count) changed, re-signed: a file
+    that verifies on its own but does not continue the link below it."""
+    header, secs = mt.parse_rank(data)
+    e = secs["request.output_ids"]
+    b = bytearray(data)
+    at = e["offset"] + 4 * 5  # output 5: inside every base's outputs
+    b[at : at + 4] = struct.pack("<i", struct.unpack_from("<i", data, at)[0] + 1)
+    import craft
+
+    return craft.resign(bytes(b))
+
+
+def build_seeds(out: str, small: bool = False) -> None:
+    """Both targets' seeds (one builder; ``small``: the hybrid kind only)."""
+    meta = {"kinds": {}, "positions": list(POSITIONS), "sets": {}}
+    for key, (kind, page) in KINDS.items():
+        if small and key != "hl":
+            continue
+        meta["kinds"][key] = {"kind": kind, "page": page}
+        _migrate_into(os.path.join(out, key), kind, page)
+        _migrate_into(os.path.join(out, f"{key}-again"), kind, page)
+        _migrate_into(os.path.join(out, f"{key}-rid"), kind, page, rid="req-2")
+        _migrate_into(os.path.join(out, f"{key}-model"), kind, page, model="tiny/other")
+        os.makedirs(os.path.join(out, f"{key}-fork"))
+        mt._write(os.path.join(out, f"{key}-fork", "final.hsnap"), _diverging_final(mt._read(os.path.join(out, key, "final.hsnap"))))
+        _checkpoint_into(os.path.join(out, f"{key}-ck"), kind, page)
+        if key == "hl":
+            _tp_chain_into(os.path.join(out, f"{key}-tp2"), kind, page)
+            meta["tp"] = {f"{key}-tp2": key}
+    for name in sorted(os.listdir(out)):
+        if os.path.isdir(os.path.join(out, name)) and name not in meta.get("tp", {}):
+            meta["sets"][name] = sorted(n for n in os.listdir(os.path.join(out, name)) if n.endswith(".hsnap"))
+    with open(os.path.join(out, "seeds.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+
+
+def load_inputs(d: str, meta: dict) -> tuple[dict, dict]:
+    inputs, groups = {}, {}
+    for g, members in sorted(meta["sets"].items()):
+        groups[g] = list(members)
+        for m in members:
+            inputs[f"{g}/{m}"] = mt._read(os.path.join(d, g, m))
+    for t in sorted(meta.get("tp", {})):
+        for link in TP_LINKS:
+            groups[f"{t}/{link}"] = list(TP_MEMBERS)
+            for m in TP_MEMBERS:
+                inputs[f"{t}/{link}/{m}"] = mt._read(os.path.join(d, t, link, m))
+    return inputs, groups
+
+
+# ============================================================================ reading files (the oracle's own)
+
+
+def root_digest(data: bytes) -> str | None:
+    """The root digest a file's trailer holds (where its preamble says the file ends)."""
+    if len(data) < 128:
+        return None
+    flen = struct.unpack_from("<Q", data, 40)[0]
+    t = flen - 64 if 64 <= flen <= len(data) else len(data) - 64
+    return data[t + 24 : t + 40].hex()
+
+
+class Link:
+    """One rank file as this oracle reads it: header, sections' bytes, root digest."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        self.name, self.data = name, data
+        self.header, self.secs = mt.parse_rank(data)
+        self.req = self.header["request"]
+        self.base = self.header.get("base")
+        self.position = int(self.req["state_position"])
+        self.base_position = int(self.base["state_position"]) if self.base else 0
+        self.root = root_digest(data)
+
+    def ids(self, what: str) -> np.ndarray:
+        return np.frombuffer(self.secs[f"request.{what}"]["raw"], dtype="<i4")
+
+    def att_rows(self, name: str) -> list[bytes]:
+        e = self.secs[name]
+        rows = int(e["shape"][0])
+        raw = e["raw"]
+        step = len(raw) // rows if rows else 0
+        return [raw[r * step : (r + 1) * step] for r in range(rows)]
+
+
+def expected(links: list[Link]) -> tuple[dict, str | None]:
+    """What a request continued through ``links`` (bottom first) holds: {section name: bytes}
+    (attention rows in position order, state and record from the top), or why the links are
+    not one chain (positions not continuous, another base, output ids not extended...)."""
+    top = links[-1]
+    for below, above in zip(links, links[1:]):
+        b = above.base
+        if not b:
+            return {}, f"{above.name}: a plain snapshot above {below.name}"
+        if b.get("root_digest") != below.root or b.get("state_position") != below.position:
+            return {}, f"{above.name}: its base is not {below.name} (digest/position)"
+        if above.base_position != below.position or above.position < below.position:
+            return {}, f"{above.name}: positions {above.base_position}..{above.position} after {below.position}"
+        if above.req.get("rid") != below.req.get("rid") or above.secs["request.prompt_ids"]["raw"] != below.secs["request.prompt_ids"]["raw"]:
+            return {}, f"{above.name}: another request than {below.name}"
+        bo, ao = below.ids("output_ids"), above.ids("output_ids")
+        if len(ao) < len(bo) or not np.array_equal(ao[: len(bo)], bo):
+            return {}, f"{above.name}: output ids do not extend {below.name}'s"
+        for k in ("model_id", "weights_version", "tp_size", "tp_rank"):
+            if above.header["identity"].get(k) != below.header["identity"].get(k):
+                return {}, f"{above.name}: identity.{k} differs from {below.name}'s"
+    if links[0].base:
+        return {}, f"{links[0].name}: a delta at the bottom"
+    out = {}
+    for name, e in top.secs.items():
+        if e["kind"] in ATT_KINDS:
+            rows = []
+            for link in links:
+                if name not in link.secs:
+                    return {}, f"{link.name}: no section {name}"
+                got = link.att_rows(name)
+                if len(got) != link.position - link.base_position:
+                    return {}, f"{link.name}: {name} holds {len(got)} rows for positions {link.base_position}..{link.position}"
+                rows += got
+            out[name] = b"".join(rows)
+        else:
+            out[name] = e["raw"]
+    return out, None
+
+
+def pool_bytes(tgt: "mt.TargetPools", row: int, pos: int, mamba_idx) -> dict:
+    """The request's bytes in the pools, by the pool's own tables: {binding name: bytes}."""
+    import torch
+
+    tok = tgt.rtp.req_to_token[row, :pos].to(torch.int64)
+    out = {}
+    for b in tgt.bindings:
+        if b.space == "mamba":
+            out[b.name] = mt.as_bytes(b.buffer[int(mamba_idx)]) if mamba_idx is not None else b""
+        else:
+            out[b.name] = mt.as_bytes(b.buffer[tok])
+    return out
+
+
+def judge_rows(tgt, row: int, pos: int, mamba_idx, want: dict, record_ids: np.ndarray | None) -> str | None:
+    """None when the pools hold ``want`` for the request (every binding) and nothing outside its
+    slots changed since the baseline; else why not."""
+    import torch
+
+    have = pool_bytes(tgt, row, pos, mamba_idx)
+    for name, got in have.items():
+        w = want.get(name)
+        if w is None:
+            return f"{name}: in the pools, not in the file"
+        if got != w:
+            n = min(len(got), len(w))
+            diff = [k for k in range(n) if got[k] != w[k]]
+            sentinel = all(got[k] == mt.SENTINEL for k in diff)
+            return f"{name}: {len(diff) + abs(len(got) - len(w))} bytes differ from the file's" + (" (the sentinel: never written)" if sentinel and diff else "")
+    if record_ids is not None and not np.array_equal(record_ids, want["__output_ids"]):
+        return "request.record.output_ids differ from the file's"
+    tok = tgt.rtp.req_to_token[row, :pos].to(torch.int64)
+    spaces = {"token": tok, "mamba": None if mamba_idx is None else torch.tensor([int(mamba_idx)])}
+    for b in tgt.bindings:
+        mask = torch.ones(b.buffer.shape[0], dtype=torch.bool)
+        r = spaces.get(b.space)
+        if r is not None and len(r):
+            mask[r] = False
+        if mt.as_bytes(tgt.buffers0[b.name][mask]) != mt.as_bytes(b.buffer[mask]):
+            return f"{b.name}: rows outside the request's slots changed"
+    return None
+
+
+def accounting(tgt, pos: int, page: int, has_mamba: bool) -> str | None:
+    free0, free1 = tgt.baseline_free, mt.free_counts(tgt.rtp, tgt.alloc)
+    want = {"rows": 1, "token slots": -(-pos // page) * page, "mamba slots": 1 if has_mamba else 0}
+    off = {k: (free0[k] - free1[k], want.get(k, 0)) for k in free0 if free0[k] - free1[k] != want.get(k, 0)}
+    if off:
+        return "free counts: " + ", ".join(f"{k} fell by {a}, one request takes {b}" for k, (a, b) in off.items())
+    return None
+
+
+# ============================================================================ generation
+
+_HEADER_PATHS = [
+    ("base", "root_digest"), ("base", "snapshot_id"), ("base", "state_position"), ("base", "depth"), ("base", "name"),
+    ("request", "state_position"), ("request", "rid"), ("request", "prompt_tokens"), ("request", "output_tokens"),
+    ("request", "swa_start"), ("request", "streamed", "tokens"), ("request", "remaining_budget"), ("request", "sampling", "temperature"),
+    ("identity", "model_id"), ("identity", "weights_version"), ("identity", "tp_size"), ("identity", "tp_rank"),
+    ("identity", "snapshot_id"), ("identity", "engine", "version"),
+    ("geometry", "attention", "page_size"), ("geometry", "attention", "heads"), ("geometry", "attention", "k_head_dim"),
+    ("geometry", "attention", "dtype"), ("geometry", "attention", "layers"), ("geometry", "mamba", "layers"),
+    ("features", "required"), ("features", "optional"), ("format", "minor"),
+]
+_SECTION_FIELDS = ("offset", "length", "shape", "dtype", "digest", "name", "kind")
+
+
+ONE = "x.hsnap"  # the name a mutated link has while its ops are drawn and applied (mutated())
+
+
+def mutated(desc: dict, inputs: dict) -> bytes:
+    """The bytes of ``desc["target"]`` after its ops (raw, or re-signed)."""
+    return mt.build(dict(desc, target=ONE), {ONE: inputs[desc["target"]]}, {})[ONE]
+
+
+def _draw_bytes(rng, seed: int, i: int, family: str, inputs: dict, member: str) -> dict:
+    """A byte/JSON mutant of link ``member`` (focused operators, or the format run's)."""
+    data = inputs[member]
+    desc = mt.generate_with(rng, seed, i, family, {ONE: data}, {}, _focused(rng, ONE, data, member.split("/")[-1]))
+    desc["target"] = member
+    return desc
+
+
+def _focused(rng, member: str, data: bytes, own: str) -> dict:
+    """Operators aimed at one link: its chain fields, record, identity, geometry, table, bytes."""
+    h = mt._header(data)
+
+    def header(rng):
+        path = mt._pick(rng, _HEADER_PATHS)
+        cur = mt._get(h, path)
+        if cur is None and mt._get(h, path[:-1]) is None:
+            return None
+        if path == ("base", "name"):
+            v = mt._pick(rng, [*LINKS, *CK_NAMES, own, "", "../x.hsnap", "a/b.hsnap", ".", "link-0000.hsnap/"])
+        elif path == ("base", "root_digest"):
+            v = mt._pick(rng, ["0" * 32, "f" * 32, (cur or "")[:-1] + "0", "", None, (cur or "").upper()])
+        elif path == ("base", "depth"):
+            v = mt._pick(rng, [0, 2, 3, 64, 65, 10**6, -1, 2**53, None])
+        elif path == ("request", "state_position"):
+            v = mt._pick(rng, [cur + 1, cur - 1, 0, POSITIONS[0], h.get("base", {}).get("state_position", 0), 10**9]) if isinstance(cur, int) else 0
+        else:
+            v = mt._nearby(rng, cur)
+        return member, mt._json_set(path, v)
+
+    def base_whole(rng):  # the base object removed, emptied, another type, or an extra key
+        act = rng.randrange(4)
+        if act == 0:
+            return member, [{"op": "j.del", "path": ["base"]}] if "base" in h else None
+        if act == 1:
+            return member, mt._json_set(("base",), mt._pick(rng, [{}, None, [], "link-0000.hsnap", 1]))
+        if act == 2 and "base" in h:
+            return member, [{"op": "j.add", "path": ["base"], "key": "extra", "value": 1}]
+        if "base" not in h:  # a plain link made a delta of something
+            return member, mt._json_set(("base",), {"name": "link-0000.hsnap", "root_digest": "0" * 32, "snapshot_id": "x", "state_position": 0, "depth": 1})
+        return None
+
+    def table(rng):
+        k = rng.randrange(len(h["sections"]))
+        f = mt._pick(rng, _SECTION_FIELDS)
+        cur = h["sections"][k].get(f)
+        if f == "shape":
+            v = mt._pick(rng, [[cur[0] + 1] + cur[1:], [max(cur[0] - 1, 0)] + cur[1:], [0] + cur[1:], cur[:-1], cur + [1], [10**12] + cur[1:]])
+        else:
+            v = mt._nearby(rng, cur)
+        return member, mt._json_set(("sections", k, f), v)
+
+    def state_bytes(rng):
+        ops = mt._section_byte_ops(rng, data, names=("conv", "temporal", "attn_k", "attn_v"))
+        return (member, ops) if ops else None
+
+    def record_bytes(rng):
+        ops = mt._section_byte_ops(rng, data, names=("request.output_ids", "request.prompt_ids", "request.output_logprobs"),
+                                   values=[0, 1, -1, 99, 100, 2**31 - 1, 2**31], width=4)
+        return (member, ops) if ops else None
+
+    def truncate(rng):
+        return member, [{"op": "b.trunc", "len": mt._pick(rng, [0, 1, 63, 64, 4095, 4096, len(data) // 2, len(data) - 64, len(data) - 1])}]
+
+    return {"header": (6, header), "base": (2, base_whole), "table": (3, table), "state": (3, state_bytes),
+            "record": (2, record_bytes), "truncate": (1, truncate)}
+
+
+def _rebase_ops(below: bytes, below_name: str) -> list:
+    """JSON ops that make a file name ``below`` (by name, digest, id, position, depth) as its base."""
+    h = mt._header(below)
+    depth = (h["base"]["depth"] if isinstance(h.get("base"), dict) and isinstance(h["base"].get("depth"), int) else 0) + 1
+    return mt._json_set(("base",), {"name": below_name, "root_digest": root_digest(below), "snapshot_id": h["identity"]["snapshot_id"],
+                                    "state_position": h["request"]["state_position"], "depth": depth})
+
+
+class _Gen:
+    def __init__(self, inputs, groups, meta) -> None:
+        self.inputs, self.groups, self.meta = inputs, groups, meta
+        self.kinds = sorted(meta["kinds"])
+
+
+class MigrateGen(_Gen):
+
+    def generate(self, seed: int, i: int) -> dict:
+        rng = random.Random(f"hsnap-mutate-migrate:{seed}:{i // 2}")
+        key = mt._pick(rng, self.kinds)
+        k = rng.randrange(len(LINKS))
+        mode = mt._pick(rng, ["apply", "apply", "step", "follow"])
+        scenario = rng.choices(["bytes", "swap", "missing", "abandon", "accept"], [60, 22, 4, 7, 7])[0]
+        resign = bool(i % 2)
+        mig = {"kind": key, "k": k, "mode": mode, "scenario": scenario}
+        base = {"i": i, "seed": seed, "family": "migrate", "resign": resign}
+        if scenario == "bytes":
+            desc = _draw_bytes(rng, seed, i, "migrate", self.inputs, f"{key}/{LINKS[k]}")
+            desc.update(mig=mig)
+            return desc
+        if scenario == "swap":
+            choices = [f"{key}/{n}" for j, n in enumerate(LINKS) if j != k]
+            choices += [f"{key}-{f}/{LINKS[k]}" for f in FOREIGN]
+            choices += [f"{key}-fork/final.hsnap"]
+            other = OTHER_KIND[key]
+            if other in self.meta["kinds"]:
+                choices.append(f"{other}/{LINKS[k]}")
+            src = mt._pick(rng, choices)
+            ops = []
+            if resign and k > 0:  # re-based onto the applied link: past the base check, into the link rules
+                ops = _rebase_ops(self.inputs[f"{key}/{LINKS[k - 1]}"], LINKS[k - 1])
+            return dict(base, target=src, operator=f"swap-{src.split('/')[0].replace(key, 'own', 1)}", operators=["swap"], ops=ops, mig=mig)
+        if scenario == "abandon":
+            mig.update(mode=mt._pick(rng, ["step", "follow"]), present=rng.random() < 0.3,
+                       marker=mt._pick(rng, ["honest", "garbage", "huge", "empty", "dir", "utf8", "deep"]))
+        elif scenario == "accept":
+            mig["raise"] = mt._pick(rng, ["hsnap", "value", "runtime", "none-once"])
+        return dict(base, target=f"{key}/{LINKS[k]}", operator=scenario, operators=[scenario], ops=[], mig=mig)
+
+
+# ============================================================================ the migrate examiner
+
+
+class Refusal(Exception):
+    """What the caller's accept raises (not an HsnapError)."""
+
+
+def _marker_bytes(kind: str) -> bytes | None:
+    return {"honest": json.dumps({"reason": "the request finished", "links": 2}).encode(), "garbage": bytes(range(256)) * 3,
+            "huge": b"x" * (3 << 20), "empty": b"", "utf8": b'{"reason": "\xff\xfe\xc3"}', "deep": b"[" * 200000}.get(kind)
+
+
+class MigrateExaminer:
+    """Target pools per kind (sentinel in every free row, three other requests in use); each
+    mutant gets a fresh MigrationTarget that applies ``k`` correct links, then meets the
+    hostile one; judged by :mod:`this oracle <mutate_migrate>`."""
+
+    def __init__(self, seeds, scratch: str) -> None:
+        self.seeds, self.scratch = seeds, scratch
+        self.pools: dict[str, "mt.TargetPools"] = {}
+        self.links = {key: [Link(seeds.inputs[f"{key}/{n}"], n) for n in LINKS] for key in seeds.meta["kinds"]}
+        self.honest = {key: [expected(self.links[key][: j + 1])[0] for j in range(len(LINKS))] for key in seeds.meta["kinds"]}
+        for key, exp in self.honest.items():
+            for j, e in enumerate(exp):
+                e["__output_ids"] = self.links[key][j].ids("output_ids")
+        self.target_cls = None  # the class under test (default MigrationTarget); tests plant faults here
+
+    def _pools(self, key: str) -> "mt.TargetPools":
+        if key not in self.pools:
+            import sglang_pools as sp
+
+            kind, page = KINDS[key]
+            ps = sp.build(kind, size=TARGET_SIZE, page_size=page, seed=None)
+            mt.fill_sentinel(mt._bindings_of(ps))
+            sp.occupy(ps, 3, 50, seed=7)
+            self.pools[key] = mt.TargetPools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator, label=f"{kind} page {page}", extra=ps)
+        return self.pools[key]
+
+    def warm(self) -> None:
+        import torch
+
+        import hsnap_io.migrate  # noqa: F401
+
+        # one thread: the pools are tiny, and two workers on a loaded machine with torch's
+        # default threads each ran 15x slower (the caller puts it back if it must)
+        torch.set_num_threads(1)
+        for key in self.seeds.meta["kinds"]:
+            self._pools(key)
+
+    def _target(self, tgt):
+        from hsnap_io.migrate import MigrationTarget
+
+        return (self.target_cls or MigrationTarget)(req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc, identity=_identity())
+
+    def _files(self, desc) -> bytes | None:
+        """The bytes that come as link k (None: nothing comes)."""
+        m = desc["mig"]
+        if m["scenario"] in ("missing",) or m["scenario"] == "abandon" and not m.get("present"):
+            return None
+        if m["scenario"] in ("abandon", "accept"):
+            return self.seeds.inputs[f"{m['kind']}/{LINKS[m['k']]}"]
+        if m["scenario"] == "swap" and not desc["ops"]:
+            return self.seeds.inputs[desc["target"]]
+        return mutated(desc, self.seeds.inputs)
+
+    def examine(self, desc: dict) -> dict:
+        m = desc["mig"]
+        key, k, mode, scenario = m["kind"], m["k"], m["mode"], m["scenario"]
+        honest = self.links[key]
+        try:
+            hostile = self._files(desc)
+            tgt = self._pools(key)
+            if not tgt.reset():
+                return mt.harness("reset", f"pools {tgt.label} did not come back to their baseline: {tgt.changed()[:5]}")
+            c = os.path.join(self.scratch, "c")
+            if os.path.lexists(c):
+                shutil.rmtree(c)
+            os.makedirs(c)
+            for j in range(k):
+                mt._write(os.path.join(c, LINKS[j]), honest[j].data)
+            name = LINKS[k]
+            if hostile is not None:
+                mt._write(os.path.join(c, name), hostile)
+            if scenario == "abandon":
+                p = os.path.join(c, "abandoned.json")
+                if m["marker"] == "dir":
+                    os.makedirs(p)
+                else:
+                    mt._write(p, _marker_bytes(m["marker"]))
+            mig = self._target(tgt)
+            for j in range(k):
+                mig.apply(os.path.join(c, LINKS[j]))
+        except Exception as e:  # noqa: BLE001
+            r = mt.untyped(e, "build")
+            r["cls"] = "harness-error"
+            return r
+        before, free_b = tgt.state.digests(), mt.free_counts(tgt.rtp, tgt.alloc)
+        pos_b, applied_b = (mig.request.state_position if mig.request else None), len(mig.applied)
+        asked = []
+
+        def accept(snap, record):
+            asked.append(1)
+            how = m.get("raise")
+            if how == "hsnap":
+                raise HsnapError(snap.path, "accept", "a request this scheduler can run", "refused by the caller")
+            if how == "value":
+                raise ValueError("the caller refuses")
+            if how == "runtime":
+                raise Refusal("the caller refuses")
+
+        kw = {"accept": accept} if scenario == "accept" else {}
+        stage = f"{mode} link {k}"
+        try:
+            if mode == "apply":
+                got = mig.apply(os.path.join(c, name), **kw)
+            elif mode == "step":
+                got = mig.step(c, **kw)
+            else:  # follow's first link (a missing one: its typed timeout)
+                got = next(iter(mig.follow(c, timeout_s=0.05, poll_s=0.005, **kw)))
+        except HsnapError as e:
+            return self._after_refusal(mt.typed(e, stage), desc, tgt, mig, before, free_b, pos_b, applied_b, c)
+        except (ValueError, Refusal) as e:
+            if scenario == "accept" and asked and str(e) == "the caller refuses":
+                r = {"cls": "typed", "stage": stage, "error": f"caller {type(e).__name__}", "field": "accept"}
+                return self._after_refusal(r, desc, tgt, mig, before, free_b, pos_b, applied_b, c)
+            return self._after_refusal(mt.untyped(e, stage), desc, tgt, mig, before, free_b, pos_b, applied_b, c)
+        except BaseException as e:  # noqa: BLE001
+            if mt._control(e):
+                raise
+            return self._after_refusal(mt.untyped(e, stage), desc, tgt, mig, before, free_b, pos_b, applied_b, c)
+        if got is None:  # step: nothing committed under the next names yet
+            r = {"cls": "typed", "stage": stage, "error": "waits (step: None)", "field": name}
+            return self._after_refusal(r, desc, tgt, mig, before, free_b, pos_b, applied_b, c)
+        try:
+            return self._judge_accepted(desc, tgt, mig, got, hostile, c, asked)
+        except Exception as e:  # noqa: BLE001
+            r = mt.untyped(e, "oracle")
+            r["cls"] = "harness-error"
+            return r
+
+    def _after_refusal(self, r, desc, tgt, mig, before, free_b, pos_b, applied_b, c) -> dict:
+        m = desc["mig"]
+        key, k = m["kind"], m["k"]
+        free1 = mt.free_counts(tgt.rtp, tgt.alloc)
+        what = f"{r['error']} {r.get('field') or r.get('message', '')[:80]}"
+        keep = {x: r[x] for x in ("where", "traceback", "message") if x in r}
+        lower = {x: (free_b[x], free1.get(x)) for x in free_b if free1.get(x, 0) < free_b[x]}
+        if lower:
+            return dict(mt.fail("leaked-slots", "after refusal", f"{what}: free counts fell: " + ", ".join(f"{x} {a}->{b}" for x, (a, b) in lower.items())),
+                        refusal=r["cls"], **keep)
+        changed = mt.diff_digests(before, tgt.state.digests())
+        if changed:
+            return dict(mt.fail("pool-changed", "after refusal", f"{what}: changed {', '.join(changed[:6])}"), refusal=r["cls"], **keep)
+        if r["cls"] != "typed":
+            return r
+        now = mig.request.state_position if mig.request else None
+        if now != pos_b or len(mig.applied) != applied_b:
+            return mt.fail("not-resumable", "after refusal", f"{what}: the migration moved: position {pos_b}->{now}, applied {applied_b}->{len(mig.applied)}")
+        if os.path.exists(os.path.join(c, LINKS[k] + ".applied")):
+            return mt.fail("not-resumable", "after refusal", f"{what}: {LINKS[k]}.applied put beside a refused link")
+        # the correct links still apply, and the request ends as the source's
+        try:
+            for j in range(k, len(LINKS)):
+                p = os.path.join(c, LINKS[j])
+                if os.path.isdir(p):
+                    shutil.rmtree(p)
+                mt._write(p, self.links[key][j].data)
+                mig.apply(p)
+        except BaseException as e:  # noqa: BLE001
+            if mt._control(e):
+                raise
+            return mt.fail("not-resumable", "after refusal", f"{what}: then the correct {LINKS[j]}: {type(e).__name__}: {str(e)[:200]}")
+        req = mig.request
+        why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, self.honest[key][-1], req.record.output_ids)
+        why = why or accounting(tgt, req.state_position, KINDS[key][1], req.mamba_pool_idx is not None)
+        if why:
+            return mt.fail("not-resumable", "after refusal", f"{what}: the correct links applied after it, then {why}")
+        return self._release(mig, tgt) or r
+
+    @staticmethod
+    def _release(mig, tgt) -> dict | None:
+        mig.release()
+        if mt.free_counts(tgt.rtp, tgt.alloc) != tgt.baseline_free:
+            return mt.fail("leaked-slots", "release", f"after release: free {mt.free_counts(tgt.rtp, tgt.alloc)}, baseline {tgt.baseline_free}")
+        return None
+
+    def _judge_accepted(self, desc, tgt, mig, got, hostile: bytes, c: str, asked: list) -> dict:
+        m = desc["mig"]
+        key, k, scenario = m["kind"], m["k"], m["scenario"]
+        honest = self.links[key]
+        if scenario == "accept" and m.get("raise") != "none-once":
+            return mt.fail("accepted-but-changed", "oracle", f"accepted although the caller's accept {'was never asked' if not asked else 'refused it'}")
+        raw = scenario == "bytes" and not desc["resign"]
+        try:
+            link = Link(honest[k].data if raw else hostile, LINKS[k])
+            chain = self._chain_of(link, honest[:k], c) if k == 0 else honest[:k] + [link]
+            want, bad = expected(chain)
+        except (KeyError, ValueError, TypeError, IndexError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a link this oracle cannot read: {type(e).__name__}: {e}")
+        if bad:
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a link that does not continue the applied ones: {bad}")
+        want["__output_ids"] = chain[-1].ids("output_ids")
+        req = mig.request
+        if req.state_position != chain[-1].position or got.state_position != chain[-1].position:
+            return mt.fail("accepted-but-changed", "oracle", f"position {req.state_position} (returned {got.state_position}), the file's {chain[-1].position}")
+        why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, want, req.record.output_ids)
+        why = why or accounting(tgt, req.state_position, KINDS[key][1], req.mamba_pool_idx is not None)
+        if why:
+            return mt.fail("accepted-but-changed", "oracle", why)
+        if m["mode"] != "apply" and not got.final and not os.path.exists(os.path.join(c, os.path.basename(got.path) + ".applied")):
+            return mt.fail("accepted-but-changed", "oracle", "step applied a round without putting its .applied marker")
+        same = len(want) == len(self.honest[key][k]) and all(
+            np.array_equal(v, self.honest[key][k][n]) if isinstance(v, np.ndarray) else v == self.honest[key][k].get(n) for n, v in want.items())
+        cls = "accepted-unchanged" if same else "accepted-valid"
+        return self._release(mig, tgt) or {"cls": cls, "stage": "oracle"}
+
+    def _chain_of(self, head: Link, below: list, c: str) -> list[Link]:
+        """The first link accepted: a plain one, or a chain found by base names in the container."""
+        chain, seen = [head], {head.name}
+        while chain[0].base:
+            nm = chain[0].base.get("name")
+            if not isinstance(nm, str) or nm in seen or not os.path.isfile(os.path.join(c, nm)):
+                break
+            seen.add(nm)
+            chain.insert(0, Link(mt._read(os.path.join(c, nm)), nm))
+        return chain
+
+
+# ============================================================================ chain restore
+
+
+class ChainGen(_Gen):
+
+    def generate(self, seed: int, i: int) -> dict:
+        rng = random.Random(f"hsnap-mutate-chain:{seed}:{i // 2}")
+        if self.meta.get("tp") and rng.random() < 0.25:
+            return self._generate_tp(rng, seed, i)
+        key = mt._pick(rng, self.kinds)
+        ck = rng.random() < 0.3
+        group = f"{key}-ck" if ck else key
+        names = list(CK_NAMES if ck else LINKS)
+        head = len(names) - 1 if ck or rng.random() < 0.7 else rng.randrange(1, len(names))
+        if ck:  # the newest of a plain link every two: its chain is links 2..3
+            below = [2, 3]
+        else:
+            below = list(range(head + 1))
+        scenario = rng.choices(["bytes", "missing", "stray", "swap"], [70, 8, 12 if ck else 0, 10])[0]
+        ch = {"kind": key, "group": group, "head": names[head], "ck": ck, "scenario": scenario}
+        base = {"i": i, "seed": seed, "family": "chain", "resign": bool(i % 2)}
+        j = mt._pick(rng, below)
+        if scenario == "bytes":
+            desc = _draw_bytes(rng, seed, i, "chain", self.inputs, f"{group}/{names[j]}")
+            ch["mutated"] = j
+            desc.update(chain=ch)
+            return desc
+        if scenario == "missing":
+            ch["remove"] = names[j] if j != head else names[max(j - 1, 0)]
+            return dict(base, target=f"{group}/{names[j]}", operator="missing", operators=["missing"], ops=[], chain=ch)
+        if scenario == "stray":  # a higher-numbered "checkpoint" that is not one of this chain
+            src = mt._pick(rng, [f"{group}/{n}" for n in CK_NAMES] + [f"{key}/{n}" for n in LINKS] + [f"{key}-fork/final.hsnap",
+                                                                                                     f"{key}-rid/final.hsnap"])
+            ch["stray"] = mt._pick(rng, ["c.ck000005.hsnap", "c.ck999999.hsnap", "c.ck0000010.hsnap", ".c.ck000009.hsnap"])
+            ch["stray_trunc"] = mt._pick(rng, [None, None, 0, 64, 4096])
+            return dict(base, target=src, operator="stray", operators=["stray"], ops=[], chain=ch)
+        # swap: a link below the head replaced by an honest file of another chain (same name)
+        others = [f"{key}-{f}/{names[j]}" for f in FOREIGN if not ck] + ([f"{OTHER_KIND[key]}/{names[j]}"] if not ck and OTHER_KIND[key] in self.meta["kinds"] else [])
+        others += [f"{group}/{n}" for n in names if n != names[j]]
+        src = mt._pick(rng, others)
+        ch["mutated"], ch["swap"] = j, src
+        return dict(base, target=src, operator="swap", operators=["swap"], ops=[], chain=ch)
+
+
+    def _generate_tp(self, rng, seed: int, i: int) -> dict:
+        """A TP-2 chain of set directories: rank ``rank`` of its head restored, a rank file or the
+        manifest of a link at or below the head mutated (re-signed: the manifest re-bound, the
+        same rank of every link above re-based), a link directory or rank file removed, or a rank
+        file swapped for another link's or the other rank's."""
+        group = mt._pick(rng, sorted(self.meta["tp"]))
+        key = self.meta["tp"][group]
+        head = len(TP_LINKS) - 1 if rng.random() < 0.7 else rng.randrange(1, len(TP_LINKS))
+        rank = rng.randrange(2)
+        j = rng.randrange(head + 1)
+        scenario = rng.choices(["bytes", "missing", "swap"], [80, 8, 12])[0]
+        ch = {"kind": key, "group": group, "head": TP_LINKS[head], "ck": False, "tp": True, "rank": rank, "scenario": scenario, "mutated": j}
+        base = {"i": i, "seed": seed, "family": "chain", "resign": bool(i % 2)}
+        link = f"{group}/{TP_LINKS[j]}"
+        if scenario == "bytes":
+            mr = rank if rng.random() < 0.8 else 1 - rank
+            member = f"{link}/rank-{mr}.hsnap"
+            link_inputs = {f"{link}/{m}": self.inputs[f"{link}/{m}"] for m in TP_MEMBERS}
+            desc = mt.generate_with(rng, seed, i, "chain", link_inputs, {link: list(TP_MEMBERS)},
+                                    _focused(rng, member, self.inputs[member], TP_LINKS[j]))
+            desc.update(chain=ch)
+            return desc
+        if scenario == "missing":
+            ch["remove"] = mt._pick(rng, [TP_LINKS[j], f"{TP_LINKS[j]}/rank-{rank}.hsnap", f"{TP_LINKS[j]}/manifest.json"])
+            if ch["remove"] == TP_LINKS[head]:
+                ch["remove"] += f"/rank-{1 - rank}.hsnap"
+            return dict(base, target=f"{link}/rank-{rank}.hsnap", operator="missing", operators=["missing"], ops=[], chain=ch)
+        src = mt._pick(rng, [f"{group}/{x}/rank-{rank}.hsnap" for x in TP_LINKS if x != TP_LINKS[j]] + [f"{link}/rank-{1 - rank}.hsnap"])
+        ch["swap"] = src
+        return dict(base, target=src, operator="swap", operators=["swap"], ops=[], chain=ch)
+
+
+def tp_chain_files(desc: dict, inputs: dict, groups: dict) -> dict[str, bytes]:
+    """A TP chain mutant's files (``link-i/member`` -> bytes)."""
+    import craft
+
+    ch = desc["chain"]
+    group, rank, j = ch["group"], ch["rank"], ch["mutated"]
+    files = {f"{x}/{m}": inputs[f"{group}/{x}/{m}"] for x in TP_LINKS for m in TP_MEMBERS}
+    sc = ch["scenario"]
+    moved = None  # the rank whose file of link j changed (its links above are re-based when re-signed)
+    if sc == "bytes":
+        for name, data in mt.build(desc, inputs, groups).items():
+            files[name[len(group) + 1 :]] = data
+        m = re_rank(desc["target"])
+        moved = m
+    elif sc == "missing":
+        for name in [n for n in files if n == ch["remove"] or n.startswith(ch["remove"] + "/")]:
+            del files[name]
+    elif sc == "swap":
+        files[f"{TP_LINKS[j]}/rank-{rank}.hsnap"] = inputs[ch["swap"]]
+        if desc["resign"]:
+            man = f"{TP_LINKS[j]}/manifest.json"
+            files[man] = craft.manifest_for(files[man], rank, files[f"{TP_LINKS[j]}/rank-{rank}.hsnap"])
+        moved = rank
+    if desc["resign"] and moved is not None:
+        for a in range(j + 1, TP_LINKS.index(ch["head"]) + 1):
+            below, above = f"{TP_LINKS[a - 1]}/rank-{moved}.hsnap", f"{TP_LINKS[a]}/rank-{moved}.hsnap"
+            try:
+                if not mt._header(files[above]).get("base"):
+                    break
+                ops = _rebase_ops(files[below], TP_LINKS[a - 1])
+                files[above] = mt.core.build({"target": ONE, "resign": True, "ops": ops}, {ONE: files[above]}, {})[ONE]
+                man = f"{TP_LINKS[a]}/manifest.json"
+                files[man] = craft.manifest_for(files[man], moved, files[above])
+            except Exception:  # noqa: BLE001 - a link the re-basing cannot read: left as it is
+                break
+    return files
+
+
+def re_rank(name: str) -> int | None:
+    base = name.rsplit("/", 1)[-1]
+    return int(base[5:-6]) if base.startswith("rank-") and base.endswith(".hsnap") and base[5:-6].isdigit() else None
+
+
+def chain_files(desc: dict, inputs: dict, groups: dict) -> dict[str, bytes]:
+    """The container's files (name -> bytes) of a chain mutant; a re-signed mutant of a link
+    below the head gets every link above it re-based on it (so its digest is the one named)."""
+    ch = desc["chain"]
+    if ch.get("tp"):
+        return tp_chain_files(desc, inputs, groups)
+    group = ch["group"]
+    files = {n: inputs[f"{group}/{n}"] for n in groups[group]}
+    names = list(CK_NAMES if ch["ck"] else LINKS)
+    sc = ch["scenario"]
+    if sc == "bytes":
+        j = ch["mutated"]
+        files[names[j]] = mutated(desc, inputs)
+        if desc["resign"]:
+            _rebase_above(files, names, j, names.index(ch["head"]))
+    elif sc == "missing":
+        files.pop(ch["remove"], None)
+    elif sc == "stray":
+        data = inputs[desc["target"]]
+        if ch.get("stray_trunc") is not None:
+            data = data[: ch["stray_trunc"]]
+        files[ch["stray"]] = data
+    elif sc == "swap":
+        j = ch["mutated"]
+        files[names[j]] = inputs[ch["swap"]]
+        if desc["resign"]:
+            _rebase_above(files, names, j, names.index(ch["head"]))
+    return files
+
+
+def _rebase_above(files: dict, names: list, j: int, head: int) -> None:
+    """Links ``j+1 .. head`` re-based, each on the (mutated) link below it: base name, root
+    digest, snapshot id, position and depth as the file below says; re-signed."""
+    for a in range(j + 1, head + 1):
+        try:
+            if not mt._header(files[names[a]]).get("base"):
+                return
+            ops = _rebase_ops(files[names[a - 1]], names[a - 1])
+            files[names[a]] = mt.core.build({"target": ONE, "resign": True, "ops": ops}, {ONE: files[names[a]]}, {})[ONE]
+        except Exception:  # noqa: BLE001 - a link the re-basing cannot read: left as it is
+            return
+
+
+class ChainExaminer:
+    """restore_request of a chain's head (or the newest checkpoint) into pools whose free rows
+    hold a sentinel; refusals must leave them byte-identical, acceptances hold what the chain
+    says (this module's own walk down the base names)."""
+
+    def __init__(self, seeds, scratch: str) -> None:
+        self.seeds, self.scratch = seeds, scratch
+        self.mig = MigrateExaminer(seeds, scratch)  # its pools (one set per kind)
+        self.restore = None  # the call under test (default restore_request)
+
+    def warm(self) -> None:
+        self.mig.warm()
+
+    def _honest(self, ch) -> dict:
+        if ch.get("tp"):
+            files = {f"{x}/{m}": self.seeds.inputs[f"{ch['group']}/{x}/{m}"] for x in TP_LINKS for m in TP_MEMBERS}
+            return self._walk(files, ch["head"], ch["rank"])[0]
+        files = {n: self.seeds.inputs[f"{ch['group']}/{n}"] for n in self.seeds.groups[ch["group"]]}
+        return self._walk(files, ch["head"])[0]
+
+    @staticmethod
+    def _walk(files: dict, head: str, rank: int | None = None) -> tuple[dict, str | None]:
+        """The chain below ``head`` by base names (rank ``rank`` of set directories): what it holds."""
+        at = (lambda nm: nm) if rank is None else (lambda nm: f"{nm}/rank-{rank}.hsnap")
+        if at(head) not in files:
+            return {}, f"{at(head)} is not there"
+        chain, seen = [Link(files[at(head)], head)], {head}
+        while chain[0].base:
+            nm = chain[0].base.get("name")
+            if not isinstance(nm, str) or nm in seen or at(nm) not in files:
+                return {}, f"{chain[0].name}: base {nm!r} not found once beside it"
+            seen.add(nm)
+            chain.insert(0, Link(files[at(nm)], nm))
+        want, bad = expected(chain)
+        if not bad:
+            want["__output_ids"] = chain[-1].ids("output_ids")
+            want["__position"] = chain[-1].position
+        return want, bad
+
+    def examine(self, desc: dict) -> dict:
+        from hsnap_format.checkpoints import newest_links
+        from hsnap_io import restore_request
+
+        ch = desc["chain"]
+        key = ch["kind"]
+        try:
+            files = chain_files(desc, self.seeds.inputs, self.seeds.groups)
+            tgt = self.mig._pools(key)
+            if not tgt.reset():
+                return mt.harness("reset", f"pools {tgt.label} did not come back to their baseline: {tgt.changed()[:5]}")
+            c = os.path.join(self.scratch, "c")
+            if os.path.lexists(c):
+                shutil.rmtree(c)
+            for n, data in files.items():
+                mt._write(os.path.join(c, n), data)
+            os.makedirs(c, exist_ok=True)
+        except Exception as e:  # noqa: BLE001
+            r = mt.untyped(e, "build")
+            r["cls"] = "harness-error"
+            return r
+        free0 = mt.free_counts(tgt.rtp, tgt.alloc)
+        head = ch["head"]
+        ident = _identity(tp_size=2, tp_rank=ch["rank"]) if ch.get("tp") else _identity()
+        try:
+            if ch["ck"]:
+                stage = "newest_links"
+                head = os.path.basename(newest_links(c).get("c", os.path.join(c, head)))
+            stage = "restore"
+            res = (self.restore or restore_request)(os.path.join(c, head), req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc,
+                                                    identity=ident)
+        except HsnapError as e:
+            return mt.refused(mt.typed(e, stage), tgt, free0)
+        except BaseException as e:  # noqa: BLE001
+            if mt._control(e):
+                raise
+            return mt.refused(mt.untyped(e, stage), tgt, free0)
+        try:
+            return self._judge(desc, files, head, tgt, res)
+        except Exception as e:  # noqa: BLE001
+            r = mt.untyped(e, "oracle")
+            r["cls"] = "harness-error"
+            return r
+
+    def _judge(self, desc, files, head, tgt, res) -> dict:
+        ch = desc["chain"]
+        raw = ch["scenario"] == "bytes" and not desc["resign"]
+        honest = self._honest(ch)
+        if ch.get("tp") and raw and re_rank(desc["target"]) is None:  # a raw manifest mutant: the rank files are the honest ones
+            raw = True
+        if raw and head == ch["head"]:
+            want, bad = honest, None
+        else:
+            try:
+                want, bad = self._walk(files, head, ch.get("rank") if ch.get("tp") else None)
+            except (KeyError, ValueError, TypeError, IndexError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+                return mt.fail("accepted-but-changed", "oracle", f"accepted a chain this oracle cannot read: {type(e).__name__}: {e}")
+        if bad:
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a chain that is not one: {bad}")
+        if res.state_position != want["__position"]:
+            return mt.fail("accepted-but-changed", "oracle", f"position {res.state_position}, the chain's {want['__position']}")
+        why = judge_rows(tgt, int(res.req_pool_idx), res.state_position, res.mamba_pool_idx, want, None)
+        why = why or accounting(tgt, res.state_position, KINDS[ch["kind"]][1], res.mamba_pool_idx is not None)
+        if why:
+            return mt.fail("accepted-but-changed", "oracle", why)
+        same = set(want) == set(honest) and all(
+            np.array_equal(v, honest[n]) if isinstance(v, np.ndarray) else v == honest[n] for n, v in want.items())
+        return {"cls": "accepted-unchanged" if same else "accepted-valid", "stage": "oracle"}
+
+
+def mutant_files(seeds, desc: dict) -> dict[str, bytes]:
+    if seeds.target == "chain":
+        return chain_files(desc, seeds.inputs, seeds.groups)
+    ex = MigrateExaminer.__new__(MigrateExaminer)
+    ex.seeds = seeds
+    data = MigrateExaminer._files(ex, desc)
+    return {} if data is None else {LINKS[desc["mig"]["k"]]: data}
