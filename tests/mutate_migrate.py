@@ -20,8 +20,8 @@ mutated (header, record, sections, digests: raw and re-signed), another honest l
 skipped, the plain link again, the final early, another migration / rid / model /
 geometry, the diverging final; re-signed: the same re-based onto the applied link so it
 passes the base check and meets the link rules), a truncated or missing file, the source's
-``abandoned.json`` (honest, garbage, huge, a directory), or the correct link refused by the
-caller's ``accept``. It is fed through ``apply``, ``step`` or ``follow`` (their ``.applied`` marker).
+``abandoned.json`` (honest, garbage, huge, a directory), the correct link refused by the
+caller's ``accept``, or the correct link whose ``.applied`` marker cannot be put. It is fed through ``apply``, ``step`` or ``follow`` (their ``.applied`` marker).
 ``chain``: a head of a chain (the migration's final link or an earlier one, or the newest
 checkpoint by :func:`~hsnap_format.checkpoints.newest_links`) restored by
 ``restore_request`` into the same kind of pools, with a link anywhere below it mutated (its
@@ -435,7 +435,7 @@ class MigrateGen(_Gen):
         key = mt._pick(rng, self.kinds)
         k = rng.randrange(len(LINKS))
         mode = mt._pick(rng, ["apply", "apply", "step", "follow"])
-        scenario = rng.choices(["bytes", "swap", "missing", "abandon", "accept"], [60, 22, 4, 7, 7])[0]
+        scenario = rng.choices(["bytes", "swap", "missing", "abandon", "accept", "marker"], [60, 22, 4, 7, 7, 3])[0]
         resign = bool(i % 2)
         mig = {"kind": key, "k": k, "mode": mode, "scenario": scenario}
         base = {"i": i, "seed": seed, "family": "migrate", "resign": resign}
@@ -460,6 +460,8 @@ class MigrateGen(_Gen):
                        marker=mt._pick(rng, ["honest", "garbage", "huge", "empty", "dir", "utf8", "deep"]))
         elif scenario == "accept":
             mig["raise"] = mt._pick(rng, ["hsnap", "value", "runtime", "none-once"])
+        elif scenario == "marker":  # the round's .applied marker cannot be put (a directory holds its name)
+            mig.update(mode=mt._pick(rng, ["step", "follow"]), k=rng.randrange(len(LINKS) - 1))
         return dict(base, target=f"{key}/{LINKS[k]}", operator=scenario, operators=[scenario], ops=[], mig=mig)
 
 
@@ -522,7 +524,7 @@ class MigrateExaminer:
         m = desc["mig"]
         if m["scenario"] in ("missing",) or m["scenario"] == "abandon" and not m.get("present"):
             return None
-        if m["scenario"] in ("abandon", "accept"):
+        if m["scenario"] in ("abandon", "accept", "marker"):
             return self.seeds.inputs[f"{m['kind']}/{LINKS[m['k']]}"]
         if m["scenario"] == "swap" and not desc["ops"]:
             return self.seeds.inputs[desc["target"]]
@@ -546,6 +548,8 @@ class MigrateExaminer:
             name = LINKS[k]
             if hostile is not None:
                 mt._write(os.path.join(c, name), hostile)
+            if scenario == "marker":
+                os.makedirs(os.path.join(c, name + ".applied", "x"))
             if scenario == "abandon":
                 p = os.path.join(c, "abandoned.json")
                 if m["marker"] == "dir":
@@ -621,7 +625,7 @@ class MigrateExaminer:
         now = mig.request.state_position if mig.request else None
         if now != pos_b or len(mig.applied) != applied_b:
             return mt.fail("not-resumable", "after refusal", f"{what}: the migration moved: position {pos_b}->{now}, applied {applied_b}->{len(mig.applied)}")
-        if os.path.exists(os.path.join(c, LINKS[k] + ".applied")):
+        if m["scenario"] != "marker" and os.path.exists(os.path.join(c, LINKS[k] + ".applied")):
             return mt.fail("not-resumable", "after refusal", f"{what}: {LINKS[k]}.applied put beside a refused link")
         # the correct links still apply, and the request ends as the source's
         try:
@@ -672,7 +676,7 @@ class MigrateExaminer:
         why = why or accounting(tgt, req.state_position, KINDS[key][1], req.mamba_pool_idx is not None)
         if why:
             return mt.fail("accepted-but-changed", "oracle", why)
-        if m["mode"] != "apply" and not got.final and not os.path.exists(os.path.join(c, os.path.basename(got.path) + ".applied")):
+        if m["mode"] != "apply" and scenario != "marker" and not got.final and not os.path.exists(os.path.join(c, os.path.basename(got.path) + ".applied")):
             return mt.fail("accepted-but-changed", "oracle", "step applied a round without putting its .applied marker")
         same = len(want) == len(self.honest[key][k]) and all(
             np.array_equal(v, self.honest[key][k][n]) if isinstance(v, np.ndarray) else v == self.honest[key][k].get(n) for n, v in want.items())

@@ -323,3 +323,25 @@ def test_item4_follow_without_links_is_a_typed_timeout_and_a_stopped_source_writ
     assert sorted(os.listdir(tmp_path / "a")) == [FINAL_NAME]
     applied = list(_target(t).follow(tmp_path / "a", timeout_s=5))
     assert [(a.final, a.rows) for a in applied] == [(True, cc.POSITIONS[0])]
+
+
+def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path):
+    """Found by ``scripts/mutate.py --target migrate``: step() applied the link into the pools,
+    then failed to put its ``.applied`` marker (a container the target cannot write: here a
+    directory holds the marker's name) and raised a typed error — a "refusal" with the link
+    already in the pools, the slots held by a request the caller believes refused. The link is
+    applied: step returns it (a warning says the source will not see the cue), and the
+    migration goes on to the request a plain restore gives."""
+    ps, req = cc.source("hybrid_linear")
+    links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
+    _direct(ps, req, tmp_path / "direct.hsnap")
+    os.makedirs(links[1] + APPLIED_SUFFIX + "/x")  # the marker of link-0001 cannot be put
+    t = ic.target("hybrid_linear", 1)
+    tgt = _target(t)
+    assert tgt.step(tmp_path / "a").state_position == cc.POSITIONS[0]
+    with pytest.warns(RuntimeWarning, match=r"link-0001\.hsnap\.applied"):
+        applied = tgt.step(tmp_path / "a")
+    assert applied.state_position == cc.POSITIONS[1] and tgt.request.state_position == cc.POSITIONS[1]
+    assert [a.path for a in tgt.applied] == links[:2]
+    final = tgt.step(tmp_path / "a")
+    assert final.final and _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")

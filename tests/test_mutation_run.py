@@ -633,6 +633,8 @@ def test_migrate_hostile_links_are_refused_and_the_migration_goes_on(migrate_see
             want = "waits (step: None)" if (scenario, mode) == ("missing", "step") else "MigrationError" if (scenario, mode) == ("missing", "follow") else error
             assert (r["cls"], r["error"]) == ("typed", want), (target, k, scenario, mode, r)
     assert ex.examine(_mig(seeds, "hl/final.hsnap", 3, "accept", "step", **{"raise": "none-once"}))["cls"] == "accepted-unchanged"
+    for mode in ("step", "follow"):  # a round whose .applied marker cannot be put is still applied, and says so
+        assert ex.examine(_mig(seeds, "hl/link-0001.hsnap", 1, "marker", mode))["cls"] == "accepted-unchanged"
 
 
 def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypatch):
