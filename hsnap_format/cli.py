@@ -385,6 +385,7 @@ _EXTERNAL = {
     "resume": ("hsnap_sglang.client:resume_main", "resume a snapshot in a server and print the rest: hsnap resume URL PATH"),
     "drain": ("hsnap_sglang.client:drain_main", "export every request of a server: hsnap drain URL -o DIR [--dedup]"),
     "checkpoint": ("hsnap_sglang.client:checkpoint_main", "checkpoint a live request every N tokens: hsnap checkpoint URL RID -o DIR --every N"),
+    "migrate": ("hsnap_sglang.client:migrate_main", "live-migrate a request between servers: hsnap migrate URL RID --to URL2 --via DIR"),
 }
 
 

@@ -17,6 +17,13 @@ source to first token on the target) only covers the last delta::
     tgt = MigrationTarget(req_to_token_pool=..., token_to_kv_pool_allocator=..., identity=...)
     for applied in tgt.follow("s3://bucket/mig/req-7", timeout_s=60):
         ...                                      # applied.final: decode on from tgt.request
+    # or, from a loop that must not wait (a scheduler): tgt.step(container) applies the next link if committed
+
+A source that gives up writes ``abandoned.json`` (:meth:`MigrationSource.abandon`): a following
+target's :meth:`~MigrationTarget.step` raises :class:`MigrationError` saying why, and
+:meth:`~MigrationTarget.release` gives back what it applied. SGLang servers with the hsnap plug-in
+use these names (``/hsnap/migrate``, ``/hsnap/follow``: :mod:`hsnap_sglang.migration`), so a server
+and a library process interoperate.
 
 The transport is the storage seam (:mod:`hsnap_format.storage`): a local directory or an
 ``s3://`` prefix; a link is visible under its name only once committed.

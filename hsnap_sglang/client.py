@@ -10,6 +10,8 @@
     client.checkpoint(url, "req-42", "/ck", every=64)  # a link now and every 64 output tokens; after a crash:
     run = client.resume(url2, "/ck", seen=(len(text_so_far), len(ids_so_far)))  # the newest link; on_chunk: only what is new
     client.stats(url, "req-42")["forwards"]  # {"decode": n, "extend": m}: completed forwards in that server
+    mig = client.move(url, url2, "req-42", "/mig/req-42", on_chunk=print)  # live migration: pre-copy while it decodes
+    mig.source["timings"], mig.run.final, mig.downtime_s      # the source's report, the target's stream, the client's gap
 
 Every HTTP error becomes a :class:`ServerError` (an :class:`hsnap_format.HsnapError`) carrying the server's typed
 reason: ``error_type`` (``IncompatibleSnapshotError``, ``UnknownRequestError``, ...), ``status``, ``field``,
@@ -29,8 +31,8 @@ from typing import Any, Callable
 
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 
-__all__ = ["ServerError", "ResumeRun", "pause", "resume", "drain", "checkpoint", "stats", "stream_events", "pause_main", "resume_main",
-           "drain_main", "checkpoint_main"]
+__all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "drain", "checkpoint", "migrate", "follow", "move", "stats",
+           "stream_events", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0
 RESUME_HEADER = "X-Hsnap-Resume"
@@ -150,7 +152,12 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
     nothing repeated or missing.  (With the server's ``--incremental-streaming-output`` the events carry only what
     follows the snapshot: a client that had less than the snapshot does not get the part in between from them.)
     A refusal raises :class:`ServerError` before any output."""
-    with _request(url, "/hsnap/resume", {"path": path, "stream": stream}, timeout) as r:
+    return _read_run(url, "/hsnap/resume", {"path": path, "stream": stream}, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout)
+
+
+def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float) -> ResumeRun:
+    """A /hsnap/resume or /hsnap/follow call's events (see :func:`resume`)."""
+    with _request(url, route, body, timeout) as r:
         header = r.headers.get(RESUME_HEADER)
         run = ResumeRun(info=json.loads(header) if header else None)
         if not stream:
@@ -167,7 +174,7 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
         for event in stream_events(r):
             if "error" in event:
                 err = event["error"]
-                raise ServerError(url + "/hsnap/resume", 200, err if isinstance(err, dict) else {"message": str(err)})
+                raise ServerError(url + route, 200, err if isinstance(err, dict) else {"message": str(err)})
             rid = event["meta_info"]["id"]
             run.events.append(event)
             text, ids = event.get("text") or "", list(event.get("output_ids") or [])
@@ -186,6 +193,78 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
             floor[rid] = (max(f_text, at[rid][0]), max(f_ids, at[rid][1]))
             run.finals[rid] = event
         return run
+
+
+def migrate(url: str, rid: str, dir: str, *, tail: int = 16, max_rounds: int = 8, timeout_s: float = 60.0, fsync: bool = False,  # noqa: A002
+            timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+    """Migrate request ``rid`` out of the server at ``url`` through ``dir`` (a directory both servers reach, or
+    ``s3://``), which a target server follows (:func:`follow`): pre-copy rounds while it decodes, then, once the
+    target applied the last round and at most ``tail`` rows are left, the request is stopped, the final link
+    written and its slots released; its client's stream ends with ``finish_reason {"type": "hsnap_export",
+    "migration": dir}``.  Returns the source's report (``rounds``, ``final_rows``, ``timings``...)."""
+    return _json(url, "/hsnap/migrate", {"rid": rid, "dir": dir, "tail": tail, "max_rounds": max_rounds, "timeout_s": timeout_s,
+                                         "fsync": fsync}, timeout)
+
+
+def follow(url: str, dir: str, *, rid: str | None = None, on_chunk: Callable[[str, str, list, dict], None] | None = None,  # noqa: A002
+           stream: bool = True, seen=None, timeout_s: float = 60.0, timeout: float = DEFAULT_TIMEOUT_S) -> ResumeRun:
+    """Have the server at ``url`` follow the migration in ``dir`` (each link applied as it is committed) and read the
+    rest of the request once it runs there, as :func:`resume` reads it (``info``: the follow's report)."""
+    body = {"dir": dir, "stream": stream, "timeout_s": timeout_s}
+    if rid is not None:
+        body["rid"] = rid
+    return _read_run(url, "/hsnap/follow", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout)
+
+
+@dataclass
+class Migration:
+    """What :func:`move` saw: the source's report, the target's run, and the client's view of the gap."""
+
+    source: dict
+    run: ResumeRun
+    last_source_event_at: float | None  # time.monotonic() of the source stream's last event with a token (when given)
+    first_target_event_at: float | None  # ... of the target stream's first event with a new token
+
+    @property
+    def downtime_s(self) -> float | None:
+        """The client's gap: the source's last token to the target's first (when the source stream was given)."""
+        if self.last_source_event_at is None or self.first_target_event_at is None:
+            return None
+        return self.first_target_event_at - self.last_source_event_at
+
+
+def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None, last_source_event_at: Callable[[], float] | None = None,  # noqa: A002
+         timeout_s: float = 60.0, **migrate_kw) -> Migration:
+    """Live-migrate ``rid`` from ``source_url`` to ``target_url`` through ``dir``: the target follows first (in a
+    thread), then the source migrates; returns once the target's stream ended.  ``last_source_event_at()``: when the
+    caller's source stream got its last token (for :attr:`Migration.downtime_s`)."""
+    import threading
+    import time
+
+    got: dict = {}
+    first: list = []
+
+    def chunk(r, text, ids, event):
+        if ids and not first:
+            first.append(time.monotonic())
+        if on_chunk is not None:
+            on_chunk(r, text, ids, event)
+
+    def target():
+        try:
+            got["run"] = follow(target_url, dir, rid=rid, on_chunk=chunk, timeout_s=timeout_s)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=target, name="hsnap-follow", daemon=True)
+    t.start()
+    try:
+        report = migrate(source_url, rid, dir, timeout_s=timeout_s, **migrate_kw)
+    finally:
+        t.join(DEFAULT_TIMEOUT_S)
+    if "error" in got:
+        raise got["error"]
+    return Migration(report, got["run"], last_source_event_at() if last_source_event_at is not None else None, first[0] if first else None)
 
 
 def _items(info) -> list:
@@ -310,6 +389,45 @@ def checkpoint_main(argv) -> int:
     else:
         print(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {escape_text(out['dir'])}: first link "
               f"{escape_text(out['path'])} ({out['committed_positions']} committed positions, {out['bytes']} bytes)")
+    return 0
+
+
+def migrate_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="hsnap migrate", description="Live-migrate one request from a server to another (both "
+                                "running the hsnap plug-in) through a directory both reach or s3://: the target follows, the "
+                                "source pre-copies while the request decodes, then stops it for the last few rows and its "
+                                "recurrent state; the rest of the stream is printed from the target.")
+    p.add_argument("source", help="the server the request runs in, http://host:port")
+    p.add_argument("rid", help="the request id")
+    p.add_argument("--to", required=True, metavar="URL", help="the target server, http://host:port")
+    p.add_argument("--via", required=True, metavar="DIR", help="the migration's container: a fresh directory both servers reach, or s3://")
+    p.add_argument("--tail", type=int, default=16, help="stop the request once at most this many rows are left (default 16)")
+    p.add_argument("--max-rounds", type=int, default=8, help="pre-copy rounds at most (default 8)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds either side waits for the other's next step")
+    p.add_argument("--json", action="store_true", help="both reports as JSON (no text)")
+    args = p.parse_args(argv)
+
+    def show(rid, text, ids, event):
+        if not args.json:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    try:
+        mig = move(args.source, args.to, args.rid, args.via, on_chunk=show, tail=args.tail, max_rounds=args.max_rounds, timeout_s=args.timeout)
+    except HsnapError as e:
+        return _fail("migrate", e)
+    src, info = mig.source, mig.run.info or {}
+    if args.json:
+        print(json.dumps({"source": src, "target": info}, indent=2, sort_keys=True))
+        return 0
+    t = src.get("timings", {})
+    meta = mig.run.final.get("meta_info", {})
+    print(file=sys.stdout)
+    print(f"migrated {escape_text(src['rid'])} via {escape_text(src['dir'])}: {len(src['rounds'])} pre-copy rounds "
+          f"({src['precopy_bytes']} bytes) while it decoded, then {src['final_rows']} rows + state in the final link "
+          f"({src['final_bytes']} bytes, written in {(t.get('final_capture_s', 0) + t.get('final_write_s', 0)) * 1e3:.1f} ms); "
+          f"target applied {len(info.get('links', []))} links; {meta.get('completion_tokens')} output tokens, finish "
+          f"{json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
     return 0
 
 

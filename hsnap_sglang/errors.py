@@ -46,6 +46,7 @@ STATUS: dict[str, int] = {
     "TruncatedError": 400,
     "BadMagicError": 400,
     "RemoteIOError": 502,
+    "MigrationError": 504,  # the other side of a live migration did not do its part in time (or gave up)
     "PluginError": 500,
     "HsnapError": 400,
 }

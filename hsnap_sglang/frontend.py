@@ -39,8 +39,8 @@ from hsnap_format.errors import Phrase
 from hsnap_format.storage import is_url
 
 from .errors import PluginError, RequestBusyError, error_dict
-from .messages import (HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapReqOutput, HsnapResumeReqInput,
-                       HsnapStatsReqInput)
+from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
+                       HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -127,6 +127,42 @@ class HsnapFrontend:
         return obj, dict(out.result, client_had=had)
 
 
+    # ------------------------------------------------------------------ follow (the target of a live migration)
+
+    async def follow(self, container: str, *, rid: str | None, timeout_s: float, stream: bool, text_in_logprobs: bool, request=None):
+        """Ask the scheduler to follow ``container``; once the final link is applied (the request held in its slots),
+        register the client's state from the record it answers with, then have it admitted."""
+        tm = self.tm
+        if rid is not None and rid in tm.rid_to_state:
+            raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
+        out = await self.call(HsnapFollowReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=container, timeout_s=timeout_s))
+        if not out.ok:
+            raise _AnsweredError(out.error)
+        result = dict(out.result)
+        info = result.pop("info")
+        rid = info["rid"]
+        if rid in tm.rid_to_state:  # a request of that rid arrived here meanwhile: give the migrated one back
+            await self.call(HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=False))
+            raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
+        obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
+        tm._init_req_state(obj, request)
+        state = tm.rid_to_state[rid]
+        _seed_state(state, info, _streamed_text(tm.tokenizer, info))
+        result["client_had"] = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
+                                "incremental": bool(stream and tm.incremental_streaming_output)}
+        try:
+            adm = await self.call(HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True))
+        except BaseException:
+            tm.rid_to_state.pop(rid, None)
+            raise
+        if not adm.ok:
+            if tm.rid_to_state.get(rid) is state:
+                del tm.rid_to_state[rid]
+            raise _AnsweredError(adm.error)
+        result["timings"] = dict(result.get("timings", {}), admitted_at=adm.result.get("admitted_at"))
+        return obj, result
+
+
 class _AnsweredError(Exception):
     """The scheduler refused: its error dict, as it is."""
 
@@ -142,6 +178,11 @@ def read_resume_info(path: str) -> dict:
         first = snap.ranks[min(snap.ranks)] if hasattr(snap, "ranks") else snap
         record = first.record()
     record.validate(path)
+    return resume_info_of(record, path)
+
+
+def resume_info_of(record, path: str) -> dict:
+    """:func:`read_resume_info` of a record already read and validated (plain values: it crosses SGLang's IPC)."""
     extra = record.extra
     req = lambda name, default=None: extra.get(f"sglang.Req.{name}", default)  # noqa: E731
     lp = lambda name, default=None: extra.get(f"sglang.ReqLogprob.{name}", default)  # noqa: E731
@@ -401,41 +442,99 @@ def router():
         header = json.dumps(results[0] if len(entries) == 1 and os.fspath(entries[0]) == _local(path) else results,
                             separators=(",", ":"), default=str)
         headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "resumed": len(resumed)})}
-        waiters = [tm._wait_one_response(obj, request) for obj in resumed]
-        if not stream:
-            outs = [await w.__anext__() for w in waiters]
-            return JSONResponse(content=outs[0] if len(outs) == 1 and len(entries) == 1 else outs, headers=headers)
+        return await _respond(tm, resumed, request, stream=stream, headers=headers, single=len(entries) == 1)
 
-        async def events():
-            queue: asyncio.Queue = asyncio.Queue()
+    @r.post("/migrate")
+    async def migrate(request: Request):
+        body = await _body(request)
+        if body is None:
+            return _bad("body", "a JSON object {rid, dir, tail?, max_rounds?, timeout_s?, fsync?}", None)
+        rid, d = body.get("rid"), body.get("dir")
+        tail, rounds, timeout_s, fsync = body.get("tail", 16), body.get("max_rounds", 8), body.get("timeout_s", 60), body.get("fsync", False)
+        if type(rid) is not str or not rid:
+            return _bad("rid", "a request id (string)", rid)
+        if type(d) is not str or not d:
+            return _bad("dir", "a directory or s3:// prefix the target follows (string)", d)
+        if type(tail) is not int or not 0 <= tail <= 1 << 20:
+            return _bad("tail", "rows left at most when the request stops, 0..1048576", tail)
+        if type(rounds) is not int or not 1 <= rounds <= 1000:
+            return _bad("max_rounds", "pre-copy rounds at most, 1..1000", rounds)
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 86400:
+            return _bad("timeout_s", "seconds a round may wait for the target, (0, 86400]", timeout_s)
+        if type(fsync) is not bool:
+            return _bad("fsync", "true or false", fsync)
+        out = await _frontend().call(HsnapMigrateReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d), tail=tail, max_rounds=rounds,
+                                                          timeout_s=float(timeout_s), fsync=fsync))
+        return _answer_response(out)
 
-            async def pump(w):
-                try:
-                    async for out in w:
-                        await queue.put(out)
-                except ValueError as e:  # a disconnect or an abort, as /generate reports it
-                    await queue.put({"error": {"message": str(e), "type": "invalid_request_error"}})
-                finally:
-                    await queue.put(None)
-
-            tasks = [asyncio.create_task(pump(w)) for w in waiters]
-            left = len(tasks)
-            try:
-                while left:
-                    out = await queue.get()
-                    if out is None:
-                        left -= 1
-                        continue
-                    yield b"data: " + dumps_json(out) + b"\n\n"
-                yield b"data: [DONE]\n\n"
-            finally:
-                for t in tasks:
-                    t.cancel()
-
-        background = tm.create_abort_task(resumed[0]) if len(resumed) == 1 else None
-        return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=background)
+    @r.post("/follow")
+    async def follow(request: Request):
+        body = await _body(request)
+        if body is None:
+            return _bad("body", "a JSON object {dir, rid?, stream?, timeout_s?}", None)
+        d, rid, stream = body.get("dir"), body.get("rid"), body.get("stream", False)
+        text_lp, timeout_s = body.get("return_text_in_logprobs", False), body.get("timeout_s", 60)
+        if type(d) is not str or not d:
+            return _bad("dir", "the directory or s3:// prefix a source migrates through (string)", d)
+        if rid is not None and (type(rid) is not str or not rid):
+            return _bad("rid", "the request id expected (string) or null", rid)
+        if type(stream) is not bool or type(text_lp) is not bool:
+            return _bad("stream", "true or false", stream)
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 86400:
+            return _bad("timeout_s", "seconds to wait for each link, (0, 86400]", timeout_s)
+        fe = _frontend()
+        try:
+            obj, result = await fe.follow(_local(d), rid=rid, timeout_s=float(timeout_s), stream=stream, text_in_logprobs=text_lp,
+                                          request=request)
+        except _AnsweredError as e:
+            return _error_response(e.error)
+        except HsnapError as e:
+            return _error_response(error_dict(e))
+        header = json.dumps(result, separators=(",", ":"), default=str)
+        headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "rid": result.get("rid")})}
+        return await _respond(fe.tm, [obj], request, stream=stream, headers=headers, single=True)
 
     return r
+
+
+async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, single: bool):
+    """The resumed requests' outputs in /generate's shape: one JSON (a list for several), or an event stream."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from sglang.srt.entrypoints.http_server import dumps_json
+
+    waiters = [tm._wait_one_response(obj, request) for obj in resumed]
+    if not stream:
+        outs = [await w.__anext__() for w in waiters]
+        return JSONResponse(content=outs[0] if len(outs) == 1 and single else outs, headers=headers)
+
+    async def events():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(w):
+            try:
+                async for out in w:
+                    await queue.put(out)
+            except ValueError as e:  # a disconnect or an abort, as /generate reports it
+                await queue.put({"error": {"message": str(e), "type": "invalid_request_error"}})
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(w)) for w in waiters]
+        left = len(tasks)
+        try:
+            while left:
+                out = await queue.get()
+                if out is None:
+                    left -= 1
+                    continue
+                yield b"data: " + dumps_json(out) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    background = tm.create_abort_task(resumed[0]) if len(resumed) == 1 else None
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=background)
 
 
 __all__ = ["HsnapFrontend", "install", "before_launch_server", "router", "read_resume_info", "snapshot_entries", "RESUME_HEADER"]

@@ -47,6 +47,36 @@ class HsnapCheckpointReqInput(BaseReq, kw_only=True):
     every: int
 
 
+class HsnapMigrateReqInput(BaseReq, kw_only=True):
+    """Migrate ``rid`` out through ``dir`` (a directory or ``s3://`` prefix a target follows): pre-copy rounds while
+    it decodes; once the target applied a round and at most ``tail`` rows are left (or after ``max_rounds`` rounds),
+    stop it and write the final link; a round not applied within ``timeout_s`` gives the migration up; ``fsync``:
+    make each link durable (a migration on one host does not need it: the target reads the link at once)."""
+
+    op_id: str
+    dir: str
+    tail: int = 16
+    max_rounds: int = 8
+    timeout_s: float = 60.0
+    fsync: bool = False
+
+
+class HsnapFollowReqInput(BaseReq, kw_only=True):
+    """Follow the migration in ``dir``: apply each link as it is committed (``rid``, when given, is the request the
+    caller expects); answered once the final link is applied and the request held for admission."""
+
+    op_id: str
+    dir: str
+    timeout_s: float = 60.0
+
+
+class HsnapAdmitReqInput(BaseReq, kw_only=True):
+    """Run the request a follow brought in (the HTTP process registered its client's state), or give it back."""
+
+    op_id: str
+    admit: bool = True
+
+
 class HsnapStatsReqInput(BaseReq, kw_only=True):
     """Forward counts of ``rid`` (all known rids when None) and the plug-in's state."""
 
@@ -64,7 +94,8 @@ class HsnapReqOutput(BaseReq, kw_only=True):
     items: List[Dict[str, Any]] = msgspec.field(default_factory=list)
 
 
-TYPES = (HsnapExportReqInput, HsnapResumeReqInput, HsnapDrainReqInput, HsnapCheckpointReqInput, HsnapStatsReqInput, HsnapReqOutput)
+TYPES = (HsnapExportReqInput, HsnapResumeReqInput, HsnapDrainReqInput, HsnapCheckpointReqInput, HsnapMigrateReqInput, HsnapFollowReqInput,
+         HsnapAdmitReqInput, HsnapStatsReqInput, HsnapReqOutput)
 
 _registered = False
 

@@ -18,6 +18,10 @@ target                                                             type   what
                                                                           waiting HTTP calls (:mod:`.frontend`)
 ``http_server.launch_server``                                      BEFORE adds the ``/hsnap/*`` routes to SGLang's
                                                                           FastAPI app
+``Scheduler.maybe_sleep_on_idle``                                  AROUND an idle scheduler following a migration polls
+                                                                          its sockets for 1 ms, not 1 s (links come by store)
+``SchedulerPoolStatsObserver._session_kv_rows``                    AROUND adds the slots of a request migrating in (held
+                                                                          outside any batch) to SGLang's pool accounting
 =================================================================  =====  ==============================================
 
 and registers its message types (:mod:`.messages`, msgspec structs of plain values) with SGLang's IPC decoder
@@ -43,6 +47,9 @@ HOOKS: dict[str, tuple[str, str]] = {
     f"{_SCHED}.process_batch_result": ("scheduler:around_process_batch_result", "AROUND"),
     f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
     "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
+    f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),
+    "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._session_kv_rows":
+        ("scheduler:around_session_kv_rows", "AROUND"),
 }
 
 

@@ -1265,27 +1265,10 @@ def resume_req(
         fpath = source.snap.path
         check_target(source, view, identity)  # the file belongs here (header only)
         record = _read_record(source.snap, fpath)
-        if record.extra.get(FORMAT_KEY) != FORMAT:
-            raise IncompatibleSnapshotError(fpath, [(f"request.extra.{FORMAT_KEY}", FORMAT, record.extra.get(FORMAT_KEY))])
-        if expect_rid is not None and record.rid != expect_rid:
-            raise IncompatibleSnapshotError(fpath, [("request.rid", expect_rid, record.rid)])
-        carried = decode_carried(record, fpath, swa_start=source.snap.swa_start)
-        if vocab_size is not None and carried["Req"].get("vocab_size", vocab_size) != vocab_size:
-            raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.vocab_size", vocab_size, carried["Req"]["vocab_size"])])
-        sp = _sampling_from_record(record.sampling, fpath)
-        _check_stop_agrees(record, sp, fpath)
-        lora = carried["Req"].get("lora_id")
-        if lora is not None and (loaded_lora_ids is None or lora not in set(loaded_lora_ids)):
-            raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.lora_id", f"an adapter the target has loaded {sorted(loaded_lora_ids or ())}", lora)])
-        # the Req is built and checked before the pools are touched: a failure here leaves them as they were
-        req = _rebuild_req(record, carried, sp, tokenizer=tokenizer, http_worker_ipc=ipc, req_kwargs=kwargs)
-        _check_resumed(req, tokenizer, fpath)
-        key, grammar = grammar_key(sp), None
-        if key is not None:
-            if grammar_backend is None:
-                raise HsnapError(fpath, f"request.sampling.{_GRAMMAR_FIELD[key[0]]}", "a grammar_backend to re-derive the matcher", None)
-            key, grammar = replay_grammar(grammar_backend, key, record.output_ids, require_reasoning=bool(req.require_reasoning),
-                                          input_ids=array("q", record.prompt_ids.tolist()), path=fpath)
+        prepared = prepare_req(record, fpath, swa_start=source.snap.swa_start, tokenizer=tokenizer, grammar_backend=grammar_backend,
+                               loaded_lora_ids=loaded_lora_ids, vocab_size=vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs,
+                               expect_rid=expect_rid)
+        req, carried, key, grammar = prepared.req, prepared.carried, prepared.grammar_key, prepared.grammar
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = _mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
@@ -1297,6 +1280,49 @@ def resume_req(
         req.grammar_key, req.grammar = key, grammar
     req.hsnap_restored = restored  # bytes uploaded, snapshot id, numerics differences
     return req
+
+
+@dataclass
+class PreparedReq:
+    """A ``Req`` rebuilt from a record and checked as a fresh request would be, not yet bound
+    to any slot (:func:`prepare_req`)."""
+
+    req: Any
+    carried: dict
+    grammar_key: Any
+    grammar: Any
+
+
+def prepare_req(record: RequestRecord, fpath, *, swa_start: int, tokenizer=None, grammar_backend=None, loaded_lora_ids=None,
+                vocab_size: int | None = None, http_worker_ipc: str | None = None, req_kwargs: Mapping[str, Any] | None = None,
+                expect_rid: str | None = None) -> PreparedReq:
+    """Everything :func:`resume_req` refuses about the request itself, before any slot is
+    touched: the record written from a ``Req`` (of ``expect_rid``), every carried value,
+    the vocabulary, the sampling parameters and stop strings, the LoRA adapter, the grammar
+    (its matcher re-derived by replaying the output ids). Returns the rebuilt ``Req``."""
+    if record.extra.get(FORMAT_KEY) != FORMAT:
+        raise IncompatibleSnapshotError(fpath, [(f"request.extra.{FORMAT_KEY}", FORMAT, record.extra.get(FORMAT_KEY))])
+    if expect_rid is not None and record.rid != expect_rid:
+        raise IncompatibleSnapshotError(fpath, [("request.rid", expect_rid, record.rid)])
+    kwargs = dict(req_kwargs or {})
+    carried = decode_carried(record, fpath, swa_start=swa_start)
+    if vocab_size is not None and carried["Req"].get("vocab_size", vocab_size) != vocab_size:
+        raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.vocab_size", vocab_size, carried["Req"]["vocab_size"])])
+    sp = _sampling_from_record(record.sampling, fpath)
+    _check_stop_agrees(record, sp, fpath)
+    lora = carried["Req"].get("lora_id")
+    if lora is not None and (loaded_lora_ids is None or lora not in set(loaded_lora_ids)):
+        raise IncompatibleSnapshotError(fpath, [("request.extra.sglang.Req.lora_id", f"an adapter the target has loaded {sorted(loaded_lora_ids or ())}", lora)])
+    # the Req is built and checked before the pools are touched: a failure here leaves them as they were
+    req = _rebuild_req(record, carried, sp, tokenizer=tokenizer, http_worker_ipc=http_worker_ipc, req_kwargs=kwargs)
+    _check_resumed(req, tokenizer, fpath)
+    key, grammar = grammar_key(sp), None
+    if key is not None:
+        if grammar_backend is None:
+            raise HsnapError(fpath, f"request.sampling.{_GRAMMAR_FIELD[key[0]]}", "a grammar_backend to re-derive the matcher", None)
+        key, grammar = replay_grammar(grammar_backend, key, record.output_ids, require_reasoning=bool(req.require_reasoning),
+                                      input_ids=array("q", record.prompt_ids.tolist()), path=fpath)
+    return PreparedReq(req, carried, key, grammar)
 
 
 def bind_restored(req, restored, kvx: Mapping[str, Any], *, root=None) -> None:
@@ -1402,6 +1428,8 @@ def _comparable(v):
 __all__ = [
     "snapshot_req",
     "resume_req",
+    "prepare_req",
+    "PreparedReq",
     "req_record",
     "check_req",
     "classified_view",

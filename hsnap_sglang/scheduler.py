@@ -37,8 +37,9 @@ from hsnap_format.errors import Phrase
 from hsnap_format.storage import is_url, store_for
 
 from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
-from .messages import (HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapReqOutput, HsnapResumeReqInput,
-                       HsnapStatsReqInput)
+from . import migration
+from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
+                       HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -58,14 +59,15 @@ def install(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.init_request_dispatcher``: the hsnap request types join SGLang's dispatcher."""
     from sglang.utils import TypeBasedDispatcher
 
-    sched._hsnap = HsnapScheduler(sched)
+    global _ACTIVE
+    sched._hsnap = _ACTIVE = HsnapScheduler(sched)
     sched._request_dispatcher += TypeBasedDispatcher(sched._hsnap.handlers())
 
 
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy()):
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows):
         hs.service()
 
 
@@ -80,6 +82,32 @@ def around_process_batch_result(original, sched, batch, result, *args, **kwargs)
     if hs is not None:
         hs.count(mode, live)
     return out
+
+
+def around_session_kv_rows(original, observer, *args, **kwargs):
+    """AROUND ``SchedulerPoolStatsObserver._session_kv_rows``: SGLang's pool accounting (its strict idle memory check, the
+    pool stats) counts the slots this plug-in holds outside any batch (a migration being applied, a migrated request
+    waiting for admission) as held, as it counts a streaming session's."""
+    rows = original(observer, *args, **kwargs)
+    hs = _ACTIVE
+    if hs is not None and (hs.follows or hs.arrived):
+        rows = list(rows) + migration.held_kv_rows(hs)
+    return rows
+
+
+_ACTIVE = None  # the HsnapScheduler of this process (one scheduler per process)
+
+
+def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
+    """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration
+    waits at most 1 ms for a message, not a second: its next link arrives through the store, not a socket."""
+    hs = getattr(sched, "_hsnap", None)
+    if hs is not None and (hs.follows or hs.migrations or hs.arrived):
+        sleeper = getattr(sched, "idle_sleeper", None)
+        if sleeper is not None and hasattr(sleeper, "poller"):
+            sleeper.poller.poll(1)
+        return None
+    return original(sched, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- the state
@@ -99,6 +127,7 @@ class _Export:
     found_in: str = ""  # where the request was when the export was asked for
     checkpoint: "_Checkpointing | None" = None  # a link of a request's checkpoints (keep_running)
     base: str | None = None  # the link it is a delta of (None: plain)
+    migration: Any = None  # hsnap_sglang.migration.Migrating: a pre-copy round (keep_running) or the final link
 
 
 @dataclasses.dataclass
@@ -243,12 +272,15 @@ def _finish_reason_class():
     class FINISH_HSNAP_EXPORT(BaseFinishReason):
         """The request left this server as a snapshot: the client's stream ends saying where it is."""
 
-        def __init__(self, path: str, snapshot_id: str, committed: int):
+        def __init__(self, path: str, snapshot_id: str, committed: int, migration: str | None = None):
             super().__init__()
-            self.path, self.snapshot_id, self.committed = path, snapshot_id, committed
+            self.path, self.snapshot_id, self.committed, self.migration = path, snapshot_id, committed, migration
 
         def to_json(self):
-            return {"type": "hsnap_export", "path": self.path, "snapshot_id": self.snapshot_id, "committed_positions": self.committed}
+            out = {"type": "hsnap_export", "path": self.path, "snapshot_id": self.snapshot_id, "committed_positions": self.committed}
+            if self.migration is not None:
+                out["migration"] = self.migration  # the container a target follows: the request goes on there
+            return out
 
     return FINISH_HSNAP_EXPORT
 
@@ -266,13 +298,25 @@ class HsnapScheduler:
         self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.checkpoints: dict[str, _Checkpointing] = {}  # rid -> its periodic checkpoints
         self.links = _LinkWriter()  # writes the checkpoint links off the decode path
+        self.migrations: dict[str, Any] = {}  # rid -> migration.Migrating (source side)
+        self.follows: dict[str, Any] = {}  # op_id -> migration.Following (target side)
+        self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
         self.finish_reason = _finish_reason_class()
         self._identity = None
         self.exports = self.resumes = 0
 
     def handlers(self):
         return [(HsnapExportReqInput, self.on_export), (HsnapResumeReqInput, self.on_resume),
-                (HsnapDrainReqInput, self.on_drain), (HsnapCheckpointReqInput, self.on_checkpoint), (HsnapStatsReqInput, self.on_stats)]
+                (HsnapDrainReqInput, self.on_drain), (HsnapCheckpointReqInput, self.on_checkpoint), (HsnapStatsReqInput, self.on_stats),
+                (HsnapMigrateReqInput, self._on(migration.on_migrate)), (HsnapFollowReqInput, self._on(migration.on_follow)),
+                (HsnapAdmitReqInput, self._on(migration.on_admit))]
+
+    def _on(self, fn):
+        def handler(msg):
+            fn(self, msg)
+            return None
+
+        return handler
 
     # ------------------------------------------------------------------ helpers
 
@@ -295,6 +339,8 @@ class HsnapScheduler:
                 return "running", req
         if rid in self.parked:
             return "parked", self.parked[rid]
+        if rid in self.arrived:
+            return "arrived", self.arrived[rid][0]
         chunked = s.chunked_req
         if chunked is not None and chunked.rid == rid:
             return "prefilling", chunked
@@ -339,7 +385,7 @@ class HsnapScheduler:
 
     def _busy(self, rid: str) -> bool:
         """An export asked for by a caller (not a checkpoint link) waits for ``rid``."""
-        return any(e.rid == rid and e.checkpoint is None for e in self.pending)
+        return rid in self.migrations or any(e.rid == rid and e.checkpoint is None for e in self.pending)
 
     def _drop_links(self, rid: str) -> None:
         """A pending checkpoint link of ``rid`` gives way to the export queued next (which takes over a parked
@@ -358,6 +404,10 @@ class HsnapScheduler:
             self._collect_links()
         if self.checkpoints:
             self._queue_due_links()
+        if self.migrations:
+            migration.advance_migrations(self)
+        if self.follows:
+            migration.advance_follows(self)
         for ex in list(self.pending):
             try:
                 self._service_one(ex)
@@ -394,8 +444,10 @@ class HsnapScheduler:
                 self.links.wait(ex.rid)
                 self._collect_links()
             self.pending.remove(ex)
-            if ex.checkpoint is not None:
+            if ex.checkpoint is not None or (ex.migration is not None and ex.keep_running):
                 self._capture_link(ex, req, where)
+            elif ex.migration is not None:
+                migration.finish(self, ex, req, where)
             else:
                 self._export(ex, req, where)
         elif where == "running":  # overlap: its last batch is in flight; take it out of the next ones
@@ -482,7 +534,7 @@ class HsnapScheduler:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         s = self.sched
-        req.finished_reason = self.finish_reason(info["path"], info["snapshot_id"], info["committed_positions"])
+        req.finished_reason = self.finish_reason(info["path"], info["snapshot_id"], info["committed_positions"], info.get("migration"))
         if any(r is req for r in s.running_batch.reqs):
             s.running_batch.filter_batch(reqs_to_exclude=[req])
         self.parked.pop(req.rid, None)
@@ -492,6 +544,9 @@ class HsnapScheduler:
         s.output_streamer.stream_output([req], req.return_logprob)
 
     def _done(self, ex: _Export, *, result=None, error=None) -> None:
+        if ex.migration is not None:
+            migration.round_done(self, ex, result, error)
+            return
         if ex.checkpoint is not None:
             self._link_done(ex, result, error)
             return
@@ -619,7 +674,7 @@ class HsnapScheduler:
         from .req import req_record
 
         t0 = time.monotonic()
-        ck = ex.checkpoint
+        ck = ex.checkpoint or ex.migration  # whose links: both keep the last committed one (held) and its position
         try:
             record, swa_start = req_record(req, path=ex.path)
             s = self.sched
@@ -652,12 +707,13 @@ class HsnapScheduler:
         """The links the writer finished: bookkept and answered here, on the scheduler thread."""
         for job in self.links.collect():
             ex = job.ex
-            ex.checkpoint.writer_s += job.writer_s
+            owner = ex.checkpoint or ex.migration
+            owner.writer_s += job.writer_s
             if job.error is not None:
                 self._done(ex, error=job.error)
                 continue
             self.exports += 1
-            ex.checkpoint.held = job.info
+            owner.held = job.info
             info = job.info.info
             result = dict(job.result, bytes=int(info.file_length), payload_bytes=int(info.payload_bytes))
             result["timings"] = dict(result["timings"], writer_s=job.writer_s, total_s=time.monotonic() - ex.asked,
@@ -861,6 +917,9 @@ class HsnapScheduler:
             "pools": pools,
             "checks": self.checks(),
             "checkpoints": {rid: _checkpoint_state(ck) for rid, ck in self.checkpoints.items()},
+            "migrations": {rid: {"dir": m.container, "rounds": len(m.links), "queued": m.queued} for rid, m in self.migrations.items()},
+            "follows": [{"dir": f.container, "applied": len(f.applied)} for f in self.follows.values()],
+            "arrived": list(self.arrived),
         }
         if msg.rid is not None:
             result["rid"] = msg.rid

@@ -325,6 +325,59 @@ def test_item4_follow_without_links_is_a_typed_timeout_and_a_stopped_source_writ
     assert [(a.final, a.rows) for a in applied] == [(True, cc.POSITIONS[0])]
 
 
+def test_item4_accept_hook_refusal_leaves_pools_identical_and_the_link_still_applies(tmp_path):
+    """``apply(accept=...)``: the caller's own check (a scheduler's: can this request run here?) runs after every
+    check of the link and before anything is allocated; what it raises refuses the link like the checks do."""
+    ps, req = cc.source("hybrid_linear")
+    links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
+    t = ic.target("hybrid_linear", 1)
+    tgt = _target(t)
+    seen = []
+
+    class NotHere(hf.HsnapError):
+        pass
+
+    def refuse(snap, record):
+        seen.append((os.path.basename(snap.path), record.state_position))
+        raise NotHere(snap.path, "request", "a request this target runs", "refused by the caller")
+
+    for i, link in enumerate(links):
+        before = sp.pool_state_fingerprint(t)
+        with pytest.raises(NotHere):
+            tgt.apply(link, accept=refuse)
+        assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
+        assert len(tgt.applied) == i
+        tgt.apply(link, accept=lambda snap, record: seen.append(("ok", record.state_position)))
+    assert [p for _, p in seen] == [p for pos in cc.POSITIONS for p in (pos, pos)]
+    assert tgt.request.state_position == cc.POSITIONS[-1]
+
+
+def test_item4_abandoned_migration_is_a_typed_error_for_the_follower_and_release_gives_every_slot_back(tmp_path):
+    """A source that gives up (``MigrationSource.abandon``) says why in ``abandoned.json``; the following target's
+    ``step`` raises MigrationError naming it; ``release`` gives back what was applied: the pools' free counts are
+    as before the first link."""
+    from hsnap_io.migrate import ABANDONED_NAME, MigrationError
+
+    ps, req = cc.source("hybrid_linear")
+    src = MigrationSource(tmp_path / "mig", req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
+                          identity=ic.identity())
+    src.precopy(req.req_pool_idx, cc.record(cc.POSITIONS[0]))
+    t = ic.target("hybrid_linear", 1)
+    free = (t.token_to_kv_pool_allocator.available_size(), t.req_to_token_pool.mamba_allocator.available_size(), t.req_to_token_pool.available_size())
+    tgt = _target(t)
+    assert tgt.step(tmp_path / "mig").rows == cc.POSITIONS[0]
+    assert tgt.step(tmp_path / "mig") is None  # nothing new yet: never waits
+    src.abandon("the request finished on the source")
+    with pytest.raises(MigrationError) as info:
+        tgt.step(tmp_path / "mig")
+    assert info.value.field == ABANDONED_NAME and "the request finished on the source" in str(info.value)
+    with pytest.raises(MigrationError):  # the source is stopped: no more links
+        src.precopy(req.req_pool_idx, cc.record(cc.POSITIONS[1]))
+    tgt.release()
+    assert (t.token_to_kv_pool_allocator.available_size(), t.req_to_token_pool.mamba_allocator.available_size(),
+            t.req_to_token_pool.available_size()) == free
+
+
 def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path):
     """Found by ``scripts/mutate.py --target migrate``: step() applied the link into the pools,
     then failed to put its ``.applied`` marker (a container the target cannot write: here a

@@ -3,7 +3,7 @@
 * off (no ``HSNAP_SGLANG_PLUGIN=1``): SGLang's own ``load_plugins()`` runs the entry point and nothing happens: no
   hook registered or applied, the scheduler's and tokenizer manager's methods are SGLang's, no message type is added
   to SGLang's IPC decoder, no route exists;
-* on: the five hooks are registered through ``HookRegistry`` and applied by ``load_plugins()``, the message types
+* on: the seven hooks are registered through ``HookRegistry`` and applied by ``load_plugins()``, the message types
   decode through SGLang's own msgpack IPC, and ``launch_server``'s hook adds the /hsnap routes to SGLang's app;
 * the Python client turns an HTTP error into a typed ``ServerError`` carrying the server's reason.
 """
@@ -102,10 +102,11 @@ def test_item1_plugin_on_registers_through_sglangs_hook_registry(probes):
     state = _state(probes, "on")
     assert state["hsnap_hooks"] == sorted(HOOKS)
     assert state["wrapped"] == {"Scheduler": True, "TokenizerManager": True} and state["ingest_wrapped"] is True
-    assert state["ipc_types"] == ["HsnapCheckpointReqInput", "HsnapDrainReqInput", "HsnapExportReqInput", "HsnapReqOutput",
-                                  "HsnapResumeReqInput", "HsnapStatsReqInput"]
+    assert state["ipc_types"] == ["HsnapAdmitReqInput", "HsnapCheckpointReqInput", "HsnapDrainReqInput", "HsnapExportReqInput",
+                                  "HsnapFollowReqInput", "HsnapMigrateReqInput", "HsnapReqOutput", "HsnapResumeReqInput", "HsnapStatsReqInput"]
     assert state["roundtrip"] == ["HsnapExportReqInput", True, "/p", {"type": "X", "status": 404}]
-    assert state["routes"] == ["/hsnap/checkpoint", "/hsnap/drain", "/hsnap/export", "/hsnap/resume", "/hsnap/stats"]
+    assert state["routes"] == ["/hsnap/checkpoint", "/hsnap/drain", "/hsnap/export", "/hsnap/follow", "/hsnap/migrate", "/hsnap/resume",
+                               "/hsnap/stats"]
 
 
 class _Refusing(BaseHTTPRequestHandler):

@@ -46,6 +46,11 @@ def tp2(tiny_model_dir, tmp_path_factory):
         x = Stream(src.url, payload("x", ids, N))
         x.start()
         x.wait_tokens(8)
+        try:  # live migration is TP 1 in the server: refused by name, the request unaffected (it is paused next)
+            client.migrate(src.url, "x", str(work / "mig"), timeout_s=5)
+            tp_migrate = None
+        except client.ServerError as e:
+            tp_migrate = e
         out = client.pause(src.url, "x", str(work / "x-set"))
         x.finish()
         other.finish()
@@ -77,6 +82,11 @@ def tp2(tiny_model_dir, tmp_path_factory):
         except client.ServerError as e:
             refused = e
         after = wait_idle(dst.url)
+        try:
+            client.follow(dst.url, str(work / "mig"), timeout_s=5)
+            tp_follow = None
+        except client.ServerError as e:
+            tp_follow = e
         o = Stream(dst.url, payload("o", prompt(73, 30), 70))
         o.start()
         o.wait_tokens(2)
@@ -90,7 +100,15 @@ def tp2(tiny_model_dir, tmp_path_factory):
         dst.stop()
     return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
             "refused": refused, "before": before, "after": after, "greedy": greedy, "src_code": src_code, "src_alive": src_alive,
-            "src_ready_s": src.ready_after_s}
+            "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow}
+
+
+def test_item4_tp2_server_refuses_live_migration_by_name(tp2):
+    """Live migration in the server is TP 1 (issue 20 item 4; the library migrates across TP sizes): a TP 2 server
+    refuses both sides at once, by name, before touching the request or the pools."""
+    for e in (tp2["tp_migrate"], tp2["tp_follow"]):
+        assert e is not None and e.status == 400 and "a TP 1 server" in str(e.expected) and e.found == "TP 2", e
+    assert tokens(tp2["run"].final) == tp2["refs"]["x"]  # x, asked to migrate first, paused and resumed exactly
 
 
 def test_item6_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_model_dir):

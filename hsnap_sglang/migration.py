@@ -1,0 +1,491 @@
+"""Live migration of one request between two running SGLang servers (issue 20 item 4), in the scheduler processes.
+
+The container (a directory or an ``s3://`` prefix both servers reach) and its names are hsnap_io.migrate's, so a
+server and a library process (:class:`hsnap_io.migrate.MigrationTarget`) interoperate:
+
+* **source** (``/hsnap/migrate``): at the request's next committed decode boundary its rows, recurrent state and
+  record are captured (host copies: the decode waits only for that) and the link writer thread commits
+  ``link-0000.hsnap`` (a plain snapshot) while the request keeps decoding; once the target has applied a round (its
+  ``<link>.applied`` marker, watched off the scheduler thread) the next round is a delta of the rows decoded since;
+  when at most ``tail`` rows are left (or after ``max_rounds`` rounds) the request is stopped at a boundary and
+  ``final.hsnap`` (the tail rows, the whole recurrent state, the record) is written in the scheduler — the
+  downtime — then its slots are released the way SGLang releases a finished request, and its stream ends with
+  ``finish_reason {"type": "hsnap_export", "migration": dir, ...}``.  A request that finishes first, a link that
+  cannot be written, a target that does not apply a round within ``timeout_s``: the source gives the migration up
+  (``abandoned.json``, the request decodes on here, the caller gets the typed reason).
+* **target** (``/hsnap/follow``): a :class:`~hsnap_io.migrate.MigrationTarget` over the scheduler's own pools
+  applies each link as it is committed (every link checked and hashed before anything is allocated; the request
+  itself — record, sampling, grammar, LoRA — checked with the first and the last link), evicting unreferenced
+  radix-cache entries for room as admission does.  After the final link the ``Req`` is bound to its slots and
+  held; the HTTP process registers the client's state, then admits it (:class:`HsnapAdmitReqInput`): its next
+  forward is a decode.  Until then its slots are reported to SGLang's own pool accounting as held (the strict idle
+  memory check counts them), and a refused or abandoned migration gives every slot back.
+
+TP 1 servers only (a TP server refuses by name); the library migrates across TP sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from hsnap_format import HsnapError, SnapshotExistsError
+from hsnap_format.errors import Phrase
+from hsnap_format.storage import store_for
+
+from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
+
+logger = logging.getLogger("hsnap_sglang")
+
+LOCAL_POLL_S = 0.0005  # how often a watcher looks for a marker or link in a directory (a stat)
+REMOTE_POLL_S = 0.01  # ... under an s3:// prefix (a HEAD request)
+
+
+class _Watch:
+    """A daemon thread that looks for the first of ``paths`` to exist (off the scheduler thread: an object store's
+    HEAD never holds up a decode step); ``hit`` is that path once seen."""
+
+    def __init__(self, store, paths) -> None:
+        self.store, self.paths, self.hit = store, list(paths), None
+        self._stop = threading.Event()
+        self._poll = LOCAL_POLL_S if store.local else REMOTE_POLL_S
+        self._thread = threading.Thread(target=self._run, name="hsnap-migration-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.is_set():
+            for p in self.paths:
+                try:
+                    if self.store.exists(p):
+                        self.hit = p
+                        return
+                except Exception as e:  # noqa: BLE001 - a store that errs is asked again; said once
+                    if not warned:
+                        logger.warning("hsnap migration: looking for %s: %s", p, e)
+                        warned = True
+            self._stop.wait(self._poll)
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass
+class Migrating:
+    """A request migrating out of this server (source side)."""
+
+    op: Any  # HsnapMigrateReqInput, answered once the final link is committed (or the migration given up)
+    container: str
+    store: Any
+    tail: int
+    max_rounds: int
+    timeout_s: float
+    fsync: bool
+    started: float
+    links: list = dataclasses.field(default_factory=list)  # committed rounds, in order
+    rounds: list = dataclasses.field(default_factory=list)  # per round: what it carried and took
+    base_position: int = 0  # state position of the last committed round (the next delta holds the rows after it)
+    held: Any = None  # hsnap_io.export.WrittenLink of the last committed round: the next delta's base, not re-opened
+    queued: bool = False  # a round or the final link is pending or being written
+    watch: _Watch | None = None  # the last round's .applied marker
+    since: float = 0.0  # when the last round was committed
+    writer_s: float = 0.0
+    stopped_checkpoints: bool = False
+    left_at_stop: int = 0  # rows after the last round when the stop was decided (the boundary it waits for adds its step)
+
+
+@dataclasses.dataclass
+class Following:
+    """A migration this server follows (target side)."""
+
+    op: Any  # HsnapFollowReqInput, answered once the final link is applied and the Req bound (or refused)
+    container: str
+    store: Any
+    target: Any  # hsnap_io.migrate.MigrationTarget over the scheduler's pools
+    timeout_s: float
+    deadline: float
+    watch: _Watch | None = None
+    prepared: Any = None  # hsnap_sglang.req.PreparedReq of the last link checked (the first, then the final)
+    applied: list = dataclasses.field(default_factory=list)
+    started: float = 0.0
+
+
+def held_kv_rows(hs) -> list:
+    """ReqKvInfo of every request this plug-in holds in the pools outside SGLang's batches and tree: a migration
+    being applied (its slots so far) and a migrated request waiting for its admission.  SGLang's pool accounting
+    (``SchedulerPoolStatsObserver._session_kv_rows``) counts them as held, as it counts a streaming session's."""
+    import torch
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+
+    rows = [req.kv for req, _ in hs.arrived.values()]
+    for f in hs.follows.values():
+        r = f.target.request
+        if r is not None:
+            kv = ReqKvInfo()
+            kv.req_pool_idx = r.req_pool_idx
+            kv.kv_committed_len = kv.kv_allocated_len = r.state_position
+            if r.mamba_pool_idx is not None:
+                kv.mamba_pool_idx = torch.tensor([r.mamba_pool_idx], dtype=torch.int64)
+            rows.append(kv)
+    return rows
+
+
+# ----------------------------------------------------------------------------- source
+
+
+def on_migrate(hs, msg) -> None:
+    from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME
+
+    from .scheduler import _Export
+
+    where, req = hs.locate(msg.rid)
+    try:
+        if hs.tp_size > 1:
+            raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
+                             f"TP {hs.tp_size}")
+        if where is None:
+            raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+        if hs._busy(msg.rid) or msg.rid in hs.migrations:
+            raise RequestBusyError(None, "rid", Phrase("a request no other export or migration is waiting for"), msg.rid)
+        store = store_for(msg.dir)
+        for name in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME):
+            if store.exists(store.join(msg.dir, name)):
+                raise SnapshotExistsError(store.join(msg.dir, name), "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
+        if store.local:
+            store.makedirs(msg.dir)
+    except (HsnapError, OSError) as e:
+        err = e if isinstance(e, HsnapError) else HsnapError(msg.dir, "dir", detail=str(e))
+        hs._answer(msg, ok=False, error=error_dict(err))
+        return
+    m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
+    if msg.rid in hs.checkpoints:  # its checkpoints end here (the request leaves); a link on its way is committed first
+        hs.checkpoints.pop(msg.rid)
+        hs.links.wait(msg.rid)
+        hs._collect_links()
+        m.stopped_checkpoints = True
+    hs._drop_links(msg.rid)
+    hs.migrations[msg.rid] = m
+    m.queued = True
+    hs.pending.append(_Export(msg.rid, store.join(msg.dir, LINK_NAME.format(0)), True, time.monotonic(), req=req, found_in=where,
+                              migration=m))
+
+
+def advance_migrations(hs) -> None:
+    """At a scheduler iteration: for every migration whose last round the target applied, the next round or the
+    final link (queued as an export: it runs at the request's next committed boundary); a migration whose request
+    finished, or whose target is silent past ``timeout_s``, is given up."""
+    from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, MigrationError
+
+    from .scheduler import _Export
+
+    now = time.monotonic()
+    for rid, m in list(hs.migrations.items()):
+        where, req = hs.locate(rid)
+        if req is None or req.finished():
+            why = req.finished_reason.to_json() if req is not None and req.finished_reason is not None else None
+            abandon(hs, m, rid, RequestFinishedError(m.container, "request", Phrase("a request still decoding when its migration ends"),
+                                                     Phrase(f"finished: {json.dumps(why)}" if why else "gone")))
+            continue
+        if m.queued:
+            continue
+        if m.watch is None or m.watch.hit is None:
+            if now - m.since > m.timeout_s:
+                abandon(hs, m, rid, MigrationError(m.links[-1] + APPLIED_SUFFIX, "target", Phrase(f"the round applied within {m.timeout_s} s"),
+                                                   Phrase("not applied: no target follows, or it is stuck")))
+            continue
+        if where not in ("running", "parked") or rid in hs.links.in_flight or hs.links.full():
+            continue  # the writer is busy with other links: the round goes at a later boundary
+        m.watch = None
+        left = int(req.kv.kv_committed_len) - m.base_position
+        final = left <= m.tail or len(m.links) >= m.max_rounds
+        name = FINAL_NAME if final else LINK_NAME.format(len(m.links))
+        m.left_at_stop = left
+        m.queued = True
+        hs.pending.append(_Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
+                                  base=m.links[-1]))
+
+
+def round_done(hs, ex, result, error) -> None:
+    """A pre-copy round committed (or failed) by the link writer: watch for the target applying it."""
+    from hsnap_io.migrate import APPLIED_SUFFIX
+
+    m = ex.migration
+    if hs.migrations.get(ex.rid) is not m:
+        return  # given up meanwhile (answered then)
+    m.queued = False
+    if error is not None:
+        abandon(hs, m, ex.rid, None, error=error)
+        return
+    m.links.append(ex.path)
+    m.base_position = int(result["committed_positions"])
+    m.since = time.monotonic()
+    m.rounds.append({"link": ex.path, "committed_positions": m.base_position, "output_tokens": int(result["output_tokens"]),
+                     "bytes": int(result["bytes"]), "capture_s": float(result["timings"]["write_s"]),
+                     "writer_s": float(result["timings"].get("writer_s", 0.0)), "committed_at": m.since})
+    m.watch = _Watch(m.store, [ex.path + APPLIED_SUFFIX])
+
+
+def finish(hs, ex, req, where: str) -> None:
+    """The final link, at a committed boundary, in the scheduler (the request decodes no further here): capture the
+    rows since the last round, the recurrent state and the record; write and commit; release the request."""
+    import uuid
+
+    from hsnap_io.export import capture_request, write_captured
+
+    from .req import req_record
+
+    m = ex.migration
+    t_stop = time.monotonic()
+    s = hs.sched
+    sid = uuid.uuid4().hex
+    try:
+        record, swa_start = req_record(req, path=ex.path)
+        cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                              req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
+                              identity=dataclasses.replace(hs.identity(), snapshot_id=sid), base_position=m.base_position)
+        t_captured = time.monotonic()
+        written = write_captured(ex.path, cap, base=m.held, fsync=m.fsync)
+    except Exception as e:  # noqa: BLE001 - the request decodes on here; the caller gets the reason
+        if not isinstance(e, HsnapError):
+            logger.exception("hsnap migration of %s: the final link failed", ex.rid)
+            e = PluginError(ex.path, "migrate", detail=f"{type(e).__name__}: {e}")
+        if where == "parked":
+            hs.parked.pop(ex.rid, None)
+            hs.admit([req])
+        abandon(hs, m, ex.rid, e)
+        return
+    t_committed = time.monotonic()
+    committed = int(record.state_position)
+    info = {"path": str(ex.path), "snapshot_id": sid, "committed_positions": committed, "migration": m.container}
+    hs._release_exported(req, info)
+    del hs.migrations[ex.rid]
+    hs.exports += 1
+    result = {
+        "rid": ex.rid, "dir": m.container, "final": str(ex.path), "rounds": m.rounds, "committed_positions": committed,
+        "output_tokens": len(req.output_ids), "prompt_tokens": len(req.origin_input_ids), "final_rows": committed - m.base_position,
+        "rows_left_at_stop": m.left_at_stop,
+        "final_bytes": int(written.info.file_length), "precopy_bytes": sum(r["bytes"] for r in m.rounds),
+        "stopped_checkpoints": m.stopped_checkpoints,
+        "timings": {"total_s": t_committed - m.started, "precopy_s": t_stop - m.started, "final_capture_s": t_captured - t_stop,
+                    "final_write_s": t_committed - t_captured, "stopped_at": t_stop, "final_committed_at": t_committed,
+                    "released_s": time.monotonic() - t_committed},
+    }
+    hs._answer(m.op, ok=True, result=result)
+
+
+def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dict | None = None) -> None:
+    """Give the migration up: ``abandoned.json`` for a following target (it gives back what it applied), the
+    request stays here (its pending round dropped; a parked request back in the running batch), the caller told."""
+    from hsnap_io.migrate import ABANDONED_NAME
+
+    if hs.migrations.get(rid) is m:
+        del hs.migrations[rid]
+    if m.watch is not None:
+        m.watch.cancel()
+    for ex in [e for e in hs.pending if e.migration is m]:
+        hs.pending.remove(ex)
+        parked = hs.parked.pop(ex.rid, None)
+        if parked is not None and not parked.finished():
+            hs.admit([parked])
+    error = error if error is not None else error_dict(err)
+    try:
+        m.store.put_bytes(m.store.join(m.container, ABANDONED_NAME), json.dumps({"reason": error.get("message", ""),
+                                                                               "type": error.get("type"), "links": len(m.links)}).encode())
+    except Exception:  # noqa: BLE001 - the target then times out instead (its own deadline)
+        logger.exception("hsnap migration of %s: writing %s", rid, ABANDONED_NAME)
+    hs._answer(m.op, ok=False, error=error)
+
+
+# ----------------------------------------------------------------------------- target
+
+
+def on_follow(hs, msg) -> None:
+    from hsnap_io.migrate import MigrationTarget
+
+    s = hs.sched
+    try:
+        if hs.tp_size > 1:
+            raise HsnapError(msg.dir, "dir", Phrase("a TP 1 server (following a migration into a TP set is not supported in the server)"),
+                             f"TP {hs.tp_size}")
+        if any(f.container == msg.dir for f in hs.follows.values()):
+            raise RequestBusyError(msg.dir, "dir", Phrase("a container no other follow of this server applies"), msg.dir)
+        if msg.rid is not None and (hs.locate(msg.rid)[0] is not None or msg.rid in hs.arrived):
+            raise RequestBusyError(msg.dir, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
+        store = store_for(msg.dir)
+        target = MigrationTarget(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                                 identity=hs.identity())
+    except HsnapError as e:
+        hs._answer(msg, ok=False, error=error_dict(e))
+        return
+    now = time.monotonic()
+    f = Following(msg, msg.dir, store, target, float(msg.timeout_s), now + float(msg.timeout_s), started=now)
+    f.watch = _Watch(store, target.next_names(msg.dir))
+    hs.follows[msg.op_id] = f
+
+
+def advance_follows(hs) -> None:
+    """At a scheduler iteration: apply the next link of every followed migration that has one committed."""
+    from hsnap_io.migrate import LINK_NAME, MigrationError
+
+    now = time.monotonic()
+    for op_id, f in list(hs.follows.items()):
+        if f.watch.hit is None:
+            if now > f.deadline:
+                f.watch.cancel()
+                fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
+                                                      Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
+            continue
+        t0 = time.monotonic()
+        try:
+            _make_room(hs, f)
+            applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
+        except HsnapError as e:
+            fail_follow(hs, op_id, e)
+            continue
+        except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the apply
+            logger.exception("hsnap follow of %s failed", f.container)
+            fail_follow(hs, op_id, PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}"))
+            continue
+        if applied is None:  # seen, then gone: look again
+            f.watch = _Watch(f.store, f.target.next_names(f.container))
+            continue
+        t1 = time.monotonic()
+        f.applied.append({"link": applied.path, "committed_positions": applied.state_position, "rows": applied.rows,
+                          "bytes_uploaded": applied.bytes_uploaded, "apply_s": t1 - t0, "applied_at": t1})
+        if applied.final:
+            arrive(hs, op_id, f, t1)
+        else:
+            f.deadline = t1 + f.timeout_s
+            f.watch = _Watch(f.store, f.target.next_names(f.container))
+
+
+def _accept(hs, f: Following, snap, record) -> None:
+    """The request itself, checked with the first link (before the whole history is uploaded) and the final one
+    (what is bound): a record the target could not run is refused before anything is allocated."""
+    from hsnap_io.migrate import FINAL_NAME
+
+    from .req import _check_tracking_capacity, _mamba_tracking_slots, _target_worker_ipc, prepare_req
+    from .scheduler import _loaded_lora_ids, _req_kwargs
+
+    first = f.target.request is None
+    final = snap.path.rstrip("/").endswith(FINAL_NAME)
+    if not (first or final):
+        return
+    s = hs.sched
+    if first and (hs.locate(record.rid)[0] is not None or record.rid in hs.arrived):
+        raise RequestBusyError(snap.path, "request.rid", Phrase("a rid no request of this server has"), record.rid)
+    kwargs = _req_kwargs(s)
+    ipc = _target_worker_ipc(snap.path, f.op.http_worker_ipc, kwargs)
+    f.prepared = prepare_req(record, snap.path, swa_start=snap.swa_start, tokenizer=s.tokenizer,
+                             grammar_backend=getattr(s.grammar_manager, "grammar_backend", None), loaded_lora_ids=_loaded_lora_ids(s),
+                             vocab_size=s.model_config.vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs, expect_rid=f.op.rid)
+    if final:
+        _check_tracking_capacity(s.req_to_token_pool, _mamba_tracking_slots(s.req_to_token_pool), snap.path)
+
+
+def _make_room(hs, f: Following) -> None:
+    """Room for the next link's rows (and, with the first, a Mamba slot), evicting unreferenced radix-cache entries
+    as SGLang's admission does; a link the cache cannot make room for is refused by the apply's capacity check."""
+    from types import SimpleNamespace
+
+    s = hs.sched
+    if not s.tree_cache.supports_prefix_sharing():
+        return
+    from hsnap_io.adapters import view_pools
+    from sglang.srt.managers.schedule_batch import ReqKvInfo
+    from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
+
+    path = f.watch.hit
+    try:
+        with f.store.open(path) as snap:
+            position = int(snap.state_position)
+    except (HsnapError, OSError):
+        return  # the apply refuses it, by name
+    view = view_pools(s.req_to_token_pool, s.token_to_kv_pool_allocator)
+    page = view.geometry.attention.page_size if view.geometry.attention is not None else 1
+    have = f.target.request.state_position if f.target.request is not None else 0
+    need = max(0, math.ceil(position / page) * page - math.ceil(have / page) * page)
+    if need:
+        s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, need)
+    if f.target.request is None:
+        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
+
+
+def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
+    """The final link is applied: bind the prepared Req to the slots (as resume_req does), hold it for the HTTP
+    process's admission, and answer the follow with what the client's state needs."""
+    from hsnap_io.restore import pool_lock
+
+    from .frontend import resume_info_of
+    from .req import _binder, _mamba_tracking_slots
+
+    s = hs.sched
+    del hs.follows[op_id]
+    restored, prepared = f.target.request, f.prepared
+    req = prepared.req
+    root = s.tree_cache.root_node_handle(req.extra_key) if s.tree_cache is not None else None
+    try:
+        with pool_lock(s.req_to_token_pool):
+            _binder(req, prepared.carried["ReqKvInfo"], root, s.req_to_token_pool, _mamba_tracking_slots(s.req_to_token_pool))(restored)
+    except Exception as e:  # noqa: BLE001 - checked before the final link was applied; if it fails anyway: give it all back
+        f.target.release()
+        err = e if isinstance(e, HsnapError) else PluginError(f.container, "follow", detail=f"binding: {type(e).__name__}: {e}")
+        hs._answer(f.op, ok=False, error=error_dict(err))
+        return
+    f.target.close()
+    if prepared.grammar is not None:
+        req.grammar_key, req.grammar = prepared.grammar_key, prepared.grammar
+    req.hsnap_restored = restored
+    hs.arrived[req.rid] = (req, f)
+    record = restored.record
+    hs._answer(f.op, ok=True, result={
+        "rid": req.rid, "dir": f.container, "final": f.applied[-1]["link"], "committed_positions": int(restored.state_position),
+        "bytes_uploaded": int(restored.bytes_uploaded), "links": f.applied, "prompt_tokens": len(req.origin_input_ids),
+        "output_tokens": len(req.output_ids), "info": resume_info_of(record, f.applied[-1]["link"]),
+        "timings": {"follow_s": t_applied - f.started, "final_apply_s": f.applied[-1]["apply_s"], "final_applied_at": t_applied},
+    })
+
+
+def fail_follow(hs, op_id: str, err: BaseException) -> None:
+    f = hs.follows.pop(op_id)
+    if f.watch is not None:
+        f.watch.cancel()
+    try:
+        f.target.release()  # every slot of the links applied so far
+    finally:
+        hs._answer(f.op, ok=False, error=error_dict(err))
+
+
+def on_admit(hs, msg) -> None:
+    """The HTTP process registered the client's state: run the arrived request (or give it back)."""
+    got = hs.arrived.pop(msg.rid, None)
+    if got is None:
+        hs._answer(msg, ok=False, error=error_dict(UnknownRequestError(None, "rid", Phrase("a migrated request waiting for admission"), msg.rid)))
+        return
+    req, f = got
+    if msg.admit:
+        t0 = time.monotonic()
+        hs.admit([req], resumed=True)
+        hs.resumes += 1
+        hs._answer(msg, ok=True, result={"rid": msg.rid, "admitted_at": time.monotonic(), "admit_s": time.monotonic() - t0})
+        return
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    req.skip_radix_cache_insert = True  # its history was never prefilled here: free exactly its own slots
+    release_kv_cache(req, hs.sched.tree_cache)
+    hs._answer(msg, ok=True, result={"rid": msg.rid, "released": True})
+
+
+def release_all(hs) -> None:
+    """Server shutdown: stop every watcher."""
+    for m in hs.migrations.values():
+        if m.watch is not None:
+            m.watch.cancel()
+    for f in hs.follows.values():
+        if f.watch is not None:
+            f.watch.cancel()
