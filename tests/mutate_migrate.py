@@ -24,7 +24,8 @@ passes the base check and meets the link rules), a truncated or missing file, th
 caller's ``accept``, or the correct link whose ``.applied`` marker cannot be put. It is fed through ``apply``, ``step`` or ``follow`` (their ``.applied`` marker).
 ``chain``: a head of a chain (the migration's final link or an earlier one, or the newest
 checkpoint by :func:`~hsnap_format.checkpoints.newest_links`) restored by
-``restore_request`` into the same kind of pools, with a link anywhere below it mutated (its
+``restore_request`` (digests checked before allocating, or ``verify="during"`` with
+``exact_rollback``) into the same kind of pools, with a link anywhere below it mutated (its
 re-signed variant re-bases every link above it on the mutated one, so the chain rules are
 reached), removed, or stray links added to the checkpoint directory.
 
@@ -702,8 +703,12 @@ class ChainGen(_Gen):
 
     def generate(self, seed: int, i: int) -> dict:
         rng = random.Random(f"hsnap-mutate-chain:{seed}:{i // 2}")
-        if self.meta.get("tp") and rng.random() < 0.25:
-            return self._generate_tp(rng, seed, i)
+        verify = "during" if rng.random() < 0.3 else True  # read once, each section hashed as it lands (exact_rollback)
+        desc = self._generate_tp(rng, seed, i) if self.meta.get("tp") and rng.random() < 0.25 else self._generate_plain(rng, seed, i)
+        desc["chain"]["verify"] = verify
+        return desc
+
+    def _generate_plain(self, rng, seed: int, i: int) -> dict:
         key = mt._pick(rng, self.kinds)
         ck = rng.random() < 0.3
         group = f"{key}-ck" if ck else key
@@ -925,8 +930,9 @@ class ChainExaminer:
                 stage = "newest_links"
                 head = os.path.basename(newest_links(c).get("c", os.path.join(c, head)))
             stage = "restore"
+            verify = ch.get("verify", True)
             res = (self.restore or restore_request)(os.path.join(c, head), req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc,
-                                                    identity=ident)
+                                                    identity=ident, verify=verify, exact_rollback=verify == "during")
         except HsnapError as e:
             return mt.refused(mt.typed(e, stage), tgt, free0)
         except BaseException as e:  # noqa: BLE001
