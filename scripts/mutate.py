@@ -1970,6 +1970,8 @@ def _replay_target(case: dict, timeout: float) -> int:
             if t == "gc-url":
                 server, store = targets.start_store(os.path.join(d, "weed"))
             ex = targets.examiner(seeds, os.path.join(d, "x"), cli_every=0, store=store)
+            if hasattr(ex, "warm"):  # SGLang's imports and the pools: outside the mutant's time limit, as in a run
+                ex.warm()
             r = examine_target_in_process(case["desc"], ex, timeout)
         finally:
             if server is not None:
