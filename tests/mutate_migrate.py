@@ -270,6 +270,7 @@ def expected(links: list[Link]) -> tuple[dict, str | None]:
             out[name] = b"".join(rows)
         else:
             out[name] = e["raw"]
+    out["__rid"] = top.req.get("rid")  # another request with the same bytes is accepted-valid, not unchanged
     return out, None
 
 
@@ -675,6 +676,7 @@ class MigrateExaminer:
             return mt.fail("accepted-but-changed", "oracle", f"position {req.state_position} (returned {got.state_position}), the file's {chain[-1].position}")
         why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, want, req.record.output_ids)
         why = why or accounting(tgt, req.state_position, KINDS[key][1], req.mamba_pool_idx is not None)
+        why = why or (None if req.record.rid == want["__rid"] else f"request.record.rid {req.record.rid!r}, the file's {want['__rid']!r}")
         if why:
             return mt.fail("accepted-but-changed", "oracle", why)
         if m["mode"] != "apply" and scenario != "marker" and not got.final and not os.path.exists(os.path.join(c, os.path.basename(got.path) + ".applied")):
