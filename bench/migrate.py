@@ -158,6 +158,10 @@ def report(results: list[dict], load0, load1, wall: float) -> str:
         "uploaded; and this demo's cache rebuild) and recompute (the prefill: attention quadratic). The tiny model's "
         "GDN state is 21 KiB; a real hybrid's is larger (30.7 MiB per TP-2 rank of Qwen3.5-35B-A3B) and is on the "
         "downtime path whatever is pre-copied — bench/CHAIN.md times that delta's export (64 rows + the state).",
+        "",
+        "Across TP sizes (a TP N source's links as TP sets, each target rank re-sharding every link as it applies it): "
+        "`python -m bench.migrate_tp`, bench/MIGRATE_TP.md — the final link's apply and bytes at 1k / 8k tokens with the "
+        "Qwen3.5-35B-A3B geometry, against a stop-and-copy re-sharded restore.",
     ]
     return "\n".join(lines) + "\n"
 

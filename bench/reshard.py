@@ -447,13 +447,7 @@ def main(argv=None) -> int:
     cmd = "python -m bench.reshard " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Re-sharded restore vs the plain same-TP restore (issue 21 item 2)", "",
-        f"Command: `{cmd.strip()}`  ",
-        f"Date: {info['date']}; total {elapsed:.0f} s  ",
-        f"Machine: {info['cpu']}; cores: {info['cores']}; RAM {info['ram']}; kernel {info['kernel']}  ",
-        f"Filesystem: {info['fs']}  ",
-        f"Versions: {info['versions']}  ",
-        "Load average (1/5/15 min) at start " + "/".join(f"{x:.1f}" for x in load0) + ", at end " + "/".join(f"{x:.1f}" for x in load1)
-        + " — the machine is shared, other jobs run beside the bench.  ",
+        *br.header_lines(cmd, info, elapsed, load0, load1),
         f"Statistic: median of {args.rounds} interleaved rounds after 1 warm-up round, the order rotating every round; "
         "page cache warm (the sets were just written); Python's cyclic GC off while timing.", "",
         "Target rank 0 of TP M, real SGLang pools, every slot holding stale noise. `plain` restores the TP M set's rank 0 "
@@ -464,11 +458,7 @@ def main(argv=None) -> int:
         "plain verify=True reads its file twice.", "",
         *tables(rows, strategies, modes), "", "## Targets", "", *targets(rows), "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.quick:
-        with open(args.out or os.path.join(REPO, "bench", "RESHARD.md"), "w") as f:
-            f.write(text)
+    br.write_report(lines, args.quick, args.out, "RESHARD.md")
     return 0
 
 

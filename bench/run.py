@@ -756,6 +756,50 @@ def machine(d: str) -> dict:
     return info
 
 
+def header_lines(cmd: str, info: dict, elapsed: float, load0, load1, load_note: str = "") -> list[str]:
+    """The lines under a report's title: the command, date and duration, the machine
+    (:func:`machine`), the load average at start and end (``load_note`` after it)."""
+    return [
+        f"Command: `{cmd.strip()}`  ",
+        f"Date: {info['date']}; total {elapsed:.0f} s  ",
+        f"Machine: {info['cpu']}; cores: {info['cores']}; RAM {info['ram']}; kernel {info['kernel']}  ",
+        f"Filesystem: {info['fs']}  ",
+        f"Versions: {info['versions']}  ",
+        "Load average (1/5/15 min) at start " + "/".join(f"{x:.1f}" for x in load0) + ", at end " + "/".join(f"{x:.1f}" for x in load1)
+        + f" — the machine is shared, other jobs run beside the bench{load_note}.  ",
+    ]
+
+
+def bench_parser(prog: str, doc: str | None, *, quick: str, out: str, rounds: int) -> argparse.ArgumentParser:
+    """A bench's parser with the options every bench has: ``--quick`` (``quick`` says what
+    it runs; prints, writes nothing), ``--rounds``, ``--dir`` (for its files), ``--out``."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"{quick}; prints, writes nothing")
+    ap.add_argument("--rounds", type=int, default=rounds, help="measured rounds (median), after the warm-up")
+    ap.add_argument("--dir", default=None, help="where its files go (a temporary directory in it)")
+    ap.add_argument("--out", default=None, help=f"markdown output (default bench/{out}; none with --quick)")
+    return ap
+
+
+def timed_in_tempdir(prefix: str, parent: str | None, fn):
+    """Run ``fn(d)`` in a fresh temporary directory ``d`` (removed after); returns
+    (:func:`machine` of ``d``, what ``fn`` returned, seconds, load average at start, at end)."""
+    load0, t0 = os.getloadavg(), time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=parent) as d:
+        info = machine(d)
+        out = fn(d)
+    return info, out, time.perf_counter() - t0, load0, os.getloadavg()
+
+
+def write_report(lines: list[str], quick: bool, out: str | None, default: str) -> None:
+    """Print the report; unless ``quick``, write it to ``out`` (default ``bench/<default>``)."""
+    text = "\n".join(lines)
+    print(text)
+    if not quick:
+        with open(out or os.path.join(REPO, "bench", default), "w") as f:
+            f.write(text)
+
+
 # ---------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------

@@ -312,13 +312,7 @@ def main(argv=None) -> int:
     cmd = "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Scaling: export, restore and open against committed tokens and section count (issue 21 item 4)", "",
-        f"Command: `{cmd.strip()}`  ",
-        f"Date: {info['date']}; total {elapsed:.0f} s  ",
-        f"Machine: {info['cpu']}; cores: {info['cores']}; RAM {info['ram']}; kernel {info['kernel']}  ",
-        f"Filesystem: {info['fs']}  ",
-        f"Versions: {info['versions']}  ",
-        "Load average (1/5/15 min) at start " + "/".join(f"{x:.1f}" for x in load0) + ", at end " + "/".join(f"{x:.1f}" for x in load1)
-        + " — the machine is shared, other jobs run beside the bench (each point's 1-minute load is in its column).  ",
+        *br.header_lines(cmd, info, elapsed, load0, load1, " (each point's 1-minute load is in its column)"),
         f"Statistic: best of {args.rounds} interleaved rounds per point (3 at 256 MiB and more; object-store rows "
         f"{args.url_rounds}, 1 at 256 MiB and more), after one untimed warm-up of each local operation; page cache warm; "
         "Python's cyclic GC off while timing. "
@@ -349,11 +343,7 @@ def main(argv=None) -> int:
             pred, meas = a + b * at4096.payload / MiB + c * at4096.sections, at4096.best(op)
         lines.append(f"| {op} | {a * 1e3:.2f} | {b * 1e3:.3f} | {c * 1e6:.1f} | {_ms(pred)} | {_ms(meas)} |")
     lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if not args.quick:
-        with open(args.out or os.path.join(REPO, "bench", "SCALING.md"), "w") as f:
-            f.write(text)
+    br.write_report(lines, args.quick, args.out, "SCALING.md")
     return 0
 
 

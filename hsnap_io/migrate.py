@@ -38,9 +38,33 @@ migration where it was (a correct link may still be applied). The uploaded rows 
 hashed again as they land; a failure during the upload gives back this link's
 allocations and puts the request's Mamba slot back as it was.
 
+Across TP sizes (the re-sharding path, spec 5.8 applied link by link): a source at TP N
+writes every link as a TP set — ``sharding=`` its rank's description
+(:func:`hsnap_io.reshard.describe`), and at N > 1 ``group=`` its process group: every
+source rank calls each method, a link is committed by the group as
+:func:`hsnap_io.tp.export_request_tp` commits a set, :meth:`MigrationSource.caught_up` is
+collective. Each rank of a target at TP M runs its own :class:`MigrationTarget` with
+``sharding=`` its description and follows the same container::
+
+    src = MigrationSource(c, ..., identity=Identity(tp_size=2, tp_rank=r, ...), sharding=describe(tp, 2, r), group=pg)
+    tgt = MigrationTarget(..., identity=Identity(tp_size=1, tp_rank=0, ...), sharding=describe(tp, 1, 0))
+
+The first link is restored re-sharded (:func:`hsnap_io.reshard.restore_resharded`); each
+later one is applied incrementally, as above: every rank file of the set of deltas must
+name, by root digest, id, position and depth, the same rank of the set applied last and be
+a delta of it; the set must agree with itself and the target
+(:class:`~hsnap_io.reshard.InconsistentSetError`); the runs of every target section must
+provably tile it; the source sections this rank reads are hashed — all before anything is
+allocated. Then only this rank's heads of the new rows go into new slots after the
+request's, and its share of the whole recurrent state over its Mamba slot, each target
+section assembled from the source ranks holding it in one scratch buffer, hashed again as
+read and checked before it is uploaded. The downtime path reads only the final link (of its
+source ranks, the sections this rank needs). With several target ranks each puts the same
+``.applied`` marker: the first to apply a round cues the source (the ranks of one engine
+apply in step; the cue only decides when the source stops pre-copying).
+
 Not covered: sliding-window pools and links that reference a page store (refused by name);
-a target at another TP size (a re-sharded chain is refused by :func:`hsnap_io.restore`:
-compact first — which puts the whole history on the downtime path).
+TP-set links under an ``s3://`` prefix (re-sharding reads local rank files).
 """
 
 from __future__ import annotations
@@ -57,13 +81,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, RequestRecord, Snapshot, SnapshotSet
+from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, RequestRecord, Snapshot, SnapshotExistsError, SnapshotSet
 from hsnap_format.chain import Chain, LinkFacts, check_link, check_ref
 from hsnap_format.errors import ChainError, Phrase, UnsupportedFeatureError, require_type
+from hsnap_format.records import Sharding
 from hsnap_format.storage import store_for
 
 from .adapters import view_pools
 from .export import export_request
+from .reshard import build_plans, check_delta_set, check_set, delta_set_record, source_ranks_of, upload_delta_set
 from .restore import (
     RestoredRequest,
     _target_page,
@@ -94,16 +120,25 @@ class MigrationSource:
     """Writes one request's migration links into ``container`` (a directory or an ``s3://``
     prefix that holds nothing else of this migration). The request's slots are only read;
     free them after :meth:`stop` returns (the last link is committed by then; durable unless
-    ``fsync=False``, which a migration on one host can afford: the target reads it at once)."""
+    ``fsync=False``, which a migration on one host can afford: the target reads it at once).
+    ``sharding`` (this rank's description) or a TP size above 1: each link is a TP set
+    (a directory; at TP > 1 committed collectively over ``group``, every source rank
+    calling every method) that targets at another TP size re-shard."""
 
     def __init__(self, container, *, req_to_token_pool, token_to_kv_pool_allocator, identity: Identity, storage_options=None,
-                 fsync: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 fsync: bool = True, staging_bytes: int = DEFAULT_STAGING_BYTES, sharding=None, group=None) -> None:
         require_type(container, "identity", identity, Identity)
+        require_type(container, "sharding", sharding, Sharding, optional=True)
         self.container = os.fspath(container).rstrip("/")
         self._store = store_for(self.container, storage_options)
         self._pools = dict(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator)
-        self._kw = dict(storage_options=storage_options, fsync=fsync, staging_bytes=staging_bytes)
-        self.identity = identity
+        self._kw = dict(storage_options=storage_options, fsync=fsync, staging_bytes=staging_bytes, sharding=sharding)
+        self.identity, self.group = identity, group
+        # links as TP sets (directories): one rank file per source rank; re-shardable with a description
+        self.sets = sharding is not None or identity.tp_size > 1
+        if self.sets and not self._store.local:
+            raise UnsupportedFeatureError(self.container, "migration links as TP sets in an object store", Phrase("a local directory"),
+                                          Phrase(self.container))
         self.links: list[str] = []
         self.stopped = False
         if self._store.local:
@@ -115,8 +150,16 @@ class MigrationSource:
         path = self._store.join(self.container, name)
         # every link is its own snapshot: a fresh id and time (the chain checks ids link by link)
         ident = dataclasses.replace(self.identity, snapshot_id="", created_at="")
-        info = export_request(path, **self._pools, req_pool_idx=req_pool_idx, record=record, identity=ident,
-                              base=self.links[-1] if self.links else None, **self._kw)
+        kw = dict(**self._pools, req_pool_idx=req_pool_idx, record=record, base=self.links[-1] if self.links else None, **self._kw)
+        if self.identity.tp_size > 1:  # collective: every source rank writes its file of the set, rank 0 commits it
+            from .tp import export_rank_tp
+
+            ident = dataclasses.replace(ident, snapshot_id=_agreed_id(self.group))
+            info = export_rank_tp(path, identity=ident, group=self.group, **kw)[1]
+        elif self.sets:
+            info = _export_set1(path, ident, kw)
+        else:
+            info = export_request(path, identity=ident, **kw)
         self.links.append(path)
         return info
 
@@ -127,14 +170,22 @@ class MigrationSource:
 
     def caught_up(self) -> bool:
         """The target (:meth:`MigrationTarget.follow`) has applied every link written so far:
-        stopping now leaves only the rows decoded since the last round on the downtime path."""
-        return bool(self.links) and self._store.exists(self.links[-1] + APPLIED_SUFFIX)
+        stopping now leaves only the rows decoded since the last round on the downtime path.
+        A source at TP > 1: collective (every source rank gets the same answer: all saw it)."""
+        seen = bool(self.links) and self._store.exists(self.links[-1] + APPLIED_SUFFIX)
+        if self.identity.tp_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(seen)], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            seen = bool(flag.item())
+        return seen
 
     def abandon(self, reason: str) -> None:
         """Give the migration up (the request stays, or ended, on the source): a following
         target releases what it applied and raises :class:`MigrationError` saying ``reason``."""
         self._store.put_bytes(self._store.join(self.container, ABANDONED_NAME),
-                              json.dumps({"reason": str(reason)[:4000], "links": len(self.links)}).encode())
+                              json.dumps({"type": "abandoned", "reason": str(reason)[:4000], "links": len(self.links)}).encode())
         self.stopped = True
 
     def stop(self, req_pool_idx: int, record: RequestRecord) -> CommitInfo:
@@ -143,6 +194,34 @@ class MigrationSource:
         info = self._write(FINAL_NAME, req_pool_idx, record)
         self.stopped = True
         return info
+
+
+def _agreed_id(group) -> str:
+    """A fresh snapshot id every source rank of the TP group shares (rank 0's, broadcast):
+    the rank files of one set carry one id (spec 5.8)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    ids = torch.tensor(list(uuid.uuid4().hex.encode()), dtype=torch.int32)
+    dist.broadcast(ids, src=0 if group is None else dist.get_global_rank(group, 0), group=group)
+    return bytes(ids.tolist()).decode()
+
+
+def _export_set1(path: str, ident: Identity, kw: dict) -> CommitInfo:
+    """A link as a set of one rank (a TP 1 source whose links a TP M target re-shards)."""
+    from hsnap_format import SetWriter
+    from hsnap_format.spec import rank_file_name
+
+    sw = SetWriter(path)
+    try:
+        info = export_request(sw.rank_path(0), identity=ident, **kw)
+        sw.commit(tp_size=1, fsync=kw["fsync"])
+    except BaseException:
+        if os.path.isdir(sw.staging):
+            sw.abort()
+        raise
+    return CommitInfo(os.path.join(path, rank_file_name(0)), info.file_length, info.payload_bytes, info.root_digest, info.digests)
 
 
 # --------------------------------------------------------------------------- target
@@ -165,8 +244,9 @@ class MigrationTarget:
     applied); :meth:`release` gives every slot back (a migration abandoned)."""
 
     def __init__(self, *, req_to_token_pool, token_to_kv_pool_allocator, identity: Identity | None, verify: bool = True,
-                 exact_rollback: bool = False, storage_options=None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 exact_rollback: bool = False, storage_options=None, staging_bytes: int = DEFAULT_STAGING_BYTES, sharding=None) -> None:
         require_type(None, "identity", identity, Identity, optional=True)
+        require_type(None, "sharding", sharding, Sharding, optional=True)
         if verify not in (True, False):
             raise ValueError(f"verify must be True or False, not {verify!r}")
         self._pools = dict(req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator)
@@ -177,21 +257,31 @@ class MigrationTarget:
                                           Phrase(f"{len(att.swa_layers)} SWA layers"))
         self.identity, self.verify, self.exact_rollback = identity, verify, exact_rollback
         self.storage_options, self.staging_bytes = storage_options, staging_bytes
+        self.sharding = sharding  # this rank's description (hsnap_io.reshard.describe): links of another TP size are re-sharded
         self.request: RestoredRequest | None = None
         self.applied: list[AppliedLink] = []
-        self._last: Snapshot | None = None  # the link applied last, kept open: the next delta is checked against it
+        # the link applied last, kept open: the next delta is checked against it (the whole
+        # source set when the links are re-sharded: each rank of a delta against its base rank)
+        self._last: Snapshot | SnapshotSet | None = None
+        self._resharded = False
         self._owned = None
+        self._saved_state: dict = {}  # the Mamba slot's rows as before the delta in progress (a rollback's), reused link after link
 
     # -- the first link: a restore into fresh slots
     def _apply_first(self, path: str, accept) -> AppliedLink:
-        source = open_source(path, identity=self.identity, storage_options=self.storage_options)
+        # with a description, a set written at another TP size opens whole, to be re-sharded
+        source = open_source(path, identity=self.identity, sharding=self.sharding, storage_options=self.storage_options)
         try:
             paged = next((link for link in source.chain.links if link.pages is not None), None)
             if paged is not None:  # its rows would come from the page store: pre-copy has nothing to gain there
                 raise UnsupportedFeatureError(paged.path, "migrating a link that references pages", Phrase("a self-contained link"),
                                               Phrase(f"pages in {paged.pages.store!r}"))
             if accept is not None:  # the caller's own refusals (the request itself), before allocating
-                check_compatible(source.snap, self.view, self.identity)
+                if source.resharded:
+                    check_set(source.snapset, self.identity)
+                    build_plans(source.snapset, self.view, self.sharding, path, target_tp=source.target_tp)
+                else:
+                    check_compatible(source.snap, self.view, self.identity)
                 accept(source.snap, source.snap.record(verify=self.verify))
             restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
                                       exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
@@ -199,7 +289,8 @@ class MigrationTarget:
             source.close()
             raise
         self.request = restored
-        self._keep(source.snap, source)
+        self._resharded = source.resharded
+        self._keep(source.snapset if source.resharded else source.snap, source)
         return AppliedLink(path, restored.state_position, restored.state_position, restored.bytes_uploaded, _is_final(path))
 
     def _keep(self, snap: Snapshot, owner) -> None:
@@ -228,16 +319,48 @@ class MigrationTarget:
         return opened, opened
 
     def _apply_delta(self, p: str, accept) -> AppliedLink:
+        if self._resharded:
+            return self._apply_resharded_delta(p, accept)
         snap, owner = self._open(p)
         try:
             record = self._check_delta(snap)
             if accept is not None:
                 accept(snap, record)
-            applied = self._upload_delta(snap, record)
+            applied = self._upload_delta(p, [snap], snap, record, self._plain_upload(snap))
         except BaseException:
             owner.close()
             raise
         self._keep(snap, owner)
+        return applied
+
+    def _apply_resharded_delta(self, p: str, accept) -> AppliedLink:
+        """A set of deltas written at another TP size (:mod:`hsnap_io.reshard`): every rank
+        file checked against the rank of the set applied last, the set against itself and
+        the target, the runs of every target section proven, the sections this rank reads
+        hashed — all before allocating; then this rank's heads of the new rows into new slots
+        after the request's, its channels and heads of the recurrent state over its Mamba slot."""
+        opened = store_for(p, self.storage_options).open(p)
+        try:
+            last = self._last
+            if not isinstance(opened, SnapshotSet):
+                raise ChainError(p, "manifest", Phrase(f"a set of deltas of the set applied last ({last.path})"), Phrase("a single snapshot file"))
+            plans = check_delta_set(opened, last, self.view, identity=self.identity, target=self.sharding, target_tp=self.identity.tp_size)
+            head = opened.ranks[0]
+            self._check_capacity(head)
+            record = delta_set_record(opened, plans, self.verify)
+            self._check_output_prefix(record, head.path, last.path)
+            if accept is not None:
+                accept(head, record)
+
+            def upload(engine, dests, at):
+                return upload_delta_set(opened, plans, self.view, dests, engine, self.verify, at)[0]
+
+            used = [opened.ranks[k] for k in source_ranks_of(plans)]
+            applied = self._upload_delta(p, used, head, record, upload)
+        except BaseException:
+            opened.close()
+            raise
+        self._keep(opened, opened)
         return applied
 
     def _check_delta(self, snap: Snapshot) -> RequestRecord:
@@ -256,13 +379,16 @@ class MigrationTarget:
         if self.verify:
             snap.verify()  # every byte of the link, before allocating
         record = snap.record(verify=self.verify)
+        self._check_output_prefix(record, where, last.path)
+        return record
+
+    def _check_output_prefix(self, record: RequestRecord, where, last_path) -> None:
         # the applied link's output ids (hashed when it was applied), in memory: the downtime
         # path reads nothing but the last link
         before, now = self.request.record.output_ids, record.output_ids
         if len(now) < len(before) or not np.array_equal(now[: len(before)], before):
-            raise ChainError(where, "request.output_ids", Phrase(f"the applied link's {len(before)} output tokens first ({last.path})"),
+            raise ChainError(where, "request.output_ids", Phrase(f"the applied link's {len(before)} output tokens first ({last_path})"),
                              Phrase("other tokens"))
-        return record
 
     def _check_capacity(self, snap: Snapshot) -> None:
         rtp, alloc = self.view.req_to_token_pool, self.view.allocator
@@ -277,34 +403,51 @@ class MigrationTarget:
         if short:
             raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
 
-    def _upload_delta(self, snap: Snapshot, record: RequestRecord) -> AppliedLink:
+    def _plain_upload(self, snap: Snapshot):
+        """The upload of a delta at the target's TP size: each section's rows straight from the file."""
+        chain = Chain.single(snap)  # the delta's own sections: its rows are positions old..new
+
+        def upload(engine, dests, at) -> int:
+            uploaded = 0
+            for b in self.view.bindings:
+                for piece in chain.pieces(b.name):
+                    at[0] = f"sections[{b.name}]"
+                    uploaded += _upload_piece(engine, b, dests[b.space], piece, self.verify)
+            return uploaded
+
+        return upload
+
+    def _upload_delta(self, path: str, opened: list[Snapshot], snap: Snapshot, record: RequestRecord, upload) -> AppliedLink:
+        """Under the pool lock: new token slots for the delta's rows (``snap``: the rank file
+        whose record the request continues), then ``upload(engine, dests, at)``; any failure
+        gives this link's allocations back and the Mamba slot's bytes. ``path``: the link
+        (a file or a set)."""
         view, req = self.view, self.request
         old, new = req.state_position, snap.state_position
         rtp = view.req_to_token_pool
         engine = engine_for([b.buffer for b in view.bindings], self.staging_bytes)
-        chain = Chain.single(snap)  # the delta's own sections: its rows are positions old..new
         with pool_lock(rtp):
-            snap.check_unchanged()
+            for s in opened:
+                s.check_unchanged()
             checkpoint = PoolCheckpoint(view)
-            uploaded, where = 0, "allocation"
+            at = ["allocation"]
             try:
                 fresh = self._extend_slots(old, new, checkpoint, snap.path)
                 dests = {"token": fresh, "mamba": None if req.mamba_pool_idx is None else torch.tensor([req.mamba_pool_idx])}
                 for b in view.bindings:
-                    dest = dests[b.space]
-                    if b.space == "mamba" or self.exact_rollback:  # the request's own state is overwritten: always put back
-                        checkpoint.remember_rows(b.buffer, dest, b.name)
-                    for piece in chain.pieces(b.name):
-                        where = f"sections[{b.name}]"
-                        uploaded += _upload_piece(engine, b, dest, piece, self.verify)
-                where = "finish upload"
+                    if b.space == "mamba":  # the request's own state is overwritten: always put back (into memory kept)
+                        checkpoint.remember_rows(b.buffer, dests[b.space], b.name, keep=self._saved_state)
+                    elif self.exact_rollback:
+                        checkpoint.remember_rows(b.buffer, dests[b.space], b.name)
+                uploaded = upload(engine, dests, at)
+                at[0] = "finish upload"
                 engine.finish_import()
             except BaseException as e:
-                raise_upload_failure(engine, checkpoint, snap.path, e, where)
+                raise_upload_failure(engine, checkpoint, snap.path, e, at[0])
         token = torch.cat([req.token_indices, fresh])
         self.request = dataclasses.replace(req, token_indices=token, record=record, state_position=new,
                                            snapshot_id=snap.identity.snapshot_id, bytes_uploaded=req.bytes_uploaded + uploaded)
-        return AppliedLink(snap.path, new, new - old, uploaded, _is_final(snap.path))
+        return AppliedLink(path, new, new - old, uploaded, _is_final(path))
 
     def _extend_slots(self, old: int, new: int, checkpoint: PoolCheckpoint, path) -> torch.Tensor:
         """Token slots for positions ``old..new`` of the request, allocated as SGLang extends a
@@ -356,13 +499,15 @@ class MigrationTarget:
             except HsnapError:
                 raw = b"(unreadable)"
             raise MigrationError(c, ABANDONED_NAME, Phrase("a migration the source carries on"),
-                                 Phrase(f"abandoned by the source: {raw[:4000].decode('utf-8', 'replace').strip()}"))
+                                 Phrase(f"abandoned by the source: {_abandoned_reason(raw)}"))
         else:
             return None
         applied = self.apply(path, accept=accept)
         if not applied.final:
             try:
                 store.put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
+            except SnapshotExistsError:  # another rank of a TP target put it first: the cue stands
+                pass
             except HsnapError as e:  # the link is in the pools: never report it as refused; the marker is only the source's cue
                 warnings.warn(f"{path}{APPLIED_SUFFIX}: not put ({e}); the link is applied, the source will not see it and "
                               "pre-copies on until it stops", RuntimeWarning, stacklevel=2)
@@ -399,6 +544,7 @@ class MigrationTarget:
                 rtp.mamba_allocator.free(torch.tensor([req.mamba_pool_idx], dtype=torch.int64))
             rtp.free_rows([req.req_pool_idx])
         self.request = None
+        self._saved_state.clear()
         self.close()
 
     def close(self) -> None:
@@ -412,6 +558,17 @@ class MigrationTarget:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _abandoned_reason(raw: bytes) -> str:
+    """What ``abandoned.json`` says, one line: ``<error type>: <reason>`` (its bytes as text if not that JSON)."""
+    try:
+        said = json.loads(raw)
+        if isinstance(said, dict):
+            return " ".join(f"{said.get('type') or 'given up'}: {said.get('reason', '')}".split())[:1000]
+    except ValueError:
+        pass
+    return " ".join(raw[:1000].decode("utf-8", "replace").split())
 
 
 def _is_final(path: str) -> bool:

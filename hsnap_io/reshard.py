@@ -27,6 +27,12 @@ Two halves:
   staging the shard before allocating (read once) in bench/RESHARD.md.
   :func:`restore_resharded`, reached from :func:`hsnap_io.restore.restore_request` when
   the set's TP size differs from the target's.
+
+* **Sets of deltas**, link by link (live migration across TP sizes,
+  :class:`hsnap_io.migrate.MigrationTarget`): :func:`check_delta_set` (every rank a delta
+  of the same rank of the set applied last, the set consistent, the runs of the delta's
+  rows and the state proven), :func:`delta_set_record` (hashed before allocating),
+  :func:`upload_delta_set` (into the slots the caller allocated after the request's).
 """
 
 from __future__ import annotations
@@ -497,11 +503,12 @@ def _prove_tiling(runs: Sequence[Run], extent: int, src_extents: Sequence[int], 
         raise ReshardError(path, where, f"runs tiling the target's {extent} elements", Phrase(f"runs covering {cursor}"))
 
 
-def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None = None) -> list[_SectionPlan]:
+def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None = None, base_position: int = 0) -> list[_SectionPlan]:
     """One plan per state binding of the target, after every check of spec 5.8 that needs
     no section bytes: geometry of every rank, every description across the set, and the
     proof that the runs of each target section tile it from source sections of the
-    shape the target expects."""
+    shape the target expects. ``base_position``: a set of deltas (spec 5.9) whose
+    attention sections hold the rows after it."""
     from hsnap_format.layout import state_section_rows
 
     from .restore import _NOT_COMPARED, _storage_differs
@@ -523,7 +530,7 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
         if diffs:
             raise IncompatibleSnapshotError(s.path, diffs)
     # the target's own sections (shape, dtype) at the set's position: check_set proved every rank agrees on it
-    target_rows = {r[0]: r for r in state_section_rows(view.geometry, src0.state_position, src0.swa_start)}
+    target_rows = {r[0]: r for r in state_section_rows(view.geometry, src0.state_position, src0.swa_start, base_position)}
     plans, cache = [], {}
     for b in view.bindings:
         key = KIND_AXIS.get(b.kind)
@@ -628,6 +635,27 @@ def _assemble(sources, p: _SectionPlan, out: np.ndarray, check: bool, path, buf:
     return read
 
 
+def _checked_record(sources, plans: Sequence[_SectionPlan], mode, path):
+    """The set's record, read hashed, after (``mode`` "before") every source section the
+    plans depend on was verified — refusals before anything is allocated — and (any
+    checking mode) the other ranks' record sections were hashed: :func:`check_set`
+    compared them by their table digests only."""
+    try:
+        if mode == "before":
+            for p in plans:
+                for k in p.sources:
+                    sources[k].verify_section(p.name)
+        if mode is not None:
+            for s in sources[1:]:
+                for sec in s.sections:
+                    if not sec.is_state:
+                        s.verify_section(sec)
+        # hashed as read (what is returned was hashed); check_set proved every rank's record has these digests
+        return sources[0].record(verify=mode is not None)
+    except OSError as e:
+        raise HsnapIOError(path, "read", e) from None
+
+
 def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: int, target_rank: int,
                       verify, exact_rollback: bool, staging_bytes: int):
     """Restore ``snapset`` (TP N) into this target rank (TP M): see the module docstring.
@@ -660,23 +688,8 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     sources = _sources(snapset)
     src0 = sources[0]
     check_capacity(src0, view)
-    used = sorted({k for p in plans for k in p.sources})
-    try:
-        if mode == "before":  # refusals before allocating: the pools stay byte-identical
-            for p in plans:
-                for k in p.sources:
-                    sources[k].verify_section(p.name)
-        if mode is not None:
-            # check_set compared the other ranks' record sections by their table digests: hash
-            # their bytes too (small), so a rank whose record is corrupt is not accepted
-            for s in sources[1:]:
-                for sec in s.sections:
-                    if not sec.is_state:
-                        s.verify_section(sec)
-        # hashed as read (what is returned was hashed); check_set proved every rank's record has these digests
-        record = src0.record(verify=mode is not None)
-    except OSError as e:
-        raise HsnapIOError(path, "read", e) from None
+    used = source_ranks_of(plans)
+    record = _checked_record(sources, plans, mode, path)
     piece = np.empty(_PIECE, dtype=np.uint8)  # every source byte passes through it, 2 MiB at a time
     scratch = None
     read = uploaded = 0
@@ -726,5 +739,78 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     )
 
 
+# --------------------------------------------------------------------------- a set of deltas, re-sharded (live migration)
+
+
+def check_delta_set(deltaset, baseset, view, *, identity, target: Sharding, target_tp: int) -> list[_SectionPlan]:
+    """The refusals of a TP N set of deltas (spec 5.9) applied over ``baseset`` — the set
+    this target rank applied last, kept open — that need no section bytes, before anything
+    is allocated: the set agrees with itself and the target (:func:`check_set`:
+    :class:`InconsistentSetError` where its ranks disagree); it has the base's TP size and
+    each rank file names, by root digest, snapshot id, position and depth, the same rank
+    of ``baseset`` and is a delta of it (same request, model, rank, geometry); no page
+    store; and the runs of every target section — the delta's rows after the base's
+    position, the whole recurrent state — tile it (:func:`build_plans`). Returns the plans."""
+    from hsnap_format.chain import LinkFacts, check_link, check_ref
+    from hsnap_format.errors import ChainError, UnsupportedFeatureError
+
+    path = deltaset.path
+    if deltaset.manifest.tp_size != baseset.manifest.tp_size:
+        raise ChainError(path, "manifest.tp_size", Phrase(f"{baseset.manifest.tp_size} (the set applied last, {baseset.path})"),
+                         deltaset.manifest.tp_size)
+    check_set(deltaset, identity)  # numerics: warned once, by the first link's restore
+    for d, b in zip(_sources(deltaset), _sources(baseset)):
+        if d.base is None:
+            raise ChainError(d.path, "base", Phrase(f"a delta of the link applied last ({b.path})"), Phrase("a plain snapshot"))
+        if d.pages is not None:
+            raise UnsupportedFeatureError(d.path, "migrating a link that references pages", Phrase("a self-contained link"),
+                                          Phrase(f"pages in {d.pages.store!r}"))
+        check_ref(d.base, b, d.path)
+        check_link(LinkFacts.of_snapshot(b), LinkFacts.of_snapshot(d), d.path)
+    return build_plans(deltaset, view, target, path, target_tp=target_tp, base_position=baseset.ranks[0].state_position)
+
+
+def delta_set_record(deltaset, plans: Sequence[_SectionPlan], verify: bool):
+    """The set's record, after (``verify``) every source section the plans depend on was
+    hashed and the other ranks' record sections too: still before anything is allocated."""
+    return _checked_record(_sources(deltaset), plans, "before" if verify else None, deltaset.path)
+
+
+def source_ranks_of(plans: Sequence[_SectionPlan]) -> list[int]:
+    """The source ranks whose sections the plans read."""
+    return sorted({k for p in plans for k in p.sources})
+
+
+def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict, engine, check: bool, at: list) -> tuple[int, int]:
+    """Each target section of the set of deltas into ``dests[space]`` (the delta's fresh
+    token slots, the request's Mamba slot), assembled from the source sections it depends
+    on — each read whole once, 2 MiB at a time, hashed with ``check`` (:func:`_assemble`) —
+    as :func:`restore_resharded` assembles: straight into the slots when they are one run of
+    a CPU pool (the Mamba slot always is; a digest or byte-count mismatch found after the
+    bytes landed is the caller's to roll back), else into one scratch buffer checked before
+    it is uploaded. ``at[0]`` names the section in progress (for the caller's rollback
+    message). Returns (bytes uploaded, source bytes read)."""
+    sources = _sources(deltaset)
+    piece = np.empty(_PIECE, dtype=np.uint8)
+    slots_view = getattr(engine, "slots_view", None)
+    scratch = None
+    read = uploaded = 0
+    for b, p in zip(view.bindings, plans):
+        at[0] = f"sections[{p.name}]"
+        rows = dests[b.space].to(b.buffer.device)
+        out = slots_view(b.buffer, rows) if slots_view is not None and p.nbytes else None
+        direct = out is not None and out.nbytes == p.nbytes
+        if not direct:
+            if scratch is None:
+                scratch = np.empty(max(q.nbytes for q in plans), dtype=np.uint8)
+            out = scratch[: p.nbytes]
+        read += _assemble(sources, p, out, check, deltaset.path, piece)
+        if not direct and p.nbytes:
+            engine.import_section(b.buffer, rows, out)
+        uploaded += p.nbytes
+    return uploaded, read
+
+
 __all__ = ["TPModel", "GDNDims", "Mamba2Dims", "describe", "plan", "Run", "ReshardError", "InconsistentSetError",
-           "restore_resharded", "kv_head_map", "conv_channel_map"]
+           "restore_resharded", "kv_head_map", "conv_channel_map", "check_delta_set", "delta_set_record", "source_ranks_of",
+           "upload_delta_set"]

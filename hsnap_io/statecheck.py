@@ -58,11 +58,22 @@ class PoolCheckpoint:
             elif recurse and depth < 2 and _is_allocator(value):
                 self._capture(value, skip={"_kvcache"}, recurse=True, depth=depth + 1)
 
-    def remember_rows(self, buffer: torch.Tensor, rows: torch.Tensor, what: str = "rows") -> None:
-        """Call before overwriting ``buffer[rows]``; ``what`` names it in a RollbackError."""
+    def remember_rows(self, buffer: torch.Tensor, rows: torch.Tensor, what: str = "rows", keep: dict | None = None) -> None:
+        """Call before overwriting ``buffer[rows]``; ``what`` names it in a RollbackError.
+        ``keep``: where the saved rows go, ``keep[what]`` reused when it has their shape
+        (a caller that saves the same rows again and again — a migration's Mamba slot, once
+        per link — allocates, and faults in, that memory once)."""
         raw = raw_rows(buffer)
         rows = rows.to(buffer.device)
-        self._rows.append((what, raw, rows, raw.index_select(0, rows)))
+        if keep is None:
+            saved = raw.index_select(0, rows)
+        else:
+            saved = keep.get(what)
+            shape = (len(rows), *raw.shape[1:])
+            if saved is None or saved.shape != shape or saved.dtype != raw.dtype or saved.device != raw.device:
+                saved = keep[what] = torch.empty(shape, dtype=raw.dtype, device=raw.device)
+            torch.index_select(raw, 0, rows, out=saved)
+        self._rows.append((what, raw, rows, saved))
 
     def rollback(self, path=None) -> None:
         """Put everything back; raise :class:`RollbackError` naming what could not be."""

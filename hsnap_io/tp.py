@@ -28,7 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from hsnap_format import HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
+from hsnap_format import CommitInfo, HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
 from hsnap_format.errors import Phrase, require_type
 from hsnap_format import _fs
 from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
@@ -63,6 +63,12 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
     ``base=SET`` (format 1.2, spec 10.4): write a set of deltas — each rank's file a delta
     of rank ``identity.tp_rank`` of the set ``SET``, which lies beside ``path``; a refusal
     on any rank (:class:`~hsnap_format.ChainError`) commits nothing, as any other failure."""
+    return export_rank_tp(path, identity=identity, record=record, group=group, **kw)[0]
+
+
+def export_rank_tp(path, *, identity: Identity, record: RequestRecord, group=None, **kw) -> tuple[Manifest | None, CommitInfo]:
+    """:func:`export_request_tp`, returning this rank's commit info too (its file in the
+    committed set) beside the manifest (rank 0; None elsewhere)."""
     require_type(path, "identity", identity, Identity)
     require_type(path, "record", record, RequestRecord)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -86,8 +92,9 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
     drop_staging = (lambda: _fs.remove_own_staging(staging)) if rank == 0 and error is None else None
     if not _agree(error is None, group, final, drop_staging):
         raise error or RankFailedError(final, "staging directory", "created by rank 0", Phrase("rank 0 failed"))
+    info = None
     try:
-        export_request(os.path.join(staging, rank_file_name(rank)), identity=identity, record=record, **kw)
+        info = export_request(os.path.join(staging, rank_file_name(rank)), identity=identity, record=record, **kw)
     except BaseException as e:  # noqa: BLE001
         error = e
     all_ok = _agree(error is None, group, final, drop_staging)
@@ -103,7 +110,7 @@ def export_request_tp(path, *, identity: Identity, record: RequestRecord, group=
     committed = _agree(error is None and all_ok, group, final)
     if not committed:
         raise error or RankFailedError(final, "export", "every rank written", Phrase("another rank failed; nothing committed"))
-    return manifest
+    return manifest, CommitInfo(os.path.join(final, rank_file_name(rank)), info.file_length, info.payload_bytes, info.root_digest, info.digests)
 
 
 def restore_request_tp(path, *, identity: Identity, group=None, **kw) -> RestoredRequest:

@@ -237,7 +237,9 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
          timeout_s: float = 60.0, **migrate_kw) -> Migration:
     """Live-migrate ``rid`` from ``source_url`` to ``target_url`` through ``dir``: the target follows first (in a
     thread), then the source migrates; returns once the target's stream ended.  ``last_source_event_at()``: when the
-    caller's source stream got its last token (for :attr:`Migration.downtime_s`)."""
+    caller's source stream got its last token (for :attr:`Migration.downtime_s`).  A refusal of the source is raised
+    once the target's follow has ended too (the source tells it, by ``abandoned.json``): ``follow_error`` on the
+    exception is the target's side of it."""
     import threading
     import time
 
@@ -260,8 +262,11 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
     t.start()
     try:
         report = migrate(source_url, rid, dir, timeout_s=timeout_s, **migrate_kw)
-    finally:
-        t.join(DEFAULT_TIMEOUT_S)
+    except HsnapError as e:
+        t.join(DEFAULT_TIMEOUT_S)  # the source said why in the container: the target's follow ends with it
+        e.follow_error = got.get("error")
+        raise
+    t.join(DEFAULT_TIMEOUT_S)
     if "error" in got:
         raise got["error"]
     return Migration(report, got["run"], last_source_event_at() if last_source_event_at is not None else None, first[0] if first else None)

@@ -113,6 +113,7 @@ class Following:
     prepared: Any = None  # hsnap_sglang.req.PreparedReq of the last link checked (the first, then the final)
     applied: list = dataclasses.field(default_factory=list)
     started: float = 0.0
+    arrived_at: float = 0.0  # the final link applied and the Req bound: admitted by the HTTP process within timeout_s
 
 
 def held_kv_rows(hs) -> list:
@@ -144,7 +145,10 @@ def on_migrate(hs, msg) -> None:
     from .scheduler import _Export
 
     where, req = hs.locate(msg.rid)
+    store = store_for(msg.dir)
+    used = None
     try:
+        used = next((store.join(msg.dir, n) for n in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME) if store.exists(store.join(msg.dir, n))), None)
         if hs.tp_size > 1:
             raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
                              f"TP {hs.tp_size}")
@@ -152,14 +156,14 @@ def on_migrate(hs, msg) -> None:
             raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
         if hs._busy(msg.rid) or msg.rid in hs.migrations:
             raise RequestBusyError(None, "rid", Phrase("a request no other export or migration is waiting for"), msg.rid)
-        store = store_for(msg.dir)
-        for name in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME):
-            if store.exists(store.join(msg.dir, name)):
-                raise SnapshotExistsError(store.join(msg.dir, name), "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
+        if used is not None:
+            raise SnapshotExistsError(used, "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
         if store.local:
             store.makedirs(msg.dir)
     except (HsnapError, OSError) as e:
         err = e if isinstance(e, HsnapError) else HsnapError(msg.dir, "dir", detail=str(e))
+        if used is None:  # a fresh container: a target already following it learns at once that nothing will come
+            _say_abandoned(store, msg.dir, error_dict(err), 0)
         hs._answer(msg, ok=False, error=error_dict(err))
         return
     m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
@@ -281,8 +285,6 @@ def finish(hs, ex, req, where: str) -> None:
 def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dict | None = None) -> None:
     """Give the migration up: ``abandoned.json`` for a following target (it gives back what it applied), the
     request stays here (its pending round dropped; a parked request back in the running batch), the caller told."""
-    from hsnap_io.migrate import ABANDONED_NAME
-
     if hs.migrations.get(rid) is m:
         del hs.migrations[rid]
     if m.watch is not None:
@@ -293,12 +295,21 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
         if parked is not None and not parked.finished():
             hs.admit([parked])
     error = error if error is not None else error_dict(err)
-    try:
-        m.store.put_bytes(m.store.join(m.container, ABANDONED_NAME), json.dumps({"reason": error.get("message", ""),
-                                                                               "type": error.get("type"), "links": len(m.links)}).encode())
-    except Exception:  # noqa: BLE001 - the target then times out instead (its own deadline)
-        logger.exception("hsnap migration of %s: writing %s", rid, ABANDONED_NAME)
+    _say_abandoned(m.store, m.container, error, len(m.links))
     hs._answer(m.op, ok=False, error=error)
+
+
+def _say_abandoned(store, container: str, error: dict, links: int) -> None:
+    """``abandoned.json``: why, for a target following ``container`` (it gives back what it applied)."""
+    from hsnap_io.migrate import ABANDONED_NAME
+
+    try:
+        if store.local:
+            store.makedirs(container)
+        store.put_bytes(store.join(container, ABANDONED_NAME), json.dumps({"reason": error.get("message", ""), "type": error.get("type"),
+                                                                           "links": links}).encode())
+    except Exception:  # noqa: BLE001 - the target then times out instead (its own deadline)
+        logger.exception("hsnap migration: writing %s in %s", ABANDONED_NAME, container)
 
 
 # ----------------------------------------------------------------------------- target
@@ -441,6 +452,7 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     if prepared.grammar is not None:
         req.grammar_key, req.grammar = prepared.grammar_key, prepared.grammar
     req.hsnap_restored = restored
+    f.arrived_at = time.monotonic()
     hs.arrived[req.rid] = (req, f)
     record = restored.record
     hs._answer(f.op, ok=True, result={
@@ -461,6 +473,25 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
         hs._answer(f.op, ok=False, error=error_dict(err))
 
 
+def expire_arrivals(hs) -> None:
+    """A migrated request whose admission never comes (the follow's HTTP caller went away before the answer reached
+    it) is given back after ``timeout_s``: its slots are not held for ever."""
+    now = time.monotonic()
+    for rid, (req, f) in list(hs.arrived.items()):
+        if now - f.arrived_at > f.timeout_s:
+            logger.warning("hsnap follow of %s: %s was never admitted within %.0f s; its slots are given back", f.container, rid, f.timeout_s)
+            del hs.arrived[rid]
+            _release_unadmitted(hs, req)
+
+
+def _release_unadmitted(hs, req) -> None:
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    req.skip_radix_cache_insert = True  # its history was never prefilled here: free exactly its own slots
+    hs.sched.batch_result_processor._prepare_kv_cache_release(req)
+    release_kv_cache(req, hs.sched.tree_cache)
+
+
 def on_admit(hs, msg) -> None:
     """The HTTP process registered the client's state: run the arrived request (or give it back)."""
     got = hs.arrived.pop(msg.rid, None)
@@ -474,18 +505,5 @@ def on_admit(hs, msg) -> None:
         hs.resumes += 1
         hs._answer(msg, ok=True, result={"rid": msg.rid, "admitted_at": time.monotonic(), "admit_s": time.monotonic() - t0})
         return
-    from sglang.srt.mem_cache.common import release_kv_cache
-
-    req.skip_radix_cache_insert = True  # its history was never prefilled here: free exactly its own slots
-    release_kv_cache(req, hs.sched.tree_cache)
+    _release_unadmitted(hs, req)
     hs._answer(msg, ok=True, result={"rid": msg.rid, "released": True})
-
-
-def release_all(hs) -> None:
-    """Server shutdown: stop every watcher."""
-    for m in hs.migrations.values():
-        if m.watch is not None:
-            m.watch.cancel()
-    for f in hs.follows.values():
-        if f.watch is not None:
-            f.watch.cancel()

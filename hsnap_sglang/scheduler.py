@@ -67,7 +67,7 @@ def install(result, sched, *args, **kwargs):
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows):
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived):
         hs.service()
 
 
@@ -408,6 +408,8 @@ class HsnapScheduler:
             migration.advance_migrations(self)
         if self.follows:
             migration.advance_follows(self)
+        if self.arrived:
+            migration.expire_arrivals(self)
         for ex in list(self.pending):
             try:
                 self._service_one(ex)

@@ -216,14 +216,7 @@ def test_item4_final_apply_reads_only_the_last_link(tmp_path):
     for link in links[:-1]:
         tgt.apply(link)
     for link in links[:-1]:
-        with hf.open(link) as s:
-            offsets = [sec.offset for sec in s.sections if sec.length]
-        with open(link, "r+b") as f:
-            for off in offsets:
-                f.seek(off)
-                b = f.read(1)
-                f.seek(off)
-                f.write(bytes([b[0] ^ 0xFF]))
+        cc.flip_every_section(link)
         with hf.open(link) as s, pytest.raises(hf.DigestMismatchError):
             s.verify()
     final = tgt.apply(links[-1])
@@ -378,21 +371,34 @@ def test_item4_abandoned_migration_is_a_typed_error_for_the_follower_and_release
             t.req_to_token_pool.available_size()) == free
 
 
-def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path):
+def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path, monkeypatch):
     """Found by ``scripts/mutate.py --target migrate``: step() applied the link into the pools,
-    then failed to put its ``.applied`` marker (a container the target cannot write: here a
-    directory holds the marker's name) and raised a typed error — a "refusal" with the link
-    already in the pools, the slots held by a request the caller believes refused. The link is
-    applied: step returns it (a warning says the source will not see the cue), and the
-    migration goes on to the request a plain restore gives."""
+    then failed to put its ``.applied`` marker and raised a typed error — a "refusal" with the
+    link already in the pools, its slots held by a request the caller believes refused. The link
+    is applied: step returns it — silently when the name is taken (a directory here; another
+    rank's marker), with a RuntimeWarning when the store refuses the write (a read-only
+    container: the source then pre-copies on until it stops) — and the migration goes on to the
+    request a plain restore gives."""
+    import errno
+
+    from hsnap_format.storage import LocalStore
+
     ps, req = cc.source("hybrid_linear")
     links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
     _direct(ps, req, tmp_path / "direct.hsnap")
-    os.makedirs(links[1] + APPLIED_SUFFIX + "/x")  # the marker of link-0001 cannot be put
+    os.makedirs(links[0] + APPLIED_SUFFIX + "/x")  # the marker of link-0000 cannot be put: its name is taken
     t = ic.target("hybrid_linear", 1)
     tgt = _target(t)
     assert tgt.step(tmp_path / "a").state_position == cc.POSITIONS[0]
-    with pytest.warns(RuntimeWarning, match=r"link-0001\.hsnap\.applied"):
+    put = LocalStore.put_bytes
+
+    def read_only(self, path, data):
+        if path.endswith(APPLIED_SUFFIX):
+            raise hf.HsnapIOError(path, "write", OSError(errno.EROFS, "Read-only file system"))
+        return put(self, path, data)
+
+    monkeypatch.setattr(LocalStore, "put_bytes", read_only)
+    with pytest.warns(RuntimeWarning, match=r"link-0001\.hsnap\.applied: not put"):
         applied = tgt.step(tmp_path / "a")
     assert applied.state_position == cc.POSITIONS[1] and tgt.request.state_position == cc.POSITIONS[1]
     assert [a.path for a in tgt.applied] == links[:2]

@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ PREFIX = prompt(51, 600)
 TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
 RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
-MG = {"mg": (prompt(91, 30), 90), "mg-other": (prompt(92, 20), 70), "mg-lone": (prompt(93, 26), 60), "mg-s3": (prompt(94, 24), 50)}
+MG = {"mg": (prompt(91, 30), 64), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 24)}
 MG_TAIL, MG_ROUNDS = 2, 4
 
 
@@ -198,23 +199,35 @@ def migrated(servers, work, store):
         out["s3m"] = s3m.finish()
         # a follow nobody feeds: refused after its timeout, S3's pools as they were
         try:
-            client.follow(dst, str(work / "nobody"), rid="nobody", timeout_s=1.5)
+            client.follow(dst, str(work / "nobody"), rid="nobody", timeout_s=1)
         except client.ServerError as e:
             out["unfed"] = e
         out["unfed_pools"] = (out["dst_idle"]["pools"], wait_idle(dst)["pools"])
-        # a migration no target follows: given up after its timeout, the request decodes on in O
+        # a migration the source refuses (no such request): the target, already following, hears it at once
+        try:
+            client.move(src, dst, "no-such-rid", str(work / "refused"), timeout_s=120)
+        except client.ServerError as e:
+            out["refused"] = (e, wait_idle(dst)["pools"])
+        # a migration no target follows: given up after its timeout, the request decodes on in O (it runs long
+        # enough never to finish first; aborted once it has decoded on, compared with a reference of that length)
         lone = Stream(src, payload("mg-lone", *MG["mg-lone"]))
         lone.start()
         lone.wait_tokens(4)
         try:
-            client.migrate(src, "mg-lone", str(work / "lone"), timeout_s=1.5)
+            client.migrate(src, "mg-lone", str(work / "lone"), timeout_s=1)
         except client.ServerError as e:
             out["lone_error"] = e
-        out["lone"] = lone.finish()
+        out["lone_at_error"] = lone.tokens_so_far()
+        lone.wait_tokens(out["lone_at_error"] + 8)
+        urllib.request.urlopen(urllib.request.Request(src + "/abort_request", data=json.dumps({"rid": "mg-lone"}).encode(),
+                                                      headers={"Content-Type": "application/json"}), timeout=60).read()
+        lone.join(120)
+        out["lone"] = lone
         out["lone_files"] = sorted(os.listdir(work / "lone"))
         out["lone_abandoned"] = json.loads((work / "lone" / "abandoned.json").read_text())
         out["lone_idle"] = wait_idle(src)
-        ref_streams = {rid: Stream(src, payload(f"{rid}-ref", ids, n)) for rid, (ids, n) in MG.items()}  # together: bf16
+        lengths = dict({rid: n for rid, (_, n) in MG.items()}, **{"mg-lone": len(lone.events[-1]["output_ids"])})
+        ref_streams = {rid: Stream(src, payload(f"{rid}-ref", ids, lengths[rid])) for rid, (ids, _) in MG.items()}  # together: bf16
         for st in ref_streams.values():
             st.start()
         out["ref_streams"] = {rid: st.finish() for rid, st in ref_streams.items()}
@@ -306,12 +319,23 @@ def test_item4_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrat
     assert before == after
 
 
+def test_item4_migration_the_source_refuses_ends_the_follow_at_once(migrated):
+    mg = _migrated(migrated)
+    e, pools = mg["refused"]
+    assert e.error_type == "UnknownRequestError" and e.status == 404
+    follow = e.follow_error  # not its 120 s timeout: the source's reason, from abandoned.json
+    assert isinstance(follow, client.ServerError) and follow.error_type == "MigrationError", follow
+    assert "abandoned by the source" in str(follow) and "UnknownRequestError" in str(follow)
+    assert pools == mg["unfed_pools"][1]
+
+
 def test_item4_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
     mg = _migrated(migrated)
     e = mg.get("lone_error")
     assert e is not None and e.error_type == "MigrationError" and e.status == 504, e
-    assert tokens(mg["lone"].final) == mg["refs"]["mg-lone"]
-    assert mg["lone"].final["meta_info"]["finish_reason"]["type"] == "length"
+    lone = mg["lone"].events[-1]
+    assert lone["output_ids"] == mg["refs"]["mg-lone"][0]  # it decoded on, unchanged, until aborted
+    assert len(lone["output_ids"]) >= mg["lone_at_error"] + 8 and lone["meta_info"]["finish_reason"]["type"] == "abort"
     assert mg["lone_files"] == ["abandoned.json", "link-0000.hsnap"]  # a target arriving late learns why, by name
     assert "applied within" in mg["lone_abandoned"]["reason"] and mg["lone_abandoned"]["links"] == 1
 
