@@ -655,25 +655,25 @@ def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypa
     monkeypatch.undo()
 
     class Corrupts(mig.MigrationTarget):
-        def _upload_delta(self, snap, record):
-            out = super()._upload_delta(snap, record)
+        def _upload_delta(self, *a, **kw):
+            out = super()._upload_delta(*a, **kw)
             b = next(b for b in self.view.bindings if b.kind == "attn_k")
             b.buffer[int(self.request.token_indices[-1])].view(torch.uint8).reshape(-1)[0] ^= 1
             return out
 
     class Leaks(mig.MigrationTarget):
-        def _apply_delta(self, p, accept):
-            self.view.req_to_token_pool.alloc_rows(1) if hasattr(self.view.req_to_token_pool, "alloc_rows") else self.view.allocator.alloc(1)
-            return super()._apply_delta(p, accept)
+        def _apply_delta(self, *a, **kw):
+            self.view.req_to_token_pool.alloc_rows(1)
+            return super()._apply_delta(*a, **kw)
 
     class Stuck(mig.MigrationTarget):
         refused = False
 
-        def _apply_delta(self, p, accept):
+        def _apply_delta(self, p, *a, **kw):
             if self.refused:
                 raise mig.MigrationError(p, "planted", "the correct link", "refused forever")
             try:
-                return super()._apply_delta(p, accept)
+                return super()._apply_delta(p, *a, **kw)
             except hsnap_format.HsnapError:
                 self.refused = True
                 raise
