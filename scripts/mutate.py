@@ -79,7 +79,8 @@ tests/mutate_migrate.py hold their seeds, operators and oracles):
             (or by pid), ``hsnap gc --remove`` every ``--cli-every``-th
   gc-url    the same on a SeaweedFS this script starts, ``s3://`` prefixes and siblings,
             multipart uploads in progress (``--url-mutants`` of them)
-  migrate   a live migration written by MigrationSource over SGLang's pools; a MigrationTarget
+  migrate   a live migration written by MigrationSource over SGLang's pools (and one across TP
+            sizes: set links of a TP-1 source followed by each rank of a TP-2 target); a MigrationTarget
             applies k correct links, then meets a hostile link k through apply / step / follow
             (bytes of its header, record, sections, digests mutated; another request's, model's,
             geometry's or migration's link; the same link twice, one skipped, the plain one again;

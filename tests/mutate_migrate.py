@@ -9,7 +9,10 @@ Seeds (:func:`build_seeds`): for two pool kinds (a GDN/Mamba hybrid at page 1, M
 ``final.hsnap`` delta at 45), and beside it honest links that must not continue it: the same
 request migrated again (other snapshot ids), another rid, another model, the other pool
 kind (another geometry), a final link whose output ids do not extend the applied link's
-(re-signed: it verifies on its own); and, for the chain target, the request checkpointed
+(re-signed: it verifies on its own); a migration across TP sizes (a TP-1 source with
+``sharding=`` writes set links of a Qwen3.5-like model from tests/reshard_pools.py, each
+followed by rank 0 or 1 of a TP-2 target; beside it the plain set at each link's position);
+and, for the chain target, the request checkpointed
 by :class:`hsnap_format.checkpoints.Checkpoints` (``c.ck000001`` ... ``c.ck000004``, a plain
 link every two: two chains in one directory).
 
@@ -38,7 +41,9 @@ planner):
                         byte-equal to the source's request, and ``release`` gives back
                         every slot
   accepted-unchanged    accepted; the request's rows and record are what the honest link    ok
-                        (chain) says, byte for byte
+                        (chain) says, byte for byte (across TP sizes, a differential oracle:
+                        what the plain set at that position restored re-sharded holds —
+                        a path the reshard target's independent coverage oracle checks)
   accepted-valid        accepted a re-signed or substituted file that is a valid link of    ok
                         its own (the rows and record are what *it* says, its delta extends
                         the applied link, continuous positions)
@@ -58,6 +63,7 @@ import os
 import random
 import shutil
 import struct
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -147,6 +153,42 @@ def _tp_chain_into(directory: str, kind: str, page: int) -> None:
         paths.append(path)
 
 
+TP_MODEL = "qwen35"  # tests/reshard_pools.py: a Qwen3.5-like GDN hybrid, sharded by reshard.describe
+TP_POSITIONS = (2, 3, 4, 5)  # its request holds reshard_pools.N_TOKENS = 5 positions
+SET_MEMBERS = ("manifest.json", "rank-0.hsnap")
+
+
+def _tp_record(pos: int):
+    import hsnap_format as hf
+
+    return hf.RequestRecord(rid="r-tp", prompt_ids=np.arange(2, dtype=np.int32), output_ids=np.arange(7, 6 + pos, dtype=np.int32),
+                            state_position=pos, max_new_tokens=16)
+
+
+def _tp_migration_into(out: str, key: str) -> None:
+    """A migration across TP sizes: a TP-1 source (``sharding=``) writes every link as a TP set;
+    beside it, a plain TP-1 set at each link's position (what a target at TP 2 must end with:
+    the differential oracle restores it re-sharded)."""
+    import hsnap_format as hf
+    import reshard_pools as rp
+
+    from hsnap_io import export_request, reshard
+    from hsnap_io.migrate import MigrationSource
+
+    m = rp.MODELS[TP_MODEL]
+    ps = rp.build(m, 1, 0, seed=20)
+    row, _, _ = rp.place(ps, rp.global_state(m))
+    desc = reshard.describe(m.tp, 1, 0)
+    src = MigrationSource(os.path.join(out, key), req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc, identity=rp.identity(1, 0),
+                          sharding=desc, fsync=False)
+    for i, pos in enumerate(TP_POSITIONS):
+        (src.stop if i == len(TP_POSITIONS) - 1 else src.precopy)(row, _tp_record(pos))
+        sw = hf.SetWriter(os.path.join(out, f"{key}-direct", f"d{i}"))
+        export_request(sw.rank_path(0), req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc, req_pool_idx=row, record=_tp_record(pos),
+                       identity=rp.identity(1, 0), sharding=desc, fsync=False)
+        sw.commit(tp_size=1, fsync=False)
+
+
 def _diverging_final(data: bytes) -> bytes:
     """``final.hsnap`` with one output id (below the base's count) changed, re-signed: a file
     that verifies on its own but does not continue the link below it."""
@@ -177,8 +219,11 @@ def build_seeds(out: str, small: bool = False) -> None:
         if key == "hl":
             _tp_chain_into(os.path.join(out, f"{key}-tp2"), kind, page)
             meta["tp"] = {f"{key}-tp2": key}
+    os.makedirs(os.path.join(out, "tp12-direct"))
+    _tp_migration_into(out, "tp12")
+    meta["tpmig"] = {"tp12": {"model": TP_MODEL, "target_tp": 2}}
     for name in sorted(os.listdir(out)):
-        if os.path.isdir(os.path.join(out, name)) and name not in meta.get("tp", {}):
+        if os.path.isdir(os.path.join(out, name)) and name not in meta.get("tp", {}) and not name.startswith("tp12"):
             meta["sets"][name] = sorted(n for n in os.listdir(os.path.join(out, name)) if n.endswith(".hsnap"))
     with open(os.path.join(out, "seeds.json"), "w") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
@@ -190,6 +235,12 @@ def load_inputs(d: str, meta: dict) -> tuple[dict, dict]:
         groups[g] = list(members)
         for m in members:
             inputs[f"{g}/{m}"] = mt._read(os.path.join(d, g, m))
+    for t in sorted(meta.get("tpmig", {})):
+        for link in LINKS + tuple(f"{t}-direct/d{i}" for i in range(len(TP_POSITIONS))):
+            g = f"{t}/{link}" if not link.startswith(t) else link
+            groups[g] = list(SET_MEMBERS)
+            for mem in SET_MEMBERS:
+                inputs[f"{g}/{mem}"] = mt._read(os.path.join(d, g, mem))
     for t in sorted(meta.get("tp", {})):
         for link in TP_LINKS:
             groups[f"{t}/{link}"] = list(TP_MEMBERS)
@@ -434,6 +485,8 @@ class MigrateGen(_Gen):
 
     def generate(self, seed: int, i: int) -> dict:
         rng = random.Random(f"hsnap-mutate-migrate:{seed}:{i // 2}")
+        if self.meta.get("tpmig") and rng.random() < 0.25:
+            return self._generate_tp(rng, seed, i)
         key = mt._pick(rng, self.kinds)
         k = rng.randrange(len(LINKS))
         mode = mt._pick(rng, ["apply", "apply", "step", "follow"])
@@ -467,6 +520,36 @@ class MigrateGen(_Gen):
         return dict(base, target=f"{key}/{LINKS[k]}", operator=scenario, operators=[scenario], ops=[], mig=mig)
 
 
+    def _generate_tp(self, rng, seed: int, i: int) -> dict:
+        """A migration across TP sizes (TP-1 source, set links) followed by rank ``rank`` of a TP-2
+        target: link k's rank file or manifest mutated (re-signed: the manifest re-bound), another
+        of its links, missing, abandoned, refused by accept, or its marker blocked."""
+        key = mt._pick(rng, sorted(self.meta["tpmig"]))
+        k = rng.randrange(len(LINKS))
+        mig = {"kind": key, "rank": rng.randrange(2), "k": k, "mode": mt._pick(rng, ["apply", "apply", "step", "follow"]),
+               "scenario": rng.choices(["bytes", "swap", "missing", "abandon", "accept", "marker"], [65, 15, 4, 6, 6, 4])[0]}
+        base = {"i": i, "seed": seed, "family": "migrate", "resign": bool(i % 2)}
+        group = f"{key}/{LINKS[k]}"
+        sc = mig["scenario"]
+        if sc == "bytes":
+            member = f"{group}/rank-0.hsnap"
+            link_inputs = {f"{group}/{mem}": self.inputs[f"{group}/{mem}"] for mem in SET_MEMBERS}
+            focused = {n: v for n, v in _focused(rng, member, self.inputs[member], LINKS[k]).items() if n != "state"}
+            desc = mt.generate_with(rng, seed, i, "migrate", link_inputs, {group: list(SET_MEMBERS)}, focused)
+            desc["mig"] = mig
+            return desc
+        if sc == "swap":
+            src = mt._pick(rng, [f"{key}/{n}" for j, n in enumerate(LINKS) if j != k])
+            return dict(base, target=src, operator="swap-tp", operators=["swap"], ops=[], mig=mig)
+        if sc == "abandon":
+            mig.update(mode=mt._pick(rng, ["step", "follow"]), present=rng.random() < 0.3, marker=mt._pick(rng, ["honest", "garbage", "dir"]))
+        elif sc == "accept":
+            mig["raise"] = mt._pick(rng, ["hsnap", "value", "runtime", "none-once"])
+        elif sc == "marker":
+            mig.update(mode=mt._pick(rng, ["step", "follow"]), k=rng.randrange(len(LINKS) - 1))
+        return dict(base, target=f"{key}/{LINKS[mig['k']]}", operator=sc, operators=[sc], ops=[], mig=mig)
+
+
 # ============================================================================ the migrate examiner
 
 
@@ -488,13 +571,20 @@ class MigrateExaminer:
         self.seeds, self.scratch = seeds, scratch
         self.pools: dict[str, "mt.TargetPools"] = {}
         self.links = {key: [Link(seeds.inputs[f"{key}/{n}"], n) for n in LINKS] for key in seeds.meta["kinds"]}
+        self.link_files = {key: [{n: seeds.inputs[f"{key}/{n}"]} for n in LINKS] for key in seeds.meta["kinds"]}
+        for key in seeds.meta.get("tpmig", {}):  # set links: rank-0's file read as this oracle reads any link
+            self.links[key] = [Link(seeds.inputs[f"{key}/{n}/rank-0.hsnap"], n) for n in LINKS]
+            self.link_files[key] = [{f"{n}/{mem}": seeds.inputs[f"{key}/{n}/{mem}"] for mem in SET_MEMBERS} for n in LINKS]
         self.honest = {key: [expected(self.links[key][: j + 1])[0] for j in range(len(LINKS))] for key in seeds.meta["kinds"]}
+        self.ref_pools: dict[str, "mt.TargetPools"] = {}
         for key, exp in self.honest.items():
             for j, e in enumerate(exp):
                 e["__output_ids"] = self.links[key][j].ids("output_ids")
         self.target_cls = None  # the class under test (default MigrationTarget); tests plant faults here
 
     def _pools(self, key: str) -> "mt.TargetPools":
+        if key not in self.pools and key not in KINDS:  # "<tp kind>-r<rank>": rank of the TP-2 target
+            self.pools[key] = self._tp_pools(int(key.rsplit("-r", 1)[1]), 90)
         if key not in self.pools:
             import sglang_pools as sp
 
@@ -504,6 +594,36 @@ class MigrateExaminer:
             sp.occupy(ps, 3, 50, seed=7)
             self.pools[key] = mt.TargetPools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator, label=f"{kind} page {page}", extra=ps)
         return self.pools[key]
+
+    @staticmethod
+    def _tp_pools(rank: int, seed: int) -> "mt.TargetPools":
+        import reshard_pools as rp
+
+        ps = rp.build(rp.MODELS[TP_MODEL], 2, rank, seed=seed + rank)
+        mt.fill_sentinel(mt._bindings_of(SimpleNamespace(req_to_token_pool=ps.rtp, token_to_kv_pool_allocator=ps.alloc)))
+        rp.place(ps, rp.global_state(rp.MODELS[TP_MODEL], seed=5))  # another request in use
+        return mt.TargetPools(ps.rtp, ps.alloc, label=f"{TP_MODEL} tp2 rank{rank}")
+
+    def _tp_reference(self, key: str, rank: int) -> None:
+        """Differential oracle of a migration across TP sizes: the plain TP-1 set at each link's
+        position restored re-sharded (restore_request(sharding=), whose bytes the reshard target's
+        independent coverage oracle checks) into pools of the same rank: what the request holds."""
+        import reshard_pools as rp
+
+        from hsnap_io import reshard, restore_request
+
+        pk = f"{key}-r{rank}"
+        if pk in self.honest:
+            return
+        out = []
+        for j in range(len(LINKS)):
+            ref = self._tp_pools(rank, 50)
+            res = restore_request(os.path.join(self.seeds.dir, f"{key}-direct", f"d{j}"), req_to_token_pool=ref.rtp, token_to_kv_pool_allocator=ref.alloc,
+                                  identity=rp.identity(2, rank), sharding=reshard.describe(rp.MODELS[TP_MODEL].tp, 2, rank))
+            want = pool_bytes(ref, int(res.req_pool_idx), res.state_position, res.mamba_pool_idx)
+            want.update(__output_ids=self.links[key][j].ids("output_ids"), __rid=self.links[key][j].req.get("rid"), __position=res.state_position)
+            out.append(want)
+        self.honest[pk] = out
 
     def warm(self) -> None:
         import torch
@@ -515,30 +635,61 @@ class MigrateExaminer:
         torch.set_num_threads(1)
         for key in self.seeds.meta["kinds"]:
             self._pools(key)
+        for key in self.seeds.meta.get("tpmig", {}):
+            for rank in range(2):
+                self._pools(f"{key}-r{rank}")
+                self._tp_reference(key, rank)
 
-    def _target(self, tgt):
+    def _target(self, tgt, m: dict):
         from hsnap_io.migrate import MigrationTarget
 
-        return (self.target_cls or MigrationTarget)(req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc, identity=_identity())
+        cls = self.target_cls or MigrationTarget
+        if "rank" in m:
+            import reshard_pools as rp
 
-    def _files(self, desc) -> bytes | None:
-        """The bytes that come as link k (None: nothing comes)."""
+            from hsnap_io import reshard
+
+            return cls(req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc, identity=rp.identity(2, m["rank"]),
+                       sharding=reshard.describe(rp.MODELS[TP_MODEL].tp, 2, m["rank"]))
+        return cls(req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc, identity=_identity())
+
+    @staticmethod
+    def _put(c: str, files: dict) -> None:
+        """A link's files into container ``c`` (a rank file, or a set directory's members), replacing what is there."""
+        for name in {n.split("/")[0] for n in files}:
+            p = os.path.join(c, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            elif os.path.lexists(p):
+                os.unlink(p)
+        for name, data in files.items():
+            mt._write(os.path.join(c, name), data)
+
+    def _files(self, desc) -> dict | None:
+        """What comes as link k: {name in the container: bytes} (None: nothing comes)."""
         m = desc["mig"]
+        k, name = m["k"], LINKS[m["k"]]
         if m["scenario"] in ("missing",) or m["scenario"] == "abandon" and not m.get("present"):
             return None
         if m["scenario"] in ("abandon", "accept", "marker"):
-            return self.seeds.inputs[f"{m['kind']}/{LINKS[m['k']]}"]
+            return self.link_files[m["kind"]][k]
+        if "rank" in m:  # a set link: its members (a swap: another link's, under this link's name)
+            if m["scenario"] == "swap":
+                j = LINKS.index(desc["target"].split("/")[1])
+                return {f"{name}/{mem}": data for mem, data in ((n.split("/", 1)[1], d) for n, d in self.link_files[m["kind"]][j].items())}
+            group = f"{m['kind']}/{name}"
+            return {f"{name}/{n[len(group) + 1:]}": data for n, data in mt.build(desc, self.seeds.inputs, self.seeds.groups).items()}
         if m["scenario"] == "swap" and not desc["ops"]:
-            return self.seeds.inputs[desc["target"]]
-        return mutated(desc, self.seeds.inputs)
+            return {name: self.seeds.inputs[desc["target"]]}
+        return {name: mutated(desc, self.seeds.inputs)}
 
     def examine(self, desc: dict) -> dict:
         m = desc["mig"]
         key, k, mode, scenario = m["kind"], m["k"], m["mode"], m["scenario"]
-        honest = self.links[key]
+        pk = key if "rank" not in m else f"{key}-r{m['rank']}"
         try:
             hostile = self._files(desc)
-            tgt = self._pools(key)
+            tgt = self._pools(pk)
             if not tgt.reset():
                 return mt.harness("reset", f"pools {tgt.label} did not come back to their baseline: {tgt.changed()[:5]}")
             c = os.path.join(self.scratch, "c")
@@ -546,10 +697,10 @@ class MigrateExaminer:
                 shutil.rmtree(c)
             os.makedirs(c)
             for j in range(k):
-                mt._write(os.path.join(c, LINKS[j]), honest[j].data)
+                self._put(c, self.link_files[key][j])
             name = LINKS[k]
             if hostile is not None:
-                mt._write(os.path.join(c, name), hostile)
+                self._put(c, hostile)
             if scenario == "marker":
                 os.makedirs(os.path.join(c, name + ".applied", "x"))
             if scenario == "abandon":
@@ -558,7 +709,7 @@ class MigrateExaminer:
                     os.makedirs(p)
                 else:
                     mt._write(p, _marker_bytes(m["marker"]))
-            mig = self._target(tgt)
+            mig = self._target(tgt, m)
             for j in range(k):
                 mig.apply(os.path.join(c, LINKS[j]))
         except Exception as e:  # noqa: BLE001
@@ -612,6 +763,7 @@ class MigrateExaminer:
     def _after_refusal(self, r, desc, tgt, mig, before, free_b, pos_b, applied_b, c) -> dict:
         m = desc["mig"]
         key, k = m["kind"], m["k"]
+        pk = key if "rank" not in m else f"{key}-r{m['rank']}"
         free1 = mt.free_counts(tgt.rtp, tgt.alloc)
         what = f"{r['error']} {r.get('field') or r.get('message', '')[:80]}"
         keep = {x: r[x] for x in ("where", "traceback", "message") if x in r}
@@ -632,18 +784,15 @@ class MigrateExaminer:
         # the correct links still apply, and the request ends as the source's
         try:
             for j in range(k, len(LINKS)):
-                p = os.path.join(c, LINKS[j])
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-                mt._write(p, self.links[key][j].data)
-                mig.apply(p)
+                self._put(c, self.link_files[key][j])
+                mig.apply(os.path.join(c, LINKS[j]))
         except BaseException as e:  # noqa: BLE001
             if mt._control(e):
                 raise
             return mt.fail("not-resumable", "after refusal", f"{what}: then the correct {LINKS[j]}: {type(e).__name__}: {str(e)[:200]}")
         req = mig.request
-        why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, self.honest[key][-1], req.record.output_ids)
-        why = why or accounting(tgt, req.state_position, KINDS[key][1], req.mamba_pool_idx is not None)
+        why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, self.honest[pk][-1], req.record.output_ids)
+        why = why or accounting(tgt, req.state_position, KINDS[key][1] if key in KINDS else 1, req.mamba_pool_idx is not None)
         if why:
             return mt.fail("not-resumable", "after refusal", f"{what}: the correct links applied after it, then {why}")
         return self._release(mig, tgt) or r
@@ -655,15 +804,17 @@ class MigrateExaminer:
             return mt.fail("leaked-slots", "release", f"after release: free {mt.free_counts(tgt.rtp, tgt.alloc)}, baseline {tgt.baseline_free}")
         return None
 
-    def _judge_accepted(self, desc, tgt, mig, got, hostile: bytes, c: str, asked: list) -> dict:
+    def _judge_accepted(self, desc, tgt, mig, got, hostile: dict, c: str, asked: list) -> dict:
         m = desc["mig"]
         key, k, scenario = m["kind"], m["k"], m["scenario"]
         honest = self.links[key]
         if scenario == "accept" and m.get("raise") != "none-once":
             return mt.fail("accepted-but-changed", "oracle", f"accepted although the caller's accept {'was never asked' if not asked else 'refused it'}")
+        if "rank" in m:
+            return self._judge_accepted_tp(desc, tgt, mig, got, hostile, c)
         raw = scenario == "bytes" and not desc["resign"]
         try:
-            link = Link(honest[k].data if raw else hostile, LINKS[k])
+            link = Link(honest[k].data if raw else hostile[LINKS[k]], LINKS[k])
             chain = self._chain_of(link, honest[:k], c) if k == 0 else honest[:k] + [link]
             want, bad = expected(chain)
         except (KeyError, ValueError, TypeError, IndexError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -685,6 +836,43 @@ class MigrateExaminer:
             np.array_equal(v, self.honest[key][k][n]) if isinstance(v, np.ndarray) else v == self.honest[key][k].get(n) for n, v in want.items())
         cls = "accepted-unchanged" if same else "accepted-valid"
         return self._release(mig, tgt) or {"cls": cls, "stage": "oracle"}
+
+    def _judge_accepted_tp(self, desc, tgt, mig, got, hostile: dict, c: str) -> dict:
+        """Across TP sizes, the differential oracle: after an accepted link k the request holds what
+        the plain set at that position restored re-sharded holds, byte for byte (a re-signed link
+        whose rank file's own state bytes differ from the honest one's cannot be judged by it:
+        counted accepted-valid); and what its record says."""
+        m = desc["mig"]
+        key, k = m["kind"], m["k"]
+        pk = f"{key}-r{m['rank']}"
+        try:
+            link = Link(hostile[f"{LINKS[k]}/rank-0.hsnap"], LINKS[k])
+        except (KeyError, ValueError, TypeError, IndexError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a link this oracle cannot read: {type(e).__name__}: {e}")
+        j = next((x for x, h in enumerate(self.links[key]) if h.position == link.position), None)
+        if j is None:
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a link at position {link.position}: no link of the source's is there")
+        below = self.links[key][k - 1] if k else None  # the link applied last (rank 0's file of its set)
+        if below is not None and (not isinstance(link.base, dict) or link.base.get("root_digest") != below.root
+                                  or link.base.get("state_position") != below.position):
+            return mt.fail("accepted-but-changed", "oracle", f"accepted a link whose base is not the applied {below.name}")
+        want, req = self.honest[pk][j], mig.request
+        if req.state_position != want["__position"] or got.state_position != want["__position"]:
+            return mt.fail("accepted-but-changed", "oracle", f"position {req.state_position} (returned {got.state_position}), the link's {want['__position']}")
+        raw = desc["resign"] is False and m["scenario"] == "bytes"
+        honest_state = {n: e["raw"] for n, e in self.links[key][j].secs.items() if e["kind"] not in ("prompt_ids", "output_ids", "output_logprobs")}
+        state = {n: e["raw"] for n, e in link.secs.items() if e["kind"] not in ("prompt_ids", "output_ids", "output_logprobs")}
+        why = judge_rows(tgt, int(req.req_pool_idx), req.state_position, req.mamba_pool_idx, dict(want, __output_ids=link.ids("output_ids")),
+                         req.record.output_ids)
+        if why and (raw or state == honest_state):
+            return mt.fail("accepted-but-changed", "oracle", why)
+        why = accounting(tgt, req.state_position, 1, req.mamba_pool_idx is not None)
+        if why:
+            return mt.fail("accepted-but-changed", "oracle", why)
+        if raw and not np.array_equal(link.ids("output_ids"), want["__output_ids"]):
+            return mt.fail("accepted-but-changed", "oracle", "a raw mutant accepted with other output ids than the source's")
+        same = state == honest_state and np.array_equal(link.ids("output_ids"), want["__output_ids"]) and link.req.get("rid") == want["__rid"]
+        return self._release(mig, tgt) or {"cls": "accepted-unchanged" if same else "accepted-valid", "stage": "oracle"}
 
     def _chain_of(self, head: Link, below: list, c: str) -> list[Link]:
         """The first link accepted: a plain one, or a chain found by base names in the container."""
@@ -979,5 +1167,7 @@ def mutant_files(seeds, desc: dict) -> dict[str, bytes]:
         return chain_files(desc, seeds.inputs, seeds.groups)
     ex = MigrateExaminer.__new__(MigrateExaminer)
     ex.seeds = seeds
-    data = MigrateExaminer._files(ex, desc)
-    return {} if data is None else {LINKS[desc["mig"]["k"]]: data}
+    ex.link_files = {key: [{n: seeds.inputs[f"{key}/{n}"]} for n in LINKS] for key in seeds.meta["kinds"]}
+    for key in seeds.meta.get("tpmig", {}):
+        ex.link_files[key] = [{f"{n}/{mem}": seeds.inputs[f"{key}/{n}/{mem}"] for mem in SET_MEMBERS} for n in LINKS]
+    return MigrateExaminer._files(ex, desc) or {}

@@ -633,6 +633,12 @@ def test_migrate_hostile_links_are_refused_and_the_migration_goes_on(migrate_see
             want = "waits (step: None)" if (scenario, mode) == ("missing", "step") else "MigrationError" if (scenario, mode) == ("missing", "follow") else error
             assert (r["cls"], r["error"]) == ("typed", want), (target, k, scenario, mode, r)
     assert ex.examine(_mig(seeds, "hl/final.hsnap", 3, "accept", "step", **{"raise": "none-once"}))["cls"] == "accepted-unchanged"
+    for rank in (0, 1):  # across TP sizes: a set delta re-signed to name another base digest, its manifest re-bound
+        tp = _mig(seeds, "tp12/link-0002.hsnap/rank-0.hsnap", 2, "bytes")
+        tp.update(resign=True, ops=[{"op": "j.set", "path": ["base", "root_digest"], "value": "0" * 32}])
+        tp["mig"].update(kind="tp12", rank=rank)
+        r = ex.examine(tp)
+        assert (r["cls"], r["error"]) == ("typed", "DigestMismatchError"), r
     for mode in ("step", "follow"):  # a round whose .applied marker cannot be put is still applied, and says so
         assert ex.examine(_mig(seeds, "hl/link-0001.hsnap", 1, "marker", mode))["cls"] == "accepted-unchanged"
 
@@ -640,7 +646,8 @@ def test_migrate_hostile_links_are_refused_and_the_migration_goes_on(migrate_see
 def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypatch):
     """The oracle is not the library's: a target that skips the output-id check accepts the
     diverging final (accepted-but-changed); one that uploads a wrong byte is caught; one that
-    leaks a row on refusal, or cannot take the correct link after one, is caught."""
+    leaks a row on refusal, or cannot take the correct link after one, is caught — at one TP
+    size and across TP sizes (a TP-1 source's set links followed by a TP-2 target rank)."""
     import torch
 
     import hsnap_io.migrate as mig
@@ -655,8 +662,8 @@ def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypa
     monkeypatch.undo()
 
     class Corrupts(mig.MigrationTarget):
-        def _upload_delta(self, *a, **kw):
-            out = super()._upload_delta(*a, **kw)
+        def apply(self, *a, **kw):
+            out = super().apply(*a, **kw)
             b = next(b for b in self.view.bindings if b.kind == "attn_k")
             b.buffer[int(self.request.token_indices[-1])].view(torch.uint8).reshape(-1)[0] ^= 1
             return out
@@ -679,8 +686,14 @@ def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypa
                 raise
 
     honest = _mig(seeds, "hl/final.hsnap", 3, "accept", **{"raise": "none-once"})  # the correct final, accepted by the caller
+    tp = _mig(seeds, "tp12/final.hsnap", 3, "accept", **{"raise": "none-once"})  # across TP sizes: rank 1 of a TP-2 target
+    tp["mig"]["kind"], tp["mig"]["rank"] = "tp12", 1
+    tp_swap = _mig(seeds, "tp12/link-0001.hsnap", 2)  # link-0001 again as the third link
+    tp_swap["mig"]["kind"], tp_swap["mig"]["rank"] = "tp12", 0
+    assert ex.examine(tp)["cls"] == "accepted-unchanged" and ex.examine(tp_swap)["cls"] == "typed"
     for cls, desc, want in ((Corrupts, honest, "accepted-but-changed"), (Leaks, _mig(seeds, "hl/link-0001.hsnap", 2), "leaked-slots"),
-                            (Stuck, _mig(seeds, "hl/link-0001.hsnap", 2), "not-resumable")):
+                            (Stuck, _mig(seeds, "hl/link-0001.hsnap", 2), "not-resumable"), (Corrupts, tp, "accepted-but-changed"),
+                            (Leaks, tp_swap, "leaked-slots"), (Stuck, tp_swap, "not-resumable")):
         ex.target_cls = cls
         r = ex.examine(desc)
         assert r["cls"] == want, (cls.__name__, r)
