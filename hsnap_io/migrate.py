@@ -74,6 +74,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -487,7 +488,9 @@ class MigrationTarget:
     def step(self, container, *, accept=None) -> AppliedLink | None:
         """One look at ``container``, never waiting: apply the next link if it is committed
         (putting ``<link>.applied`` beside a round once applied: the source's cue to stop);
-        None if it is not there yet. A source that gave up (:meth:`MigrationSource.abandon`)
+        None if it is not there yet. A link applied is returned even when its marker cannot be
+        put (a ``RuntimeWarning`` says so; the source then pre-copies on until it stops): the
+        pools hold it, so it is never reported as refused. A source that gave up (:meth:`MigrationSource.abandon`)
         is a :class:`MigrationError` (what was applied stays: :meth:`release` gives it back)."""
         c = os.fspath(container).rstrip("/")
         store = store_for(c, self.storage_options)
@@ -508,6 +511,9 @@ class MigrationTarget:
                 store.put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
             except SnapshotExistsError:  # another rank of a TP target put it first: the cue stands
                 pass
+            except HsnapError as e:  # the link is in the pools: never report it as refused; the marker is only the source's cue
+                warnings.warn(f"{path}{APPLIED_SUFFIX}: not put ({e}); the link is applied, the source will not see it and "
+                              "pre-copies on until it stops", RuntimeWarning, stacklevel=2)
         return applied
 
     def follow(self, container, *, timeout_s: float = 60.0, poll_s: float = 0.001, accept=None) -> Iterator[AppliedLink]:

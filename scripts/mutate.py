@@ -57,8 +57,9 @@ failure stays the same) and saved, with the bytes, under ``--findings`` (default
 /tmp/mutate-findings/seed<S>/); ``--replay DIR/case.json`` reruns one with its
 traceback. No pickle: workers get indices or JSON and answer JSON lines.
 
-Other targets (issue 18), ``--target reshard,resume,retract,gc,gc-url`` (or ``new``, or
-``all`` with ``format``; tests/mutate_targets.py holds their seeds, operators and oracles):
+Other targets (issues 18, 20), ``--target reshard,resume,retract,gc,gc-url,migrate,chain`` (or
+``new``, or ``all`` with ``format``; tests/mutate_targets.py and, for migrate and chain,
+tests/mutate_migrate.py hold their seeds, operators and oracles):
 
     .venv/bin/python scripts/mutate.py --target new --mutants 5000 --url-mutants 1000 --jobs 2
 
@@ -78,14 +79,29 @@ Other targets (issue 18), ``--target reshard,resume,retract,gc,gc-url`` (or ``ne
             (or by pid), ``hsnap gc --remove`` every ``--cli-every``-th
   gc-url    the same on a SeaweedFS this script starts, ``s3://`` prefixes and siblings,
             multipart uploads in progress (``--url-mutants`` of them)
+  migrate   a live migration written by MigrationSource over SGLang's pools (and one across TP
+            sizes: set links of a TP-1 source followed by each rank of a TP-2 target); a MigrationTarget
+            applies k correct links, then meets a hostile link k through apply / step / follow
+            (bytes of its header, record, sections, digests mutated; another request's, model's,
+            geometry's or migration's link; the same link twice, one skipped, the plain one again;
+            a final whose output ids do not extend; truncated, missing; abandoned.json; the
+            caller's accept refusing): typed with pools and free lists byte-identical and the
+            correct links still applying to the source's request, or accepted with exactly what
+            the accepted link says
+  chain     restore_request of a chain's head (a migration's links, a checkpoint directory's
+            newest link by newest_links, a TP-2 chain of set directories) with a link anywhere
+            below it mutated (re-signed: the links above re-based on it), removed, swapped or a
+            stray newer checkpoint added
 
 Target pools are filled with a sentinel byte in every free row and reused (put back from
 the harness's own copy after each mutant). Classes (FAILURE unless typed or accepted):
-typed (and the pools byte-identical), accepted (every check held), untyped, hang,
-leaked-slots, pool-changed, req-changed, accepted-uncovered, accepted-ranks-disagree,
-uninitialised-uploaded, accepted-unwritten, accepted-wrong-bytes, accepted-wrote-elsewhere,
-accepted-slot-accounting, accepted-invalid-req, committed-removed, cli-failed, harness-error
-(tests/mutate_targets.py says what each means). Counts per target and overall; findings
+typed (and the pools byte-identical), accepted (every check held; migrate and chain say
+accepted-unchanged or accepted-valid), untyped, hang, leaked-slots, pool-changed,
+req-changed, accepted-uncovered, accepted-ranks-disagree, uninitialised-uploaded,
+accepted-unwritten, accepted-wrong-bytes, accepted-wrote-elsewhere, accepted-slot-accounting,
+accepted-invalid-req, committed-removed, cli-failed, accepted-but-changed, not-resumable,
+harness-error (tests/mutate_targets.py and tests/mutate_migrate.py say what each means).
+Counts per target and overall; findings
 minimized under ``--findings``/seed<S>/<target>/, replayed with ``--replay``.
 """
 
@@ -1822,7 +1838,8 @@ class TargetTally(Tally):
     def totals_line(self) -> str:
         t = self.total
         fails = ", ".join(f"{c} {t[c]}" for c in targets.FAIL_CLASSES if t[c])
-        return f"{self.target}: mutants {self.n}  typed {t['typed']}  accepted {t['accepted']}  failures {self.failed}" + (f" ({fails})" if fails else "")
+        acc = "  ".join(f"{c} {t[c]}" for c in targets.OK_CLASSES[1:] if t[c]) or "accepted 0"
+        return f"{self.target}: mutants {self.n}  typed {t['typed']}  {acc}  failures {self.failed}" + (f" ({fails})" if fails else "")
 
     def to_dict(self) -> dict:
         return {
@@ -1954,6 +1971,8 @@ def _replay_target(case: dict, timeout: float) -> int:
             if t == "gc-url":
                 server, store = targets.start_store(os.path.join(d, "weed"))
             ex = targets.examiner(seeds, os.path.join(d, "x"), cli_every=0, store=store)
+            if hasattr(ex, "warm"):  # SGLang's imports and the pools: outside the mutant's time limit, as in a run
+                ex.warm()
             r = examine_target_in_process(case["desc"], ex, timeout)
         finally:
             if server is not None:
@@ -2086,7 +2105,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--target", default="format",
                     help="what to mutate, comma-separated: format (the golden vectors through the readers), reshard, resume, "
-                         "retract, gc, gc-url (tests/mutate_targets.py); all; new (all but format)")
+                         "retract, gc, gc-url, migrate, chain (tests/mutate_targets.py); all; new (all but format)")
     ap.add_argument("--url-mutants", type=int, help="mutants of gc-url (each a few dozen requests to SeaweedFS; default --mutants)")
     ap.add_argument("--seeds", help="a folder of seeds to reuse (default: built for the run)")
     ap.add_argument("--gc-strict", action="store_true",

@@ -84,16 +84,19 @@ import craft  # noqa: E402
 import hsnap_format as _hf  # noqa: E402
 from hsnap_format.errors import HsnapError  # noqa: E402
 
-TARGETS = ("reshard", "resume", "retract", "gc", "gc-url")
-OK_CLASSES = ("typed", "accepted")
+TARGETS = ("reshard", "resume", "retract", "gc", "gc-url", "migrate", "chain")
+# accepted-unchanged / accepted-valid / accepted-but-changed / not-resumable: the migrate and
+# chain targets (tests/mutate_migrate.py says what each means)
+OK_CLASSES = ("typed", "accepted", "accepted-unchanged", "accepted-valid")
 FAIL_CLASSES = (
     "untyped", "hang", "leaked-slots", "pool-changed", "req-changed", "accepted-uncovered", "accepted-ranks-disagree",
     "uninitialised-uploaded", "accepted-unwritten", "accepted-wrong-bytes", "accepted-wrote-elsewhere",
-    "accepted-slot-accounting", "accepted-invalid-req", "committed-removed", "cli-failed", "harness-error",
+    "accepted-slot-accounting", "accepted-invalid-req", "committed-removed", "cli-failed", "accepted-but-changed",
+    "not-resumable", "harness-error",
 )
 CLASSES = OK_CLASSES + FAIL_CLASSES
 # worker RLIMIT_AS per target: SGLang and torch map ~1.1 GiB before any mutant
-MEM_GIB = {"reshard": 6.0, "resume": 6.0, "retract": 6.0, "gc": 2.0, "gc-url": 2.0}
+MEM_GIB = {"reshard": 6.0, "resume": 6.0, "retract": 6.0, "gc": 2.0, "gc-url": 2.0, "migrate": 6.0, "chain": 6.0}
 
 SENTINEL = 0xA5  # every free state row holds it before a restore
 # the library as imported (a tree of an older commit on PYTHONPATH is judged as the library
@@ -2338,7 +2341,16 @@ SEED_BUILDERS = {
     "retract": lambda out, small: build_req_seeds(out, retract=True, small=small),
     "gc": build_gc_seeds,
     "gc-url": build_gc_seeds,
+    "migrate": lambda out, small: _mm().build_seeds(out, small),
+    "chain": lambda out, small: _mm().build_seeds(out, small),
 }
+
+
+def _mm():
+    """tests/mutate_migrate.py: the migrate and chain targets (imported when used)."""
+    import mutate_migrate
+
+    return mutate_migrate
 
 
 def build_seeds(target: str, out: str, *, small: bool = False) -> str:
@@ -2350,7 +2362,7 @@ def build_seeds(target: str, out: str, *, small: bool = False) -> str:
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    if target in ("reshard", "resume", "retract"):
+    if target in ("reshard", "resume", "retract", "migrate", "chain"):
         from hsnap_io._sglang_env import import_sglang
 
         import_sglang()
@@ -2376,6 +2388,8 @@ def load_seeds(target: str, d: str) -> Seeds:
     elif target in ("resume", "retract"):
         for n in sorted(meta["files"]):
             inputs[n] = _read(os.path.join(d, n))
+    elif target in ("migrate", "chain"):
+        inputs, groups = _mm().load_inputs(d, meta)
     return Seeds(target, d, inputs, groups, meta)
 
 
@@ -2385,6 +2399,8 @@ GENERATORS = {
     "retract": lambda s: ReqGen(s.inputs, s.groups, s.meta, "retract"),
     "gc": lambda s: GcGen(s.inputs, s.groups, s.meta, "gc"),
     "gc-url": lambda s: UrlGen(s.inputs, s.groups, s.meta, "gc-url"),
+    "migrate": lambda s: _mm().MigrateGen(s.inputs, s.groups, s.meta),
+    "chain": lambda s: _mm().ChainGen(s.inputs, s.groups, s.meta),
 }
 
 
@@ -2402,6 +2418,10 @@ def examiner(seeds: Seeds, scratch: str, *, cli_every: int = 10, store: dict | N
         return ReshardExaminer(seeds, scratch)
     if t in ("resume", "retract"):
         return ReqExaminer(seeds, scratch, t)
+    if t == "migrate":
+        return _mm().MigrateExaminer(seeds, scratch)
+    if t == "chain":
+        return _mm().ChainExaminer(seeds, scratch)
     if t == "gc":
         return GcExaminer(seeds, scratch, cli_every=cli_every, strict=strict)
     if store is None:
@@ -2413,6 +2433,8 @@ def mutant_files(seeds: Seeds, desc: dict) -> dict[str, bytes]:
     """The files of a file-based mutant (for saving findings)."""
     if seeds.target in ("reshard", "resume", "retract"):
         return build(desc, seeds.inputs, seeds.groups)
+    if seeds.target in ("migrate", "chain"):
+        return _mm().mutant_files(seeds, desc)
     if seeds.target == "gc":
         return {"layout.json": json.dumps(apply_gc_ops(seeds.meta["layouts"][desc["layout"]], desc["ops"]), indent=1).encode()}
     return {"layout.json": json.dumps(apply_url_ops(url_layouts()[desc["layout"]], desc["ops"]), indent=1).encode()}

@@ -390,3 +390,38 @@ def test_item4_target_refusal_stops_the_source_with_the_targets_reason(tmp_path)
     with pytest.raises(MigrationError) as info:
         src.caught_up()
     assert info.value.path.endswith(REFUSED_NAME) and "refused by the target: CapacityError" in str(info.value)
+
+
+def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path, monkeypatch):
+    """Found by ``scripts/mutate.py --target migrate``: step() applied the link into the pools,
+    then failed to put its ``.applied`` marker and raised a typed error — a "refusal" with the
+    link already in the pools, its slots held by a request the caller believes refused. The link
+    is applied: step returns it — silently when the name is taken (a directory here; another
+    rank's marker), with a RuntimeWarning when the store refuses the write (a read-only
+    container: the source then pre-copies on until it stops) — and the migration goes on to the
+    request a plain restore gives."""
+    import errno
+
+    from hsnap_format.storage import LocalStore
+
+    ps, req = cc.source("hybrid_linear")
+    links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
+    _direct(ps, req, tmp_path / "direct.hsnap")
+    os.makedirs(links[0] + APPLIED_SUFFIX + "/x")  # the marker of link-0000 cannot be put: its name is taken
+    t = ic.target("hybrid_linear", 1)
+    tgt = _target(t)
+    assert tgt.step(tmp_path / "a").state_position == cc.POSITIONS[0]
+    put = LocalStore.put_bytes
+
+    def read_only(self, path, data):
+        if path.endswith(APPLIED_SUFFIX):
+            raise hf.HsnapIOError(path, "write", OSError(errno.EROFS, "Read-only file system"))
+        return put(self, path, data)
+
+    monkeypatch.setattr(LocalStore, "put_bytes", read_only)
+    with pytest.warns(RuntimeWarning, match=r"link-0001\.hsnap\.applied: not put"):
+        applied = tgt.step(tmp_path / "a")
+    assert applied.state_position == cc.POSITIONS[1] and tgt.request.state_position == cc.POSITIONS[1]
+    assert [a.path for a in tgt.applied] == links[:2]
+    final = tgt.step(tmp_path / "a")
+    assert final.final and _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")

@@ -554,3 +554,210 @@ def test_pool_copy_puts_back_every_byte_and_notices_a_change(target_seeds, tmp_p
     tgt.rtp.free_slots.append(tgt.rtp.free_slots[0])
     assert tgt.changed()
     assert tgt.reset() and mt.free_counts(tgt.rtp, tgt.alloc) == tgt.baseline_free
+
+
+# ------------------------------------------- live migration and chains (issue 20, tests/mutate_migrate.py)
+#
+# scripts/mutate.py --target migrate|chain: hostile links fed to a MigrationTarget after k correct
+# ones (apply / step / follow) and chains (plain, checkpoint directories, TP-2 sets) restored with a
+# link anywhere mutated, into SGLang's pools with sentinel-filled free rows; the full run is
+# ``scripts/mutate.py --target migrate,chain --mutants 3000 --jobs 2``.
+
+import mutate_migrate as mm  # noqa: E402
+
+MIGRATE_MUTANTS = {"migrate": 60, "chain": 60}
+
+
+@pytest.fixture(scope="module")
+def migrate_seeds(tmp_path_factory):
+    """target -> seeds: the small set (the hybrid kind: a migration, its foreign links, checkpoints,
+    a TP-2 chain), built once for both targets."""
+    import torch
+
+    threads = torch.get_num_threads()
+    d = mt.build_seeds("chain", str(tmp_path_factory.mktemp("mutate-migrate") / "seeds"), small=True)
+    yield lambda target: mt.load_seeds(target, d)
+    torch.set_num_threads(threads)  # the examiners' warm() runs torch on one thread
+
+
+def _examiner(seeds, tmp_path):
+    ex = mt.examiner(seeds, str(tmp_path / "x"))
+    ex.warm()
+    return ex
+
+
+@pytest.mark.parametrize("target", ["migrate", "chain"])
+def test_mutation_run_migrate_and_chain_have_no_failures(target, migrate_seeds, tmp_path):
+    """Raw and re-signed mutants: refused typed with the pools and free lists byte-identical
+    (migrate: then the correct links apply and the request ends byte-equal to the source's,
+    and release gives every slot back), or accepted holding exactly what the accepted file says."""
+    n = MIGRATE_MUTANTS[target]
+    tally = mutate.run_target(target, n, SEED, seeds_dir=migrate_seeds(target).dir, jobs=0, timeout=30, scratch=str(tmp_path))
+    assert tally.n == n
+    assert tally.failed == 0, tally.totals_line() + "\n" + _target_failures(tally)
+    assert tally.by_variant["raw"]["typed"] > 0 and tally.by_variant["re-signed"]["typed"] > 0
+    assert tally.total["accepted-unchanged"] + tally.total["accepted-valid"] > 0
+
+
+def _mig(seeds, target, k, scenario="swap", mode="apply", **extra):
+    return {"i": 0, "seed": 0, "family": "migrate", "target": target, "operator": scenario, "operators": [scenario], "resign": False,
+            "ops": [], "mig": dict({"kind": "hl", "k": k, "mode": mode, "scenario": scenario}, **extra)}
+
+
+def test_migrate_hostile_links_are_refused_and_the_migration_goes_on(migrate_seeds, tmp_path):
+    """Each hostile next link the issue names, through apply, step and follow: typed, pools and
+    free lists as before, and the correct links still apply to a request byte-equal to the source's."""
+    seeds = migrate_seeds("migrate")
+    ex = _examiner(seeds, tmp_path)
+    rebased = {"resign": True, "ops": mm._rebase_ops(seeds.inputs["hl/link-0001.hsnap"], "link-0001.hsnap")}
+    cases = [
+        ("hl-fork/final.hsnap", 3, "swap", {}, "ChainError"),  # a final whose output ids do not extend the applied link's
+        ("hl/link-0001.hsnap", 2, "swap", {}, "DigestMismatchError"),  # the same link twice
+        ("hl/final.hsnap", 2, "swap", {}, "DigestMismatchError"),  # a link skipped
+        ("hl/link-0000.hsnap", 1, "swap", {}, "ChainError"),  # the plain link again
+        ("hl-again/link-0002.hsnap", 2, "swap", {}, "DigestMismatchError"),  # another migration of the request
+        ("hl-rid/link-0002.hsnap", 2, "swap", rebased, "ChainError"),  # another request, naming the applied link
+        ("hl-model/link-0002.hsnap", 2, "swap", rebased, "ChainError"),  # another model, naming the applied link
+        ("hl/link-0002.hsnap", 2, "missing", {}, "HsnapIOError"),
+        ("hl/link-0002.hsnap", 2, "abandon", {"marker": "dir", "present": False}, "MigrationError"),
+        ("hl/link-0002.hsnap", 2, "accept", {"raise": "runtime"}, "caller Refusal"),
+        ("hl/link-0000.hsnap", 0, "accept", {"raise": "hsnap"}, "HsnapError"),
+    ]
+    for target, k, scenario, over, error in cases:
+        for mode in ("apply", "step", "follow"):
+            if scenario == "abandon" and mode == "apply":
+                continue
+            desc = _mig(seeds, target, k, scenario, mode, **{x: v for x, v in over.items() if x in ("marker", "present", "raise")})
+            desc.update({x: v for x, v in over.items() if x in ("resign", "ops")})
+            r = ex.examine(desc)
+            want = "waits (step: None)" if (scenario, mode) == ("missing", "step") else "MigrationError" if (scenario, mode) == ("missing", "follow") else error
+            assert (r["cls"], r["error"]) == ("typed", want), (target, k, scenario, mode, r)
+    assert ex.examine(_mig(seeds, "hl/final.hsnap", 3, "accept", "step", **{"raise": "none-once"}))["cls"] == "accepted-unchanged"
+    for rank in (0, 1):  # across TP sizes: a set delta re-signed to name another base digest, its manifest re-bound
+        tp = _mig(seeds, "tp12/link-0002.hsnap/rank-0.hsnap", 2, "bytes")
+        tp.update(resign=True, ops=[{"op": "j.set", "path": ["base", "root_digest"], "value": "0" * 32}])
+        tp["mig"].update(kind="tp12", rank=rank)
+        r = ex.examine(tp)
+        assert (r["cls"], r["error"]) == ("typed", "DigestMismatchError"), r
+    for mode in ("step", "follow"):  # a round whose .applied marker cannot be put is still applied, and says so
+        assert ex.examine(_mig(seeds, "hl/link-0001.hsnap", 1, "marker", mode))["cls"] == "accepted-unchanged"
+
+
+def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypatch):
+    """The oracle is not the library's: a target that skips the output-id check accepts the
+    diverging final (accepted-but-changed); one that uploads a wrong byte is caught; one that
+    leaks a row on refusal, or cannot take the correct link after one, is caught — at one TP
+    size and across TP sizes (a TP-1 source's set links followed by a TP-2 target rank)."""
+    import torch
+
+    import hsnap_io.migrate as mig
+
+    seeds = migrate_seeds("migrate")
+    ex = _examiner(seeds, tmp_path)
+    fork = _mig(seeds, "hl-fork/final.hsnap", 3)
+    assert ex.examine(fork)["cls"] == "typed"
+    monkeypatch.setattr(mig, "np", type("np", (), {"array_equal": staticmethod(lambda a, b: True)}))
+    r = ex.examine(fork)
+    assert r["cls"] == "accepted-but-changed" and "output ids do not extend" in r["reason"], r
+    monkeypatch.undo()
+
+    class Corrupts(mig.MigrationTarget):
+        def apply(self, *a, **kw):
+            out = super().apply(*a, **kw)
+            b = next(b for b in self.view.bindings if b.kind == "attn_k")
+            b.buffer[int(self.request.token_indices[-1])].view(torch.uint8).reshape(-1)[0] ^= 1
+            return out
+
+    class Leaks(mig.MigrationTarget):
+        def _apply_delta(self, *a, **kw):
+            self.view.req_to_token_pool.alloc_rows(1)
+            return super()._apply_delta(*a, **kw)
+
+    class Stuck(mig.MigrationTarget):
+        refused = False
+
+        def _apply_delta(self, p, *a, **kw):
+            if self.refused:
+                raise mig.MigrationError(p, "planted", "the correct link", "refused forever")
+            try:
+                return super()._apply_delta(p, *a, **kw)
+            except hsnap_format.HsnapError:
+                self.refused = True
+                raise
+
+    honest = _mig(seeds, "hl/final.hsnap", 3, "accept", **{"raise": "none-once"})  # the correct final, accepted by the caller
+    tp = _mig(seeds, "tp12/final.hsnap", 3, "accept", **{"raise": "none-once"})  # across TP sizes: rank 1 of a TP-2 target
+    tp["mig"]["kind"], tp["mig"]["rank"] = "tp12", 1
+    tp_swap = _mig(seeds, "tp12/link-0001.hsnap", 2)  # link-0001 again as the third link
+    tp_swap["mig"]["kind"], tp_swap["mig"]["rank"] = "tp12", 0
+    assert ex.examine(tp)["cls"] == "accepted-unchanged" and ex.examine(tp_swap)["cls"] == "typed"
+    for cls, desc, want in ((Corrupts, honest, "accepted-but-changed"), (Leaks, _mig(seeds, "hl/link-0001.hsnap", 2), "leaked-slots"),
+                            (Stuck, _mig(seeds, "hl/link-0001.hsnap", 2), "not-resumable"), (Corrupts, tp, "accepted-but-changed"),
+                            (Leaks, tp_swap, "leaked-slots"), (Stuck, tp_swap, "not-resumable")):
+        ex.target_cls = cls
+        r = ex.examine(desc)
+        assert r["cls"] == want, (cls.__name__, r)
+    ex.target_cls = None
+    assert ex.examine(honest)["cls"] == "accepted-unchanged"  # the pools came back to their baseline
+
+
+def _chain(target, head="final.hsnap", scenario="swap", resign=False, ops=(), **over):
+    ch = dict({"kind": "hl", "group": "hl", "head": head, "ck": False, "scenario": scenario}, **over)
+    return {"i": 0, "seed": 0, "family": "chain", "target": target, "operator": scenario, "operators": [scenario], "resign": resign,
+            "ops": list(ops), "chain": ch}
+
+
+def test_chain_hostile_links_are_refused_pools_identical(migrate_seeds, tmp_path):
+    """A chain restored with a hostile link below its head: another migration's link of the same
+    request (its digest is not the one named), a missing link, a link naming itself (a cycle,
+    re-signed), a link whose output ids do not extend its base's, a stray newest checkpoint
+    truncated, a TP-2 chain's rank file swapped for the other rank's: each typed, pools identical."""
+    seeds = migrate_seeds("chain")
+    ex = _examiner(seeds, tmp_path)
+    own = [{"op": "j.set", "path": ["base", "name"], "value": "link-0001.hsnap"}]
+    tp = {"group": "hl-tp2", "head": "link-3", "tp": True, "rank": 1, "mutated": 2}
+    cases = [
+        (_chain("hl-again/link-0001.hsnap", mutated=1, swap="hl-again/link-0001.hsnap"), "DigestMismatchError"),
+        (_chain("hl/link-0001.hsnap", scenario="missing", remove="link-0001.hsnap"), "ChainError"),
+        (_chain("hl/link-0001.hsnap", scenario="bytes", resign=True, ops=own, mutated=1, head="link-0001.hsnap"), "ChainError"),
+        (_chain("hl-fork/final.hsnap", scenario="stray", group="hl-ck", ck=True, head=mm.CK_NAMES[-1], stray="c.ck000005.hsnap"), "ChainError"),
+        (_chain("hl/link-0000.hsnap", scenario="stray", group="hl-ck", ck=True, head=mm.CK_NAMES[-1], stray="c.ck000005.hsnap",
+                stray_trunc=4096), "TruncatedError"),
+        (_chain("hl-tp2/link-2/rank-0.hsnap", scenario="swap", swap="hl-tp2/link-2/rank-0.hsnap", **tp), "MalformedManifestError"),
+        (_chain("hl-tp2/link-2/rank-0.hsnap", scenario="swap", swap="hl-tp2/link-2/rank-0.hsnap", resign=True, **tp), "MalformedManifestError"),
+    ]
+    for desc, error in cases:
+        r = ex.examine(desc)
+        assert (r["cls"], r["error"]) == ("typed", error), (desc["target"], desc["chain"], r)
+    fork = ex.examine(_chain("hl-fork/final.hsnap", scenario="stray", stray="final.hsnap"))  # the diverging final as the head
+    assert (fork["cls"], fork["error"], fork["field"]) == ("typed", "ChainError", "request.output_ids"), fork
+
+
+def test_chain_oracle_catches_planted_faults(migrate_seeds, tmp_path):
+    """Chain restores: the honest head accepted unchanged; a restore that changes one byte of
+    the request's rows after the upload, or that writes a free slot, is caught."""
+    import torch
+
+    from hsnap_io import restore_request
+
+    seeds = migrate_seeds("chain")
+    ex = _examiner(seeds, tmp_path)
+    desc = {"i": 0, "seed": 0, "family": "chain", "target": "hl/final.hsnap", "operator": "none", "operators": [], "resign": False, "ops": [],
+            "chain": {"kind": "hl", "group": "hl", "head": "final.hsnap", "ck": False, "scenario": "stray", "stray": ".unused.hsnap"}}
+    assert ex.examine(desc)["cls"] == "accepted-unchanged"
+
+    def planted(where):
+        def restore(*a, **kw):
+            res = restore_request(*a, **kw)
+            b = next(b for b in ex.mig._pools("hl").bindings if b.kind == "attn_v")
+            slot = int(res.token_indices[5]) if where == "row" else -1
+            b.buffer[slot].view(torch.uint8).reshape(-1)[0] ^= 1
+            return res
+        return restore
+
+    for where, reason in (("row", "differ from the file's"), ("free", "outside the request's slots")):
+        ex.restore = planted(where)
+        r = ex.examine(desc)
+        assert r["cls"] == "accepted-but-changed" and reason in r["reason"], r
+    ex.restore = None
+    assert ex.examine(desc)["cls"] == "accepted-unchanged"
