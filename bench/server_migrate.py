@@ -49,15 +49,6 @@ CAPACITY = {"--max-total-tokens": "81920", "--max-mamba-cache-size": "16", "--ma
 METHODS = ("live", "stop-and-copy", "recompute")
 
 
-def _last_token_at(s: Stream) -> float:
-    n, at = 0, None
-    for e, t in zip(s.events, s.times):
-        k = len(e.get("output_ids") or [])
-        if k > n:
-            n, at = k, t
-    return at
-
-
 def _decode_step(s: Stream) -> float:
     gaps = [b - a for a, b in zip(s.times[1:], s.times[2:])]
     return statistics.median(gaps) if gaps else float("nan")
@@ -79,7 +70,7 @@ def one(src: str, dst: str, method: str, n: int, tag: str, d: Path) -> dict:
 
     out: dict = {"method": method, "n": n}
     if method == "live":
-        mig = client.move(src, dst, rid, str(d / f"mig-{tag}"), tail=4, timeout_s=300, last_source_event_at=lambda: _last_token_at(x))
+        mig = client.move(src, dst, rid, str(d / f"mig-{tag}"), tail=4, timeout_s=300, last_source_event_at=x.last_token_at)
         x.finish()
         s, t = mig.source, mig.run.info
         out.update(downtime_s=mig.downtime_s, committed=s["committed_positions"], rounds=len(s["rounds"]), precopy_bytes=s["precopy_bytes"],
@@ -94,14 +85,14 @@ def one(src: str, dst: str, method: str, n: int, tag: str, d: Path) -> dict:
         path = d / f"stop-{tag}.hsnap"
         rep = client.pause(src, rid, str(path))
         x.finish()
-        last = _last_token_at(x)
+        last = x.last_token_at()
         run = client.resume(dst, str(path), on_chunk=on_chunk)
         out.update(downtime_s=first[0] - last, committed=rep["committed_positions"], bytes=rep["bytes"],
                    uploaded=run.info["result"]["bytes_uploaded"], tokens=run.output_ids)
     else:
         _post(src, "/abort_request", {"rid": rid}, 60)  # the request stops; the target recomputes what the client has
         x.finish()
-        last = _last_token_at(x)
+        last = x.last_token_at()
         history = ids + list(x.final.get("output_ids") or [])
         y = Stream(dst, payload(rid + "-re", AFTER, ids=history))
         y.start()

@@ -274,6 +274,15 @@ class Stream(threading.Thread):
     def final(self) -> dict:
         return self.events[-1]
 
+    def last_token_at(self) -> float | None:
+        """When the last event that added a token arrived (a finishing event may add none)."""
+        n, at = 0, None
+        for event, t in zip(self.events, self.times):
+            k = len(event.get("output_ids") or [])
+            if k > n:
+                n, at = k, t
+        return at
+
 
 def tokens(event: dict) -> tuple[list[int], list[float]]:
     pairs = event["meta_info"]["output_token_logprobs"]

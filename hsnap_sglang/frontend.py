@@ -106,18 +106,26 @@ class HsnapFrontend:
         """Register the request's state (seeded), ask the scheduler; on refusal take the state back and raise."""
         info = read_resume_info(path)
         rid = info["rid"]
-        tm = self.tm
-        if rid in tm.rid_to_state:
+        if rid in self.tm.rid_to_state:
             raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
+        obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
+                                               text_in_logprobs=text_in_logprobs, request=request)
+        return obj, dict(out.result, client_had=had)
+
+    async def _registered(self, info: dict, msg, *, stream: bool, text_in_logprobs: bool, request):
+        """Register the client's state of ``info``'s request (seeded with what the client already has), then send
+        ``msg`` (the scheduler starts the request); a refusal takes the state back and raises.  Returns the request,
+        the scheduler's answer and what the client had (the first event repeats it: /generate's events carry the
+        text so far)."""
+        tm, rid = self.tm, info["rid"]
         obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
         tm._init_req_state(obj, request)
         state = tm.rid_to_state[rid]
         _seed_state(state, info, _streamed_text(tm.tokenizer, info))
-        # what the client already had: the first event repeats it (/generate's events carry the text so far)
         had = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
                "incremental": bool(stream and tm.incremental_streaming_output)}
         try:
-            out = await self.call(HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path))
+            out = await self.call(msg)
         except BaseException:
             tm.rid_to_state.pop(rid, None)
             raise
@@ -125,7 +133,7 @@ class HsnapFrontend:
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
             raise _AnsweredError(out.error)
-        return obj, dict(out.result, client_had=had)
+        return obj, out, had
 
 
     # ------------------------------------------------------------------ follow (the target of a live migration)
@@ -145,21 +153,8 @@ class HsnapFrontend:
         if rid in tm.rid_to_state:  # a request of that rid arrived here meanwhile: give the migrated one back
             await self.call(HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=False))
             raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
-        obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
-        tm._init_req_state(obj, request)
-        state = tm.rid_to_state[rid]
-        _seed_state(state, info, _streamed_text(tm.tokenizer, info))
-        result["client_had"] = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
-                                "incremental": bool(stream and tm.incremental_streaming_output)}
-        try:
-            adm = await self.call(HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True))
-        except BaseException:
-            tm.rid_to_state.pop(rid, None)
-            raise
-        if not adm.ok:
-            if tm.rid_to_state.get(rid) is state:
-                del tm.rid_to_state[rid]
-            raise _AnsweredError(adm.error)
+        obj, adm, result["client_had"] = await self._registered(info, HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True),
+                                                                stream=stream, text_in_logprobs=text_in_logprobs, request=request)
         result["timings"] = dict(result.get("timings", {}), admitted_at=adm.result.get("admitted_at"))
         return obj, result
 
@@ -281,41 +276,24 @@ def _streamed_text(tokenizer, info: dict) -> str:
 
 def snapshot_entries(path: str) -> list[str]:
     """``path`` itself when it is one snapshot (a rank file, a TP set directory, an ``s3://`` object or set); for a
-    local directory of snapshots (what a drain writes), every ``*.hsnap`` file and set directory in it, by name — of
-    the checkpoint links of a request (``<name>.ckNNNNNN.hsnap``) only its newest committed one (the others are the
-    chain below it)."""
-    from hsnap_format.checkpoints import newest_links, parse_link
-
-    if is_url(path):
-        return _url_entries(path)
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
-        return [path]
-    out = []
-    for name in sorted(os.listdir(path)):
-        full = os.path.join(path, name)
-        if name.startswith(".") or parse_link(name) is not None:
-            continue  # staging directories, temporaries; checkpoint links: below
-        if (os.path.isfile(full) and name.endswith(".hsnap")) or os.path.isfile(os.path.join(full, "manifest.json")):
-            out.append(full)
-    return sorted(out + list(newest_links(path).values()))
-
-
-def _url_entries(url: str) -> list[str]:
-    """:func:`snapshot_entries` of an ``s3://`` URL: the object or set it names, else the prefix taken as a directory
-    (one level): every ``*.hsnap`` object and set in it, of checkpoint links only each request's newest."""
+    directory or ``s3://`` prefix of snapshots (what a drain writes; one level), every ``*.hsnap`` file and set in
+    it, by name — of the checkpoint links of a request (``<name>.ckNNNNNN.hsnap``) only its newest committed one (the
+    others are the chain below it)."""
     from hsnap_format.checkpoints import newest_links, parse_link
     from hsnap_format.storage import store_for
 
-    store = store_for(url)
-    u = url.rstrip("/")
-    if store.exists(u) or store.exists(store.join(u, "manifest.json")):
-        return [url]
-    files = [e.path for e in store.list(u)]
-    if not files and not store.subdirs(u):
-        return [url]  # nothing there: resumed as named, refused by name
-    out = [f for f in files if f.endswith(".hsnap") and parse_link(store.split(f)[1]) is None and not store.split(f)[1].startswith(".")]
-    out += [d for d in store.subdirs(u) if store.exists(store.join(d, "manifest.json"))]
-    return sorted(out + list(newest_links(u).values()))
+    store = store_for(path)
+    p = path if store.local else path.rstrip("/")
+    if store.local:
+        one = not os.path.isdir(p) or os.path.exists(os.path.join(p, "manifest.json"))
+    else:  # an object, a set, or nothing at all there (resumed as named: refused by name)
+        one = store.exists(p) or store.exists(store.join(p, "manifest.json")) or not (store.list(p) or store.subdirs(p))
+    if one:
+        return [path]
+    hidden = lambda f: store.split(f)[1].startswith(".")  # noqa: E731 - staging directories, temporaries
+    out = [f for f in (e.path for e in store.list(p)) if f.endswith(".hsnap") and parse_link(store.split(f)[1]) is None and not hidden(f)]
+    out += [d for d in store.subdirs(p) if not hidden(d) and store.exists(store.join(d, "manifest.json"))]
+    return sorted(out + list(newest_links(p).values()))
 
 
 # ----------------------------------------------------------------------------- routes
@@ -437,6 +415,8 @@ def router():
         tm = fe.tm
         try:
             entries = snapshot_entries(_local(path))
+        except HsnapError as e:  # a listing the store refused (typed, named)
+            return _error_response(error_dict(e))
         except OSError as e:
             return _error_response(error_dict(HsnapError(path, "path", Phrase("a readable snapshot or directory"), Phrase(str(e)))))
         if not entries:

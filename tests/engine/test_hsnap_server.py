@@ -162,16 +162,6 @@ def test_item8_radix_exported_request_resumes_exactly(radix):
 # ----------------------------------------------------------------------------- issue 20 item 4: live migration (O -> S3)
 
 
-def _last_token_at(stream) -> float:
-    """When the stream's last event that added a token arrived (the finishing event adds none)."""
-    n, at = 0, None
-    for event, t in zip(stream.events, stream.times):
-        k = len(event.get("output_ids") or [])
-        if k > n:
-            n, at = k, t
-    return at
-
-
 @pytest.fixture(scope="module")
 def migrated(servers, work, store):
     """mg is live-migrated from O (overlap scheduler) to S3 (radix cache) while mg-other decodes beside it in O; then
@@ -187,7 +177,7 @@ def migrated(servers, work, store):
         m.wait_tokens(6)
         dst_before = stats(dst)["pools"]
         out["mig"] = client.move(src, dst, "mg", str(work / "mig"), tail=MG_TAIL, max_rounds=MG_ROUNDS, timeout_s=120,
-                                 last_source_event_at=lambda: _last_token_at(m))
+                                 last_source_event_at=m.last_token_at)
         out["m"], out["other"] = m.finish(), other.finish()
         out["forwards"] = stats(dst, "mg")["forwards"]
         out["dst_idle"], out["src_idle"] = wait_idle(dst), wait_idle(src)
