@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hsnap-bench-checkpoint-") as tmp:
         d = Path(tmp)
         model = build_model_dir(args.model_dir or d / "model", arch="qwen3_next")
-        srv = DemoServer("bench", model, d / "server.log", server_args(CAPACITY), server_env())
+        srv = DemoServer("bench", model, d / "server.log", server_args(CAPACITY), server_env(root=d))
         try:
             srv.start(420.0)
             log(f"server ready after {srv.ready_s:.1f} s")

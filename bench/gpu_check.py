@@ -323,7 +323,7 @@ SERVER_PLATFORMS = {
 
 def two_server_plan(d: str, extra: list[str]) -> list[str]:
     """The two server command lines of step 6 (printed without a GPU: what a GPU run will start)."""
-    return [" ".join(["HSNAP_SGLANG_PLUGIN=1", "python", *GPU_LAUNCHER, "--model-path", os.path.join(d, "servers", "model"),
+    return [" ".join(["HSNAP_SGLANG_PLUGIN=1", f"HSNAP_ROOT={os.path.join(d, 'servers')}", "python", *GPU_LAUNCHER, "--model-path", os.path.join(d, "servers", "model"),
                       "--port", "PORT", *gpu_server_args(cap, extra)]) for cap in (GPU_SOURCE, GPU_TARGET)]
 
 
@@ -348,6 +348,7 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     t0 = time.perf_counter()
     model = build_model_dir(work / "model")
     env, launcher, server_args = where["env"], where["launcher"], where["args"]
+    env = dict(env, HSNAP_ROOT=str(work.resolve()))  # every path the step names lies in its work directory
     path = str(work / "x.hsnap")
     n, k = SERVER_N, SERVER_K
     src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, extra), env, launcher=launcher)

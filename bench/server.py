@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="hsnap-bench-server-") as tmp:
         d = Path(tmp)
         model = build_model_dir(args.model_dir or d / "model", arch=args.arch)
-        srv = DemoServer("bench", model, d / "server.log", server_args(CAPACITY), server_env())
+        srv = DemoServer("bench", model, d / "server.log", server_args(CAPACITY), server_env(root=d))
         try:
             srv.start(420.0)
             log(f"server ready after {srv.ready_s:.1f} s")

@@ -173,8 +173,8 @@ def main(argv=None) -> int:
         d = Path(tmp)
         model = build_model_dir(d / "model")
         sargs = [a if a != "128" else "1024" for a in server_args(CAPACITY)]  # 1,024-token prefill chunks
-        src = DemoServer("source", model, d / "source.log", sargs, server_env())
-        dst = DemoServer("target", model, d / "target.log", sargs, server_env())
+        src = DemoServer("source", model, d / "source.log", sargs, server_env(root=d))
+        dst = DemoServer("target", model, d / "target.log", sargs, server_env(root=d))
         try:
             import threading
 

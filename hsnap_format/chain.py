@@ -16,11 +16,12 @@ object-store prefix alike.
 the one above before anything else happens (spec 7.5): the digest it is named by, its
 position, snapshot id and depth, and that it is the same request of the same model on
 the same rank — typed refusals, never a loop (a visited set and a stated depth limit).
-:meth:`Chain.verify` then reads and hashes every byte of every link and checks that
-each base's output is a prefix of its delta's. :meth:`Chain.pieces` says which rows of
-which link make up each section of the head's position — what a restore uploads and
-what :func:`compact` writes: one plain snapshot byte-identical to a direct export at
-the head's position.
+:meth:`Chain.prove` then makes the one proof of the chain that a restore, ``hsnap verify``
+and :func:`compact` all make: every link's bytes, each base's output a prefix of its
+delta's, every page key and every page reference on its own. :meth:`Chain.pieces` says
+which rows of which link make up each section of the head's position — what a restore
+uploads and what :func:`compact` writes: one plain snapshot byte-identical to a direct
+export at the head's position, proved again before it is published.
 
 Pure: numpy and xxhash through the reader and writer; no torch, no SGLang.
 """
@@ -34,7 +35,7 @@ from typing import Iterator
 import numpy as np
 import xxhash
 
-from .errors import ChainError, DigestMismatchError, HsnapError, HsnapIOError, Phrase
+from .errors import ChainError, DigestMismatchError, HsnapError, HsnapIOError, MalformedManifestError, Phrase
 from .layout import PAGED_KINDS, ROW_KINDS, first_position, inline_runs
 from .manifest import SnapshotSet
 from .reader import SectionInfo, Snapshot
@@ -144,9 +145,9 @@ def check_ref(ref: BaseRef, base: Snapshot, where) -> None:
             raise ChainError(where, field, shown, found, detail=f"the base {base.path}")
 
 
-def check_output_prefix(base: Snapshot, delta: Snapshot) -> None:
-    """The base's output ids are the first of its delta's (both read and hashed)."""
-    b, d = base.read("request.output_ids"), delta.read("request.output_ids")
+def check_output_prefix(base: Snapshot, delta: Snapshot, *, verify: bool = True) -> None:
+    """The base's output ids are the first of its delta's (both read; hashed with ``verify``)."""
+    b, d = base.read("request.output_ids", verify=verify), delta.read("request.output_ids", verify=verify)
     n = len(b)
     if len(d) < n or not np.array_equal(d[:n], b):
         at = next((i for i in range(min(n, len(d))) if b[i] != d[i]), min(n, len(d)))
@@ -256,33 +257,10 @@ class Chain:
         """Token id of every position of ``link``'s request (its record, read and hashed)."""
         return np.concatenate([link.read("request.prompt_ids", verify=verify), link.read("request.output_ids", verify=verify)])
 
-    def iter_pages(self, *, verify: bool = True, keys_fn=None, hashed: bool = True):
-        """Open, check and yield every page the chain references, one at a time (closed after
-        the consumer's step; spec 7.6): first each link's keys against SGLang's page hash
-        chain over its own token ids (R-7.6-1), then each page object found against its
-        reference (R-7.6-2) — a missing page is :class:`PageError` — and, with ``verify``,
-        every byte of it (R-7.6-3). Yields ``(ref, page)``."""
-        from .pages import check_keys, open_checked
-
-        for i, link in enumerate(self.links):
-            if link.pages is None:
-                continue
-            tokens = self.request_tokens(link, verify=hashed)
-            check_keys(link, tokens, keys_fn)
-            for ref in self.page_refs(i):
-                page = open_checked(ref, self.store, tokens)
-                try:
-                    if verify:
-                        page.verify()
-                    yield ref, page
-                finally:
-                    page.close()
-
     def check_pages(self, *, verify: bool = True, keys_fn=None, hashed: bool = True) -> None:
-        """:meth:`iter_pages` to the end: every reference holds (and, with ``verify``, every
-        page verifies) — before a restore allocates anything."""
-        for _ in self.iter_pages(verify=verify, keys_fn=keys_fn, hashed=hashed):
-            pass
+        """The pages part of :meth:`prove` (R-7.6-1 to 3), raising the first failure."""
+        for e in self._page_proof(sections=verify, hashed=hashed, keys_fn=keys_fn):
+            raise e
 
     def _segments(self, link: Snapshot, info: SectionInfo, refs_by_link: dict) -> list[tuple]:
         """The runs of positions ``link`` contributes to section ``info``'s rows, in order:
@@ -343,64 +321,101 @@ class Chain:
             raise ChainError(head.path, f"sections[{name!r}]", Phrase(f"rows up to position {head.state_position}"), Phrase(f"rows up to {cursor}"))
         return out
 
-    # -- checks that read bytes
-    def check_records(self) -> None:
-        """Each base's output ids are a prefix of its delta's (R-7.5-2; read and hashed)."""
-        for base, delta in zip(self.links, self.links[1:]):
-            check_output_prefix(base, delta)
+    # -- the proof (spec 7.5, 7.6): what restore, verify and compact all make of a chain
+    def proof_failures(self, *, sections: bool = True, page_sections: bool | None = None, hashed: bool = True, padding: bool = True,
+                       first: bool = False, keys_fn=None) -> list[HsnapError]:
+        """The one proof of an opened chain — restore, ``hsnap verify`` and compaction all make
+        it, after the link checks of opening it (:func:`chain_below`, R-7.5-1) — as a list of
+        failures, in this order:
 
-    def verify_failures(self, *, first: bool = False) -> list[HsnapError]:
-        """Every link's verify failures (spec 7.2), head first then down the chain, then the
-        record prefixes (R-7.5-2)."""
+        1. the links, head first then down: with ``sections`` each verified (7.2: padding,
+           then every section's digest); else, with ``padding``, each link's padding;
+        2. the records: each base's output ids the first of its delta's (R-7.5-2), read and,
+           with ``hashed``, hashed;
+        3. the pages of each link that has some: its keys the page hash chain over its own
+           token ids (R-7.6-1), then *every reference* checked against the page object it
+           names — root digest, namespace, index, key and tokens (R-7.6-2) — and, with
+           ``page_sections`` (default: ``sections``), that page verified (R-7.6-3).
+
+        ``sections=False`` is for a caller that hashes every byte it reads afterwards (a
+        restore that verifies while uploading). ``first``: stop at the first failure."""
         failures: list[HsnapError] = []
         for link in reversed(self.links):
-            failures += link.verify_failures(first=first)
+            if sections:
+                failures += link.verify_failures(first=first)
+            elif padding:
+                try:
+                    link.check_padding()
+                except HsnapError as e:
+                    failures.append(e)
             if first and failures:
                 return failures[:1]
         try:
-            self.check_records()
+            self.check_records(hashed=hashed)
         except HsnapError as e:
             failures.append(e)
-        if first and failures:
-            return failures[:1]
-        failures += self.page_failures(first=first)
-        return failures[:1] if first else failures
+            if first:
+                return failures
+        for e in self._page_proof(sections=sections if page_sections is None else page_sections, hashed=hashed, keys_fn=keys_fn, first=first):
+            failures.append(e)
+            if first:
+                break
+        return failures
 
-    def page_failures(self, *, first: bool = False) -> list[HsnapError]:
-        """Every referenced page checked and verified (R-7.6-3), in position order: the
-        reference failures and each page's verify failures (spec 7.2)."""
+    def prove(self, **kw) -> None:
+        """:meth:`proof_failures`, raising the first (what a restore or a compaction refuses
+        with, before it allocates or writes anything)."""
+        failures = self.proof_failures(first=True, **kw)
+        if failures:
+            raise failures[0]
+
+    def check_records(self, *, hashed: bool = True) -> None:
+        """Each base's output ids are a prefix of its delta's (R-7.5-2)."""
+        for base, delta in zip(self.links, self.links[1:]):
+            check_output_prefix(base, delta, verify=hashed)
+
+    def _page_proof(self, *, sections: bool, hashed: bool, keys_fn=None, first: bool = False) -> Iterator[HsnapError]:
+        """The failures of R-7.6-1 to 3, in position order (a link whose keys fail has its
+        references skipped: they name pages of other tokens)."""
         if not self.paged:
-            return []
+            return
         from .pages import check_keys, open_checked
 
-        failures: list[HsnapError] = []
         for i, link in enumerate(self.links):
             if link.pages is None:
                 continue
             try:
-                tokens = self.request_tokens(link)
-                check_keys(link, tokens)
+                tokens = self.request_tokens(link, verify=hashed)
+                check_keys(link, tokens, keys_fn)
+                refs = self.page_refs(i)
             except HsnapError as e:
-                failures.append(e)
-                if first:
-                    return failures
+                yield e
                 continue
-            for ref in self.page_refs(i):
+            for ref in refs:  # each reference on its own: two may name one object
                 try:
                     page = open_checked(ref, self.store, tokens)
                 except HsnapError as e:
-                    failures.append(e)
-                else:
-                    with page:
-                        failures += page.verify_failures(first=first)
-                if first and failures:
-                    return failures[:1]
-        return failures
+                    yield e
+                    continue
+                with page:
+                    failures = page.verify_failures(first=first) if sections else []
+                yield from failures
+
+    def verify_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """Every failure of the whole proof (:meth:`proof_failures`, every byte read)."""
+        return self.proof_failures(first=first)
+
+    def page_failures(self, *, first: bool = False) -> list[HsnapError]:
+        """The pages part of the whole proof (R-7.6-1 to 3)."""
+        out = []
+        for e in self._page_proof(sections=True, hashed=True, first=first):
+            out.append(e)
+            if first:
+                break
+        return out
 
     def verify(self) -> None:
-        failures = self.verify_failures(first=True)
-        if failures:
-            raise failures[0]
+        self.prove()
 
     def check_padding(self) -> None:
         for link in reversed(self.links):
@@ -457,6 +472,8 @@ def chain_below(head: Snapshot, *, location: str, rank: int | None = None, store
             except HsnapError as e:
                 if _missing(e):
                     raise ChainError(snap.path, "base.name", Phrase(f"the base {base_loc}"), Phrase("missing")) from None
+                if rank is None and isinstance(e, MalformedManifestError):  # 7.5 step 4: a directory where a rank file goes
+                    raise ChainError(snap.path, "base.name", Phrase("a rank file"), Phrase(f"{base_loc}: a directory")) from None
                 raise
             owned.append(opened)
             in_set = isinstance(opened, SnapshotSet)
@@ -521,11 +538,14 @@ def iter_piece(piece: Piece, chunk: int = _COPY_CHUNK) -> Iterator[memoryview]:
 
 def write_compacted(chain: Chain, writer) -> None:
     """Stream the head's whole sections into ``writer`` (a SnapshotWriter planned with the
-    head's identity, geometry, record and swa_start). A page piece's page object is opened
-    and checked against its reference (spec 7.6) and its section hashed like a link's."""
-    from .pages import open_checked
+    head's identity, geometry, record and swa_start). A page piece's page object is checked
+    against *its* reference at every use (spec 7.6, R-7.6-2, tokens included: an object kept
+    open for an earlier reference is checked again for a later one) and its section hashed
+    like a link's."""
+    from .pages import check_page, open_checked
 
     opened: dict = {}  # page objects stay open across sections (every section reads every page), within a bound
+    tokens: dict = {}  # id(link) -> its token ids (what each of its references is checked against)
     try:
         for spec in writer.pending_state_sections():
             writer.begin_section(spec.name)
@@ -534,16 +554,22 @@ def write_compacted(chain: Chain, writer) -> None:
                     for data in iter_piece(piece):
                         writer.write_chunk(data)
                     continue
-                page = opened.get(piece.page.path)
+                ref = piece.page
+                tok = tokens.get(id(ref.link))
+                if tok is None:
+                    tok = tokens[id(ref.link)] = chain.request_tokens(ref.link)
+                page = opened.get(ref.path)
                 if page is None:
-                    page = open_checked(piece.page, chain.store)
+                    page = open_checked(ref, chain.store, tok)
                     if len(opened) < _OPEN_PAGES:
-                        opened[piece.page.path] = page
+                        opened[ref.path] = page
+                else:
+                    check_page(page, ref, tok)  # per reference, never by the object's name
                 try:
                     for data in iter_piece(Piece(page, page.section(spec.name), 0, piece.start, piece.stop)):
                         writer.write_chunk(data)
                 finally:
-                    if piece.page.path not in opened:
+                    if opened.get(ref.path) is not page:
                         page.close()
             writer.end_section()
     finally:
@@ -551,27 +577,74 @@ def write_compacted(chain: Chain, writer) -> None:
             page.close()
 
 
-def compact(chain: Chain, path, *, storage_options=None, fsync: bool = True, mode: int = 0o600, writer=None):
+def prove_output(path, head: Snapshot, *, storage_options=None) -> None:
+    """A compaction's output, re-opened from ``path`` (its temporary, or the object just
+    completed) and proved as any chain is (:meth:`Chain.prove`: a plain snapshot, every byte):
+    plain, at the head's position, of the head's request."""
+    p = os.fspath(path)
+    store = store_for(p, storage_options)
+    snap = Snapshot(p) if store.local else store.open(p)
+    try:
+        for field, want, got in (("base", None, snap.base), ("pages", None, snap.pages), ("request.state_position", head.state_position, snap.state_position),
+                                 ("identity.snapshot_id", head.identity.snapshot_id, snap.identity.snapshot_id),
+                                 ("request.rid", head.request["rid"], snap.request["rid"])):
+            if want != got:
+                raise ChainError(p, field, want, got, detail="a compaction's output is not the head's plain snapshot")
+        Chain.single(snap).prove()
+    finally:
+        snap.close()
+
+
+def _withdraw(w) -> None:
+    """Remove an object a writer published before its proof failed (by its ETag: only that version)."""
+    from .remote import delete
+
+    try:
+        delete(w.path, w.options, etag=w.etag)
+    except HsnapError:
+        pass
+
+
+def compact(chain: Chain, path, *, storage_options=None, fsync: bool = True, mode: int = 0o600, writer=None, proved: bool = False):
     """Write the chain as one plain snapshot at ``path`` (a file or an ``s3://`` URL): the
     head's identity, geometry, record, ``swa_start`` and optional features, every state
     section at the head's position — byte for byte what a plain export of the same pools
-    at that position, with the head's identity and record, writes (spec 7.5). Every byte
-    copied was read and hashed; a mismatch aborts the write (nothing under ``path``).
+    at that position, with the head's identity and record, writes (spec 7.5).
+
+    First the chain's whole proof (:meth:`Chain.prove`, what a restore and ``hsnap verify``
+    make: every link, record and page reference, every byte): what either refuses is refused
+    here with the same error, before anything is written. Every byte copied is hashed again
+    on the way; then the output is re-opened and proved (:func:`prove_output`) before its
+    name is published — a file is renamed only after that; an object store's upload, which
+    publishes at completion, is removed again (by its ETag) when its proof fails. Nothing
+    unproved stays under ``path``. ``proved``: the caller has just made the chain's proof.
     Returns the writer's :class:`~hsnap_format.writer.CommitInfo`."""
+    if not proved:
+        chain.prove()
     head = chain.head
     kw = dict(identity=head.identity, geometry=head.geometry, record=head.record(), swa_start=head.swa_start,
               features_optional=head.header["features"]["optional"], mode=mode)
     w = writer(**kw) if writer is not None else store_for(path, storage_options).writer(os.fspath(path), writeback=fsync, **kw)
     with w:
         write_compacted(chain, w)
-        return w.commit(fsync=fsync)
+        if w.publishes_by_rename:
+            w.before_publish = lambda tmp: prove_output(tmp, head)
+            return w.commit(fsync=fsync)
+        info = w.commit(fsync=fsync)
+    try:
+        prove_output(w.path, head, storage_options=getattr(w, "options", storage_options))
+    except BaseException:
+        _withdraw(w)
+        raise
+    return info
 
 
 def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_depth: int = MAX_CHAIN_DEPTH):
     """``hsnap compact HEAD -o OUT``: a rank file's chain into one plain rank file, or a
     set's (every rank's chain) into one plain set; local paths or ``s3://`` URLs. Every
-    link is opened and checked first, every byte read hashed. Returns ``(links, bytes)``
-    (the links of rank 0's chain, and the bytes written)."""
+    rank's chain is opened and proved (:meth:`Chain.prove`) before anything is written,
+    every byte copied hashed again, every output proved before it is published (:func:`compact`).
+    Returns ``(links, bytes)`` (the links of rank 0's chain, and the bytes written)."""
     src = os.fspath(head)
     store = store_for(src, storage_options)
     opened = store.open(src)
@@ -584,11 +657,13 @@ def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_dep
         try:
             for r, snap in opened.ranks.items():
                 chains.append(chain_below(snap, location=opened.path, rank=r, store=store, max_depth=max_depth))
+            for chain in chains:  # every rank's refusal before the set's first byte
+                chain.prove()
             w = store_for(out, storage_options).set_writer(os.fspath(out))
             total = 0
             try:
                 for r, chain in enumerate(chains):
-                    total += compact(chain, None, fsync=fsync, writer=lambda r=r, **kw: w.rank_writer(r, **kw)).file_length
+                    total += compact(chain, None, fsync=fsync, writer=lambda r=r, **kw: w.rank_writer(r, **kw), proved=True).file_length
                 w.commit(tp_size=len(chains))
             except BaseException:
                 w.abort()
@@ -602,4 +677,4 @@ def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_dep
 
 
 __all__ = ["LinkFacts", "LINK_RULES", "link_problems", "check_link", "check_ref", "check_output_prefix", "base_ref", "Piece", "Chain",
-           "chain_below", "open_chain", "compact", "compact_path", "iter_piece", "write_compacted"]
+           "chain_below", "open_chain", "compact", "compact_path", "iter_piece", "write_compacted", "prove_output"]

@@ -4,10 +4,11 @@ A request checkpointed every ``every`` output tokens leaves ``<name>.ck000001.hs
 ``<name>.ck000002.hsnap``, ... beside each other: the first link (and every
 ``rebase_every``-th after it) a plain snapshot, each other one a delta (spec 5.9) whose base
 is the link before it. Every link is committed atomically under its final name (the
-writer's temporary, fsync, rename: a crash mid-write leaves only a hidden temporary), so the
-newest committed link of a chain is the one with the highest number — what a resume after
-a crash takes (:func:`newest_links`). The numbers of one name only grow: a checkpointer
-started where links of its name exist continues after the highest.
+writer's temporary, fsync, rename: a crash mid-write leaves only a hidden temporary). A
+resume after a crash takes the link at the highest position whose chain opens and verifies
+(:func:`newest_links`): not merely the highest number, which a stray copy or a damaged file
+can hold. The numbers of one name only grow: a checkpointer started where links of its name
+exist continues after the highest (:func:`highest_seq`).
 
 Pure bookkeeping: the caller writes each link (``export(path, base)``: a plain snapshot
 when ``base`` is None, else a delta of ``base``) through ``hsnap_io.export_request`` or
@@ -20,14 +21,16 @@ when ``base`` is None, else a delta of ``base``) through ``hsnap_io.export_reque
 
 from __future__ import annotations
 
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import HsnapError, Phrase
 from .storage import store_for
 
 LINK_RE = re.compile(r"(?P<name>[^/]+?)\.ck(?P<seq>[0-9]{6,})\.hsnap")
+_log = logging.getLogger("hsnap.checkpoints")
 REBASE_EVERY = 64  # links per chain: a fresh plain link then (bounds the chain a resume opens and checks)
 
 
@@ -42,16 +45,76 @@ def parse_link(leaf: str) -> tuple[str, int] | None:
     return None if m is None or leaf.startswith(".") else (m["name"], int(m["seq"]))
 
 
-def newest_links(container: str, *, storage_options=None) -> dict[str, str]:
-    """name -> path of the newest committed link of every checkpoint chain in ``container``
-    (a directory or an ``s3://`` prefix): the highest number of each name."""
-    store = store_for(container, storage_options)
-    best: dict[str, tuple[int, str]] = {}
+@dataclass
+class LinkChoice:
+    """The link a resume of checkpoints ``name`` takes (:func:`choose_links`): ``path``, the
+    link at the highest position whose chain opens and verifies (None when none does), and
+    every link passed over on the way, with the reason (``passed_over``: ``(path, why)``)."""
+
+    name: str
+    path: str | None
+    position: int = -1
+    passed_over: list[tuple[str, str]] = field(default_factory=list)
+    highest: str | None = None  # the link of the highest number (what a resume names when none holds)
+
+
+def _link_files(store, container: str) -> dict[str, list[tuple[int, str]]]:
+    out: dict[str, list[tuple[int, str]]] = {}
     for entry in store.list(container):
         parsed = parse_link(store.split(entry.path)[1])
-        if parsed is not None and parsed[1] > best.get(parsed[0], (0, ""))[0]:
-            best[parsed[0]] = (parsed[1], entry.path)
-    return {name: path for name, (_, path) in sorted(best.items())}
+        if parsed is not None:
+            out.setdefault(parsed[0], []).append((parsed[1], entry.path))
+    return out
+
+
+def choose_links(container: str, *, storage_options=None, verify: bool = True) -> dict[str, LinkChoice]:
+    """name -> :class:`LinkChoice` for every checkpoint chain in ``container`` (a directory
+    or an ``s3://`` prefix). A link's number says only where it was written: a stray copy
+    of an early link under a higher number, or a damaged file there, must not win. So each
+    link is opened for its ``request.state_position``, and the links are tried from the
+    highest position down (the higher number first at equal positions) until one whose
+    chain opens and (``verify``) verifies whole — spec 7.5, 7.6, every byte read."""
+    from .chain import open_chain
+
+    store = store_for(container, storage_options)
+    out: dict[str, LinkChoice] = {}
+    for name, links in sorted(_link_files(store, container).items()):
+        choice = out[name] = LinkChoice(name, None, highest=max(links)[1])
+        ranked = []
+        for seq, path in links:
+            try:
+                with store.open(path) as snap:
+                    ranked.append((snap.state_position, seq, path))
+            except HsnapError as e:
+                choice.passed_over.append((path, f"does not open ({type(e).__name__}: {e})"))
+        for position, _, path in sorted(ranked, reverse=True):
+            try:
+                with open_chain(path, storage_options=storage_options) as chain:
+                    if verify:
+                        chain.verify()
+            except HsnapError as e:
+                choice.passed_over.append((path, f"its chain does not hold ({type(e).__name__}: {e})"))
+                continue
+            choice.path, choice.position = path, position
+            break
+        for path, why in choice.passed_over:
+            _log.warning("hsnap checkpoints %s: passed over %s: %s", name, path, why)
+    return out
+
+
+def newest_links(container: str, *, storage_options=None, verify: bool = True) -> dict[str, str]:
+    """name -> path of the link a resume takes, for every checkpoint chain in ``container``
+    (:func:`choose_links`: the highest verified position, not the highest number; each link
+    passed over is logged with its reason). A name none of whose links holds gives its
+    highest-numbered link, so that its resume is refused typed, naming it — never skipped."""
+    return {n: c.path or c.highest for n, c in choose_links(container, storage_options=storage_options, verify=verify).items()}
+
+
+def highest_seq(container: str, name: str, *, storage_options=None) -> int:
+    """The highest link number of ``name`` in ``container``, whatever its file holds (0: none):
+    a new link is numbered after it, so that no link is ever overwritten."""
+    store = store_for(container, storage_options)
+    return max((seq for seq, _ in _link_files(store, container).get(name, [])), default=0)
 
 
 @dataclass
@@ -80,8 +143,7 @@ class Checkpoints:
             raise HsnapError(directory, "name", Phrase("a file name without '/'"), name)
         store = store_for(directory, storage_options)
         store.makedirs(directory)
-        found = newest_links(directory, storage_options=storage_options).get(name)
-        seq = 0 if found is None else parse_link(store.split(found)[1])[1]
+        seq = highest_seq(directory, name, storage_options=storage_options)
         return cls(directory, name, every, rebase_every, seq=seq, storage_options=storage_options)
 
     def due(self, output_tokens: int) -> bool:
@@ -109,4 +171,4 @@ class Checkpoints:
         return out
 
 
-__all__ = ["Checkpoints", "LINK_RE", "REBASE_EVERY", "link_name", "parse_link", "newest_links"]
+__all__ = ["Checkpoints", "LINK_RE", "REBASE_EVERY", "LinkChoice", "link_name", "parse_link", "newest_links", "choose_links", "highest_seq"]

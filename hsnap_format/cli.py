@@ -18,14 +18,9 @@ from .chain import chain_below, compact_path
 from .errors import HsnapError
 from .manifest import SnapshotSet
 from .pages import collect_pages
-from .reader import Snapshot
 from .spec import DTYPES
 from .storage import store_for
 from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
-
-
-def _ranks(snap) -> list[Snapshot]:
-    return list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
 
 
 def _heads(n: int) -> str:
@@ -157,28 +152,26 @@ def cmd_verify(args) -> int:
     links: list[str] = []
     try:
         with open_snapshot(args.path) as snap:
-            for s in _ranks(snap):  # each rank in the order of spec 7.2: padding, then sections
-                n += len(s.sections)
-                failures += s.verify_failures(first=args.first)
-                if args.first and failures:
-                    break
-            if not (args.first and failures):  # a delta: then every link below it, and the records (spec 7.5)
-                for _, chain in _chains(snap, args.path):
-                    if isinstance(chain, HsnapError):
-                        failures.append(chain)
-                    else:
-                        with chain:
-                            for link in reversed(chain.links[:-1]):
-                                links.append(link.path)
-                                n += len(link.sections)
-                                failures += link.verify_failures(first=args.first)
-                            try:
-                                chain.check_records()
-                            except HsnapError as e:
-                                failures.append(e)
-                            failures += chain.page_failures(first=args.first)  # every page it references (R-7.6-3)
+            chains = _chains(snap, args.path)
+            try:
+                by_rank = dict(chains)
+                for r, s in (snap.ranks.items() if isinstance(snap, SnapshotSet) else [(None, snap)]):
+                    n += len(s.sections)
+                    chain = by_rank.get(r)
+                    if chain is None or isinstance(chain, HsnapError):  # each rank in the order of spec 7.2: padding, then sections
+                        failures += s.verify_failures(first=args.first)
+                        if chain is not None and not (args.first and failures):
+                            failures.append(chain)  # a chain that does not open (spec 7.5)
+                    else:  # a delta or a file with pages: the one proof restore and compaction make (spec 7.5, 7.6)
+                        links += [link.path for link in reversed(chain.links[:-1])]
+                        n += sum(len(link.sections) for link in chain.links[:-1])
+                        failures += chain.proof_failures(first=args.first)
                     if args.first and failures:
                         break
+            finally:
+                for _, c in chains:
+                    if not isinstance(c, HsnapError):
+                        c.close()
     except HsnapError as e:  # refused at open: nothing else can be checked
         failures, n = [e], 0
     failures = failures[:1] if args.first else failures
@@ -329,7 +322,7 @@ def cmd_gc(args) -> int:
     try:
         if args.pages:  # mark and sweep of the page store beside DIR (spec 8.2)
             return print_pages_report(args, collect_pages(args.dir, store_name=args.store, remove=args.remove,
-                                                          older_than=args.older_than, announce=announce))
+                                                          older_than=args.older_than, announce=announce, verify=args.verify))
         items = store_for(args.dir).collect(args.dir, remove=args.remove, older_than=args.older_than, announce=announce)
     except OSError as e:  # a directory that cannot be scanned
         print(f"hsnap gc: {escape(args.dir)}: {e.strerror or e}", file=sys.stderr)
@@ -342,8 +335,8 @@ def cmd_gc(args) -> int:
 
 def print_pages_report(args, report) -> int:
     """The report of ``hsnap gc --pages``: every page object and marker with its size and
-    verdict; exit 1 if a removal failed, 3 if the sweep was refused (nothing removed)."""
-    failed = sum(i.action == "failed" for i in report.items)
+    verdict; exit 1 if a removal failed or a page is damaged, 3 if the sweep was refused (nothing removed)."""
+    failed = sum(i.action == "failed" for i in report.items) + len(report.damaged)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
@@ -351,6 +344,10 @@ def print_pages_report(args, report) -> int:
             print(f"{i.action:<13} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
         print(f"{plural(len(report.snapshots), 'committed snapshot')} read, {plural(report.referenced, 'page')} referenced, "
               f"{plural(report.protected, 'key')} protected by writers")
+        for r in report.damaged:
+            print(f"damaged: {escape(r)}")
+        for r in report.skipped:  # a file without the magic is not a snapshot (spec 8.2 step 4): said, not a refusal
+            print(f"skipped: {escape(r)}")
         for r in report.refused:
             print(f"sweep refused: {escape(r)}")
     return 1 if failed else 3 if report.refused else 0
@@ -461,6 +458,8 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--pages", action="store_true",
                     help="mark and sweep the page store beside DIR instead: remove pages no committed snapshot references (spec 8.2)")
     sp.add_argument("--store", default="pages", metavar="NAME", help="the page store's directory name beside DIR (default: pages)")
+    sp.add_argument("--verify", action="store_true",
+                    help="with --pages: also read and verify every page object, listing each damaged one (exit 1 if any)")
     sp.add_argument("--json", action="store_true", help="the list as JSON")
     sp.set_defaults(fn=cmd_gc)
     for name, (_, help_) in _EXTERNAL.items():

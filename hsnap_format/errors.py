@@ -30,13 +30,34 @@ class Phrase(str):
     """A description rather than a value: printed as is (values are quoted)."""
 
 
+_NAME_CHARS = 4096  # a path or field named in a message (PATH_MAX): a longer one is cut, not copied whole
+
+
+def _bounded_repr(value: Any, limit: int) -> str:
+    """``repr(value)`` as far as its first ``limit`` characters, without building the rest: a 10 MB value (or a list
+    of them) named in an error costs its first characters, never a copy of itself."""
+    if isinstance(value, (str, bytes, bytearray)):
+        return repr(value[: limit + 1])  # the same characters as repr(value) up to the cut below
+    if isinstance(value, (list, tuple, dict)):
+        items = value.items() if isinstance(value, dict) else value
+        parts, size = [], 2
+        for item in items:
+            part = (f"{_bounded_repr(item[0], limit)}: {_bounded_repr(item[1], limit)}" if isinstance(value, dict)
+                    else _bounded_repr(item, limit))
+            parts.append(part)
+            size += len(part) + 2
+            if size > limit:  # cut below: only its beginning is shown
+                return ("{" if isinstance(value, dict) else "[" if isinstance(value, list) else "(") + ", ".join(parts)
+    return repr(value)  # small (every part above was): exact
+
+
 def _short(value: Any, limit: int = 120, *, quote: bool = True) -> str:
     # A string value is quoted, so "found '4'" (the string) reads differently from
     # "found 4" (the number); descriptions (Phrase, and ``expected`` texts) are not.
     if isinstance(value, str) and (isinstance(value, Phrase) or not quote):
-        text = escape_text(value)
+        text = escape_text(value[: limit + 1])
     else:
-        text = repr(value)
+        text = _bounded_repr(value, limit)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -59,7 +80,7 @@ class HsnapError(ValueError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        parts = [escape_text(self.path or "<memory>"), escape_text(self.field)]
+        parts = [_short(self.path or "<memory>", _NAME_CHARS, quote=False), _short(self.field, _NAME_CHARS, quote=False)]
         if self.detail:
             parts.append(escape_text(self.detail))
         if self.expected is not None or self.found is not None:

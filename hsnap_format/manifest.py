@@ -77,7 +77,7 @@ def decode_manifest(data: bytes, path) -> Manifest:
     if data.count(b"\n") != 2:
         raise MalformedManifestError(path, "lines", 2, data.count(b"\n"))
     if not tail.startswith(b"xxh3-128 ") or len(tail) != 9 + 32 or not all(c in b"0123456789abcdef" for c in tail[9:]):
-        raise MalformedManifestError(path, "digest line", "'xxh3-128 <32 hex>'", tail[:64])
+        raise MalformedManifestError(path, "digest line", "'xxh3-128 <32 hex>'", Phrase(f"{len(tail)} bytes of another form"))  # never the bytes
     got = xxhash.xxh3_128_hexdigest(body)
     if tail[9:].decode("ascii", "replace") != got:
         raise DigestMismatchError(path, "manifest digest", tail[9:].decode("ascii", "replace"), got)

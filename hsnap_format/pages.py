@@ -51,6 +51,7 @@ from .errors import (
     PageError,
     Phrase,
     SnapshotExistsError,
+    TruncatedError,
     UnsupportedFeatureError,
 )
 from .layout import SectionSpec, page_range, page_sections
@@ -66,7 +67,10 @@ from .spec import (
     MAGIC,
     MAJOR,
     MAX_JSON_DEPTH,
+    MAX_HEADER_BYTES,
     MAX_MARKER_BYTES,
+    MAX_PAGE_REFS,
+    MAX_PAGE_SIZE,
     NAMESPACE_DOMAIN,
     PAGE_FORMAT,
     PAGE_MARKERS_DIR,
@@ -181,6 +185,7 @@ _PAGE_TOP_KEYS = frozenset({"format", "features", "digest", "namespace", "page",
 PAGE_FEATURES: frozenset[str] = frozenset()  # spec 5.11: the required features a page object may list (1.3: none)
 _NS_KEYS = frozenset({"attention", "engine", "model_id", "page_size", "sharding", "tp_rank", "tp_size", "weights_hash", "weights_version"})
 _NS_ATT_KEYS = frozenset({"dtype", "heads", "k_head_dim", "kind", "kv_lora_rank", "layers", "qk_rope_head_dim", "storage_dtype", "v_head_dim"})
+_NS_AXIS_KEYS = frozenset({"axis", "global", "parts"})  # an AXIS of 5.7: unknown keys of the file's own stay out of the namespace
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -238,7 +243,7 @@ def parse_namespace(obj, path=None) -> tuple[Identity, Geometry, int]:
                         tp_rank=f.int("tp_rank", hi=1 << 16))
     if identity.tp_rank >= identity.tp_size:
         raise MalformedHeaderError(path, "namespace.tp_rank", f"< tp_size {identity.tp_size}", identity.tp_rank)
-    page_size = f.int("page_size", lo=1, hi=1 << 20)
+    page_size = f.int("page_size", lo=1, hi=MAX_PAGE_SIZE)
     a = dict(obj["attention"])
     if a.get("kind") not in ATTENTION_KINDS:
         raise MalformedHeaderError(path, "namespace.attention.kind", f"one of {ATTENTION_KINDS}", a.get("kind"))
@@ -253,6 +258,7 @@ def parse_namespace(obj, path=None) -> tuple[Identity, Geometry, int]:
     if sh is not None:
         from .records import Sharding
 
+        _exact_keys(sh, _NS_AXIS_KEYS, "namespace.sharding", path)  # exactly, at every level: its bytes make the id
         axis = ShardAxis.from_header(sh, "namespace.sharding", path)
         if axis.axis != 1 or axis.local_size != att.heads:
             raise MalformedHeaderError(path, "namespace.sharding", Phrase(f"axis 1 with parts summing to heads {att.heads}"), sh)
@@ -391,6 +397,8 @@ def encode_page(ns: dict, nid: str, index: int, prior: str | None, key: str, tok
         "page": {"index": index, "key": key, "namespace_id": nid, "prior": prior, "tokens": [int(t) for t in tokens]},
     }
     header, table, data_offset, end = layout_header(body, specs, digests)
+    if len(header) > MAX_HEADER_BYTES:  # R-8-1: a page no reader opens (7.1 step 8) is never written
+        raise MalformedHeaderError(None, "header_length", f"<= {MAX_HEADER_BYTES}", len(header), detail=f"a page object of {len(tokens)} positions")
     file_length = end + TRAILER.size
     out = bytearray(file_length)
     header_digest = xxhash.xxh3_128_digest(header)
@@ -407,6 +415,31 @@ def encode_page(ns: dict, nid: str, index: int, prior: str | None, key: str, tok
     tra = TRAILER.pack(TRAILER_MAGIC, file_length, len(specs), root_digest, bytes(16), 0)
     out[end:] = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
     return bytes(out), root_digest.hex()
+
+
+@functools.lru_cache(maxsize=16)
+def _worst_page_header(ns_json: str, geometry: Geometry, page_size: int) -> int:
+    """The header length of a page of ``page_size`` positions whose every token id has the
+    most digits (a page's header is longest then): what every page of the namespace fits in."""
+    from .writer import layout_header
+
+    import json
+
+    specs = list(_page_plan(geometry, page_size))
+    body = {"digest": DEFAULT_DIGEST, "features": {"optional": [], "required": []}, "format": PAGE_FORMAT, "namespace": json.loads(ns_json),
+            "page": {"index": 1 << 40, "key": "0" * 64, "namespace_id": "0" * 64, "prior": "0" * 64, "tokens": [_TOKEN_MAX] * page_size}}
+    return len(layout_header(body, specs, ["0" * 32] * len(specs))[0])
+
+
+def check_page_fits(ns: dict, geometry: Geometry, page_size: int, path=None) -> None:
+    """Refuse a namespace whose page objects could exceed the 1 MiB header (spec 5.10, 7.1
+    step 8) before any page is put: every page of it must open (R-8-1)."""
+    import json
+
+    n = _worst_page_header(json.dumps(ns, sort_keys=True), geometry, page_size)
+    if n > MAX_HEADER_BYTES:
+        raise MalformedHeaderError(path, "pages.page_size", Phrase(f"a page size whose page objects fit a {MAX_HEADER_BYTES}-byte header"),
+                                   Phrase(f"{page_size}: headers up to {n} bytes"))
 
 
 # ------------------------------------------------------------------------- resolving references (spec 7.6)
@@ -449,7 +482,14 @@ def check_keys(link: Snapshot, tokens: np.ndarray, keys_fn: Callable | None = No
     ``DigestMismatchError`` naming the first reference whose key is not the computed one."""
     p = link.pages
     first, count = page_range(link.base_position, link.state_position, p.page_size)
-    keys = (keys_fn or chain_keys)(tokens[: (first + count) * p.page_size], p.page_size)
+    span = np.asarray(tokens[: (first + count) * p.page_size])
+    negative = np.flatnonzero(span < 0) if count else ()
+    if len(negative):  # spec 5.10: a key is over ids as u32; an int32 below 0 has none (every later key depends on it)
+        q = int(negative[0])
+        i = max(q // p.page_size - first, 0)
+        raise DigestMismatchError(link.path, f"pages.refs[{i}] (key of page {first + i})", p.refs[i][0],
+                                  Phrase(f"no key: token id {int(span[q])} at position {q}"))
+    keys = (keys_fn or chain_keys)(span, p.page_size)
     for i, (key, _) in enumerate(p.refs):
         if keys[first + i] != key:
             raise DigestMismatchError(link.path, f"pages.refs[{i}] (key of page {first + i})", key, keys[first + i])
@@ -547,6 +587,7 @@ class PageStats:
     pages_reused: int = 0
     bytes_reused: int = 0
     pages_verified: int = 0  # existing pages read and hashed before reuse
+    pages_replaced: int = 0  # existing pages that failed verification, replaced by this writer's bytes
     markers: int = 0
     sweep_waits: int = 0
 
@@ -571,6 +612,8 @@ class PageStore:
         if not self.name or self.name in (".", "..") or TMP_FILE_MARK in self.name or STAGING_DIR_MARK in self.name:
             raise PageError(self.directory, "page store", Phrase("a directory name (not a temporary's)"), self.name)
         self.markers_dir = self.store.join(self.directory, PAGE_MARKERS_DIR)
+        if page_size is not None and (type(page_size) is not int or not 1 <= page_size <= MAX_PAGE_SIZE):
+            raise PageError(self.directory, "page_size", f"1..{MAX_PAGE_SIZE} positions (spec 5.10)", page_size)
         self.page_size = page_size
         self.keys = keys or chain_keys
         self.verify_existing = verify_existing
@@ -661,11 +704,16 @@ class PageStore:
         if att is None or not att.layers:
             return None
         S = self.page_size_for(geometry)
+        if type(S) is not int or not 1 <= S <= MAX_PAGE_SIZE:  # spec 5.10: a larger page might not open
+            raise MalformedHeaderError(path, "pages.page_size", f"1..{MAX_PAGE_SIZE}", S)
         first, count = page_range(base_position, record.state_position, S)
         if not count:
             return None
+        if count > MAX_PAGE_REFS:  # no 1 MiB header holds them: refused before any key is computed
+            raise MalformedHeaderError(path, "pages.refs", Phrase(f"at most {MAX_PAGE_REFS} references (a 1 MiB header)"), count)
         self.beside(path, in_set)
         ns = namespace(identity, geometry, S)
+        check_page_fits(ns, geometry, S, path)
         tokens = request_tokens(record)
         keys = self.keys(tokens[: (first + count) * S], S)
         if len(keys) != first + count:
@@ -712,15 +760,54 @@ class PageStore:
         except SnapshotExistsError:  # another writer put it meanwhile
             found = True
         if found:
-            if self.verify_existing:
-                self._verify_existing(path, name)
+            if self.verify_existing and not self._verify_or_replace(path, name, data):
+                self._present.add(name)
+                return
             self.stats.pages_reused += 1
             self.stats.bytes_reused += len(data)
         self._present.add(name)
 
+    def _verify_or_replace(self, path: str, name: str, data: bytes) -> bool:
+        """Whether the page found under ``name`` is reused as it is (it opens as the page its
+        name says and verifies); a damaged one — its name is content-addressed, so any bytes
+        but ``data`` are damage — is replaced (spec 8.2, W3): that version only removed, then
+        ``data`` put (never overwriting), so the name holds the damaged bytes, nothing or the
+        page, never a torn file. False when it was replaced."""
+        try:
+            self._verify_existing(path, name)
+            return True
+        except HsnapError as err:
+            if isinstance(err, HsnapIOError) and not isinstance(getattr(err, "os_error", None), FileNotFoundError):
+                raise  # the store failed: nothing is known of the page
+            damage = err
+        try:
+            found, version = self.store.read_bytes(path, len(data))
+        except HsnapError as err:
+            if not isinstance(getattr(err, "os_error", None), FileNotFoundError):
+                raise PageError(path, "page object", Phrase("the page its name says"), Phrase(f"damaged ({type(damage).__name__}: {damage})"),
+                                detail=f"and not replaceable ({type(err).__name__}); hsnap gc --pages --verify lists it") from None
+            found = version = None
+        if found == data:  # replaced by another writer meanwhile
+            return True
+        if version is not None:
+            try:
+                self.store.remove(path, version=version)
+            except HsnapError as err:
+                if not isinstance(getattr(err, "os_error", None), FileNotFoundError):
+                    raise
+        try:
+            self.store.put_bytes(path, data)
+        except SnapshotExistsError:  # another writer replaced it first: what is there now must verify
+            self._verify_existing(path, name)
+            return True
+        self.stats.pages_replaced += 1
+        self.stats.pages_put += 1
+        self.stats.bytes_put += len(data)
+        return False
+
     def _verify_existing(self, path: str, name: str) -> None:
         """A page found in the store is used only once it opens as the page its name says
-        and every byte verifies (a damaged one is refused: it cannot be replaced in place)."""
+        and every byte verifies (else :meth:`_verify_or_replace` replaces it)."""
         page = open_page(path, self.store)
         try:
             if page.name != name:
@@ -828,6 +915,8 @@ class PageReport:
     referenced: int = 0
     protected: int = 0
     refused: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # files beside the store that are not snapshots, and why
+    damaged: list[str] = field(default_factory=list)  # with verify: page objects that fail to open as their name or to verify
     items: list[PageVerdict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -862,7 +951,10 @@ def _mark_files(store: Store, container: str, store_name: str, report: PageRepor
         try:
             snap = store.open(e.path)
         except HsnapError as err:
-            if _not_a_snapshot(err) or isinstance(getattr(err, "os_error", None), FileNotFoundError):
+            if isinstance(getattr(err, "os_error", None), FileNotFoundError):
+                continue
+            if _not_a_snapshot(err) or (isinstance(err, TruncatedError) and e.size < len(MAGIC)):  # no magic: not a snapshot (8.2 step 4)
+                report.skipped.append(f"{e.path}: not a snapshot ({e.size} bytes, {type(err).__name__})")
                 continue
             report.refused.append(f"{e.path}: cannot be read ({type(err).__name__}: {err}): the pages it references are unknown")
             continue
@@ -923,14 +1015,17 @@ def _protected_keys(store: Store, markers_dir: str, report: PageReport, lease: f
 
 
 def collect_pages(directory, *, store_name: str = "pages", remove: bool = False, older_than: float | None = None,
-                  announce=None, storage_options=None, writer_lease: float = WRITER_LEASE_S, sweep_lease: float = SWEEP_LEASE_S) -> PageReport:
+                  announce=None, storage_options=None, writer_lease: float = WRITER_LEASE_S, sweep_lease: float = SWEEP_LEASE_S,
+                  verify: bool = False) -> PageReport:
     """Mark and sweep the page store ``directory/store_name`` (spec 8.2): list its pages,
     then the live pending-reference markers, then every committed snapshot beside it; a
     page that none references or protects (and, with ``older_than``, at least that old) is
     removable. With ``remove``, gc first puts its sweep marker, then removes each such page
     after proving, one by one, that it is the page object its name says — naming it and its
     size right before (``announce(path, bytes)``) — only in the version it listed, and stops
-    removing after half the sweep lease. Local directory or ``s3://`` prefix."""
+    removing after half the sweep lease. With ``verify``, every page object is also read
+    and verified, and each damaged one listed (``report.damaged``; the next writer of that
+    page replaces it). Local directory or ``s3://`` prefix."""
     directory = os.fspath(directory).rstrip("/") or "/"
     store = store_for(directory, storage_options)
     pages_dir = store.join(directory, store_name)
@@ -954,6 +1049,9 @@ def collect_pages(directory, *, store_name: str = "pages", remove: bool = False,
             v = PageVerdict(e.path, e.size, max(0.0, now - e.modified), _version=e.version)
             report.items.append(v)
             m = PAGE_NAME_RE.match(name)
+            damage = _page_damage(store, e.path, name) if verify and m is not None else None
+            if damage is not None:
+                report.damaged.append(f"{e.path}: {damage}")
             if m is None:
                 v.reason = "not named as a page object: left alone"
             elif name in marked:
@@ -968,6 +1066,8 @@ def collect_pages(directory, *, store_name: str = "pages", remove: bool = False,
                 v.removable, v.reason = True, "unreferenced by every committed snapshot beside the store, protected by no writer"
                 v.action = "would remove"
                 candidates.append(v)
+            if damage is not None:
+                v.reason = f"damaged ({damage}); {v.reason}"
         if remove:
             for v in candidates:
                 if time.monotonic() - sweep[2] >= sweep_lease / 2:  # writers wait at most the lease for this sweep
@@ -982,6 +1082,20 @@ def collect_pages(directory, *, store_name: str = "pages", remove: bool = False,
         if sweep is not None and (finished or not attempted):
             _remove_quiet(store, sweep[0], sweep[1])
     return report
+
+
+def _page_damage(store: Store, path: str, name: str) -> str | None:
+    """Why the page object at ``path`` is not the page its name says, every byte verified; None when it is."""
+    try:
+        with open_page(path, store) as page:
+            if page.name != name:
+                return f"its header names another page ({page.name})"
+            page.verify()
+    except HsnapError as err:
+        if isinstance(getattr(err, "os_error", None), FileNotFoundError):
+            return None  # removed meanwhile: nothing to report
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def _sweep_one(store: Store, v: PageVerdict, announce) -> None:

@@ -111,15 +111,20 @@ class Preamble:
     file_length: int
 
 
+# BadMagicError.found of a writer's temporary (what the viewer salvages): a description, as for any other file
+PENDING_FOUND = Phrase(f"{len(PENDING_MAGIC)} bytes of the pending magic (a writer's temporary)")
+
+
 def parse_preamble(block: bytes, path, actual_size: int) -> Preamble:
     if len(block) < len(MAGIC) and MAGIC.startswith(block):
         raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", Phrase(f"{len(block)} bytes"))
+    # ``found`` says what the bytes are not, never the bytes: a caller may name any file (a server's /hsnap/resume)
     if block[: len(PENDING_MAGIC)] == PENDING_MAGIC:
-        raise BadMagicError(path, "magic", MAGIC, block[: len(MAGIC)],
+        raise BadMagicError(path, "magic", MAGIC, PENDING_FOUND,
                             detail="an unfinished write (a writer's temporary file: its writer is running, or died; see `hsnap gc`)")
     if block[: len(MAGIC)] != MAGIC:
         hint = " (newline translation or 7-bit transfer?)" if block[1:4] == MAGIC[1:4] else ""
-        raise BadMagicError(path, "magic" + hint, MAGIC, block[: len(MAGIC)])
+        raise BadMagicError(path, "magic" + hint, MAGIC, Phrase(f"{min(len(block), len(MAGIC))} bytes that are not the hsnap magic"))
     if len(block) < PREAMBLE.size:
         raise TruncatedError(path, "preamble", f"{PREAMBLE.size} bytes", Phrase(f"{len(block)} bytes"))
     magic, major, minor, bom, hlen, doff, hdig, flen, check = PREAMBLE.unpack(block)

@@ -21,6 +21,7 @@ from .spec import (
     MAX_BASE_NAME_BYTES,
     MAX_CHAIN_DEPTH,
     MAX_NDIM,
+    MAX_PAGE_SIZE,
     MAX_STOP_STRING_LENGTH,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -741,7 +742,7 @@ class PagesRef:
         """Validate a header's ``pages`` (R-5.10-2): every key present, in its type and range."""
         f = _Fields(obj, "pages", path)
         store = check_store_name(f, "store")
-        page_size = f.int("page_size", lo=1, hi=1 << 20)
+        page_size = f.int("page_size", lo=1, hi=MAX_PAGE_SIZE)  # every page object of it fits a header (spec 5.10)
         nid = f.raw("namespace_id")
         if not _hex(nid, _HEX64):
             raise f._err("namespace_id", "64 lowercase hex digits", nid)

@@ -1057,6 +1057,8 @@ class RemoteSnapshotWriter(SnapshotWriter):
     completion is the commit. Memory: the first part (held for the header), the part
     being filled and ``parallel`` parts in flight."""
 
+    publishes_by_rename = False  # nothing of it can be read before the completion publishes it
+
     def __init__(self, url: str, *, storage_options=None, **kw) -> None:
         self.options = StorageOptions.of(storage_options)
         self.etag: str | None = None  # of the committed object

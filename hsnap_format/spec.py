@@ -93,6 +93,13 @@ PAGE_MARKERS_DIR = "refs"  # inside a page store: pending-reference and sweep ma
 PENDING_REFS_SUFFIX = ".pending-refs"
 SWEEP_SUFFIX = ".sweep"
 MAX_MARKER_BYTES = 64 << 20
+# A page object's header lists its S token ids (up to 11 bytes of JSON each, "2147483647,"):
+# 2^16 of them take at most 720,896 bytes, leaving 320 KiB of the 1 MiB header for the
+# namespace and section table; a larger S could make a page no reader opens (spec 5.10).
+MAX_PAGE_SIZE = 1 << 16
+# One reference ["<64 hex>","<32 hex>"], is 104 bytes of header JSON: more than this many
+# cannot fit in a 1 MiB header, so a writer refuses them before computing any key.
+MAX_PAGE_REFS = MAX_HEADER_BYTES // 104
 
 # Logical element types: name -> numpy dtype. bf16 and fp8 come from ml_dtypes,
 # so sections of those types are usable arrays, not raw integers.

@@ -204,6 +204,8 @@ class LocalStore:
             os.makedirs(container, mode=0o755, exist_ok=True)
         except OSError as e:
             raise HsnapIOError(container, "mkdir", e) from None
+        except ValueError as e:  # a NUL byte, a lone surrogate: no name the OS can take (typed, not a crash)
+            raise HsnapError(container, "mkdir", Phrase("a path the OS can name"), Phrase(f"{type(e).__name__}: {e}")) from None
 
     def remove(self, path: str, *, version: str) -> None:
         """Unlink ``path`` only if it is still ``version``: taken first by an atomic rename

@@ -16,7 +16,7 @@ import numpy as np
 from .errors import BadMagicError, HsnapError, TruncatedError
 from .errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
 from .manifest import SnapshotSet
-from .reader import Snapshot, SectionInfo
+from .reader import PENDING_FOUND, Snapshot, SectionInfo
 from .spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
 from .stats import Cancelled, is_float
 
@@ -32,6 +32,7 @@ def rank_summary(snap: Snapshot) -> dict:
         "request": snap.header["request"],
         "features": snap.header["features"],
         "base": snap.header.get("base"),  # a delta's link (spec 5.9); None for a plain snapshot
+        "pages": snap.header.get("pages"),  # its page store and references (spec 5.10); None when it holds all its rows
         "digest_algorithm": snap.header["digest"],
         "sections": [
             {"name": s.name, "kind": s.kind, "layer": s.layer, "dtype": s.dtype, "shape": list(s.shape),
@@ -345,7 +346,7 @@ def salvageable(error: BaseException) -> bool:
     """Whether a refusal is one a partial view may help with (data missing, header maybe intact)."""
     if isinstance(error, TruncatedError) and error.field in ("file_length",):
         return True
-    return isinstance(error, BadMagicError) and error.found == PENDING_MAGIC
+    return isinstance(error, BadMagicError) and error.found == PENDING_FOUND
 
 
 __all__ = [

@@ -195,7 +195,15 @@ class SnapshotWriter:
     ...     for spec in w.pending_state_sections():
     ...         w.write_section(spec.name, arrays[spec.name])
     ...     w.commit()
+
+    ``before_publish(temp_path)``, when set, is called with the finished, synced file under
+    its temporary name right before the rename that publishes it; if it raises, nothing is
+    published (a compaction re-reads and proves its output there). A writer whose commit
+    is not a rename (an object store's multipart upload) says so: ``publishes_by_rename``.
     """
+
+    publishes_by_rename = True
+    before_publish = None
 
     def __init__(
         self,
@@ -472,6 +480,12 @@ class SnapshotWriter:
         except OSError as e:
             self.abort()
             raise HsnapIOError(self.path, "commit", e) from None
+        if self.before_publish is not None:
+            try:
+                self.before_publish(self._tmp)
+            except BaseException:
+                self.abort()
+                raise
         try:
             _fs.phase("before-rename")
             _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory

@@ -574,17 +574,15 @@ class MigrationTarget:
 
 def marker_reason(store, path: str) -> str:
     """What ``abandoned.json`` / ``refused.json`` says, one line: ``<error type>: <reason>``."""
-    try:
-        raw = store.read_bytes(path, 8192)[0]
-    except HsnapError:
-        return "(unreadable)"
-    try:
-        said = json.loads(raw)
-        if isinstance(said, dict):
-            return " ".join(f"{said.get('type') or 'given up'}: {said.get('reason', '')}".split())[:1000]
-    except ValueError:
-        pass
-    return " ".join(raw[:1000].decode("utf-8", "replace").split())
+    from hsnap_format.controljson import read_control
+
+    try:  # any writer of the container can put it: bounded (size, nesting, UTF-8), never an untyped error
+        said = read_control(store, path, "marker", max_bytes=8192)
+    except HsnapError as e:
+        return f"(unreadable: {e.field}: expected {e.expected}, found {e.found})" if e.expected is not None else "(unreadable)"
+    if isinstance(said, dict):
+        return " ".join(f"{said.get('type') or 'given up'}: {said.get('reason', '')}".split())[:1000]
+    return " ".join(str(said)[:1000].split())
 
 
 def _is_final(path: str) -> bool:

@@ -474,16 +474,11 @@ def _restore_checked(source: OpenSource, view: PoolView, chain: Chain, engine, m
             chain.check_unchanged()  # (an object: a HEAD; its GETs are pinned to the ETag of open as well)
             staged.verify()  # the one read: every byte hashed into the staging buffer, every refusal before allocation
         elif mode == "before" and not remote or mode is not None and not during:
-            chain.verify()  # every link and page, every byte: every refusal before allocation, pools byte-identical
+            chain.prove()  # every link and page, every byte: every refusal before allocation, pools byte-identical
         else:
-            if mode is not None:
-                if not remote:
-                    chain.check_padding()
-                chain.check_records()  # each base's output a prefix of its delta's (read, hashed)
-            # every page reference holds before anything is allocated (spec 7.6): a missing page,
-            # another namespace, key or tokens, a page object that is not the one named; with
-            # digests checked, its bytes are hashed again as they land (like a link's section)
-            chain.check_pages(verify=mode == "before", hashed=mode is not None)
+            # the same proof (records, keys, every page reference) before anything is allocated,
+            # the links' section bytes left to the upload: hashed as they land (or, verify=False, not)
+            chain.prove(sections=False, page_sections=mode == "before", padding=mode is not None and not remote, hashed=mode is not None)
     except OSError as e:
         raise HsnapIOError(snap.path, "read", e) from None
     if staged is not None:  # uploaded from the buffer it hashed: nothing read after the check
@@ -733,7 +728,8 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
             for piece in pieces[b.name]:
                 rows = dest if piece.start is None else dest[piece.start : piece.stop]
                 if piece.page is not None:
-                    by_page.setdefault(piece.page.path, (piece.page, []))[1].append((b, rows))
+                    # by reference, not by object: two references to one object are each checked
+                    by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
                 where = f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")
                 uploaded += _upload_piece(engine, b, rows, piece, check_digests, staged)

@@ -13,6 +13,9 @@
     mig = client.move(url, url2, "req-42", "/mig/req-42", on_chunk=print)  # live migration: pre-copy while it decodes
     mig.source["timings"], mig.run.final, mig.downtime_s      # the source's report, the target's stream, the client's gap
 
+Paths are on the server's machine, beneath its snapshot root (relative ones: relative to it).  Every call takes
+``api_key=`` (default ``$HSNAP_API_KEY``), sent as ``Authorization: Bearer``: the server's admin key, else its API key.
+
 Every HTTP error becomes a :class:`ServerError` (an :class:`hsnap_format.HsnapError`) carrying the server's typed
 reason: ``error_type`` (``IncompatibleSnapshotError``, ``UnknownRequestError``, ...), ``status``, ``field``,
 ``expected``, ``found``.  Only the standard library and hsnap_format are imported (no torch, no SGLang).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import urllib.error
 import urllib.parse
@@ -52,9 +56,17 @@ class ServerError(HsnapError):
         return (type(self), (self.url, self.status, self.error))
 
 
-def _request(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S):
+API_KEY_ENV = "HSNAP_API_KEY"  # the key the clients send when none is given (the server's admin key, else its API key)
+
+
+def _headers(api_key: str | None) -> dict:
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
+def _request(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None):
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url.rstrip("/") + route, data=data, headers={"Content-Type": "application/json"},
+    req = urllib.request.Request(url.rstrip("/") + route, data=data, headers=_headers(api_key),
                                  method="GET" if payload is None else "POST")
     try:
         return urllib.request.urlopen(req, timeout=timeout)
@@ -64,48 +76,52 @@ def _request(url: str, route: str, payload: dict | None = None, timeout: float =
             error = json.loads(body).get("error")
         except ValueError:
             error = None
-        if not isinstance(error, dict):
+        if not isinstance(error, dict) and e.code in (401, 403):  # SGLang's key check: {"error": "Unauthorized"}
+            error = {"type": "Unauthorized", "message": f"{body[:100].decode(errors='replace')}: the /hsnap routes need the "
+                     f"server's admin key (else its API key): --api-key or {API_KEY_ENV}"}
+        elif not isinstance(error, dict):
             error = {"type": "HTTPError", "message": body[:300].decode(errors="replace")}
         raise ServerError(url + route, e.code, error) from None
     except (urllib.error.URLError, OSError) as e:
         raise HsnapIOError(url + route, "connect", e) from None
 
 
-def _json(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
-    with _request(url, route, payload, timeout) as r:
+def _json(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:
+    with _request(url, route, payload, timeout, api_key) as r:
         return json.loads(r.read())
 
 
-def pause(url: str, rid: str, path: str, *, keep_running: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+def pause(url: str, rid: str, path: str, *, keep_running: bool = False, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:
     """Export request ``rid`` to ``path`` (a path on the server's machine, or ``s3://``) at its next committed decode
     boundary.  Without ``keep_running`` the server releases its slots once the snapshot is durable and ends the
     client's stream with ``finish_reason {"type": "hsnap_export", "path": ...}``.  Returns the server's report
     (``path``, ``bytes``, ``committed_positions``, ``snapshot_id``, ``timings``...)."""
-    return _json(url, "/hsnap/export", {"rid": rid, "path": path, "keep_running": keep_running}, timeout)
+    return _json(url, "/hsnap/export", {"rid": rid, "path": path, "keep_running": keep_running}, timeout, api_key)
 
 
-def drain(url: str, dir: str, *, dedup: bool = False, page_size: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> dict:  # noqa: A002
+def drain(url: str, dir: str, *, dedup: bool = False, page_size: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,  # noqa: A002
+          api_key: str | None = None) -> dict:
     """Export every request of the server into ``dir`` (``{"ok", "items": [{rid, path, ok, result|error}]}``).
     ``dedup``: their full pages of ``page_size`` positions (default 64) stored once, in ``dir/pages`` (format 1.3);
     the answer's ``dedup`` says what was written against the sum of single snapshots."""
     body = {"dir": dir}
     if dedup:
         body.update(dedup=True, page_size=page_size or 0)
-    return _json(url, "/hsnap/drain", body, timeout)
+    return _json(url, "/hsnap/drain", body, timeout, api_key)
 
 
-def checkpoint(url: str, rid: str, dir: str, *, every: int, timeout: float = DEFAULT_TIMEOUT_S) -> dict:  # noqa: A002
+def checkpoint(url: str, rid: str, dir: str, *, every: int, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:  # noqa: A002
     """Checkpoint request ``rid`` into ``dir`` at its next committed decode boundary (returned once durable, with
     ``link`` 1) and every ``every`` output tokens after that, while it keeps decoding: ``<name>.ckNNNNNN.hsnap``, a
     plain link then deltas of the link before.  ``resume(url2, dir)`` takes the newest committed link.  ``every=0``
     stops checkpointing it."""
-    return _json(url, "/hsnap/checkpoint", {"rid": rid, "dir": dir, "every": every}, timeout)
+    return _json(url, "/hsnap/checkpoint", {"rid": rid, "dir": dir, "every": every}, timeout, api_key)
 
 
-def stats(url: str, rid: str | None = None, *, timeout: float = 60.0) -> dict:
+def stats(url: str, rid: str | None = None, *, timeout: float = 60.0, api_key: str | None = None) -> dict:
     """Completed forwards (``forwards``: decode / extend) of ``rid`` in that server, its requests, pools, checks."""
     q = "" if rid is None else "?" + urllib.parse.urlencode({"rid": rid})
-    return _json(url, "/hsnap/stats" + q, None, timeout)
+    return _json(url, "/hsnap/stats" + q, None, timeout, api_key)
 
 
 def stream_events(response) -> Any:
@@ -140,9 +156,16 @@ class ResumeRun:
     def output_ids(self) -> list:
         return list(self.final.get("output_ids", []))
 
+    @property
+    def aborted(self) -> dict:
+        """rid -> finish reason of each request whose stream ended in an abort (the continuation is incomplete)."""
+        return {rid: (e.get("meta_info") or {}).get("finish_reason") for rid, e in self.finals.items()
+                if ((e.get("meta_info") or {}).get("finish_reason") or {}).get("type") == "abort"}
+
 
 def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], None] | None = None, stream: bool = True,
-           seen: tuple[int, int] | dict | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> ResumeRun:
+           seen: tuple[int, int] | dict | None = None, again: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
+           api_key: str | None = None) -> ResumeRun:
     """Resume the snapshot (or every snapshot of a drain's or a checkpoint directory) at ``path`` in the server at
     ``url`` and read the rest of the request(s).  ``on_chunk(rid, new_text, new_ids, event)`` gets each event with
     what it adds to that request's text and token ids (events carry the text and ids so far, as /generate's do).
@@ -151,13 +174,16 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
     client may have more, or less): ``on_chunk`` then gets only what lies beyond it, so the text continues with
     nothing repeated or missing.  (With the server's ``--incremental-streaming-output`` the events carry only what
     follows the snapshot: a client that had less than the snapshot does not get the part in between from them.)
-    A refusal raises :class:`ServerError` before any output."""
-    return _read_run(url, "/hsnap/resume", {"path": path, "stream": stream}, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout)
+    A snapshot is resumed at most once (the server claims it: a second resume is refused, ``SnapshotClaimedError``);
+    ``again``: resume it anyway.  A refusal raises :class:`ServerError` before any output; a resumed request that
+    ends aborted is in ``run.aborted``."""
+    body = {"path": path, "stream": stream, **({"again": True} if again else {})}
+    return _read_run(url, "/hsnap/resume", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout, api_key=api_key)
 
 
-def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float) -> ResumeRun:
+def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float, api_key: str | None = None) -> ResumeRun:
     """A /hsnap/resume or /hsnap/follow call's events (see :func:`resume`)."""
-    with _request(url, route, body, timeout) as r:
+    with _request(url, route, body, timeout, api_key) as r:
         header = r.headers.get(RESUME_HEADER)
         run = ResumeRun(info=json.loads(header) if header else None)
         if not stream:
@@ -196,24 +222,24 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
 
 
 def migrate(url: str, rid: str, dir: str, *, tail: int = 16, max_rounds: int = 8, timeout_s: float = 60.0, fsync: bool = False,  # noqa: A002
-            timeout: float = DEFAULT_TIMEOUT_S) -> dict:
+            timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:
     """Migrate request ``rid`` out of the server at ``url`` through ``dir`` (a directory both servers reach, or
     ``s3://``), which a target server follows (:func:`follow`): pre-copy rounds while it decodes, then, once the
     target applied the last round and at most ``tail`` rows are left, the request is stopped, the final link
     written and its slots released; its client's stream ends with ``finish_reason {"type": "hsnap_export",
     "migration": dir}``.  Returns the source's report (``rounds``, ``final_rows``, ``timings``...)."""
     return _json(url, "/hsnap/migrate", {"rid": rid, "dir": dir, "tail": tail, "max_rounds": max_rounds, "timeout_s": timeout_s,
-                                         "fsync": fsync}, timeout)
+                                         "fsync": fsync}, timeout, api_key)
 
 
 def follow(url: str, dir: str, *, rid: str | None = None, on_chunk: Callable[[str, str, list, dict], None] | None = None,  # noqa: A002
-           stream: bool = True, seen=None, timeout_s: float = 60.0, timeout: float = DEFAULT_TIMEOUT_S) -> ResumeRun:
+           stream: bool = True, seen=None, timeout_s: float = 60.0, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> ResumeRun:
     """Have the server at ``url`` follow the migration in ``dir`` (each link applied as it is committed) and read the
     rest of the request once it runs there, as :func:`resume` reads it (``info``: the follow's report)."""
     body = {"dir": dir, "stream": stream, "timeout_s": timeout_s}
     if rid is not None:
         body["rid"] = rid
-    return _read_run(url, "/hsnap/follow", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout)
+    return _read_run(url, "/hsnap/follow", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout, api_key=api_key)
 
 
 @dataclass
@@ -234,7 +260,7 @@ class Migration:
 
 
 def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None, last_source_event_at: Callable[[], float] | None = None,  # noqa: A002
-         timeout_s: float = 60.0, **migrate_kw) -> Migration:
+         timeout_s: float = 60.0, api_key: str | None = None, **migrate_kw) -> Migration:
     """Live-migrate ``rid`` from ``source_url`` to ``target_url`` through ``dir``: the target follows first (in a
     thread), then the source migrates; returns once the target's stream ended.  ``last_source_event_at()``: when the
     caller's source stream got its last token (for :attr:`Migration.downtime_s`).  A refusal of the source is raised
@@ -254,14 +280,14 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
 
     def target():
         try:
-            got["run"] = follow(target_url, dir, rid=rid, on_chunk=chunk, timeout_s=timeout_s)
+            got["run"] = follow(target_url, dir, rid=rid, on_chunk=chunk, timeout_s=timeout_s, api_key=api_key)
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
             got["error"] = e
 
     t = threading.Thread(target=target, name="hsnap-follow", daemon=True)
     t.start()
     try:
-        report = migrate(source_url, rid, dir, timeout_s=timeout_s, **migrate_kw)
+        report = migrate(source_url, rid, dir, timeout_s=timeout_s, api_key=api_key, **migrate_kw)
     except HsnapError as e:
         t.join(DEFAULT_TIMEOUT_S)  # the source said why in the container: the target's follow ends with it
         e.follow_error = got.get("error")
@@ -270,6 +296,13 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
     if "error" in got:
         raise got["error"]
     return Migration(report, got["run"], last_source_event_at() if last_source_event_at is not None else None, first[0] if first else None)
+
+
+def _parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``p``'s arguments plus ``--api-key`` (every command calls admin routes)."""
+    p.add_argument("--api-key", default=None, metavar="KEY", help=f"the server's admin key (else its API key), sent as a Bearer "
+                   f"token; default ${API_KEY_ENV} (which, unlike an argument, other users cannot see)")
+    return p.parse_args(argv)
 
 
 def _items(info) -> list:
@@ -286,9 +319,9 @@ def pause_main(argv) -> int:
     p.add_argument("-o", "--output", required=True, metavar="PATH", help="the snapshot path on the server's machine, or s3://")
     p.add_argument("--keep-running", action="store_true", help="snapshot and keep decoding (nothing released)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     try:
-        out = pause(args.url, args.rid, args.output, keep_running=args.keep_running)
+        out = pause(args.url, args.rid, args.output, keep_running=args.keep_running, api_key=args.api_key)
     except HsnapError as e:
         return _fail("pause", e)
     if args.json:
@@ -307,8 +340,9 @@ def resume_main(argv) -> int:
                                 "in a server running the hsnap plug-in and print the rest of the stream.")
     p.add_argument("url", help="the server, http://host:port")
     p.add_argument("path", help="a snapshot path on the server's machine, a directory of snapshots, or s3://")
+    p.add_argument("--again", action="store_true", help="resume a snapshot that was resumed before (a duplicate continuation)")
     p.add_argument("--json", action="store_true", help="every event as one JSON line")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     started: set[str] = set()
 
     def show(rid, text, ids, event):
@@ -322,9 +356,10 @@ def resume_main(argv) -> int:
         sys.stdout.flush()
 
     try:
-        run = resume(args.url, args.path, on_chunk=show)
+        run = resume(args.url, args.path, on_chunk=show, again=args.again, api_key=args.api_key)
     except HsnapError as e:
         return _fail("resume", e)
+    failed = 1 if run.aborted else 0
     if not args.json:
         print(file=sys.stdout)
         for item in _items(run.info):
@@ -338,7 +373,9 @@ def resume_main(argv) -> int:
             print(f"resumed {escape_text(res['rid'])} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
                   f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
                   f"{meta.get('completion_tokens')} output tokens, finish {json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
-    return 0
+    for rid, why in run.aborted.items():  # a continuation cut short is a failure, whatever the HTTP status said
+        print(f"hsnap resume: {escape_text(rid)} ended aborted, not finished: {escape_text(json.dumps(why))}", file=sys.stderr)
+    return failed
 
 
 def drain_main(argv) -> int:
@@ -349,9 +386,9 @@ def drain_main(argv) -> int:
     p.add_argument("--dedup", action="store_true", help="store shared full pages (a system prompt) once, in DIR/pages (format 1.3)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="positions per stored page with --dedup (default 64)")
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     try:
-        out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size)
+        out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size, api_key=args.api_key)
     except HsnapError as e:
         return _fail("drain", e)
     if args.json:
@@ -382,9 +419,9 @@ def checkpoint_main(argv) -> int:
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
     p.add_argument("--every", type=int, required=True, metavar="N", help="output tokens between links (0: stop checkpointing)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
     try:
-        out = checkpoint(args.url, args.rid, args.output, every=args.every)
+        out = checkpoint(args.url, args.rid, args.output, every=args.every, api_key=args.api_key)
     except HsnapError as e:
         return _fail("checkpoint", e)
     if args.json:
@@ -410,7 +447,7 @@ def migrate_main(argv) -> int:
     p.add_argument("--max-rounds", type=int, default=8, help="pre-copy rounds at most (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds either side waits for the other's next step")
     p.add_argument("--json", action="store_true", help="both reports as JSON (no text)")
-    args = p.parse_args(argv)
+    args = _parse(p, argv)
 
     def show(rid, text, ids, event):
         if not args.json:
@@ -418,7 +455,8 @@ def migrate_main(argv) -> int:
             sys.stdout.flush()
 
     try:
-        mig = move(args.source, args.to, args.rid, args.via, on_chunk=show, tail=args.tail, max_rounds=args.max_rounds, timeout_s=args.timeout)
+        mig = move(args.source, args.to, args.rid, args.via, on_chunk=show, tail=args.tail, max_rounds=args.max_rounds, timeout_s=args.timeout,
+                   api_key=args.api_key)
     except HsnapError as e:
         return _fail("migrate", e)
     src, info = mig.source, mig.run.info or {}

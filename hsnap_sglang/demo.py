@@ -289,9 +289,25 @@ def tokens(event: dict) -> tuple[list[int], list[float]]:
     return [p[1] for p in pairs], [p[0] for p in pairs]
 
 
+def _batched(url: str, requests: dict[str, tuple[int, int, int]], x: dict) -> tuple[dict[str, "Stream"], "Stream"]:
+    """Uninterrupted runs of ``requests`` with ``x`` started beside them once they are prefilled, as the paused run
+    starts them (the same batch shape until the pause), from an empty radix tree."""
+    streams = {rid: Stream(url, payload(f"{rid}-reference", m, ids=prompt_ids(seed, p))) for rid, (seed, p, m) in requests.items()}
+    for s in streams.values():
+        s.start()
+    for s in streams.values():
+        s.wait_tokens(1)
+    xs = Stream(url, x)
+    xs.start()
+    xs.finish()
+    for s in streams.values():
+        s.finish()
+    return streams, xs
+
+
 def _references(url: str, requests: dict[str, tuple[int, int, int]]) -> dict[str, tuple[list[int], list[float]]]:
-    """Uninterrupted runs of the other requests, together (bfloat16 here: a request's numbers do not depend on its
-    batch), from an empty radix tree."""
+    """Uninterrupted runs of the other requests, together, from an empty radix tree (the target's references: the
+    demo's ``reference_batch_invariant`` check shows that a request's numbers do not depend on its batch here)."""
     streams = {rid: Stream(url, payload(f"{rid}-reference", m, ids=prompt_ids(seed, p))) for rid, (seed, p, m) in requests.items()}
     for s in streams.values():
         s.start()
@@ -541,13 +557,16 @@ def _fresh_out(arg: str | None) -> Path:
     raise DemoError(f"no free name hsnap-demo-{stamp}-N in {os.getcwd()}")
 
 
-def server_env() -> dict[str, str]:
+def server_env(root: Path | str | None = None) -> dict[str, str]:
     """The same environment for both servers: the CPU platform, and the same cores (the thread count is part of the
-    numerics: a request continues bit for bit only with the same one)."""
+    numerics: a request continues bit for bit only with the same one); ``root``: the snapshot root every client path
+    resolves beneath (``HSNAP_ROOT``, hsnap_sglang.confine)."""
     from .serve import omp_threads_bind
 
     env = dict(os.environ)
     env["HSNAP_SGLANG_CPU"] = "1"
+    if root is not None:
+        env["HSNAP_ROOT"] = str(Path(root).resolve())
     env.setdefault("SGLANG_LOGGING_LEVEL", "warning")
     bind = omp_threads_bind(1)
     if bind is not None:
@@ -639,7 +658,7 @@ def _run(run: _Run) -> dict[str, Any]:
         raise DemoError(f"--model-dir: {e}") from None
     t = run.phase("build_model", t)
     run.say(f"the tiny {args.arch} model and tokenizer, built locally (no download), in {run.phases['build_model']:.1f} s: {model}")
-    env = server_env()
+    env = server_env(root=out)  # every path the demo names lies in its output directory
     snapshot = out / "x.hsnap"
 
     # ---- the source server: reference, then the same request paused after k outputs
@@ -650,6 +669,13 @@ def _run(run: _Run) -> dict[str, Any]:
     ref.finish()
     flush_cache(src.url)  # the paused run prefills from an empty tree, as the reference did
     run.say(f"reference: {len(ref.final['output_ids'])} tokens, uninterrupted")
+    # the same batch shape as the paused run below, uninterrupted: x beside the others (their references) and the
+    # control that this server's numerics do not depend on the batch (x alone == x batched)
+    ref_others, ref_batched = _batched(src.url, SOURCE_OTHERS, payload("x-reference-batched", n, text=PROMPT_TEXT))
+    src_refs = {rid: tokens(s.final) for rid, s in ref_others.items()}
+    flush_cache(src.url)
+    batch_invariant = tokens(ref_batched.final) == tokens(ref.final)
+    run.say(f"x alone and x beside {len(SOURCE_OTHERS)} others, uninterrupted: {'equal' if batch_invariant else 'DIFFERENT'}")
     others = {rid: Stream(src.url, payload(rid, m, ids=prompt_ids(seed, p))) for rid, (seed, p, m) in SOURCE_OTHERS.items()}
     for o in others.values():
         o.start()
@@ -671,8 +697,6 @@ def _run(run: _Run) -> dict[str, Any]:
         o.finish()
     src_forwards = client.stats(src.url, "x")["forwards"]
     src_idle = _wait_idle(src.url)
-    flush_cache(src.url)
-    src_refs = _references(src.url, SOURCE_OTHERS)
     t = run.phase("source_run", t)
     src_stop = src.stop()
     run.say(f"source server stopped: exit {src_stop['exit_code']}, {len(src_stop['left'])} of its processes left")
@@ -755,6 +779,9 @@ def _run(run: _Run) -> dict[str, Any]:
             "committed_positions": exported["committed_positions"]},
         "stream_continuous": stream["continuous"] and stream["client_chunks_are_the_new_parts"],
         "others_decoding_beside_x": {"x", *SOURCE_OTHERS} <= set(running_beside_x),
+        # a request's numbers do not depend on its batch on this server (else 'equal to the reference' could not be asked
+        # of x, which the target runs beside another request): checked, not assumed
+        "reference_batch_invariant": batch_invariant,
         "other_requests_unaffected": all(r["equal"] for r in others_rows) and all(r.get("running_when_x_resumed", True) for r in others_rows),
         "source_gone_before_target_started": src_stop["left"] == [] and src_stop["exit_code"] is not None,
         "target_stopped": dst_stop["left"] == [],
@@ -839,8 +866,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"the resumed one went on from {st['resume_started_at']['output_ids']} / {st['resume_started_at']['text_chars']}; "
         f"repeated {st['repeated']['text_chars']} chars, missing {st['missing']['text_chars']} chars; "
         f"equal to the uninterrupted stream at {st['common_boundaries']} boundaries",
-        f"  other requests         {sum(o['equal'] for o in r['others'])}/{len(r['others'])} equal to their own uninterrupted runs "
+        f"  other requests         {sum(o['equal'] for o in r['others'])}/{len(r['others'])} equal to their uninterrupted runs in the same "
+        f"batch shape (source: beside x, never paused; target: their own run) "
         f"({', '.join(o['rid'] + ' in the ' + o['server'] for o in r['others'])}): {_yes(ck['other_requests_unaffected'])}",
+        f"  batch invariance       x alone == x beside the others, uninterrupted (the reference above may stand for a batched "
+        f"run): {_yes(ck['reference_batch_invariant'])}",
         f"  pools consistent       SGLang's own idle checks in both servers (no leaked token, Mamba or request slot; the radix tree sane): "
         f"{_yes(ck['pools_consistent'])}",
         "",

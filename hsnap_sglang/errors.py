@@ -5,6 +5,7 @@ a plain dict over SGLang's IPC (:func:`error_dict`), an HTTP error status with t
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from hsnap_format import errors as hf_errors
@@ -27,14 +28,25 @@ class PluginError(HsnapError):
     """The server could not do what was asked for a reason of its own (an unexpected exception, logged)."""
 
 
+class BadRequestError(HsnapError):
+    """A request body the routes refuse before anything runs: not a JSON object, too large, too deep, a field of
+    another type, a text with a NUL byte or a lone surrogate, or over its length cap."""
+
+
+class ServerBusyError(HsnapError):
+    """A bounded resource of the server is in use to its limit (concurrent follows): retry later."""
+
+
 # the first class in the MRO of an error that has a row here gives the HTTP status
 STATUS: dict[str, int] = {
     "UnknownRequestError": 404,
     "HsnapIOError": 404,  # an unknown path (or unreadable: the message says which)
     "RemoteNotFoundError": 404,
+    "ConfinementError": 403,  # a path or URL outside the snapshot root / allowed prefixes (or none configured)
     "RequestFinishedError": 409,
     "RequestBusyError": 409,
     "SnapshotExistsError": 409,
+    "SnapshotClaimedError": 409,  # resumed once already (hsnap_sglang.claims): again only on purpose
     "CapacityError": 409,  # a full target: retry later or elsewhere
     "UnsupportedRequestError": 422,  # a request hsnap cannot carry
     "IncompatibleSnapshotError": 422,  # intact, but not for this server (identity, layout, geometry, binding)
@@ -48,6 +60,8 @@ STATUS: dict[str, int] = {
     "RemoteIOError": 502,
     "MigrationError": 504,  # the other side of a live migration did not do its part in time (or gave up)
     "PluginError": 500,
+    "BadRequestError": 400,
+    "ServerBusyError": 429,
     "HsnapError": 400,
 }
 
@@ -56,30 +70,54 @@ def status_of(error_type_mro: list[str]) -> int:
     return next((STATUS[name] for name in error_type_mro if name in STATUS), 500)
 
 
-def _plain(v: Any) -> Any:
-    """A value for JSON: scalars as they are, containers recursively, anything else as its text."""
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
+ECHO_CHARS = 200  # an error answer repeats at most this much of any value it names (a 10 MB rid is not sent back)
+MESSAGE_CHARS = 4000  # the one-line message and ``detail`` (they name every differing field)
+
+
+# the object store's endpoint as hsnap_format.remote names it in its errors ("get at http://10.0.0.5:8333"): an
+# operator's internal address, not for the server's HTTP clients
+_ENDPOINT = re.compile(r"\bhttps?://[^\s/:]+(?::\d+)?(?:/[^\s:]*)?")
+ENDPOINT_SHOWN = "<the object store>"
+
+
+def capped(text: str, limit: int = ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was; no store endpoint in it."""
+    text = _ENDPOINT.sub(ENDPOINT_SHOWN, text) if "://" in text else text
+    return text if len(text) <= limit else f"{text[:limit]}…({len(text)} chars)"
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """A value for JSON: scalars as they are (texts capped), containers recursively (a few levels, a few items),
+    anything else as its (capped) text."""
+    if v is None or isinstance(v, (bool, int)):
+        return v if not isinstance(v, int) or v.bit_length() <= 64 else capped(str(v))
+    if isinstance(v, str):
+        return capped(v)
+    if depth >= 4:
+        return capped(str(v))
     if isinstance(v, float):
         return v if math.isfinite(v) else str(v)
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [_plain(x, depth + 1) for x in v[:32]]
     if isinstance(v, dict):
-        return {str(k): _plain(x) for k, x in v.items()}
-    return str(v)
+        return {capped(str(k)): _plain(x, depth + 1) for k, x in list(v.items())[:32]}
+    return capped(str(v))
 
 
 def error_dict(e: BaseException, **extra) -> dict:
     """A refusal as plain values: ``type`` (the class name), ``status``, ``message`` (one line), ``path``,
     ``field``, ``expected``, ``found``, ``differences`` (IncompatibleSnapshotError), ``mro``."""
     mro = [c.__name__ for c in type(e).__mro__ if issubclass(c, BaseException)]
-    d = {"type": type(e).__name__, "mro": mro, "status": status_of(mro), "message": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    text = str(e)
+    message = text.splitlines()[0] if text else type(e).__name__
+    d = {"type": type(e).__name__, "mro": mro, "status": status_of(mro), "message": capped(message, MESSAGE_CHARS)}
     if isinstance(e, HsnapError):
-        d.update(path=e.path, field=e.field, expected=_plain(e.expected), found=_plain(e.found), detail=e.detail)
+        d.update(path=_plain(e.path), field=_plain(e.field), expected=_plain(e.expected), found=_plain(e.found),
+                 detail=None if e.detail is None else capped(str(e.detail), MESSAGE_CHARS))
         if isinstance(e, hf_errors.IncompatibleSnapshotError):
-            d["differences"] = [[f, _plain(x), _plain(y)] for f, x, y in e.differences]
+            d["differences"] = [[_plain(f), _plain(x), _plain(y)] for f, x, y in e.differences[:32]]
     d.update(extra)
     return d
 
 
-__all__ = ["UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "STATUS", "status_of", "error_dict"]
+__all__ = ["UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "capped", "STATUS", "status_of", "error_dict"]

@@ -13,13 +13,25 @@ expected, found, ...}}``, sent before any output):
   /generate).  The resume result (snapshot id, committed positions, bytes, timings) is in the ``X-Hsnap-Resume``
   header.  A directory or ``s3://`` prefix (a drain's, or checkpoints': of those only each request's newest link)
   resumes every snapshot in it; the events of all of them
-  are interleaved, each naming its request in ``meta_info.id``.
+  are interleaved, each naming its request in ``meta_info.id``.  Each snapshot is resumed at most once: the server
+  claims it first (``<snapshot>.claimed``, hsnap_sglang.claims); a second resume is refused with 409
+  ``SnapshotClaimedError`` naming who claimed it and when, unless the body says ``"again": true``.
 * ``POST /hsnap/drain {"dir", "dedup": false, "page_size": 64}`` — every request of the server exported into ``dir``:
   ``{"ok", "items": [...]}``; ``dedup``: full pages stored once in ``dir/pages`` (``"dedup": {bytes_written, single_bytes, ...}``).
 * ``POST /hsnap/checkpoint {"rid", "dir", "every"}`` — checkpoint the request into ``dir`` now (answered once that
   link is durable) and every ``every`` output tokens after, while it keeps decoding (``every: 0`` stops).
 * ``GET /hsnap/stats[?rid=]`` — completed forwards per request (decode / extend), requests, pool free counts and
   SGLang's own invariant checks.
+* ``POST /hsnap/migrate {"rid", "dir", ...}`` / ``POST /hsnap/follow {"dir", "rid"?, "timeout_s"?}`` — live
+  migration (:mod:`.migration`).  Follows are bounded: at most ``MAX_FOLLOWS`` (4) at once per server (past it a
+  typed 429, ServerBusyError) and ``timeout_s`` at most ``MAX_FOLLOW_TIMEOUT_S`` (600 s) per link.
+
+Every route is contained (:mod:`.containment`): a body over 1 MiB or nested over 8 deep, a text field with a NUL
+byte or a lone surrogate (or a path over 4096, a rid over 512 characters) is a typed 400 before the scheduler is
+asked; any failure is a typed JSON answer and one log line, never a bare 500; error answers echo at most 200
+characters of any value.  Every route is an admin route (SGLang's ``ADMIN_OPTIONAL``: the admin key, else the API
+key; :mod:`.auth`), and every client path or URL resolves beneath the snapshot root / allowed prefixes
+(:mod:`.confine`; a typed 403 otherwise, before anything outside is opened).
 
 Before the scheduler is asked to resume anything, the HTTP process reads the snapshot's record (hsnap_format:
 header and record, hashed) to learn the rid and how the client is served, and registers the request's state with
@@ -31,14 +43,17 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Any
 
 from hsnap_format import HsnapError, open_snapshot
-from hsnap_format.errors import Phrase
+from hsnap_format.errors import MalformedError, Phrase
+from hsnap_format.spec import MAX_PAGE_SIZE
 
-from hsnap_format.storage import is_url
-
+from . import claims
+from . import auth, confine
+from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, read_body
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -66,14 +81,29 @@ _routes_added = False
 
 
 def before_launch_server(*args, **kwargs):
-    """BEFORE ``http_server.launch_server``: the /hsnap routes join SGLang's FastAPI app."""
+    """BEFORE ``http_server.launch_server``: the /hsnap routes join SGLang's FastAPI app — unless no key guards them
+    on a server others can reach (:func:`.auth.exposure_refusal`): then the server does not start, and says why."""
     global _routes_added
+    sa = kwargs.get("server_args", args[0] if args else None)  # always given by launch_server (a probe may omit it)
+    why = sa is not None and auth.exposure_refusal(getattr(sa, "host", None), getattr(sa, "api_key", None), getattr(sa, "admin_api_key", None),
+                                                   tokenizer_workers=getattr(sa, "tokenizer_worker_num", 1))
+    if why:
+        logger.error(why)
+        raise SystemExit(why)
     if not _routes_added:
         from sglang.srt.entrypoints import http_server
 
-        http_server.app.include_router(router())
+        add_routes(http_server.app)
         _routes_added = True
     return None
+
+
+def add_routes(app) -> None:
+    """The /hsnap routes as routes of ``app`` itself: SGLang's key middleware finds a route's auth level on the
+    app's own routes, and FastAPI's ``include_router`` now adds one opaque entry (its auth mark unseen: the routes
+    then counted as user routes)."""
+    for route in router().routes:
+        app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name)
 
 
 # ----------------------------------------------------------------------------- the TokenizerManager side
@@ -102,15 +132,27 @@ class HsnapFrontend:
 
     # ------------------------------------------------------------------ resume
 
-    async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None):
-        """Register the request's state (seeded), ask the scheduler; on refusal take the state back and raise."""
-        info = read_resume_info(path)
+    async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None, again: bool = False):
+        """Claim the snapshot (hsnap_sglang.claims; not with ``again``), register the request's state (seeded), ask
+        the scheduler; on refusal take the state and the claim back and raise.  File and store work runs off the
+        event loop (its reads are bounded by the store's timeouts)."""
+        info = await asyncio.to_thread(read_resume_info, path)
         rid = info["rid"]
         if rid in self.tm.rid_to_state:
             raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
-        obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
-                                               text_in_logprobs=text_in_logprobs, request=request)
-        return obj, dict(out.result, client_had=had)
+        held = None if again else await asyncio.to_thread(claims.claim, path, self.claimant())
+        try:
+            obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
+                                                   text_in_logprobs=text_in_logprobs, request=request)
+        except BaseException:
+            if held is not None:
+                await asyncio.to_thread(_release_claim, *held)
+            raise
+        return obj, dict(out.result, client_had=had, claimed=held[0] if held is not None else None)
+
+    def claimant(self) -> dict:
+        args = getattr(self.tm, "server_args", None)
+        return claims.claimant_identity(f"{getattr(args, 'host', '?')}:{getattr(args, 'port', '?')}")
 
     async def _registered(self, info: dict, msg, *, stream: bool, text_in_logprobs: bool, request):
         """Register the client's state of ``info``'s request (seeded with what the client already has), then send
@@ -121,6 +163,7 @@ class HsnapFrontend:
         obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
         tm._init_req_state(obj, request)
         state = tm.rid_to_state[rid]
+        state.hsnap_registered_at = time.monotonic()  # an earlier stream's delayed abort spares it (around_create_abort_task)
         _seed_state(state, info, _streamed_text(tm.tokenizer, info))
         had = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
                "incremental": bool(stream and tm.incremental_streaming_output)}
@@ -159,6 +202,34 @@ class HsnapFrontend:
         return obj, result
 
 
+def _release_claim(marker: str, version: str) -> None:
+    try:
+        claims.release(marker, version)
+    except Exception:  # noqa: BLE001 - a claim left behind refuses a later resume by name (again=true resumes it)
+        logger.exception("hsnap: taking back the claim %s", marker)
+
+
+def around_create_abort_task(original, tm, obj, *args, **kwargs):
+    """AROUND ``TokenizerManager.create_abort_task``: SGLang aborts a streamed request's rid 2 s after its stream
+    ends (the client went away).  When that stream ended because its request was exported, the rid may by then
+    belong to the same request resumed here: the delayed abort spares a request hsnap registered after the abort
+    was arranged (the resumed one's own stream arranges its own, later, which still applies)."""
+    from starlette.background import BackgroundTasks
+
+    arranged = time.monotonic()
+
+    async def abort_request():
+        await asyncio.sleep(2)
+        for rid in [obj.rid] if obj.is_single else obj.rid:
+            state = tm.rid_to_state.get(rid)
+            if state is not None and getattr(state, "hsnap_registered_at", float("-inf")) <= arranged:
+                tm.abort_request(rid)
+
+    tasks = BackgroundTasks()
+    tasks.add_task(abort_request)
+    return tasks
+
+
 class _AnsweredError(Exception):
     """The scheduler refused: its error dict, as it is."""
 
@@ -185,7 +256,13 @@ def resume_info_of(record, path: str) -> dict:
 
     def json_extra(key):
         v = extra.get(key)
-        return json.loads(v) if isinstance(v, str) else v
+        if not isinstance(v, str):
+            return v
+        try:  # carried JSON of a record that hashed fine but was written by anyone (logprobs may be -Infinity)
+            return json.loads(v)
+        except (RecursionError, ValueError) as e:
+            raise MalformedError(path, f"record.extra[{key!r}]", Phrase("JSON text nested less than the parser's limit"),
+                                 Phrase(type(e).__name__)) from None
 
     return {
         "path": path,
@@ -319,16 +396,15 @@ def _bad(field: str, expected, found):
     return _error_response(error_dict(HsnapError("request body", field, Phrase(expected), found)))
 
 
-async def _body(request) -> dict | None:
-    try:
-        body = await request.json()
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
+async def _body(request) -> dict:
+    """The JSON object body, bounded (containment.read_body): anything else is a typed 400 (BadRequestError)."""
+    return await read_body(request)
 
 
-def _local(path: str) -> str:
-    return path if is_url(path) else os.path.abspath(path)
+def _local(path: str, field: str = "path") -> str:
+    """A client's path resolved beneath the snapshot root (a URL: beneath an allowed prefix), or ConfinementError
+    (a typed 403): nothing outside the root is opened, no symlink beneath it followed (:mod:`.confine`)."""
+    return confine.resolve(path, field, confine.READ)
 
 
 def _answer_response(out: HsnapReqOutput):
@@ -342,6 +418,14 @@ def _answer_response(out: HsnapReqOutput):
     return JSONResponse(status_code=200, content=content)
 
 
+_FOLLOWS = Slots(MAX_FOLLOWS, "follow")
+
+
+def _contained(where: str):
+    """Route containment (containment.contained_route): any exception is a typed JSON answer, never a bare 500."""
+    return contained_route(where, _error_response, answered=_AnsweredError)
+
+
 def router():
     from fastapi import APIRouter, Request
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -349,57 +433,59 @@ def router():
     r = APIRouter(prefix="/hsnap")
 
     @r.post("/export")
+    @_contained("export")
     async def export(request: Request):
         body = await _body(request)
         if body is None:
             return _bad("body", "a JSON object {rid, path, keep_running?}", None)
         rid, path, keep = body.get("rid"), body.get("path"), body.get("keep_running", False)
-        if type(rid) is not str or not rid:
-            return _bad("rid", "a request id (string)", rid)
-        if type(path) is not str or not path:
-            return _bad("path", "a path or s3:// URL (string)", path)
+        check_rid("rid", rid)
+        check_path("path", path)
         if type(keep) is not bool:
             return _bad("keep_running", "true or false", keep)
         out = await _frontend().call(HsnapExportReqInput(op_id=uuid.uuid4().hex, rid=rid, path=_local(path), keep_running=keep))
         return _answer_response(out)
 
     @r.post("/drain")
+    @_contained("drain")
     async def drain(request: Request):
         body = await _body(request)
         d = None if body is None else body.get("dir")
-        if type(d) is not str or not d:
-            return _bad("dir", "a directory or s3:// prefix (string)", d)
+        check_path("dir", d, what="a directory or s3:// prefix (string)")
         dedup, page = body.get("dedup", False), body.get("page_size", 0)
         if type(dedup) is not bool:
             return _bad("dedup", "true or false", dedup)
-        if type(page) is not int or not 0 <= page <= 1 << 20:
-            return _bad("page_size", "positions per page object, 1..1048576 (0: the default)", page)
-        out = await _frontend().call(HsnapDrainReqInput(op_id=uuid.uuid4().hex, dir=_local(d), dedup=dedup, page_size=page))
+        if type(page) is not int or not 0 <= page <= MAX_PAGE_SIZE:  # spec 5.10: every page object fits its header
+            return _bad("page_size", f"positions per page object, 1..{MAX_PAGE_SIZE} (0: the default)", page)
+        out = await _frontend().call(HsnapDrainReqInput(op_id=uuid.uuid4().hex, dir=_local(d, "dir"), dedup=dedup, page_size=page))
         return _answer_response(out)
 
     @r.post("/checkpoint")
+    @_contained("checkpoint")
     async def checkpoint(request: Request):
         body = await _body(request)
         if body is None:
             return _bad("body", "a JSON object {rid, dir, every}", None)
         rid, d, every = body.get("rid"), body.get("dir"), body.get("every")
-        if type(rid) is not str or not rid:
-            return _bad("rid", "a request id (string)", rid)
+        check_rid("rid", rid)
         if type(every) is not int or not 0 <= every <= 1 << 32:
             return _bad("every", "output tokens between checkpoints, >= 1 (0: stop)", every)
         if every == 0 and d is None:
             d = ""
-        elif type(d) is not str or not d:
-            return _bad("dir", "a directory or s3:// prefix (string)", d)
-        out = await _frontend().call(HsnapCheckpointReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d) if d else d, every=every))
+        else:
+            check_path("dir", d, what="a directory or s3:// prefix (string)")
+        out = await _frontend().call(HsnapCheckpointReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d, "dir") if d else d, every=every))
         return _answer_response(out)
 
     @r.get("/stats")
+    @_contained("stats")
     async def stats(rid: str | None = None):
+        check_rid("rid", rid, optional=True)
         out = await _frontend().call(HsnapStatsReqInput(op_id=uuid.uuid4().hex, rid=rid))
         return _answer_response(out)
 
     @r.post("/resume")
+    @_contained("resume")
     async def resume(request: Request):
         from sglang.srt.entrypoints.http_server import dumps_json
 
@@ -407,14 +493,16 @@ def router():
         if body is None:
             return _bad("body", "a JSON object {path, stream?}", None)
         path, stream, text_lp = body.get("path"), body.get("stream", False), body.get("return_text_in_logprobs", False)
-        if type(path) is not str or not path:
-            return _bad("path", "a snapshot path, a directory of snapshots or an s3:// URL (string)", path)
+        check_path("path", path, what="a snapshot path, a directory of snapshots or an s3:// URL (string)")
         if type(stream) is not bool or type(text_lp) is not bool:
             return _bad("stream", "true or false", stream)
+        again = body.get("again", False)
+        if type(again) is not bool:
+            return _bad("again", "true or false (true: resume a snapshot already resumed once)", again)
         fe = _frontend()
         tm = fe.tm
         try:
-            entries = snapshot_entries(_local(path))
+            entries = await asyncio.to_thread(snapshot_entries, _local(path))  # a listing: off the event loop
         except HsnapError as e:  # a listing the store refused (typed, named)
             return _error_response(error_dict(e))
         except OSError as e:
@@ -425,7 +513,7 @@ def router():
         resumed, results = [], []
         for entry in entries:
             try:
-                obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request)
+                obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request, again=again)
             except _AnsweredError as e:
                 results.append({"path": entry, "ok": False, "error": e.error})
                 continue
@@ -446,47 +534,46 @@ def router():
         return await _respond(tm, resumed, request, stream=stream, headers=headers, single=len(entries) == 1)
 
     @r.post("/migrate")
+    @_contained("migrate")
     async def migrate(request: Request):
         body = await _body(request)
         if body is None:
             return _bad("body", "a JSON object {rid, dir, tail?, max_rounds?, timeout_s?, fsync?}", None)
         rid, d = body.get("rid"), body.get("dir")
         tail, rounds, timeout_s, fsync = body.get("tail", 16), body.get("max_rounds", 8), body.get("timeout_s", 60), body.get("fsync", False)
-        if type(rid) is not str or not rid:
-            return _bad("rid", "a request id (string)", rid)
-        if type(d) is not str or not d:
-            return _bad("dir", "a directory or s3:// prefix the target follows (string)", d)
+        check_rid("rid", rid)
+        check_path("dir", d, what="a directory or s3:// prefix the target follows (string)")
         if type(tail) is not int or not 0 <= tail <= 1 << 20:
             return _bad("tail", "rows left at most when the request stops, 0..1048576", tail)
         if type(rounds) is not int or not 1 <= rounds <= 1000:
             return _bad("max_rounds", "pre-copy rounds at most, 1..1000", rounds)
-        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 86400:
-            return _bad("timeout_s", "seconds a round may wait for the target, (0, 86400]", timeout_s)
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= MAX_FOLLOW_TIMEOUT_S:  # as a follow's wait: bounded
+            return _bad("timeout_s", f"seconds a round may wait for the target, (0, {MAX_FOLLOW_TIMEOUT_S:g}]", timeout_s)
         if type(fsync) is not bool:
             return _bad("fsync", "true or false", fsync)
-        out = await _frontend().call(HsnapMigrateReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d), tail=tail, max_rounds=rounds,
+        out = await _frontend().call(HsnapMigrateReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d, "dir"), tail=tail, max_rounds=rounds,
                                                           timeout_s=float(timeout_s), fsync=fsync))
         return _answer_response(out)
 
     @r.post("/follow")
+    @_contained("follow")
     async def follow(request: Request):
         body = await _body(request)
         if body is None:
             return _bad("body", "a JSON object {dir, rid?, stream?, timeout_s?}", None)
         d, rid, stream = body.get("dir"), body.get("rid"), body.get("stream", False)
         text_lp, timeout_s = body.get("return_text_in_logprobs", False), body.get("timeout_s", 60)
-        if type(d) is not str or not d:
-            return _bad("dir", "the directory or s3:// prefix a source migrates through (string)", d)
-        if rid is not None and (type(rid) is not str or not rid):
-            return _bad("rid", "the request id expected (string) or null", rid)
+        check_path("dir", d, what="the directory or s3:// prefix a source migrates through (string)")
+        check_rid("rid", rid, what="the request id expected (string) or null", optional=True)
         if type(stream) is not bool or type(text_lp) is not bool:
             return _bad("stream", "true or false", stream)
-        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= 86400:
-            return _bad("timeout_s", "seconds to wait for each link, (0, 86400]", timeout_s)
+        if type(timeout_s) not in (int, float) or not 0 < timeout_s <= MAX_FOLLOW_TIMEOUT_S:
+            return _bad("timeout_s", f"seconds to wait for each link, (0, {MAX_FOLLOW_TIMEOUT_S:g}]", timeout_s)
         fe = _frontend()
         try:
-            obj, result = await fe.follow(_local(d), rid=rid, timeout_s=float(timeout_s), stream=stream, text_in_logprobs=text_lp,
-                                          request=request)
+            with _FOLLOWS:  # at most MAX_FOLLOWS at once (a typed 429 past it); the scheduler bounds them too
+                obj, result = await fe.follow(_local(d, "dir"), rid=rid, timeout_s=float(timeout_s), stream=stream, text_in_logprobs=text_lp,
+                                              request=request)
         except _AnsweredError as e:
             return _error_response(e.error)
         except HsnapError as e:
@@ -495,6 +582,10 @@ def router():
         headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "rid": result.get("rid")})}
         return await _respond(fe.tm, [obj], request, stream=stream, headers=headers, single=True)
 
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    for route in r.routes:  # admin operations: SGLang's middleware asks for the admin key (else the API key)
+        auth_level(AuthLevel.ADMIN_OPTIONAL)(route.endpoint)
     return r
 
 

@@ -38,7 +38,9 @@ from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.errors import Phrase
 from hsnap_format.storage import store_for
 
-from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
+from . import confine
+from .containment import MAX_FOLLOWS, guarded, typed
+from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -140,6 +142,11 @@ def held_kv_rows(hs) -> list:
 
 
 def on_migrate(hs, msg) -> None:
+    try:  # the HTTP edge checked it; again before anything there is looked at or written (nor abandoned.json outside)
+        confine.resolve(msg.dir, "dir", confine.DIR)
+    except HsnapError as e:
+        hs._answer(msg, ok=False, error=error_dict(e))
+        return
     from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME, REFUSED_NAME
 
     from .scheduler import _Export
@@ -153,15 +160,15 @@ def on_migrate(hs, msg) -> None:
             raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
                              f"TP {hs.tp_size}")
         if where is None:
-            raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+            raise hs.absent(msg.rid)
         if hs._busy(msg.rid) or msg.rid in hs.migrations:
             raise RequestBusyError(None, "rid", Phrase("a request no other export or migration is waiting for"), msg.rid)
         if used is not None:
             raise SnapshotExistsError(used, "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
         if store.local:
-            store.makedirs(msg.dir)
-    except (HsnapError, OSError) as e:
-        err = e if isinstance(e, HsnapError) else HsnapError(msg.dir, "dir", detail=str(e))
+            confine.resolve(msg.dir, "dir", confine.DIR, create=True)  # made beneath the root, no symlink followed
+    except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
+        err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "migrate", msg.dir)
         if used is None:  # a fresh container: a target already following it learns at once that nothing will come
             _say_abandoned(store, msg.dir, error_dict(err), 0)
         hs._answer(msg, ok=False, error=error_dict(err))
@@ -182,40 +189,49 @@ def on_migrate(hs, msg) -> None:
 def advance_migrations(hs) -> None:
     """At a scheduler iteration: for every migration whose last round the target applied, the next round or the
     final link (queued as an export: it runs at the request's next committed boundary); a migration whose request
-    finished, or whose target is silent past ``timeout_s``, is given up."""
+    finished, or whose target is silent past ``timeout_s``, is given up.  Each migration is contained: one that
+    fails (a hostile container file, a store error) is given up with the typed reason; the others go on."""
+    now = time.monotonic()
+    for rid, m in list(hs.migrations.items()):
+        try:
+            _advance_migration(hs, rid, m, now)
+        except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
+            if hs.migrations.get(rid) is m:
+                guarded("giving a migration up", abandon, hs, m, rid, typed(e, "migrate", m.container))
+
+
+def _advance_migration(hs, rid: str, m: Migrating, now: float) -> None:
     from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, MigrationError, marker_reason
 
     from .scheduler import _Export
 
-    now = time.monotonic()
-    for rid, m in list(hs.migrations.items()):
-        where, req = hs.locate(rid)
-        if req is None or req.finished():
-            why = req.finished_reason.to_json() if req is not None and req.finished_reason is not None else None
-            abandon(hs, m, rid, RequestFinishedError(m.container, "request", Phrase("a request still decoding when its migration ends"),
-                                                     Phrase(f"finished: {json.dumps(why)}" if why else "gone")))
-            continue
-        if m.queued:
-            continue
-        if m.watch is not None and m.watch.hit is not None and m.watch.hit.endswith(REFUSED_NAME):
-            abandon(hs, m, rid, MigrationError(m.watch.hit, "target", Phrase("a target applying the links"),
-                                               Phrase(f"refused by the target: {marker_reason(m.store, m.watch.hit)}")), say=False)
-            continue
-        if m.watch is None or m.watch.hit is None:
-            if now - m.since > m.timeout_s:
-                abandon(hs, m, rid, MigrationError(m.links[-1] + APPLIED_SUFFIX, "target", Phrase(f"the round applied within {m.timeout_s} s"),
-                                                   Phrase("not applied: no target follows, or it is stuck")))
-            continue
-        if where not in ("running", "parked") or rid in hs.links.in_flight or hs.links.full():
-            continue  # the writer is busy with other links: the round goes at a later boundary
-        m.watch = None
-        left = int(req.kv.kv_committed_len) - m.base_position
-        final = left <= m.tail or len(m.links) >= m.max_rounds
-        name = FINAL_NAME if final else LINK_NAME.format(len(m.links))
-        m.left_at_stop = left
-        m.queued = True
-        hs.pending.append(_Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
-                                  base=m.links[-1]))
+    where, req = hs.locate(rid)
+    if req is None or req.finished():
+        why = req.finished_reason.to_json() if req is not None and req.finished_reason is not None else None
+        abandon(hs, m, rid, RequestFinishedError(m.container, "request", Phrase("a request still decoding when its migration ends"),
+                                                 Phrase(f"finished: {json.dumps(why)}" if why else "gone")))
+        return
+    if m.queued:
+        return
+    if m.watch is not None and m.watch.hit is not None and m.watch.hit.endswith(REFUSED_NAME):
+        abandon(hs, m, rid, MigrationError(m.watch.hit, "target", Phrase("a target applying the links"),
+                                           Phrase(f"refused by the target: {marker_reason(m.store, m.watch.hit)}")), say=False)
+        return
+    if m.watch is None or m.watch.hit is None:
+        if now - m.since > m.timeout_s:
+            abandon(hs, m, rid, MigrationError(m.links[-1] + APPLIED_SUFFIX, "target", Phrase(f"the round applied within {m.timeout_s} s"),
+                                               Phrase("not applied: no target follows, or it is stuck")))
+        return
+    if where not in ("running", "parked") or rid in hs.links.in_flight or hs.links.full():
+        return  # the writer is busy with other links: the round goes at a later boundary
+    m.watch = None
+    left = int(req.kv.kv_committed_len) - m.base_position
+    final = left <= m.tail or len(m.links) >= m.max_rounds
+    name = FINAL_NAME if final else LINK_NAME.format(len(m.links))
+    m.left_at_stop = left
+    m.queued = True
+    hs.pending.append(_Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
+                              base=m.links[-1]))
 
 
 def round_done(hs, ex, result, error) -> None:
@@ -328,6 +344,10 @@ def on_follow(hs, msg) -> None:
         if hs.tp_size > 1:
             raise HsnapError(msg.dir, "dir", Phrase("a TP 1 server (following a migration into a TP set is not supported in the server)"),
                              f"TP {hs.tp_size}")
+        confine.resolve(msg.dir, "dir", confine.DIR)  # the HTTP edge checked it; again where it is read and written
+        if len(hs.follows) >= MAX_FOLLOWS:  # each holds a watcher thread and, as links come, slots
+            raise ServerBusyError(msg.dir, "follow", Phrase(f"at most {MAX_FOLLOWS} follows at once in this server"),
+                                  Phrase(f"{len(hs.follows)} following; retry later"))
         if any(f.container == msg.dir for f in hs.follows.values()):
             raise RequestBusyError(msg.dir, "dir", Phrase("a container no other follow of this server applies"), msg.dir)
         if msg.rid is not None and (hs.locate(msg.rid)[0] is not None or msg.rid in hs.arrived):
@@ -345,39 +365,48 @@ def on_follow(hs, msg) -> None:
 
 
 def advance_follows(hs) -> None:
-    """At a scheduler iteration: apply the next link of every followed migration that has one committed."""
-    from hsnap_io.migrate import LINK_NAME, MigrationError
-
+    """At a scheduler iteration: apply the next link of every followed migration that has one committed.  Each
+    follow is contained: one that fails is refused with the typed reason (its slots given back); the others go on."""
     now = time.monotonic()
     for op_id, f in list(hs.follows.items()):
-        if f.watch.hit is None:
-            if now > f.deadline:
-                f.watch.cancel()
-                fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
-                                                      Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
-            continue
-        t0 = time.monotonic()
         try:
-            _make_room(hs, f)
-            applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
-        except HsnapError as e:
-            fail_follow(hs, op_id, e)
-            continue
-        except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the apply
-            logger.exception("hsnap follow of %s failed", f.container)
-            fail_follow(hs, op_id, PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}"))
-            continue
-        if applied is None:  # seen, then gone: look again
-            f.watch = _Watch(f.store, f.target.next_names(f.container))
-            continue
-        t1 = time.monotonic()
-        f.applied.append({"link": applied.path, "committed_positions": applied.state_position, "rows": applied.rows,
-                          "bytes_uploaded": applied.bytes_uploaded, "apply_s": t1 - t0, "applied_at": t1})
-        if applied.final:
-            arrive(hs, op_id, f, t1)
-        else:
-            f.deadline = t1 + f.timeout_s
-            f.watch = _Watch(f.store, f.target.next_names(f.container))
+            _advance_follow(hs, op_id, f, now)
+        except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
+            if hs.follows.get(op_id) is f:
+                guarded("refusing a follow", fail_follow, hs, op_id, typed(e, "follow", f.container))
+
+
+def _advance_follow(hs, op_id: str, f: Following, now: float) -> None:
+    from hsnap_io.migrate import LINK_NAME, MigrationError
+
+    if f.watch.hit is None:
+        if now > f.deadline:
+            f.watch.cancel()
+            fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
+                                                  Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
+        return
+    t0 = time.monotonic()
+    try:
+        _make_room(hs, f)
+        applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
+    except HsnapError as e:
+        fail_follow(hs, op_id, e)
+        return
+    except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the apply
+        logger.exception("hsnap follow of %s failed", f.container)
+        fail_follow(hs, op_id, PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}"))
+        return
+    if applied is None:  # seen, then gone: look again
+        f.watch = _Watch(f.store, f.target.next_names(f.container))
+        return
+    t1 = time.monotonic()
+    f.applied.append({"link": applied.path, "committed_positions": applied.state_position, "rows": applied.rows,
+                      "bytes_uploaded": applied.bytes_uploaded, "apply_s": t1 - t0, "applied_at": t1})
+    if applied.final:
+        arrive(hs, op_id, f, t1)
+    else:
+        f.deadline = t1 + f.timeout_s
+        f.watch = _Watch(f.store, f.target.next_names(f.container))
 
 
 def _accept(hs, f: Following, snap, record) -> None:
@@ -498,7 +527,7 @@ def expire_arrivals(hs) -> None:
         if now - f.arrived_at > f.timeout_s:
             logger.warning("hsnap follow of %s: %s was never admitted within %.0f s; its slots are given back", f.container, rid, f.timeout_s)
             del hs.arrived[rid]
-            _release_unadmitted(hs, req)
+            guarded("releasing an unadmitted request", _release_unadmitted, hs, req)
 
 
 def _release_unadmitted(hs, req) -> None:

@@ -16,6 +16,8 @@ target                                                             type   what
                                                                           completed (decode / extend)
 ``TokenizerManager.init_request_dispatcher``                       AFTER  routes the scheduler's hsnap answers to their
                                                                           waiting HTTP calls (:mod:`.frontend`)
+``TokenizerManager.create_abort_task``                             AROUND a stream's delayed abort (2 s after it ends) spares
+                                                                          a request resumed here since (same rid)
 ``http_server.launch_server``                                      BEFORE adds the ``/hsnap/*`` routes to SGLang's
                                                                           FastAPI app
 ``Scheduler.maybe_sleep_on_idle``                                  AROUND an idle scheduler following a migration polls
@@ -46,6 +48,7 @@ HOOKS: dict[str, tuple[str, str]] = {
     f"{_SCHED}.ingest_requests": ("scheduler:after_ingest", "AFTER"),
     f"{_SCHED}.process_batch_result": ("scheduler:around_process_batch_result", "AROUND"),
     f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
+    f"{_TM}.create_abort_task": ("frontend:around_create_abort_task", "AROUND"),
     "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
     f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._session_kv_rows":

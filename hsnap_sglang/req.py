@@ -1227,6 +1227,7 @@ def resume_req(
     expect_rid: str | None = None,
     commit: Callable[[], None] | None = None,
     vocab_size: int | None = None,
+    room=None,
     **restore_kwargs,
 ):
     """Restore a snapshot written by :func:`snapshot_req` into fresh slots and return a
@@ -1239,6 +1240,10 @@ def resume_req(
     ``commit()``: called last, after the ``Req`` is bound to its slots, under the pool lock
     and inside the restore's rollback; if it raises, every allocation is given back (a TP
     server has every rank agree here, so that either all ranks hold the request or none).
+    ``room``: a target that can free slots (a radix cache): ``room.fits(source)`` replaces the
+    header's capacity check (free plus what it could free; it changes nothing), and
+    ``room.make(source)`` frees what is missing under the pool lock, after every other check
+    and right before the allocation — a snapshot refused for anything never costs the cache.
 
     The file is opened once; the record, every check and every uploaded byte come
     through that open. Refused before the pools are touched: a snapshot that does not
@@ -1263,7 +1268,10 @@ def resume_req(
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
         fpath = source.snap.path
-        check_target(source, view, identity)  # the file belongs here (header only)
+        if room is None:
+            check_target(source, view, identity)  # the file belongs here (header only)
+        else:
+            room.fits(source)  # the same, counting what the cache could free (nothing freed yet)
         record = _read_record(source.snap, fpath)
         prepared = prepare_req(record, fpath, swa_start=source.snap.swa_start, tokenizer=tokenizer, grammar_backend=grammar_backend,
                                loaded_lora_ids=loaded_lora_ids, vocab_size=vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs,
@@ -1272,6 +1280,8 @@ def resume_req(
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = _mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
+            if room is not None:
+                room.make(source)  # every check passed: free only what is missing
             _check_tracking_capacity(req_to_token_pool, tracking, fpath)
             restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                                       identity=identity, bind=_binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking, commit),

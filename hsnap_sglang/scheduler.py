@@ -6,7 +6,10 @@ Where the work happens (``event_loop_normal`` / ``event_loop_overlap`` of SGLang
 * the hsnap messages are dispatched in ``process_input_requests`` (inside ``ingest_requests``), right after the
   previous batch's ``process_batch_result``: a committed boundary (every output token of the request is appended,
   ``kv_committed_len == kv_allocated_len == seqlen - 1``).  An export is queued there and run by
-  :func:`after_ingest` in the same iteration, before the next batch is scheduled.
+  :func:`after_ingest` in the same iteration, before the next batch is scheduled: at TP 1 only its capture (host
+  copies of the rows, the state and the record) runs there; the link writer thread writes and commits the file, the
+  request held out of every batch (``writing``) until the snapshot is durable (then released) or failed (then it
+  decodes on).  A TP set and a dedup drain are still written on the scheduler thread.
 * with the overlap scheduler the batch launched in the previous iteration is still in flight at that point (its
   result is processed later in the iteration).  The request is then *parked*: taken out of the running batch
   (``ScheduleBatch.filter_batch``), so no further batch includes it; the export runs at the next ``ingest`` once no
@@ -37,7 +40,8 @@ from hsnap_format.errors import Phrase
 from hsnap_format.storage import is_url, store_for
 
 from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
-from . import migration
+from . import confine, migration
+from .containment import contained_handler, guarded, log_failure, typed
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
@@ -47,6 +51,7 @@ logger = logging.getLogger("hsnap_sglang")
 
 MAX_TEXT_WAIT = 32  # decode steps an export waits at most for the text to end on a whole character
 MAX_COUNTED_RIDS = 4096  # per-rid forward counts kept (oldest forgotten first)
+MAX_FINISHED_RIDS = 4096  # rids of requests that finished here lately: an export of one answers "finished", not "unknown"
 DEDUP_PAGE_SIZE = 64  # positions per page object of a dedup drain (the pool's own page is 1 on CPU: a file per token)
 _ERROR_BYTES = 4096  # one rank's error, as JSON, in the TP agreement
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -68,7 +73,7 @@ def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
     if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived):
-        hs.service()
+        guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
 
 def around_process_batch_result(original, sched, batch, result, *args, **kwargs):
@@ -76,11 +81,13 @@ def around_process_batch_result(original, sched, batch, result, *args, **kwargs)
     (a request already finished or retracted when the result comes — the overlap scheduler's one extra step — is
     not counted)."""
     hs = getattr(sched, "_hsnap", None)
-    live = [r.rid for r in batch.reqs if not r.finished() and not r.is_retracted] if hs is not None else ()
+    live = guarded("counting forwards", lambda: [r.rid for r in batch.reqs if not r.finished() and not r.is_retracted],
+                   default=None) if hs is not None else None
     mode = batch.forward_mode
-    out = original(sched, batch, result, *args, **kwargs)
-    if hs is not None:
-        hs.count(mode, live)
+    out = original(sched, batch, result, *args, **kwargs)  # exactly once, outside any guard: its errors are SGLang's
+    if live is not None:
+        guarded("counting forwards", hs.count, mode, live)
+        guarded("counting forwards", hs.note_finished, batch.reqs)
     return out
 
 
@@ -91,7 +98,9 @@ def around_session_kv_rows(original, observer, *args, **kwargs):
     rows = original(observer, *args, **kwargs)
     hs = _ACTIVE
     if hs is not None and (hs.follows or hs.arrived):
-        rows = list(rows) + migration.held_kv_rows(hs)
+        rows = list(rows) + guarded("held rows", migration.held_kv_rows, hs, default=[])
+    if hs is not None and hs.writing:  # requests held while their export is written (slots released once durable)
+        rows = list(rows) + [req.kv for req in hs.writing.values()]
     return rows
 
 
@@ -102,11 +111,14 @@ def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
     """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration
     waits at most 1 ms for a message, not a second: its next link arrives through the store, not a socket."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.follows or hs.migrations or hs.arrived):
+    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.links.busy()):
         sleeper = getattr(sched, "idle_sleeper", None)
-        if sleeper is not None and hasattr(sleeper, "poller"):
-            sleeper.poller.poll(1)
-        return None
+        try:
+            if sleeper is not None and hasattr(sleeper, "poller"):
+                sleeper.poller.poll(1)
+            return None
+        except Exception as e:  # noqa: BLE001 - a poll that fails: SGLang's own sleep instead (the original, once)
+            log_failure("idle poll", e)
     return original(sched, *args, **kwargs)
 
 
@@ -169,8 +181,8 @@ class _LinkJob:
 
 
 class _LinkWriter:
-    """One background thread per scheduler that writes captured checkpoint links (header planning, write, fsync,
-    rename), so none of that runs in the scheduler loop. At most ``depth`` links wait; the scheduler collects the
+    """One background thread per scheduler that writes captured checkpoint links, migration rounds and (TP 1) plain
+    exports and drain members (header planning, write, fsync, rename), so none of that runs in the scheduler loop. At most ``depth`` links wait; the scheduler collects the
     finished ones at its next boundary (``collect``: bookkeeping and answers stay on the scheduler thread)."""
 
     def __init__(self, depth: int = 2) -> None:
@@ -185,8 +197,6 @@ class _LinkWriter:
         self._thread = None
         self._threading = threading
         self.export_waiting: str | None = None  # rid whose export waits (blocking the scheduler) for its link
-        # tests only: a link whose ``<gate>/<file name>.hold`` exists waits until it is removed (a link "being written")
-        self._gate = os.environ.get("HSNAP_SGLANG_TEST_LINK_GATE") or None
 
     def busy(self) -> bool:
         return bool(self.in_flight)
@@ -205,40 +215,37 @@ class _LinkWriter:
         self.in_flight[job.ex.rid] = job
         self._q.put_nowait(job)  # never blocks: full() is checked before capturing
 
-    def _run(self) -> None:
-        from hsnap_io.export import write_captured
+    # a test seam, never set in production: ``before_write(writer, job)`` runs in the writer thread before each link
+    # is written (tests/engine/linkgate holds a link there, "being written")
+    before_write = None
 
+    def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
                 return
-            if self._gate is not None:
-                self._hold(job)
-            t0 = time.monotonic()
-            try:
-                job.info = write_captured(job.ex.path, job.capture, base=job.base)
-            except HsnapError as e:
-                job.error = _error_of(e)
-            except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
-                logger.exception("hsnap checkpoint link %s failed", job.ex.path)
-                job.error = error_dict(PluginError(job.ex.path, "export", detail=f"{type(e).__name__}: {e}"))
+            self._write_one(job)
+
+    def _write_one(self, job: _LinkJob) -> None:
+        """Write one link; whatever happens the job is finished (an export waiting for it never waits for ever) and
+        the thread lives on for the next link."""
+        from hsnap_io.export import write_captured
+
+        t0 = time.monotonic()
+        try:
+            if self.before_write is not None:
+                self.before_write(job)
+            job.info = write_captured(job.ex.path, job.capture, base=job.base)
+        except HsnapError as e:
+            job.error = _error_of(e)
+        except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
+            job.error = error_dict(typed(e, "checkpoint link", job.ex.path))
+        finally:
             job.writer_s = time.monotonic() - t0
             job.capture = None  # the host copies go now
             with self._lock:
                 self._finished.append(job)
             job.done.set()
-
-    def _hold(self, job: _LinkJob) -> None:
-        """Tests: wait while ``<gate>/<link>.hold`` exists, saying so (``.held``; ``.export-waiting`` once an export
-        of the request waits for this link)."""
-        hold = os.path.join(self._gate, os.path.basename(job.ex.path) + ".hold")
-        said: set[str] = set()
-        while os.path.exists(hold):
-            for tag, now in (("held", True), ("export-waiting", self.export_waiting == job.ex.rid)):
-                if now and tag not in said:
-                    open(hold[: -len(".hold")] + "." + tag, "w").close()
-                    said.add(tag)
-            time.sleep(0.01)
 
     def wait(self, rid: str) -> None:
         """Block until ``rid``'s link on its way (if any) is written or failed."""
@@ -295,6 +302,7 @@ class HsnapScheduler:
         self.group = sched.tp_cpu_group if self.tp_size > 1 else None
         self.pending: list[_Export] = []
         self.parked: dict[str, Any] = {}  # rid -> Req out of the running batch (overlap), until exported/given back
+        self.writing: dict[str, Any] = {}  # rid -> Req held out of every batch while the link writer writes its export
         self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.checkpoints: dict[str, _Checkpointing] = {}  # rid -> its periodic checkpoints
         self.links = _LinkWriter()  # writes the checkpoint links off the decode path
@@ -304,12 +312,16 @@ class HsnapScheduler:
         self.finish_reason = _finish_reason_class()
         self._identity = None
         self.exports = self.resumes = 0
+        self.finished: OrderedDict[str, str] = OrderedDict()  # rid -> how it finished (its finish reason's type), newest last
 
     def handlers(self):
-        return [(HsnapExportReqInput, self.on_export), (HsnapResumeReqInput, self.on_resume),
-                (HsnapDrainReqInput, self.on_drain), (HsnapCheckpointReqInput, self.on_checkpoint), (HsnapStatsReqInput, self.on_stats),
-                (HsnapMigrateReqInput, self._on(migration.on_migrate)), (HsnapFollowReqInput, self._on(migration.on_follow)),
-                (HsnapAdmitReqInput, self._on(migration.on_admit))]
+        """Every handler contained: whatever it raises, its message is answered with a typed error (logged once)
+        and SGLang's scheduler loop goes on."""
+        table = [(HsnapExportReqInput, "export", self.on_export), (HsnapResumeReqInput, "resume", self.on_resume),
+                 (HsnapDrainReqInput, "drain", self.on_drain), (HsnapCheckpointReqInput, "checkpoint", self.on_checkpoint),
+                 (HsnapStatsReqInput, "stats", self.on_stats), (HsnapMigrateReqInput, "migrate", self._on(migration.on_migrate)),
+                 (HsnapFollowReqInput, "follow", self._on(migration.on_follow)), (HsnapAdmitReqInput, "admit", self._on(migration.on_admit))]
+        return [(kind, contained_handler(self._answer, where, fn)) for kind, where, fn in table]
 
     def _on(self, fn):
         def handler(msg):
@@ -339,6 +351,8 @@ class HsnapScheduler:
                 return "running", req
         if rid in self.parked:
             return "parked", self.parked[rid]
+        if rid in self.writing:
+            return "writing", self.writing[rid]
         if rid in self.arrived:
             return "arrived", self.arrived[rid][0]
         chunked = s.chunked_req
@@ -362,6 +376,24 @@ class HsnapScheduler:
                 return "waiting", req
         return None, None
 
+    def note_finished(self, reqs) -> None:
+        """Remember the rids of ``reqs`` that finished (a bounded LRU)."""
+        for req in reqs:
+            if req.finished():
+                why = req.finished_reason.to_json() if req.finished_reason is not None else None
+                self.finished[req.rid] = str(why.get("type", "finished") if isinstance(why, dict) else "finished")
+                self.finished.move_to_end(req.rid)
+        while len(self.finished) > MAX_FINISHED_RIDS:
+            self.finished.popitem(last=False)
+
+    def absent(self, rid: str) -> HsnapError:
+        """The refusal for a rid no request of this server has: finished lately (409, saying how) or unknown (404)."""
+        how = self.finished.get(rid)
+        if how is not None:
+            return RequestFinishedError(None, "rid", Phrase("a request still running, queued or being prefilled in this server"),
+                                        Phrase(f"finished ({how})"))
+        return UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), rid)
+
     def _in_flight(self, req) -> bool:
         """A batch whose result is not processed yet holds ``req`` (the overlap scheduler)."""
         return any(req in batch.reqs for batch, _ in getattr(self.sched, "result_queue", ()))
@@ -372,7 +404,7 @@ class HsnapScheduler:
         where, req = self.locate(msg.rid)
         try:
             if where is None:
-                raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+                raise self.absent(msg.rid)
             if self._busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             self._check_target(msg.path)
@@ -384,8 +416,10 @@ class HsnapScheduler:
         return None  # answered by service(), at the boundary
 
     def _busy(self, rid: str) -> bool:
-        """An export asked for by a caller (not a checkpoint link) waits for ``rid``."""
-        return rid in self.migrations or any(e.rid == rid and e.checkpoint is None for e in self.pending)
+        """An export asked for by a caller (not a checkpoint link) waits for ``rid``, or is being written."""
+        job = self.links.in_flight.get(rid)
+        return (rid in self.migrations or any(e.rid == rid and e.checkpoint is None for e in self.pending)
+                or (job is not None and job.ex.checkpoint is None and job.ex.migration is None))
 
     def _drop_links(self, rid: str) -> None:
         """A pending checkpoint link of ``rid`` gives way to the export queued next (which takes over a parked
@@ -393,6 +427,7 @@ class HsnapScheduler:
         self.pending = [e for e in self.pending if not (e.rid == rid and e.checkpoint is not None)]
 
     def _check_target(self, path: str) -> None:
+        confine.resolve(path, "path", confine.FILE)  # the HTTP edge checked it; again where it is written
         if self.tp_size > 1 and is_url(path):
             raise HsnapError(path, "path", Phrase("a local directory: a TP server writes its set through the local file system"), path)
         _check_target_free(path)
@@ -401,15 +436,15 @@ class HsnapScheduler:
         """Run every export whose request is at a committed decode boundary now; park (overlap) those whose last
         batch is still in flight; keep waiting for the ones being queued or prefilled."""
         if self.links.busy():
-            self._collect_links()
+            guarded("collecting checkpoint links", self._collect_links)
         if self.checkpoints:
-            self._queue_due_links()
+            guarded("queueing checkpoint links", self._queue_due_links)
         if self.migrations:
-            migration.advance_migrations(self)
+            guarded("advancing migrations", migration.advance_migrations, self)
         if self.follows:
-            migration.advance_follows(self)
+            guarded("advancing follows", migration.advance_follows, self)
         if self.arrived:
-            migration.expire_arrivals(self)
+            guarded("expiring arrivals", migration.expire_arrivals, self)
         for ex in list(self.pending):
             try:
                 self._service_one(ex)
@@ -445,11 +480,20 @@ class HsnapScheduler:
                 # answered), so no link is written after this export and the final snapshot follows the last link
                 self.links.wait(ex.rid)
                 self._collect_links()
+            background = self._writes_in_background(ex)
+            if background and self.links.full():  # the writer is behind: a later boundary (the request decodes on)
+                if where == "parked":
+                    self.parked.pop(ex.rid, None)
+                    ex.parked = False
+                    self.admit([req])
+                return
             self.pending.remove(ex)
             if ex.checkpoint is not None or (ex.migration is not None and ex.keep_running):
                 self._capture_link(ex, req, where)
             elif ex.migration is not None:
                 migration.finish(self, ex, req, where)
+            elif background:
+                self._capture_export(ex, req, where)
             else:
                 self._export(ex, req, where)
         elif where == "running":  # overlap: its last batch is in flight; take it out of the next ones
@@ -457,15 +501,80 @@ class HsnapScheduler:
             self.parked[ex.rid] = req
             ex.parked = True
 
+    def _writes_in_background(self, ex: _Export) -> bool:
+        """A plain export or drain member is written by the link writer (TP 1; a dedup drain's page store session
+        and a TP set's collectives stay on this thread)."""
+        return (self.tp_size == 1 and ex.checkpoint is None and ex.migration is None and ex.base is None
+                and (ex.drain is None or ex.drain.pages is None))
+
+    def _capture_export(self, ex: _Export, req, where: str) -> None:
+        """A plain export at the committed boundary: the rows, the recurrent state and the record copied to host
+        memory (the only part the decode waits for); the link writer writes, fsyncs and commits it.  Without
+        ``keep_running`` the request is held out of every batch until the snapshot is durable: its slots are
+        released then (:meth:`_export_written`), or it decodes on if the write fails (it missed no token)."""
+        import uuid
+
+        from hsnap_io.export import capture_request
+
+        from .req import req_record
+
+        t0 = time.monotonic()
+        sid = uuid.uuid4().hex
+        try:
+            record, swa_start = req_record(req, path=ex.path)
+            s = self.sched
+            cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                                  req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
+                                  identity=dataclasses.replace(self.identity(), snapshot_id=sid))
+        except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
+            err = _error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
+        else:
+            err = None
+        if (err is not None or ex.keep_running) and where == "parked":
+            self.parked.pop(ex.rid, None)
+            self.admit([req])  # back into the running batch: it missed no token
+        if err is not None:
+            self._done(ex, error=err)
+            return
+        if not ex.keep_running:  # held out of every batch until durable (SGLang's accounting counts it as held)
+            if where == "running":
+                self.sched.running_batch.filter_batch(reqs_to_exclude=[req])
+            self.parked.pop(ex.rid, None)
+            ex.parked = False
+            self.writing[ex.rid] = req
+        capture_s = time.monotonic() - t0
+        result = dict(path=str(ex.path), committed_positions=int(req.kv.kv_committed_len), snapshot_id=sid, tp_size=1, rid=ex.rid,
+                      keep_running=ex.keep_running, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
+                      output_tokens=len(req.output_ids), captured_bytes=cap.nbytes, timings={"wait_s": t0 - ex.asked, "capture_s": capture_s})
+        self.links.submit(_LinkJob(ex, cap, result, capture_s))
+
+    def _export_written(self, job: "_LinkJob") -> None:
+        """A plain export the writer finished (scheduler thread): release the held request, or give it back."""
+        ex, req = job.ex, job.ex.req
+        if job.error is not None:
+            held = self.writing.pop(ex.rid, None)
+            if held is not None and not held.finished():
+                self.admit([held])  # it decodes on: it missed no token
+            self._done(ex, error=job.error)
+            return
+        info = job.info.info
+        result = dict(job.result, bytes=int(info.file_length), payload_bytes=int(info.payload_bytes))
+        t_written = time.monotonic()
+        if not ex.keep_running:
+            self._release_exported(req, result)
+            self.checkpoints.pop(ex.rid, None)  # its checkpoints end with it (its last link was committed before)
+        self.exports += 1
+        t_done = time.monotonic()
+        result["timings"] = dict(result["timings"], write_s=job.capture_s + job.writer_s, writer_s=job.writer_s,
+                                 release_s=t_done - t_written, pause_to_durable_s=t_written - ex.asked, total_s=t_done - ex.asked)
+        self._done(ex, result=result)
+
     def _export(self, ex: _Export, req, where: str) -> None:
         t0 = time.monotonic()
         try:
             info = self._write(ex.path, req, base=ex.base, pages=ex.drain.pages if ex.drain is not None else None)
-        except HsnapError as e:
-            err = _error_of(e)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
-            logger.exception("hsnap export of %s failed", ex.rid)
-            err = error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}"))
+            err = _error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
         else:
             err = None
         t_written = time.monotonic()
@@ -537,9 +646,11 @@ class HsnapScheduler:
 
         s = self.sched
         req.finished_reason = self.finish_reason(info["path"], info["snapshot_id"], info["committed_positions"], info.get("migration"))
+        self.note_finished([req])
         if any(r is req for r in s.running_batch.reqs):
             s.running_batch.filter_batch(reqs_to_exclude=[req])
         self.parked.pop(req.rid, None)
+        self.writing.pop(req.rid, None)
         s.batch_result_processor._prepare_kv_cache_release(req)
         release_kv_cache(req, s.tree_cache, checkpoint=True)
         req.time_stats.set_completion_time()
@@ -584,9 +695,10 @@ class HsnapScheduler:
         try:
             if msg.dedup and self.tp_size > 1:
                 raise HsnapError(msg.dir, "dedup", Phrase("a TP 1 server (a dedup drain of a TP set is not supported)"), f"TP {self.tp_size}")
-            if not is_url(msg.dir):
-                os.makedirs(msg.dir, exist_ok=True)
+            confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))  # made beneath the root, no symlink followed
             if msg.dedup and rids:
+                if not is_url(msg.dir):
+                    confine.resolve(os.path.join(msg.dir, "pages"), "dir", confine.DIR, create=True)
                 from hsnap_io.pagestore import page_store
 
                 drain.pages = page_store(store_for(msg.dir).join(msg.dir, "pages"), page_size=msg.page_size or DEDUP_PAGE_SIZE)
@@ -594,10 +706,10 @@ class HsnapScheduler:
                 drain.members.append(_Export(rid, drain_path(msg.dir, rid, self.tp_size), False, time.monotonic(), drain=drain))
             for m in drain.members:
                 self._check_target(m.path)
-        except (HsnapError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
             if drain.pages is not None:
-                drain.pages.close()
-            err = e if isinstance(e, HsnapError) else HsnapError(msg.dir, "dir", detail=str(e))
+                guarded("closing a drain's page store", drain.pages.close)
+            err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "drain", msg.dir)
             self._answer(msg, ok=False, error=_error_of(err))
             return None
         if not drain.members:
@@ -625,7 +737,7 @@ class HsnapScheduler:
                 return None
             where, req = self.locate(msg.rid)
             if where is None:
-                raise UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), msg.rid)
+                raise self.absent(msg.rid)
             if self.tp_size > 1:
                 raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (checkpoints of a TP set are not supported)"), f"TP {self.tp_size}")
             if self._busy(msg.rid):
@@ -633,6 +745,7 @@ class HsnapScheduler:
             if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)
                 self.links.wait(msg.rid)
                 self._collect_links()
+            confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))
             ck = _Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
             path, base = ck.links.next_link()
             self._check_target(path)
@@ -709,6 +822,9 @@ class HsnapScheduler:
         """The links the writer finished: bookkept and answered here, on the scheduler thread."""
         for job in self.links.collect():
             ex = job.ex
+            if ex.checkpoint is None and ex.migration is None:
+                self._export_written(job)
+                continue
             owner = ex.checkpoint or ex.migration
             owner.writer_s += job.writer_s
             if job.error is not None:
@@ -746,9 +862,9 @@ class HsnapScheduler:
         try:
             if self.locate(msg.rid)[0] is not None or any(e.rid == msg.rid for e in self.pending):
                 raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
+            confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
             from .req import resume_req
 
-            self._make_room(msg.path)
             grammar_backend = getattr(s.grammar_manager, "grammar_backend", None)
             req = resume_req(
                 msg.path,
@@ -765,6 +881,7 @@ class HsnapScheduler:
                 expect_rid=msg.rid,
                 vocab_size=s.model_config.vocab_size,
                 commit=agreement.commit if self.tp_size > 1 else None,
+                room=_Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None,
             )
         except HsnapError as e:
             err = e
@@ -790,32 +907,6 @@ class HsnapScheduler:
             "timings": {"restore_s": t_restored - t0, "admit_s": time.monotonic() - t_restored}, "tp_size": self.tp_size,
         })
         return None
-
-    def _make_room(self, path: str) -> None:
-        """Room for the snapshot's slots, evicting unreferenced radix-cache entries the way SGLang's admission does
-        (``evict_to_free_tokens``, ``ensure_mamba_capacity``) — only for a snapshot whose header belongs here
-        (identity, geometry): a snapshot refused on its header never costs the cache anything."""
-        import math
-        from types import SimpleNamespace
-
-        from hsnap_io.adapters import view_pools
-        from hsnap_io.restore import check_compatible, open_source
-        from sglang.srt.managers.schedule_batch import ReqKvInfo
-        from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
-
-        s = self.sched
-        if not s.tree_cache.supports_prefix_sharing():
-            return
-        view = view_pools(s.req_to_token_pool, s.token_to_kv_pool_allocator)
-        try:
-            with open_source(path, rank=self.tp_rank if self.tp_size > 1 else None, identity=self.identity()) as source:
-                check_compatible(source.snap, view, self.identity())
-                position = int(source.snap.state_position)
-        except HsnapError:
-            return  # resume_req refuses it, by name
-        page = view.geometry.attention.page_size if view.geometry.attention is not None else 1
-        s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, math.ceil(position / page) * page)
-        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
 
     def admit(self, reqs: list, *, resumed: bool = False) -> None:
         """Put requests whose KV and Mamba state are in their slots into the running batch as decoding requests.
@@ -910,11 +1001,14 @@ class HsnapScheduler:
         pools = {"req_rows_free": int(rtp.available_size()), "token_slots_free": int(alloc.available_size())}
         if getattr(rtp, "mamba_allocator", None) is not None:
             pools["mamba_slots_free"] = int(rtp.mamba_allocator.available_size())
+        if s.tree_cache.supports_prefix_sharing():  # what the radix cache holds that no request uses (it could free)
+            pools["token_slots_evictable"] = int(s.tree_cache.full_evictable_size())
         result = {
             "plugin": {"enabled": True, "tp_size": self.tp_size, "overlap": bool(s.enable_overlap),
                        "radix_cache": bool(s.tree_cache.supports_prefix_sharing()), "exports": self.exports, "resumes": self.resumes},
             "requests": {"running": [r.rid for r in s.running_batch.reqs], "waiting": [r.rid for r in s.waiting_queue],
                          "prefilling": [s.chunked_req.rid] if s.chunked_req is not None else [], "parked": list(self.parked),
+                         "writing": list(self.writing),
                          "pending_exports": [e.rid for e in self.pending]},
             "pools": pools,
             "checks": self.checks(),
@@ -959,6 +1053,61 @@ class HsnapScheduler:
         except Exception as e:  # noqa: BLE001 - a check that cannot run says so
             out["error"] = f"{type(e).__name__}: {e}"
         return out
+
+
+class _Room:
+    """Room for a resumed snapshot's slots in a server with a radix cache (``resume_req(room=...)``), made the way
+    SGLang's admission makes it (``evict_to_free_tokens``, ``ensure_mamba_capacity``): whether it fits is decided
+    from free plus evictable slots, touching nothing; entries are evicted only once every check passed, and only as
+    many as are missing — a resume refused for any reason leaves the cache as it was."""
+
+    def __init__(self, sched, identity) -> None:
+        from hsnap_io.adapters import view_pools
+
+        self.sched, self.identity = sched, identity
+        self.view = view_pools(sched.req_to_token_pool, sched.token_to_kv_pool_allocator)
+
+    def _tokens(self, snap) -> int:
+        import math
+
+        att = self.view.geometry.attention
+        page = att.page_size if att is not None else 1
+        return math.ceil(int(snap.state_position) / page) * page if att is not None else 0
+
+    def fits(self, source) -> None:
+        """``check_target``'s refusals, with the radix cache's evictable slots counted as free."""
+        from hsnap_format import CapacityError
+        from hsnap_io.restore import check_compatible, check_target
+
+        if source.resharded:  # checked by the re-sharded restore itself
+            return check_target(source, self.view, self.identity)
+        snap, s = source.snap, self.sched
+        check_compatible(snap, self.view, self.identity)
+        rtp, alloc, tree = s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache
+        free = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
+        evictable = int(tree.full_evictable_size())
+        history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
+        need = [("req_to_token_pool rows", 1, rtp.available_size(), 0),
+                ("req_to_token_pool.max_context_len (committed positions)", int(snap.state_position), rtp.req_to_token.shape[1], 0),
+                ("req_to_token_pool.max_context_len (prompt + output - 1)", history - 1, rtp.req_to_token.shape[1], 0),
+                ("token slots", self._tokens(snap), free, evictable)]
+        if self.view.mamba_pool is not None and hasattr(tree, "mamba_evictable_size"):
+            need.append(("mamba slots", 1, rtp.mamba_allocator.available_size(), int(tree.mamba_evictable_size())))
+        short = [f"{what}: need {want}, free {have}" + (f" + {spare} evictable" if spare else "")
+                 for what, want, have, spare in need if have + spare < want]
+        if short:
+            raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
+
+    def make(self, source) -> None:
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.schedule_batch import ReqKvInfo
+        from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
+
+        s = self.sched
+        if source.snap is not None and self._tokens(source.snap):
+            s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, self._tokens(source.snap))
+        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
 
 
 class RemoteRankError(HsnapError):

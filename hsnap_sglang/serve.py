@@ -4,8 +4,11 @@ It sets ``HSNAP_SGLANG_CPU=1`` (inherited by every process the server starts), a
 process, adds the CPU flags below unless given (and ``--disable-overlap-schedule`` while the radix cache is on:
 SGLang's CPU platform cannot run both), for ``--tp N`` sets ``SGLANG_CPU_OMP_THREADS_BIND`` (one core range
 per rank) unless given, and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).
-``--enable-hsnap`` (hsnap's flag, not SGLang's) turns on the hsnap plug-in (``HSNAP_SGLANG_PLUGIN=1``).  Equivalent
-by hand::
+``--enable-hsnap`` (hsnap's flag, not SGLang's) turns on the hsnap plug-in (``HSNAP_SGLANG_PLUGIN=1``);
+``--hsnap-root DIR`` (``HSNAP_ROOT``) is the directory every client path resolves beneath, ``--hsnap-allow-url
+s3://bucket/prefix`` (repeatable; ``HSNAP_ALLOWED_URLS``) an object-store prefix clients may name
+(:mod:`hsnap_sglang.confine`), ``--hsnap-allow-unauthenticated`` (``HSNAP_ALLOW_UNAUTHENTICATED=1``) lets the
+plug-in start on a non-loopback host with no API key (:mod:`hsnap_sglang.auth`).  Equivalent by hand::
 
     HSNAP_SGLANG_CPU=1 python -m sglang.launch_server --model-path DIR --device cpu \\
         --attention-backend torch_native --disable-cuda-graph --sampling-backend pytorch \\
@@ -20,7 +23,7 @@ import os
 import runpy
 import sys
 
-__all__ = ["CPU_DEFAULTS", "engine_kwargs", "launch_server_argv", "main", "omp_threads_bind"]
+__all__ = ["CPU_DEFAULTS", "engine_kwargs", "launch_server_argv", "main", "omp_threads_bind", "take_hsnap_flags"]
 
 # flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
 # RAM (hundreds of thousands of slots, gigabytes).
@@ -88,13 +91,42 @@ def engine_kwargs(**overrides) -> dict:
 
 
 ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP_SGLANG_PLUGIN=1), not passed to SGLang
+# hsnap's own flags with a value -> the environment variable each sets (inherited by every process of the server);
+# repeated flags join with "," (HSNAP_ALLOWED_URLS).  Not passed to SGLang.
+HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS"}
+HSNAP_SWITCHES = {ENABLE_HSNAP: "HSNAP_SGLANG_PLUGIN", "--hsnap-allow-unauthenticated": "HSNAP_ALLOW_UNAUTHENTICATED"}
+
+
+def take_hsnap_flags(argv: list[str], env: dict) -> list[str]:
+    """``argv`` without hsnap's own flags (``--flag value`` or ``--flag=value``), each set in ``env`` instead.  A
+    root that is not an existing directory is refused here, before anything starts."""
+    out, values, i = [], {}, 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, val = a.partition("=")
+        if a in HSNAP_SWITCHES:
+            env[HSNAP_SWITCHES[a]] = "1"
+        elif name in HSNAP_VALUE_FLAGS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"hsnap_sglang.serve: {name} needs a value")
+                i, val = i + 1, argv[i + 1]
+            values.setdefault(HSNAP_VALUE_FLAGS[name], []).append(val)
+        else:
+            out.append(a)
+        i += 1
+    for var, vals in values.items():
+        env[var] = ",".join(vals) if var == "HSNAP_ALLOWED_URLS" else vals[-1]
+    root = env.get("HSNAP_ROOT")
+    if root:
+        if not os.path.isdir(root):
+            raise SystemExit(f"hsnap_sglang.serve: --hsnap-root {root!r}: not an existing directory")
+        env["HSNAP_ROOT"] = os.path.abspath(root)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if ENABLE_HSNAP in argv:
-        argv = [a for a in argv if a != ENABLE_HSNAP]
-        os.environ["HSNAP_SGLANG_PLUGIN"] = "1"  # inherited by every process the server starts
+    argv = take_hsnap_flags(sys.argv[1:] if argv is None else argv, os.environ)  # inherited by every process the server starts
     os.environ["HSNAP_SGLANG_CPU"] = "1"
     tp = _tp_size(argv)
     if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:

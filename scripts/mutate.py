@@ -57,9 +57,14 @@ failure stays the same) and saved, with the bytes, under ``--findings`` (default
 /tmp/mutate-findings/seed<S>/); ``--replay DIR/case.json`` reruns one with its
 traceback. No pickle: workers get indices or JSON and answer JSON lines.
 
-Other targets (issues 18, 20), ``--target reshard,resume,retract,gc,gc-url,migrate,chain`` (or
+``--target http`` (tests/mutate_http.py): one live server with the plug-in and a snapshot root, ``--mutants``
+generated bodies over every ``/hsnap/*`` route and hostile migration container files, a bystander stream beside
+them; counts server deaths, untyped 500s, hangs past the route's bound, files created outside the root, planted
+non-snapshot bytes echoed, and bystander streams cut (each a FAILURE).
+
+Other targets (issues 18, 20), ``--target reshard,resume,retract,gc,gc-url,migrate,chain,compact`` (or
 ``new``, or ``all`` with ``format``; tests/mutate_targets.py and, for migrate and chain,
-tests/mutate_migrate.py hold their seeds, operators and oracles):
+tests/mutate_migrate.py, for compact tests/mutate_compact.py hold their seeds, operators and oracles):
 
     .venv/bin/python scripts/mutate.py --target new --mutants 5000 --url-mutants 1000 --jobs 2
 
@@ -92,6 +97,12 @@ tests/mutate_migrate.py hold their seeds, operators and oracles):
             newest link by newest_links, a TP-2 chain of set directories) with a link anywhere
             below it mutated (re-signed: the links above re-based on it), removed, swapped or a
             stray newer checkpoint added
+  compact   compact_path of the chain target's mutants and of paged chains (a page reference
+            re-pointed at another page's object, its key or digest alone, pages fields, a page
+            object mutated, removed, swapped, or re-signed under its new name and re-pointed at):
+            refused typed with nothing left under the output's name, or an output that holds
+            byte for byte what the restore of the same head puts in the pools (compact-laundered:
+            compacted a chain the restore refuses; accepted-wrong-bytes; refused-left-output)
 
 Target pools are filled with a sentinel byte in every free row and reused (put back from
 the harness's own copy after each mutant). Classes (FAILURE unless typed or accepted):
@@ -807,10 +818,7 @@ def _chain_verifies(snap, path: str) -> bool:
             continue
         try:
             with chain_below(s, location=snap.path, rank=r, store=store_for(path)) as chain:
-                for link in chain.links[:-1]:
-                    link.verify()
-                chain.check_records()
-                if chain.page_failures(first=True):
+                if chain.proof_failures(first=True):  # the one proof of a chain (restore, verify, compact)
                     return False
         except HsnapError:
             return False
@@ -2105,13 +2113,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true")
     ap.add_argument("--target", default="format",
                     help="what to mutate, comma-separated: format (the golden vectors through the readers), reshard, resume, "
-                         "retract, gc, gc-url, migrate, chain (tests/mutate_targets.py); all; new (all but format)")
+                         "retract, gc, gc-url, migrate, chain, compact (tests/mutate_targets.py); all; new (all but format); "
+                         "http (one live server, bodies over every /hsnap route: tests/mutate_http.py)")
     ap.add_argument("--url-mutants", type=int, help="mutants of gc-url (each a few dozen requests to SeaweedFS; default --mutants)")
     ap.add_argument("--seeds", help="a folder of seeds to reuse (default: built for the run)")
     ap.add_argument("--gc-strict", action="store_true",
                     help="count rank files of an unfinished set export (rank-N.hsnap in a marked staging directory without manifest) as committed")
     ap.add_argument("--store", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.target == "http":  # a live server, not a pool of workers: tests/mutate_http.py
+        import mutate_http
+
+        return mutate_http.main(["--mutants", str(args.mutants), "--seed", str(args.seed)] + (["--json", args.json] if args.json else [])
+                                + (["--quiet"] if args.quiet else []))
     if args.worker:
         return _worker_main(args)
     if args.replay:

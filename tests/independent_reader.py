@@ -744,7 +744,7 @@ def _validate_pages(v: _V, header) -> None:
     raw = store.encode("utf-8", "surrogatepass")
     if not 1 <= len(raw) <= 255 or "/" in store or "\0" in store or store in (".", ".."):
         v.fail("pages.store", "1..255 bytes, no '/' or NUL, not '.' or '..'", _show(store))
-    S = v.int(v.get(pages, "page_size", "pages"), "pages.page_size", 1, 2**20)
+    S = v.int(v.get(pages, "page_size", "pages"), "pages.page_size", 1, 2**16)
     nid = v.get(pages, "namespace_id", "pages")
     if not isinstance(nid, str) or not HEX64_RE.fullmatch(nid):
         v.fail("pages.namespace_id", "64 lowercase hex digits", _show(nid))
@@ -781,7 +781,8 @@ def namespace_of(header: dict, S: int) -> dict:
         "attention": {k: (sorted(att[k]) if k == "layers" else att.get(k)) for k in NAMESPACE_ATTENTION_KEYS},
         "engine": {k: ident["engine"][k] for k in ("commit", "name", "version")},
         "model_id": ident["model_id"], "page_size": S,
-        "sharding": None if sh is None else sh.get("attention"),
+        # spec 5.10: the AXIS's own three keys; unknown keys beside them (5.6) stay out of the namespace
+        "sharding": None if sh is None or sh.get("attention") is None else {k: sh["attention"][k] for k in ("axis", "global", "parts")},
         "tp_rank": ident["tp_rank"], "tp_size": ident["tp_size"],
         "weights_hash": ident.get("weights_hash", ""), "weights_version": ident["weights_version"],
     }
@@ -1128,7 +1129,7 @@ def _validate_page(v: _V, header: dict, table: list) -> None:
     v.obj(ns["engine"], "namespace.engine")
     if set(ns["engine"]) != {"commit", "name", "version"}:
         v.fail("namespace.engine", "exactly the keys commit, name, version", sorted(ns["engine"]))
-    S = v.int(ns["page_size"], "namespace.page_size", 1, 2**20)
+    S = v.int(ns["page_size"], "namespace.page_size", 1, 2**16)
     ident = {k: ns[k] for k in ("model_id", "weights_version", "weights_hash", "tp_size", "tp_rank")}
     ident["engine"] = ns["engine"]
     _validate_identity(v, ident)
@@ -1137,6 +1138,8 @@ def _validate_page(v: _V, header: dict, table: list) -> None:
     if not att["layers"]:
         v.fail("namespace.attention.layers", "at least one layer", "[]")
     if ns["sharding"] is not None:  # geometry.sharding.attention (5.7) of this rank
+        if isinstance(ns["sharding"], dict) and set(ns["sharding"]) != {"axis", "global", "parts"}:  # exactly its keys, nested too
+            v.fail("namespace.sharding", "exactly the keys axis, global, parts", sorted(ns["sharding"]))
         _validate_axis(v, ns["sharding"], "namespace.sharding", 1, [None, att["heads"], None])
     v.obj(page, "page")
     if set(page) != {"namespace_id", "index", "prior", "key", "tokens"}:
@@ -1171,7 +1174,13 @@ def _validate_page(v: _V, header: dict, table: list) -> None:
 def read_page(path, *, verify: bool = True) -> Snapshot:
     """A page object (spec 5.11)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    try:  # 7.1 step 1 as for any file a reader opens: a symbolic link is not followed (spec 7.6)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise HsnapSpecError(IO_ERROR, os.path.basename(path), "open", "an openable regular file, no symlink", e.strerror) from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise HsnapSpecError(MALFORMED_HEADER, os.path.basename(path), "path", "a regular file", stat.filemode(os.fstat(f.fileno()).st_mode))
         data = f.read()
     return parse_snapshot(data, os.path.basename(path), verify=verify, _page=True)
 
@@ -1409,6 +1418,8 @@ def _check_link(base: Snapshot, delta: Snapshot, depth_named: int) -> None:
 
 
 def _open_link(where: str, rank: int | None, verify: bool) -> Snapshot:
+    if os.path.islink(where):  # spec 7.5 step 4 / 7.1 step 1: a base is never reached through a symbolic link
+        raise HsnapSpecError(IO_ERROR, os.path.basename(where), "open", "not a symbolic link", "a symbolic link")
     if rank is None:
         if os.path.isdir(where):
             raise HsnapSpecError(CHAIN_ERROR, os.path.basename(where), "base.name", "a rank file", "a snapshot directory")
@@ -1425,7 +1436,7 @@ def read_chain(path, *, rank: int | None = None, verify: bool = True, max_depth:
     verified head first and each base's output ids a prefix of its delta's (R-7.5-2), and
     the head's sections assembled from the links."""
     path = os.fspath(path).rstrip(os.sep)
-    head = _open_link(path, rank, verify)
+    head = _open_link(path, rank, False)  # spec 7.5: every link check (3 reads a link) before any byte check
     links, where = [head], path
     if head.header.get("base") is not None and head.header["base"]["depth"] > max_depth:
         raise HsnapSpecError(CHAIN_ERROR, head.file, "base.depth", f"<= {max_depth}", head.header["base"]["depth"])
@@ -1439,10 +1450,13 @@ def read_chain(path, *, rank: int | None = None, verify: bool = True, max_depth:
         where = os.path.join(os.path.dirname(where), ref["name"])  # beside the delta (its set directory)
         if not os.path.lexists(where):  # step 3
             raise HsnapSpecError(CHAIN_ERROR, snap.file, "base.name", f"{ref['name']!r} present", "missing")
-        base = _open_link(where, rank, verify)  # step 4
+        base = _open_link(where, rank, False)  # step 4
         _check_link(base, snap, ref["depth"])  # steps 5-7
         links.append(base)
         snap = base
+    if verify:  # then every link verified (7.2), head first
+        for link in links:
+            verify_snapshot(link)
     links.reverse()
     if verify:
         for base, delta in zip(links, links[1:]):
@@ -1471,6 +1485,11 @@ def _resolve_pages(link: Snapshot, location: str, verify: bool) -> None:
     S = pages["page_size"]
     first, count = page_range(link.header, S)
     tokens = [int(t) for t in read_section_ints(link, "request.prompt_ids")] + [int(t) for t in read_section_ints(link, "request.output_ids")]
+    negative = [q for q, t in enumerate(tokens[:(first + count) * S]) if t < 0]
+    if negative:  # spec 5.10: keys are over u32 ids; a negative id has no key (R-7.6-1 refuses the first reference on it)
+        q = negative[0]
+        i = max(q // S - first, 0)
+        raise HsnapSpecError(DIGEST_MISMATCH, link.file, f"pages.refs[{i}] (key of page {first + i})", pages["refs"][i][0], f"no key: token id {tokens[q]}")
     key = None
     keys = []
     for j in range(first + count):
@@ -1486,7 +1505,7 @@ def _resolve_pages(link: Snapshot, location: str, verify: bool) -> None:
         p = os.path.join(store, f"{pages['namespace_id']}-{k}-{root}.hpage")
         if not os.path.lexists(p):
             raise HsnapSpecError(PAGE_ERROR, link.file, f"pages.refs[{i}]", "the page object", "missing")
-        page = read_page(p, verify=verify)
+        page = read_page(p, verify=False)
         if page.root_digest.hex() != root:
             raise HsnapSpecError(DIGEST_MISMATCH, link.file, f"pages.refs[{i}].root_digest", root, page.root_digest.hex())
         ph = page.header["page"]
@@ -1494,6 +1513,8 @@ def _resolve_pages(link: Snapshot, location: str, verify: bool) -> None:
                                ("key", k, ph["key"]), ("tokens", tokens[j * S:(j + 1) * S], ph["tokens"])):
             if want != got:
                 raise HsnapSpecError(PAGE_ERROR, link.file, f"pages.refs[{i}].{fld}", _show(want), _show(got))
+        if verify:  # after its reference's checks (spec 7.6)
+            verify_snapshot(page)
         link.pages.append(page)
 
 

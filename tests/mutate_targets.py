@@ -84,19 +84,20 @@ import craft  # noqa: E402
 import hsnap_format as _hf  # noqa: E402
 from hsnap_format.errors import HsnapError  # noqa: E402
 
-TARGETS = ("reshard", "resume", "retract", "gc", "gc-url", "migrate", "chain")
+TARGETS = ("reshard", "resume", "retract", "gc", "gc-url", "migrate", "chain", "compact")
 # accepted-unchanged / accepted-valid / accepted-but-changed / not-resumable: the migrate and
-# chain targets (tests/mutate_migrate.py says what each means)
+# chain targets (tests/mutate_migrate.py says what each means); compact-laundered /
+# refused-left-output: the compact target (tests/mutate_compact.py)
 OK_CLASSES = ("typed", "accepted", "accepted-unchanged", "accepted-valid")
 FAIL_CLASSES = (
     "untyped", "hang", "leaked-slots", "pool-changed", "req-changed", "accepted-uncovered", "accepted-ranks-disagree",
     "uninitialised-uploaded", "accepted-unwritten", "accepted-wrong-bytes", "accepted-wrote-elsewhere",
     "accepted-slot-accounting", "accepted-invalid-req", "committed-removed", "cli-failed", "accepted-but-changed",
-    "not-resumable", "harness-error",
+    "not-resumable", "compact-laundered", "refused-left-output", "harness-error",
 )
 CLASSES = OK_CLASSES + FAIL_CLASSES
 # worker RLIMIT_AS per target: SGLang and torch map ~1.1 GiB before any mutant
-MEM_GIB = {"reshard": 6.0, "resume": 6.0, "retract": 6.0, "gc": 2.0, "gc-url": 2.0, "migrate": 6.0, "chain": 6.0}
+MEM_GIB = {"reshard": 6.0, "resume": 6.0, "retract": 6.0, "gc": 2.0, "gc-url": 2.0, "migrate": 6.0, "chain": 6.0, "compact": 6.0}
 
 SENTINEL = 0xA5  # every free state row holds it before a restore
 # the library as imported (a tree of an older commit on PYTHONPATH is judged as the library
@@ -2343,6 +2344,7 @@ SEED_BUILDERS = {
     "gc-url": build_gc_seeds,
     "migrate": lambda out, small: _mm().build_seeds(out, small),
     "chain": lambda out, small: _mm().build_seeds(out, small),
+    "compact": lambda out, small: _mc().build_seeds(out, small),
 }
 
 
@@ -2351,6 +2353,13 @@ def _mm():
     import mutate_migrate
 
     return mutate_migrate
+
+
+def _mc():
+    """tests/mutate_compact.py: the compact target (imported when used)."""
+    import mutate_compact
+
+    return mutate_compact
 
 
 def build_seeds(target: str, out: str, *, small: bool = False) -> str:
@@ -2362,7 +2371,7 @@ def build_seeds(target: str, out: str, *, small: bool = False) -> str:
     if os.path.isdir(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    if target in ("reshard", "resume", "retract", "migrate", "chain"):
+    if target in ("reshard", "resume", "retract", "migrate", "chain", "compact"):
         from hsnap_io._sglang_env import import_sglang
 
         import_sglang()
@@ -2390,6 +2399,8 @@ def load_seeds(target: str, d: str) -> Seeds:
             inputs[n] = _read(os.path.join(d, n))
     elif target in ("migrate", "chain"):
         inputs, groups = _mm().load_inputs(d, meta)
+    elif target == "compact":
+        inputs, groups = _mc().load_inputs(d, meta)
     return Seeds(target, d, inputs, groups, meta)
 
 
@@ -2401,6 +2412,7 @@ GENERATORS = {
     "gc-url": lambda s: UrlGen(s.inputs, s.groups, s.meta, "gc-url"),
     "migrate": lambda s: _mm().MigrateGen(s.inputs, s.groups, s.meta),
     "chain": lambda s: _mm().ChainGen(s.inputs, s.groups, s.meta),
+    "compact": lambda s: _mc().CompactGen(s.inputs, s.groups, s.meta),
 }
 
 
@@ -2422,6 +2434,8 @@ def examiner(seeds: Seeds, scratch: str, *, cli_every: int = 10, store: dict | N
         return _mm().MigrateExaminer(seeds, scratch)
     if t == "chain":
         return _mm().ChainExaminer(seeds, scratch)
+    if t == "compact":
+        return _mc().CompactExaminer(seeds, scratch)
     if t == "gc":
         return GcExaminer(seeds, scratch, cli_every=cli_every, strict=strict)
     if store is None:
@@ -2435,6 +2449,8 @@ def mutant_files(seeds: Seeds, desc: dict) -> dict[str, bytes]:
         return build(desc, seeds.inputs, seeds.groups)
     if seeds.target in ("migrate", "chain"):
         return _mm().mutant_files(seeds, desc)
+    if seeds.target == "compact":
+        return _mc().mutant_files(seeds, desc)
     if seeds.target == "gc":
         return {"layout.json": json.dumps(apply_gc_ops(seeds.meta["layouts"][desc["layout"]], desc["ops"]), indent=1).encode()}
     return {"layout.json": json.dumps(apply_url_ops(url_layouts()[desc["layout"]], desc["ops"]), indent=1).encode()}

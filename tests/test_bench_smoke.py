@@ -4,6 +4,7 @@ assertions: speed targets are held by `make bench`, never by tests)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -50,5 +51,7 @@ def test_gpu_check_imports_and_runs_its_cpu_parts(tmp_path):
     assert "SKIP: torch.cuda.is_available() is False" in p.stdout
     # step 6 (two real servers on the GPU) shows what it would start: SGLang's own server, the plug-in from the environment
     plan = p.stdout.split("SKIP: step 6 (two servers) needs one too", 1)[1].splitlines()[1:3]
-    assert all(line.strip().startswith("HSNAP_SGLANG_PLUGIN=1 python -m sglang.launch_server --model-path ") for line in plan), plan
+    # ... with the snapshot root its paths lie in (the model's directory's parent)
+    assert all(re.match(r"HSNAP_SGLANG_PLUGIN=1 HSNAP_ROOT=(\S+) python -m sglang\.launch_server --model-path \1/model ", line.strip())
+               for line in plan), plan
     assert "--max-mamba-cache-size 8" in plan[0] and "--max-mamba-cache-size 12" in plan[1]

@@ -375,3 +375,50 @@ def test_item1_cli_info_of_a_tp2_chain(tp_chain):
     assert "chain (rank 0): 3 links to position 5" in out and "chain (rank 1): 3 links to position 5" in out
     rc, out, err = _cli("verify", tp_chain / "chain-tp2-delta-2")
     assert rc == 0 and "with 4 links of its chain" in out, err
+
+
+@pytest.mark.parametrize("what", ["an empty directory", "a snapshot directory's shape without a manifest"])
+def test_a_directory_in_place_of_a_base_file_is_a_chain_error_naming_base_name(chain, what):
+    """Spec 7.5 step 4: a directory where a rank file is expected is ``ChainError`` (``base.name``) — from the
+    reference reader as from the reader written from the spec alone — not the directory reader's complaint."""
+    (chain / "chain-delta-1.hsnap").unlink()
+    (chain / "chain-delta-1.hsnap").mkdir()
+    if what != "an empty directory":
+        shutil.copy(VEC / "chain-base.hsnap", chain / "chain-delta-1.hsnap" / "rank-0.hsnap")
+    with pytest.raises(hf.ChainError) as e:
+        open_chain(chain / "chain-delta-2.hsnap")
+    assert e.value.field == "base.name" and "directory" in str(e.value)
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_chain(chain / "chain-delta-2.hsnap")
+    assert (e2.value.kind, e2.value.field) == ("ChainError", "base.name")
+
+
+def test_a_symbolic_link_in_place_of_a_base_is_not_followed_by_either_reader(chain, tmp_path):
+    """Spec 7.5 step 4 with 7.1 step 1: a base found by name is opened as any path a reader is given — a symbolic
+    link there, even to the very base, is refused (``HsnapIOError``, ``open``), by both readers."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (chain / "chain-delta-1.hsnap").rename(elsewhere / "chain-delta-1.hsnap")
+    (chain / "chain-delta-1.hsnap").symlink_to(elsewhere / "chain-delta-1.hsnap")
+    with pytest.raises(hf.HsnapIOError) as e:
+        open_chain(chain / "chain-delta-2.hsnap")
+    assert e.value.field == "open"
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_chain(chain / "chain-delta-2.hsnap")
+    assert (e2.value.kind, e2.value.field) == ("HsnapIOError", "open")
+
+
+def test_a_chain_is_verified_link_checks_first_then_bytes_by_both_readers(chain):
+    """Spec 7.5: a verifier makes every link check (steps 1-8) before it reads any section byte: with a flipped
+    section byte in the head and a base of another digest below it, both readers report the base's digest first."""
+    data = bytearray((chain / "chain-delta-2.hsnap").read_bytes())
+    data[-70] ^= 1  # the head's last section
+    (chain / "chain-delta-2.hsnap").write_bytes(bytes(data))
+    shutil.copy(chain / "chain-base.hsnap", chain / "chain-delta-1.hsnap")  # another file under the base's name
+    with pytest.raises(hf.HsnapError) as e:
+        with open_chain(chain / "chain-delta-2.hsnap") as c:
+            c.verify()
+    assert (type(e.value).__name__, e.value.field) == ("DigestMismatchError", "base.root_digest")
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_chain(chain / "chain-delta-2.hsnap")
+    assert (e2.value.kind, e2.value.field) == ("DigestMismatchError", "base.root_digest")

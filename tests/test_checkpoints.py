@@ -19,7 +19,7 @@ import sglang_pools as sp  # noqa: E402
 import sglang_reqs as sr  # noqa: E402
 
 from hsnap_format import HsnapError, open_chain  # noqa: E402
-from hsnap_format.checkpoints import Checkpoints, link_name, newest_links, parse_link  # noqa: E402
+from hsnap_format.checkpoints import Checkpoints, choose_links, highest_seq, link_name, newest_links, parse_link  # noqa: E402
 from hsnap_sglang import req as hs  # noqa: E402
 
 
@@ -103,7 +103,9 @@ def test_item3_checkpoint_numbers_continue_after_existing_links_and_refuse_bad_s
     cp = Checkpoints.start(str(tmp_path), "req", every=4)
     path, base = cp.next_link()
     assert os.path.basename(path) == link_name("req", 8) and base is None
-    assert newest_links(str(tmp_path)) == {"other": str(tmp_path / link_name("other", 12)), "req": str(tmp_path / link_name("req", 7))}
+    assert {n: highest_seq(str(tmp_path), n) for n in ("req", "other")} == {"req": 7, "other": 12}
+    assert choose_links(str(tmp_path))["req"].path is None  # empty files: numbered like links, but none opens ...
+    assert newest_links(str(tmp_path))["req"] == str(tmp_path / link_name("req", 7))  # ... so a resume names the highest, refused typed
     cp.committed(path, 10, None)
     assert not cp.due(13) and cp.due(14) and cp.next_link() == (str(tmp_path / link_name("req", 9)), path)
     for bad in (dict(every=0), dict(every=2.5), dict(every=4, rebase_every=0)):
@@ -219,3 +221,40 @@ def test_item3_captured_link_is_the_direct_export_at_capture_time_whatever_decod
     resumed = sr.req_rows(target, got)
     for name, value in rows.items():
         assert torch.equal(resumed[name], value), name
+
+
+# --------------------------------------------------------------------------- which link a resume takes
+
+
+def test_resume_takes_the_highest_verified_position_not_the_highest_link_number(tmp_path, caplog):
+    """A link's number only says where it was written: a stray copy of link 1 under a higher number must not
+    restart the request at link 1's position, a truncated non-hsnap file or a damaged link there must not block the
+    resume. The link taken is the one at the highest position whose chain opens and verifies; each link passed
+    over is reported (and logged) with its reason, and a new link is still numbered after the highest number."""
+    import shutil
+
+    import test_pagestore as tp
+
+    d = str(tmp_path)
+    t = tp.tokens_for([], 41, seed=7)
+    tp.write_plain(os.path.join(d, link_name("c", 1)), t[:21], "c")  # position 20
+    tp.write_plain(os.path.join(d, link_name("c", 2)), t, "c")  # position 40: the newest
+    shutil.copy(os.path.join(d, link_name("c", 1)), os.path.join(d, link_name("c", 20)))  # a stray copy of link 1
+    with open(os.path.join(d, link_name("c", 21)), "wb") as f:
+        f.write(b"not a snapshot")  # a truncated, non-hsnap file under the highest number
+    data = bytearray(open(os.path.join(d, link_name("c", 2)), "rb").read())
+    data[-100] ^= 1  # a section byte of a copy of link 2: opens at position 40, fails verify
+    with open(os.path.join(d, link_name("c", 19)), "wb") as f:
+        f.write(bytes(data))
+    with caplog.at_level("WARNING", logger="hsnap.checkpoints"):
+        choice = choose_links(d)["c"]
+    assert choice.path == os.path.join(d, link_name("c", 2)) and choice.position == 40
+    why = dict(choice.passed_over)
+    assert set(why) == {os.path.join(d, link_name("c", n)) for n in (19, 21)}
+    assert "does not open (BadMagicError" in why[os.path.join(d, link_name("c", 21))]
+    assert "does not hold (DigestMismatchError" in why[os.path.join(d, link_name("c", 19))]
+    assert sum("passed over" in r.getMessage() for r in caplog.records) == 2
+    assert newest_links(d) == {"c": os.path.join(d, link_name("c", 2))}
+    assert Checkpoints.start(d, "c", every=4).next_link()[0] == os.path.join(d, link_name("c", 22))
+    os.remove(os.path.join(d, link_name("c", 2)))  # with the newest gone, the stray copy (position 20) is what holds
+    assert newest_links(d) == {"c": os.path.join(d, link_name("c", 20))}

@@ -61,6 +61,18 @@ def test_info_json(name):
     ]
 
 
+def test_info_json_names_each_ranks_page_references():
+    """``hsnap info --json`` gives a paged file's ``pages`` (store, page size, namespace id, references) in its rank
+    entry, as decoded (spec 5.10), and null for a file that holds all its rows."""
+    d = json.loads((VEC / "pages.json").read_text(encoding="utf-8"))
+    for snap in d["snapshots"]:
+        r = hsnap("info", VEC / snap["file"], "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["ranks"][0]["pages"] == snap["pages"]
+    r = hsnap("info", VEC / "hybrid.hsnap", "--json")
+    assert json.loads(r.stdout)["ranks"][0]["pages"] is None
+
+
 def test_info_directory():
     d = desc("two-rank")
     r = hsnap("info", VEC / "two-rank")

@@ -225,19 +225,31 @@ def test_item2_same_key_other_bytes_is_another_object(tmp_path):
         assert (tmp_path / f"{name}-c.hsnap").read_bytes() == (tmp_path / f"{name}-plain.hsnap").read_bytes()
 
 
-def test_item2_a_damaged_existing_page_is_refused_not_reused(tmp_path):
+@pytest.mark.parametrize("where", ["section", "header"])
+def test_a_damaged_existing_page_is_replaced_not_reused(tmp_path, where):
+    """A bit flipped in a stored page object (a section byte only verify sees, or a header
+    byte that fails the open) no longer blocks every later export of that page: the next
+    writer replaces it with the page's bytes (its name is content-addressed), and the
+    snapshots that referenced the damaged object verify again."""
     t = tokens_for(SYSTEM, 3 * S + 1, seed=3)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
     victim = tmp_path / "pages" / page_files(tmp_path / "pages")[0]
-    data = bytearray(victim.read_bytes())
+    good = victim.read_bytes()
+    data = bytearray(good)
     with pg.open_page(str(victim)) as p:
-        data[p.sections[0].offset] ^= 1  # a section byte: only verify sees it
+        data[p.sections[0].offset if where == "section" else 100] ^= 1
     victim.write_bytes(bytes(data))
+    with pytest.raises(hf.HsnapError):
+        with open_chain(tmp_path / "a.hsnap") as chain:
+            chain.verify()
     with pg.PageStore(tmp_path / "pages") as store:
-        with pytest.raises(hf.DigestMismatchError) as e:
-            write(tmp_path / "b.hsnap", store, t, "b")
-    assert "sections[" in e.value.field and not (tmp_path / "b.hsnap").exists()
+        write(tmp_path / "b.hsnap", store, t, "b")
+        assert store.stats.pages_replaced == 1 and store.stats.pages_reused == 2
+    assert victim.read_bytes() == good and len(page_files(tmp_path / "pages")) == 3
+    for name in ("a.hsnap", "b.hsnap"):
+        with open_chain(tmp_path / name) as chain:
+            chain.verify()
 
 
 # ----------------------------------------------------------------------------- the format's rules
@@ -304,6 +316,11 @@ PAGE_MUTATIONS = [
      hf.UnsupportedFeatureError, "header.features.required"),
     ("namespace sharding", lambda h: h["namespace"].update(sharding="float32"),
      hf.MalformedHeaderError, "namespace.sharding"),
+    # a page size whose page objects need not fit the 1 MiB header (spec 5.10: at most 2^16)
+    ("namespace page size over 2^16", lambda h: h["namespace"].update(page_size=(1 << 16) + 1), hf.MalformedHeaderError, "namespace.page_size"),
+    # "exactly its keys" holds at every level of the namespace, its sharding AXIS included
+    ("namespace sharding unknown key", lambda h: h["namespace"].update(sharding={"axis": 1, "global": 2, "parts": [[0, 2, 1]], "zz": 1}),
+     hf.MalformedHeaderError, "namespace.sharding"),
 ]
 
 
@@ -323,6 +340,7 @@ HEADER_MUTATIONS = [
     ("the feature without pages", lambda h: h.pop("pages"), "pages"),
     ("store a path", lambda h: h["pages"].update(store="../pages"), "pages.store"),
     ("page size 0", lambda h: h["pages"].update(page_size=0), "pages.page_size"),
+    ("page size over 2^16", lambda h: h["pages"].update(page_size=(1 << 16) + 1), "pages.page_size"),
     ("ref not a pair", lambda h: h["pages"]["refs"].__setitem__(1, ["0" * 64]), "pages.refs[1]"),
     ("ref digest", lambda h: h["pages"]["refs"][0].__setitem__(1, "Z" * 32), "pages.refs[0]"),
     ("one ref fewer", lambda h: h["pages"]["refs"].pop(), "pages.refs"),
@@ -869,3 +887,221 @@ def test_item2_mutation_run_seed6_manifest_checked_in_the_specs_order(tmp_path):
     with pytest.raises(ir.HsnapSpecError) as e:
         ir.read_directory(tmp_path / "two-rank")
     assert e.value.kind == "UnsupportedVersionError"
+
+
+# ----------------------------------------------------------------------------- bounds, damage, files that are not snapshots
+
+
+def test_gc_pages_skips_and_reports_a_file_too_short_for_the_magic(tmp_path):
+    """An empty file (or a few bytes of the magic) beside a page store is not a snapshot (spec 8.2 step 4: it does
+    not start with the magic): ``hsnap gc --pages`` says so and sweeps, instead of refusing with exit 3."""
+    import contextlib
+    import io
+
+    from hsnap_format import cli
+
+    with pg.PageStore(tmp_path / "pages") as store:
+        write(tmp_path / "a.hsnap", store, tokens_for(SYSTEM, 3 * S + 1 + S, seed=40), "a")
+        write(tmp_path / "b.hsnap", store, tokens_for(SYSTEM, 3 * S + 1 + S, seed=41), "b")
+    (tmp_path / "b.hsnap").unlink()
+    (tmp_path / "empty.hsnap").write_bytes(b"")
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "rank-0.hsnap").write_bytes(b"\x89HSN")
+    rep = pg.collect_pages(tmp_path)
+    assert not rep.refused and sorted(os.path.basename(s.split(":")[0]) for s in rep.skipped) == ["empty.hsnap", "rank-0.hsnap"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["gc", str(tmp_path), "--pages", "--remove"])
+    assert rc == 0 and "skipped: " in out.getvalue() and out.getvalue().count("removing ") == 1
+    assert len(page_files(tmp_path / "pages")) == 4
+    (tmp_path / "x.hsnap").write_bytes((tmp_path / "a.hsnap").read_bytes()[:40])  # the magic, then cut: still refused
+    assert pg.collect_pages(tmp_path).refused
+
+
+def test_gc_pages_verify_lists_a_damaged_page_object(tmp_path):
+    """``hsnap gc --pages --verify`` reads every page object and lists each that fails (exit 1), referenced or not."""
+    import contextlib
+    import io
+
+    from hsnap_format import cli
+
+    with pg.PageStore(tmp_path / "pages") as store:
+        write(tmp_path / "a.hsnap", store, tokens_for(SYSTEM, 3 * S + 1, seed=42), "a")
+    victim = tmp_path / "pages" / page_files(tmp_path / "pages")[1]
+    data = bytearray(victim.read_bytes())
+    with pg.open_page(str(victim)) as p:
+        data[p.sections[-1].offset] ^= 4
+    victim.write_bytes(bytes(data))
+    rep = pg.collect_pages(tmp_path, verify=True)
+    assert len(rep.damaged) == 1 and str(victim) in rep.damaged[0] and "DigestMismatchError" in rep.damaged[0]
+    assert next(v for v in rep.items if v.path == str(victim)).reason.startswith("damaged")
+    assert not pg.collect_pages(tmp_path).damaged  # without --verify no page is read
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["gc", str(tmp_path), "--pages", "--verify"])
+    assert rc == 1 and "damaged: " in out.getvalue()
+
+
+def _one_layer_paged(tmp_path, S_: int, token: int, layers: int = 1):
+    """A request of S_ + 1 positions, every token id ``token``, on ``layers`` tiny full-attention layers."""
+    from hsnap_format.layout import state_sections
+    from hsnap_format.spec import DTYPES
+
+    geom = hf.Geometry(attention=AttentionGeometry("mha", tuple(range(layers)), 1, 1, 1, "bfloat16", "bfloat16", 1))
+    t = np.full(S_ + 1, token, dtype=np.int32)
+    rec = hf.RequestRecord(rid="r", prompt_ids=t[:1], output_ids=t[1:], state_position=S_, output_logprobs=np.zeros(S_, np.float32),
+                           max_new_tokens=None, streamed_tokens=S_)
+    st = {s.name: np.zeros(s.shape, DTYPES[s.dtype]) for s in state_sections(geom, S_)}
+    return geom, rec, st
+
+
+def test_page_size_is_bounded_so_every_page_object_opens(tmp_path):
+    """A page of 2^18 positions has a header over the 1 MiB a reader reads (spec 7.1 step 8): the writer refuses
+    such a page size typed before putting anything, readers refuse a ``pages.page_size`` above 2^16, and the
+    largest legal page, every token id at its longest, writes and verifies."""
+    from hsnap_format.spec import MAX_PAGE_SIZE
+
+    assert MAX_PAGE_SIZE == 1 << 16
+    with pytest.raises(hf.PageError) as e:
+        pg.PageStore(tmp_path / "pages", page_size=1 << 18)
+    assert e.value.field == "page_size"
+    geom, rec, st = _one_layer_paged(tmp_path, 1 << 18, 7)
+    geom = hf.Geometry(attention=AttentionGeometry("mha", (0,), 1, 1, 1, "bfloat16", "bfloat16", 1 << 18))
+    with pg.PageStore(tmp_path / "pages") as store:  # the pool's page size, taken as the page size
+        with pytest.raises(hf.MalformedHeaderError) as e:
+            pg.write_paged_snapshot(tmp_path / "big.hsnap", identity=identity(), geometry=geom, record=rec, state=st, pages=store)
+    assert e.value.field == "pages.page_size" and not (tmp_path / "big.hsnap").exists() and page_files(tmp_path / "pages") == []
+    geom, rec, st = _one_layer_paged(tmp_path, MAX_PAGE_SIZE, (1 << 31) - 1)
+    with pg.PageStore(tmp_path / "pages", page_size=MAX_PAGE_SIZE) as store:
+        pg.write_paged_snapshot(tmp_path / "max.hsnap", identity=identity(), geometry=geom, record=rec, state=st, pages=store)
+    with open_chain(tmp_path / "max.hsnap") as chain:
+        chain.verify()
+    geom, rec, st = _one_layer_paged(tmp_path, MAX_PAGE_SIZE, 5, layers=2000)  # a namespace whose worst page would not fit
+    with pg.PageStore(tmp_path / "pages2", page_size=MAX_PAGE_SIZE) as store:
+        with pytest.raises(hf.MalformedHeaderError) as e:
+            pg.write_paged_snapshot(tmp_path / "wide.hsnap", identity=identity(), geometry=geom, record=rec, state=st, pages=store)
+    assert e.value.field == "pages.page_size" and page_files(tmp_path / "pages2") == []
+
+
+def test_too_many_page_references_are_refused_before_any_key_is_computed(tmp_path):
+    """2^20 full pages cannot be referenced from a 1 MiB header: refused at once (no key built, no page put), typed,
+    instead of tens of seconds and a gigabyte spent on keys and a header that is then refused."""
+    import tracemalloc
+
+    n = (1 << 20) + 1
+    t = np.arange(n, dtype=np.int32) % 1000
+    rec = hf.RequestRecord(rid="r", prompt_ids=t[:1], output_ids=t[1:], state_position=n - 1, output_logprobs=np.zeros(n - 1, np.float32),
+                           max_new_tokens=None, streamed_tokens=n - 1)
+    geom = hf.Geometry(attention=AttentionGeometry("mha", (0,), 1, 1, 1, "bfloat16", "bfloat16", 1))
+
+    def no_keys(tokens, size):
+        raise AssertionError("keys computed")
+
+    store = pg.PageStore(tmp_path / "pages", page_size=1, keys=no_keys)
+    tracemalloc.start()
+    t0 = time.monotonic()
+    with pytest.raises(hf.MalformedHeaderError) as e:
+        store.plan_pages(path=str(tmp_path / "big.hsnap"), identity=identity(), geometry=geom, record=rec, base_position=0)
+    took, peak = time.monotonic() - t0, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert e.value.field == "pages.refs" and took < 2 and peak < 64 << 20 and not (tmp_path / "pages").exists()
+
+
+def test_a_page_size_over_the_bound_same_verdict_from_the_spec_alone(paged):
+    """The reader written from the spec alone refuses ``pages.page_size`` above 2^16 as the reference does."""
+    import independent_reader as ir
+
+    bad = craft.write(paged / "bad.hsnap", craft.mutate_header((paged / "a.hsnap").read_bytes(),
+                                                               lambda h: (h["pages"].update(page_size=(1 << 16) + 1), None)[1]))
+    with pytest.raises(ir.HsnapSpecError) as e:
+        ir.read_snapshot(bad)
+    assert (e.value.kind, e.value.field) == ("MalformedHeaderError", "pages.page_size")
+
+
+def test_a_symbolic_link_in_place_of_a_page_object_is_not_followed_by_either_reader(paged, tmp_path):
+    """Spec 7.6 with 7.1 step 1: a page object found by name is opened as any path a reader is given — a symbolic
+    link there, even to the very page, is refused (``HsnapIOError``, ``open``) by both readers."""
+    import independent_reader as ir
+
+    victim = paged / "pages" / page_files(paged / "pages")[0]
+    real = tmp_path / "real.hpage"
+    victim.rename(real)
+    victim.symlink_to(real)
+    with pytest.raises(hf.HsnapIOError) as e:
+        with open_chain(paged / "a.hsnap") as chain:
+            chain.verify()
+    assert e.value.field == "open"
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_chain(paged / "a.hsnap")
+    assert (e2.value.kind, e2.value.field) == ("HsnapIOError", "open")
+
+
+def test_unknown_keys_of_the_attention_axis_stay_out_of_the_namespace(paged):
+    """Spec 5.10: the namespace's ``sharding`` is the AXIS's ``axis``, ``global`` and ``parts``; unknown keys a
+    writer put beside them (5.6: ignored) do not enter the namespace id — both readers accept such a file whose
+    ``pages.namespace_id`` is computed without them, and refuse it computed with them."""
+    import independent_reader as ir
+
+    axis = {"axis": 1, "global": 2, "parts": [[0, 2, 1]]}
+    with pg.open_page(str(first_page(paged / "pages"))) as p:
+        ns = dict(p.header["namespace"])
+
+    def edit(nid_of):
+        def fn(h):
+            h["geometry"]["sharding"] = {"attention": {**axis, "zz": 1}, "conv": None, "temporal": None}
+            h["pages"]["namespace_id"] = pg.namespace_id({**ns, "sharding": nid_of})
+        return craft.mutate_header((paged / "a.hsnap").read_bytes(), lambda h: (fn(h), None)[1])
+
+    good = craft.write(paged / "good.hsnap", edit(axis))
+    with hf.Snapshot(good):
+        pass
+    ir.read_snapshot(good)
+    bad = craft.write(paged / "bad.hsnap", edit({**axis, "zz": 1}))
+    with pytest.raises(hf.MalformedHeaderError) as e:
+        hf.Snapshot(bad)
+    assert e.value.field == "pages.namespace_id"
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_snapshot(bad)
+    assert (e2.value.kind, e2.value.field) == ("MalformedHeaderError", "pages.namespace_id")
+
+
+def test_a_negative_token_id_in_a_paged_position_has_no_key_for_either_reader(paged):
+    """Spec 5.10/7.6: keys are over token ids as u32; a request section holding an int32 below 0 at a paged position
+    gives no key: R-7.6-1 refuses the first reference it reaches, ``DigestMismatchError`` (``pages.refs[0] (key of
+    page 0)``), by both readers — never an untyped error."""
+    import independent_reader as ir
+
+    data = bytearray((paged / "a.hsnap").read_bytes())
+    with hf.open(paged / "a.hsnap") as snap:
+        off = snap.section("request.prompt_ids").offset
+    data[off + 8 : off + 12] = np.int32(-5).tobytes()  # token 2 of the prompt, in page 0
+    bad = craft.write(paged / "neg.hsnap", craft.resign(bytes(data)))
+    with pytest.raises(hf.DigestMismatchError) as e:
+        with open_chain(bad) as chain:
+            chain.verify()
+    assert e.value.field == "pages.refs[0] (key of page 0)" and "-5" in str(e.value)
+    with pytest.raises(ir.HsnapSpecError) as e2:
+        ir.read_chain(bad)
+    assert (e2.value.kind, e2.value.field) == ("DigestMismatchError", "pages.refs[0] (key of page 0)")
+
+
+def test_pages_with_zero_full_pages_is_read_as_a_file_that_holds_all_its_rows_by_both_readers(tmp_path):
+    """Spec 5.10: a writer writes ``pages`` only when a full page fits, but a file whose ``pages`` has ``count`` 0
+    (an empty ``refs``) is not refused: it holds all its rows (G = 0), names no page object, and both readers open,
+    verify and read it as one snapshot."""
+    import independent_reader as ir
+
+    t = tokens_for([], PROMPT + 2, seed=9)  # positions 0..6: no full page of 8
+    write_plain(tmp_path / "plain.hsnap", t, "z")
+    with hf.open(tmp_path / "plain.hsnap") as snap:
+        nid = pg.namespace_id(pg.namespace(snap.identity, snap.geometry, 8))
+
+    def fn(h):
+        h["features"]["required"] = sorted(h["features"]["required"] + ["pages"])
+        h["pages"] = {"namespace_id": nid, "page_size": 8, "refs": [], "store": "pages"}
+
+    f = craft.write(tmp_path / "zero.hsnap", craft.mutate_header((tmp_path / "plain.hsnap").read_bytes(), lambda h: (fn(h), None)[1]))
+    with open_chain(f) as chain:
+        assert chain.head.pages.count == 0
+        chain.verify()
+    assert ir.read_chain(f).links[0].header["pages"]["refs"] == []

@@ -14,6 +14,22 @@ def engine_extra_missing() -> list[str]:
     return [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hsnap_root(tmp_path_factory):
+    """The snapshot root of every server these tests start (HSNAP_ROOT, inherited): the session's base temporary
+    directory, which holds every test's tmp_path (a server refuses any path outside its root)."""
+    import os
+
+    root = str(tmp_path_factory.getbasetemp().resolve())
+    old = os.environ.get("HSNAP_ROOT")
+    os.environ["HSNAP_ROOT"] = root
+    yield root
+    if old is None:
+        os.environ.pop("HSNAP_ROOT", None)
+    else:
+        os.environ["HSNAP_ROOT"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     missing = engine_extra_missing()

@@ -32,6 +32,15 @@ def hsnap_server(model_dir: Path, log: Path, *args: str, radix: bool = True, ove
     return Server(model_dir, log, "--dtype", "bfloat16", "--chunked-prefill-size", "128", *args, env=extra, drop=drop)
 
 
+def linkgate_env(gate: Path) -> dict:
+    """Environment of a server whose checkpoint link writer holds a link while ``<gate>/<link file>.hold`` exists
+    (tests/engine/linkgate/sitecustomize.py installs the hold: a test seam production code never reads)."""
+    import os
+
+    seam = str(Path(__file__).resolve().parent / "linkgate")
+    return {"HSNAP_TEST_LINK_GATE": str(gate), "PYTHONPATH": os.pathsep.join(p for p in (seam, os.environ.get("PYTHONPATH")) if p)}
+
+
 def start_together(*servers: Server) -> None:
     """Start ``servers`` at the same time (each one's start is mostly its imports: side by side they take little more
     than one); if any fails, every one is stopped and the first error raised."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, hsnap_server, linkgate_env, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -51,7 +51,7 @@ def servers(tiny_model_dir, work):
     started side by side (a start is mostly imports)."""
     (work / "gate").mkdir()
     started = {"s1": hsnap_server(tiny_model_dir, work / "s1.log", radix=False),
-               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False, env={"HSNAP_SGLANG_TEST_LINK_GATE": str(work / "gate")})}
+               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False, env=linkgate_env(work / "gate"))}
     start_together(*started.values())
     yield started
     for srv in started.values():

@@ -140,7 +140,7 @@ def plain(servers, work, target):
     """S0, without --enable-deterministic-inference (used once S2 is gone)."""
     s0 = servers["s0"]
     try:
-        resumed = client.resume(s0.url, str(work / "x.hsnap"))  # the same snapshot S2 resumed
+        resumed = client.resume(s0.url, str(work / "x.hsnap"), again=True)  # the same snapshot S2 resumed (on purpose)
         wait_idle(s0.url)
         g1_ids, n, _ = OTHERS["g1"]
         g1, *xs = _together(s0.url, [payload("g1-ref", g1_ids, n), _x("x-0"), _x("x-1")])

@@ -91,7 +91,8 @@ def store(work):
     try:
         bucket = weed.make_bucket()
         yield {"bucket": bucket, "env": {"AWS_ENDPOINT_URL": weed.endpoint, "AWS_ACCESS_KEY_ID": weed.key,
-                                         "AWS_SECRET_ACCESS_KEY": weed.secret, "AWS_REGION": "us-east-1"}}
+                                         "AWS_SECRET_ACCESS_KEY": weed.secret, "AWS_REGION": "us-east-1",
+                                         "HSNAP_ALLOWED_URLS": f"s3://{bucket}"}}
     finally:
         weed.stop()
 
@@ -390,7 +391,8 @@ def overlap(servers, work, store, migrated):
     src.stop()
     run = client.resume(dst, str(work / "x-overlap.hsnap"))
     ck_run = client.resume(dst, ck_url)
-    ck_dir_run = client.resume(dst, ck_dir)  # the prefix: of its links, the newest (the chain below it checked)
+    # the prefix: of its links, the newest (the chain below it checked) — the link just resumed, so again on purpose
+    ck_dir_run = client.resume(dst, ck_dir, again=True)
     forwards = stats(dst, "ov-x")["forwards"]
     return {"cks": cks, "ck_dir_run": ck_dir_run, "x": x, "out": out, "run": run, "forwards": forwards, "refs": refs, "other": other, "ck": ck, "ck_stream": ck_stream,
             "ck_run": ck_run, "src_idle": src_idle}
@@ -601,11 +603,11 @@ def test_item2_negative_clients_leave_other_requests_unaffected(refusals):
     assert tokens(refusals["o5"].final) == refusals["o5_ref"]
 
 
-def test_item2_unknown_rid_is_refused_by_name(drained):
+def test_item2_unknown_rid_is_refused_by_name(drained, work):
     with pytest.raises(client.ServerError) as e:
-        client.pause(drained["server"].url, "no-such-request", "/tmp/never-written.hsnap")
+        client.pause(drained["server"].url, "no-such-request", str(work / "never-written.hsnap"))
     assert e.value.error_type == "UnknownRequestError" and e.value.status == 404 and e.value.found == "no-such-request"
-    assert not os.path.exists("/tmp/never-written.hsnap")
+    assert not os.path.exists(work / "never-written.hsnap")
 
 
 def test_item2_existing_target_path_is_refused_before_waiting(drained, work):

@@ -1,0 +1,320 @@
+"""What a resume means, and that no hsnap call stops the server's loops: one server (radix cache on, the plug-in
+on, SGLang's strict idle memory check and tree sanity check on) serves every proof of this module.
+
+* a request exported and resumed in the same server at once is not cut by the delayed abort SGLang attaches to the
+  exported request's stream (2 s after it ends, on the same rid); a resumed stream that does end aborted makes
+  ``hsnap resume`` exit non-zero;
+* a snapshot is resumed at most once: a second resume is refused (409, naming who claimed it and when) unless asked
+  for again; a refused resume takes its claim back; each snapshot of a directory is claimed on its own;
+* a resume refused for capacity leaves the radix cache as it was (fit decided from free + evictable slots first);
+* against an object store that accepts connections and never answers (a loopback "black hole"), an export and a
+  resume end in a typed error after the store's read timeout, while the other requests keep decoding and
+  ``/health`` answers.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hsnap_support import Stream, flush_cache, generate, hsnap_server, payload, prompt, stats, wait_idle
+
+from hsnap_sglang import client
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
+STORE_TIMEOUT_S = 4.0  # HSNAP_S3_TIMEOUT of the server: one attempt (HSNAP_S3_RETRIES=0) waits this long for a byte
+TOTAL_TOKENS = 2500
+
+
+class BlackHole:
+    """A loopback TCP endpoint that accepts every connection and never sends a byte (a store in a brown-out)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(128)
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+            self.accepted += 1
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hsnap-resume-semantics")
+
+
+@pytest.fixture(scope="module")
+def hole():
+    h = BlackHole()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, work, hole):
+    root = work / "root"
+    root.mkdir()
+    env = {"HSNAP_ROOT": str(root), "HSNAP_ALLOWED_URLS": "s3://blackhole", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.port}",
+           "AWS_ACCESS_KEY_ID": "hsnaptest", "AWS_SECRET_ACCESS_KEY": "hsnaptest-secret", "AWS_REGION": "us-east-1",
+           "HSNAP_S3_TIMEOUT": str(STORE_TIMEOUT_S), "HSNAP_S3_CONNECT_TIMEOUT": "2", "HSNAP_S3_RETRIES": "0"}
+    # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): 4 requests at once
+    s = hsnap_server(tiny_model_dir, work / "server.log", "--max-total-tokens", str(TOTAL_TOKENS), "--max-mamba-cache-size", "12",
+                     "--max-running-requests", "4", env=env)
+    s.start()
+    s.root = root
+    yield s
+    s.stop()
+
+
+def _paused(url: str, rid: str, path: Path, ids: list[int], n: int, after: int) -> tuple[Stream, dict]:
+    """``rid`` streamed, exported to ``path`` after ``after`` output tokens; its stream ended by the export."""
+    st = Stream(url, payload(rid, ids, n))
+    st.start()
+    st.wait_tokens(after)
+    out = client.pause(url, rid, str(path))
+    st.finish()
+    assert st.final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    return st, out
+
+
+def _refusal(call, *args, **kw) -> client.ServerError:
+    with pytest.raises(client.ServerError) as e:
+        call(*args, **kw)
+    return e.value
+
+
+def _abort(url: str, rid: str) -> None:
+    req = urllib.request.Request(url + "/abort_request", data=json.dumps({"rid": rid}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+
+
+def _health_s(url: str) -> float:
+    t0 = time.monotonic()
+    with urllib.request.urlopen(url + "/health", timeout=60) as r:
+        assert r.status == 200
+    return time.monotonic() - t0
+
+
+# ----------------------------------------------------------------------------- the old stream's delayed abort
+
+
+def test_resume_in_the_same_server_is_immune_to_the_exported_streams_delayed_abort(server, work):
+    n = 400
+    _, out = _paused(server.url, "imm", server.root / "imm.hsnap", prompt(71, 20), n, after=5)
+    paused_at = time.monotonic()
+    run = client.resume(server.url, str(server.root / "imm.hsnap"))
+    ended_at = time.monotonic()
+    meta = run.final["meta_info"]
+    assert meta["finish_reason"]["type"] == "length", (meta["finish_reason"], f"{ended_at - paused_at:.1f} s after the pause")
+    assert meta["completion_tokens"] == n and len(run.output_ids) == n
+    assert not run.aborted
+    # the proof needs the resumed stream to outlive SGLang's 2 s delay (else the abort could not have hit it)
+    assert ended_at - paused_at > 3.0, f"decoding too fast for this proof: {ended_at - paused_at:.1f} s"
+    wait_idle(server.url)
+
+
+def test_hsnap_resume_exits_nonzero_when_the_resumed_stream_ends_aborted(server, capsys):
+    _paused(server.url, "cut", server.root / "cut.hsnap", prompt(72, 20), 3000, after=3)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(rc=client.resume_main([server.url, str(server.root / "cut.hsnap")])), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while "cut" not in stats(server.url)["requests"]["running"]:
+        assert time.monotonic() < deadline and t.is_alive(), "the resumed request never ran"
+        time.sleep(0.1)
+    _abort(server.url, "cut")
+    t.join(120)
+    assert not t.is_alive()
+    err = capsys.readouterr().err
+    assert got["rc"] != 0, err
+    assert "ended aborted" in err and "cut" in err
+    wait_idle(server.url)
+
+
+# ----------------------------------------------------------------------------- at most once
+
+
+@pytest.fixture(scope="module")
+def once(server):
+    """A snapshot resumed to its end once, then resumed again (refused), then again on purpose."""
+    path = server.root / "once.hsnap"
+    _paused(server.url, "once", path, prompt(73, 20), 30, after=4)
+    first = client.resume(server.url, str(path))
+    second = _refusal(client.resume, server.url, str(path))
+    marker = json.loads(Path(str(path) + ".claimed").read_text())
+    again = client.resume(server.url, str(path), again=True)
+    wait_idle(server.url)
+    return {"first": first, "second": second, "marker": marker, "again": again}
+
+
+def test_second_resume_of_a_snapshot_is_refused_naming_who_claimed_it(once, server):
+    e = once["second"]
+    assert e.status == 409 and e.error_type == "SnapshotClaimedError", e.error
+    port = server.url.rsplit(":", 1)[1]
+    assert f":{port}" in e.error["message"] and "claimed by" in e.error["message"]
+    assert once["marker"]["claimed_at"] in e.error["message"]
+    assert once["marker"]["claimed_by"]["pid"] > 0 and once["marker"]["claimed_by"]["server"].endswith(f":{port}")
+    assert once["first"].final["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_resume_again_on_purpose_continues_the_snapshot_once_more(once):
+    first, again = once["first"].final, once["again"].final
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    assert again["output_ids"] == first["output_ids"]  # the same continuation, asked for explicitly
+
+
+def test_each_snapshot_of_a_directory_is_claimed_on_its_own(server):
+    d = server.root / "drained"
+    d.mkdir()
+    for rid, seed in (("dir-a", 74), ("dir-b", 75)):
+        _paused(server.url, rid, d / f"{rid}.hsnap", prompt(seed, 20), 24, after=3)
+    client.resume(server.url, str(d / "dir-a.hsnap"))  # one of them resumed alone first
+    run = client.resume(server.url, str(d))
+    items = {Path(i["path"]).name: i for i in run.info}
+    assert items["dir-a.hsnap"]["ok"] is False and items["dir-a.hsnap"]["error"]["type"] == "SnapshotClaimedError"
+    assert items["dir-b.hsnap"]["ok"] is True and set(run.finals) == {"dir-b"}
+    assert (d / "dir-b.hsnap.claimed").exists()
+    e = _refusal(client.resume, server.url, str(d))  # every entry claimed now: nothing resumes
+    assert e.status == 409 and e.error_type == "SnapshotClaimedError"
+    wait_idle(server.url)
+
+
+# ----------------------------------------------------------------------------- capacity: the cache is not evicted for a refusal
+
+
+@pytest.fixture(scope="module")
+def refused_for_capacity(server):
+    """A 1,200-position snapshot; then the tree holds ~800 evictable tokens and a running request holds most of the
+    rest, so that free + evictable < 1,200: the resume is refused."""
+    url, path = server.url, server.root / "big.hsnap"
+    _paused(url, "big", path, prompt(81, 1200), 40, after=2)
+    wait_idle(url)
+    flush_cache(url)
+    generate(url, payload("filler", prompt(82, 800), 1))  # its prompt stays in the tree, evictable
+    hog = Stream(url, payload("hog", prompt(83, 1350), 3000))
+    hog.start()
+    hog.wait_tokens(2)
+    before = stats(url)["pools"]
+    error = _refusal(client.resume, url, str(path))
+    after = stats(url)["pools"]
+    hog_running = "hog" in stats(url)["requests"]["running"]
+    marker_left = Path(str(path) + ".claimed").exists()
+    _abort(url, "hog")
+    hog.join(120)
+    wait_idle(url)
+    resumed = client.resume(url, str(path))  # room now: the refusal did not use up the claim
+    claimed_after = Path(str(path) + ".claimed").exists()
+    wait_idle(url)
+    return {"before": before, "after": after, "error": error, "hog_running": hog_running, "marker_left": marker_left,
+            "resumed": resumed, "claimed_after": claimed_after}
+
+
+def test_resume_refused_for_capacity_leaves_the_radix_cache_as_it_was(refused_for_capacity):
+    r = refused_for_capacity
+    assert r["error"].status == 409 and r["error"].error_type == "CapacityError", r["error"].error
+    assert r["hog_running"], "the proof needs the running request to hold its slots throughout"
+    assert r["after"]["token_slots_free"] <= r["before"]["token_slots_free"], (r["before"], r["after"])  # nothing evicted
+    assert r["before"]["token_slots_evictable"] >= 500, r["before"]
+    assert r["after"]["token_slots_evictable"] >= r["before"]["token_slots_evictable"], (r["before"], r["after"])
+    assert "evictable" in r["error"].error["message"]  # the refusal counted what the cache could have given
+
+
+def test_resume_refused_after_claiming_takes_its_claim_back(refused_for_capacity):
+    r = refused_for_capacity
+    assert not r["marker_left"]
+    assert r["claimed_after"] and r["resumed"].info["result"]["claimed"] == str(r["resumed"].info["path"]) + ".claimed"
+    assert r["resumed"].final["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# ----------------------------------------------------------------------------- a store that never answers
+
+
+def _during(call, url: str, watch: Stream | None) -> dict:
+    """Run ``call`` in a thread; meanwhile time /health calls; the largest gap between ``watch``'s events while it ran."""
+    got: dict = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            got["result"] = call()
+        except BaseException as e:  # noqa: BLE001 - examined by the test
+            got["error"] = e
+        got["span"] = (t0, time.monotonic())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    health = []
+    time.sleep(0.3)
+    while t.is_alive():
+        health.append(_health_s(url))
+    t.join()
+    if watch is not None:
+        a, b = got["span"]
+        times = [x for x in watch.times if a <= x <= b]
+        got["max_gap_s"] = max((y - x for x, y in zip(times, times[1:])), default=None)
+        got["events_during"] = len(times)
+    got["health_s"] = health
+    return got
+
+
+def test_export_to_a_store_that_never_answers_keeps_other_requests_decoding(server, hole):
+    url = server.url
+    wait_idle(url)
+    flush_cache(url)
+    # the victim first: SGLang admits a request only beside the decode budget the running ones may still need
+    victim = Stream(url, payload("bh-victim", prompt(92, 20), 400))
+    other = Stream(url, payload("bh-other", prompt(91, 20), 1500))
+    victim.start()
+    victim.wait_tokens(3)
+    other.start()
+    other.wait_tokens(3)
+    got = _during(lambda: client.pause(url, "bh-victim", "s3://blackhole/victim.hsnap"), url, other)
+    a, b = got["span"]
+    e = got.get("error")
+    assert isinstance(e, client.ServerError) and e.status in (502, 504), got
+    assert "timeout" in e.error["type"].lower() or "timeout" in e.error["message"].lower(), e.error
+    assert b - a >= STORE_TIMEOUT_S * 0.9, "the export ended before the store's bound: the proof needs the stall"
+    assert got["events_during"] >= 10 and got["max_gap_s"] < STORE_TIMEOUT_S / 2, got  # the other request decoded on
+    assert got["health_s"] and max(got["health_s"]) < 3.0, got["health_s"]
+    victim.finish()
+    assert victim.final["meta_info"]["finish_reason"]["type"] == "length"  # given back: it decoded to its end
+    assert victim.final["meta_info"]["completion_tokens"] == 400
+    _abort(url, "bh-other")
+    other.join(120)
+    wait_idle(url)
+
+
+def test_resume_from_a_store_that_never_answers_leaves_the_http_process_answering(server, hole):
+    url = server.url
+    accepted = hole.accepted
+    got = _during(lambda: client.resume(url, "s3://blackhole/gone.hsnap"), url, None)
+    a, b = got["span"]
+    e = got.get("error")
+    assert isinstance(e, client.ServerError) and e.status in (502, 504), got
+    assert hole.accepted > accepted and b - a >= STORE_TIMEOUT_S * 0.9, "the store was not stalled on"
+    assert got["health_s"] and max(got["health_s"]) < 3.0, got["health_s"]
+    assert stats(url)["checks"].get("error") is None

@@ -1,0 +1,108 @@
+"""Who may call the /hsnap routes, without a server: the start-up refusal on an exposed host with no key, hsnap's own
+serve flags, and the key the clients send (a loopback HTTP stub records it)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import pytest
+
+from hsnap_format.cli import main as hsnap
+from hsnap_sglang import auth, client
+from hsnap_sglang.serve import take_hsnap_flags
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_loopback_host_needs_no_key(host):
+    assert auth.exposure_refusal(host, None, None, env={}) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "", None, "10.0.0.5", "example.internal"])
+def test_exposed_host_without_a_key_is_refused_at_start(host):
+    why = auth.exposure_refusal(host, None, None, env={})
+    assert why and "--admin-api-key" in why and "--hsnap-allow-unauthenticated" in why
+
+
+def test_exposed_host_with_a_key_or_explicit_consent_starts():
+    assert auth.exposure_refusal("0.0.0.0", None, "A", env={}) is None
+    assert auth.exposure_refusal("0.0.0.0", "U", None, env={}) is None
+    assert auth.exposure_refusal("0.0.0.0", None, None, env={auth.ALLOW_UNAUTHENTICATED_ENV: "1"}) is None
+
+
+def test_key_with_several_tokenizer_workers_protects_nothing():
+    # SGLang adds its key middleware in single-tokenizer mode only
+    assert auth.exposure_refusal("0.0.0.0", None, "A", tokenizer_workers=2, env={})
+
+
+def test_serve_flags_become_the_environment_and_leave_sglang_argv(tmp_path):
+    env: dict = {}
+    argv = take_hsnap_flags(["--enable-hsnap", "--hsnap-root", str(tmp_path), "--model-path", "m", "--hsnap-allow-url=s3://a/p",
+                             "--hsnap-allow-url", "s3://b", "--hsnap-allow-unauthenticated", "--port", "1"], env)
+    assert argv == ["--model-path", "m", "--port", "1"]
+    assert env == {"HSNAP_SGLANG_PLUGIN": "1", "HSNAP_ROOT": str(tmp_path), "HSNAP_ALLOWED_URLS": "s3://a/p,s3://b",
+                   "HSNAP_ALLOW_UNAUTHENTICATED": "1"}
+
+
+def test_serve_refuses_a_root_that_is_not_a_directory(tmp_path):
+    with pytest.raises(SystemExit, match="not an existing directory"):
+        take_hsnap_flags(["--hsnap-root", str(tmp_path / "missing")], {})
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    seen: list = []
+
+    def _answer(self):
+        self.seen.append(self.headers.get("Authorization"))
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.headers.get("Authorization") != "Bearer sekrit":
+            body, code = b'{"error": "Unauthorized"}', 401  # SGLang's middleware answers so
+        else:
+            body, code = json.dumps({"error": {"type": "UnknownRequestError", "status": 404, "message": "no such rid"}}).encode(), 404
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def stub():
+    _Recorder.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.mark.parametrize("argv", [
+    ["pause", "{url}", "r", "-o", "x.hsnap"], ["resume", "{url}", "x.hsnap"], ["drain", "{url}", "-o", "d"],
+    ["checkpoint", "{url}", "r", "-o", "d", "--every", "4"],
+])
+def test_cli_sends_the_key_from_its_flag_or_the_environment(stub, argv, capsys, monkeypatch):
+    monkeypatch.delenv(client.API_KEY_ENV, raising=False)
+    args = [a.format(url=stub) for a in argv]
+    assert hsnap(args + ["--api-key", "sekrit"]) == 1  # the stub's 404: the key got through
+    assert "UnknownRequestError" in capsys.readouterr().err
+    monkeypatch.setenv(client.API_KEY_ENV, "sekrit")
+    assert hsnap(args) == 1 and "UnknownRequestError" in capsys.readouterr().err
+    monkeypatch.delenv(client.API_KEY_ENV)
+    assert hsnap(args) == 1
+    err = capsys.readouterr().err
+    assert "Unauthorized" in err and "--api-key" in err and client.API_KEY_ENV in err
+    assert _Recorder.seen == ["Bearer sekrit", "Bearer sekrit", None]
+
+
+def test_migrate_sends_the_key_to_both_servers(stub, monkeypatch):
+    monkeypatch.setenv(client.API_KEY_ENV, "sekrit")
+    with pytest.raises(client.ServerError):
+        client.move(stub, stub, "r", "mig")
+    assert _Recorder.seen == ["Bearer sekrit", "Bearer sekrit"]
