@@ -28,11 +28,6 @@ _EXPORTS = {
     "KV_ADAPTERS": "adapters",
     "export_request_tp": "tp",
     "restore_request_tp": "tp",
-    "snapshot_req": "sglang",
-    "resume_req": "sglang",
-    "UnsupportedRequestError": "sglang",
-    "retract_to_disk": "retract",
-    "load_retracted": "retract",
     "MigrationSource": "migrate",
     "MigrationTarget": "migrate",
 }

@@ -1,7 +1,7 @@
 """hsnap's edge package for SGLang: everything that names SGLang's runtime lives here.
 
-* :mod:`hsnap_sglang.req` — SGLang's own ``Req`` in and out of a snapshot (``snapshot_req`` / ``resume_req``; formerly
-  ``hsnap_io.sglang``), :mod:`hsnap_sglang.retract` — retraction to disk (formerly ``hsnap_io.retract``);
+* :mod:`hsnap_sglang.req` — SGLang's own ``Req`` in and out of a snapshot (``snapshot_req`` / ``resume_req``),
+  :mod:`hsnap_sglang.retract` — retraction to disk;
 * :mod:`hsnap_sglang.plugin` — an SGLang plug-in (opt-in: ``HSNAP_SGLANG_PLUGIN=1``) that pauses one live request of a
   running server over HTTP, exports it and resumes it in another server (:mod:`.scheduler`, :mod:`.frontend`);
   :mod:`hsnap_sglang.client` — its Python calls and the ``hsnap pause | resume | drain`` commands;

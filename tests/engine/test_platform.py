@@ -36,7 +36,7 @@ print(json.dumps({
 
 
 def test_nothing_of_the_platform_loads_without_the_opt_in():
-    state = _run("import torch, hsnap_format, hsnap_io, hsnap_io.sglang, hsnap_sglang.req\n" + _STATE, opt_in=False)
+    state = _run("import torch, hsnap_format, hsnap_io, hsnap_sglang.req\n" + _STATE, opt_in=False)
     assert not [m for m in state["modules"] if m.startswith(("hsnap_sglang.cpu", "sgl_kernel"))], state["modules"]
     assert "CpuPlatformFinder" not in state["finders"]
     assert state["sglang_cpu"] is None
