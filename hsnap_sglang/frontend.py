@@ -436,8 +436,6 @@ def router():
     @_contained("export")
     async def export(request: Request):
         body = await _body(request)
-        if body is None:
-            return _bad("body", "a JSON object {rid, path, keep_running?}", None)
         rid, path, keep = body.get("rid"), body.get("path"), body.get("keep_running", False)
         check_rid("rid", rid)
         check_path("path", path)
@@ -450,7 +448,7 @@ def router():
     @_contained("drain")
     async def drain(request: Request):
         body = await _body(request)
-        d = None if body is None else body.get("dir")
+        d = body.get("dir")
         check_path("dir", d, what="a directory or s3:// prefix (string)")
         dedup, page = body.get("dedup", False), body.get("page_size", 0)
         if type(dedup) is not bool:
@@ -464,8 +462,6 @@ def router():
     @_contained("checkpoint")
     async def checkpoint(request: Request):
         body = await _body(request)
-        if body is None:
-            return _bad("body", "a JSON object {rid, dir, every}", None)
         rid, d, every = body.get("rid"), body.get("dir"), body.get("every")
         check_rid("rid", rid)
         if type(every) is not int or not 0 <= every <= 1 << 32:
@@ -490,8 +486,6 @@ def router():
         from sglang.srt.entrypoints.http_server import dumps_json
 
         body = await _body(request)
-        if body is None:
-            return _bad("body", "a JSON object {path, stream?}", None)
         path, stream, text_lp = body.get("path"), body.get("stream", False), body.get("return_text_in_logprobs", False)
         check_path("path", path, what="a snapshot path, a directory of snapshots or an s3:// URL (string)")
         if type(stream) is not bool or type(text_lp) is not bool:
@@ -537,8 +531,6 @@ def router():
     @_contained("migrate")
     async def migrate(request: Request):
         body = await _body(request)
-        if body is None:
-            return _bad("body", "a JSON object {rid, dir, tail?, max_rounds?, timeout_s?, fsync?}", None)
         rid, d = body.get("rid"), body.get("dir")
         tail, rounds, timeout_s, fsync = body.get("tail", 16), body.get("max_rounds", 8), body.get("timeout_s", 60), body.get("fsync", False)
         check_rid("rid", rid)
@@ -559,8 +551,6 @@ def router():
     @_contained("follow")
     async def follow(request: Request):
         body = await _body(request)
-        if body is None:
-            return _bad("body", "a JSON object {dir, rid?, stream?, timeout_s?}", None)
         d, rid, stream = body.get("dir"), body.get("rid"), body.get("stream", False)
         text_lp, timeout_s = body.get("return_text_in_logprobs", False), body.get("timeout_s", 60)
         check_path("dir", d, what="the directory or s3:// prefix a source migrates through (string)")
