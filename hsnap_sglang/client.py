@@ -311,6 +311,7 @@ def _items(info) -> list:
 
 
 def pause_main(argv) -> int:
+    """export one live request of a server: hsnap pause URL RID -o PATH"""
     p = argparse.ArgumentParser(prog="hsnap pause", description="Export one live request of a server (hsnap plug-in) at its "
                                 "next committed decode boundary; its slots are released and its client's stream ends with "
                                 "finish_reason hsnap_export (--keep-running: a checkpoint, the request keeps decoding).")
@@ -336,6 +337,7 @@ def pause_main(argv) -> int:
 
 
 def resume_main(argv) -> int:
+    """resume a snapshot in a server and print the rest: hsnap resume URL PATH"""
     p = argparse.ArgumentParser(prog="hsnap resume", description="Resume a snapshot (or a drain's directory of snapshots) "
                                 "in a server running the hsnap plug-in and print the rest of the stream.")
     p.add_argument("url", help="the server, http://host:port")
@@ -379,6 +381,7 @@ def resume_main(argv) -> int:
 
 
 def drain_main(argv) -> int:
+    """export every request of a server: hsnap drain URL -o DIR [--dedup]"""
     p = argparse.ArgumentParser(prog="hsnap drain", description="Export every request of a server running the hsnap plug-in "
                                 "(graceful shutdown for a rolling upgrade); `hsnap resume URL DIR` brings them back.")
     p.add_argument("url", help="the server, http://host:port")
@@ -411,6 +414,7 @@ def drain_main(argv) -> int:
 
 
 def checkpoint_main(argv) -> int:
+    """checkpoint a live request every N tokens: hsnap checkpoint URL RID -o DIR --every N"""
     p = argparse.ArgumentParser(prog="hsnap checkpoint", description="Checkpoint one live request of a server (hsnap plug-in) "
                                 "now and every N output tokens while it keeps decoding: a chain of links in DIR; after a crash "
                                 "`hsnap resume URL DIR` resumes the newest committed link.")
@@ -435,6 +439,7 @@ def checkpoint_main(argv) -> int:
 
 
 def migrate_main(argv) -> int:
+    """live-migrate a request between servers: hsnap migrate URL RID --to URL2 --via DIR"""
     p = argparse.ArgumentParser(prog="hsnap migrate", description="Live-migrate one request from a server to another (both "
                                 "running the hsnap plug-in) through a directory both reach or s3://: the target follows, the "
                                 "source pre-copies while the request decodes, then stops it for the last few rows and its "

@@ -907,6 +907,7 @@ def _raise_interrupted(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """pause a request of a real SGLang server, resume it in a fresh one (needs hsnap[engine])"""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--library" in argv:  # the library-level demo: SGLang's pools and Req driven by hsnap's own loop
         from hsnap_io.demo.run import main as library_main

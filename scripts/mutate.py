@@ -149,8 +149,8 @@ import craft  # noqa: E402  (tests/craft.py: split, lay_out, resign, manifest_fo
 import mutate_targets as targets  # noqa: E402  (tests/mutate_targets.py: reshard, resume, retract, gc, gc-url)
 import hsnap_format  # noqa: E402
 from hsnap_format import canonical  # noqa: E402
-from hsnap_format import stats as _stats  # noqa: E402
-from hsnap_format import viewmodel as _viewmodel  # noqa: E402
+from hsnap_format.tools import stats as _stats  # noqa: E402
+from hsnap_format.tools import viewmodel as _viewmodel  # noqa: E402
 from hsnap_format.errors import HsnapError  # noqa: E402
 from hsnap_format.spec import HEADER_OFFSET, KNOWN_FEATURES, PREAMBLE, align_up  # noqa: E402
 
@@ -1018,7 +1018,7 @@ def _references(page_path: str) -> dict[str, bool]:
 def _cli_verify(path: str, library_ok: bool) -> dict | None:
     """``hsnap verify [--json]`` of a snapshot that references pages: its exit status is the
     library's verdict on the whole (the file, its references, every page)."""
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     for argv in (["verify", path], ["verify", "--json", path]):
         out, err = io.StringIO(), io.StringIO()
@@ -1319,11 +1319,11 @@ def _manifest_model(sset, mbytes: bytes):
 
 
 def _cli(path: str, desc: dict, ctx: Context, *, accepted_verify: bool):
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     orig = os.path.join(ctx.orig, desc["target"].split("/")[0])
     try:  # the library's diff directly: ``hsnap diff`` turns every ValueError into exit 2
-        from hsnap_format.diff import diff_snapshots
+        from hsnap_format.tools.diff import diff_snapshots
 
         with hsnap_format.open(orig) as a, hsnap_format.open(path) as b:
             diff_snapshots(a, b)

@@ -1943,7 +1943,8 @@ class GcExaminer:
         self.collect = None  # the call under test (default gc.collect / remote.collect_url); tests plant faults here
 
     def warm(self) -> None:
-        from hsnap_format import cli, gc, remote  # noqa: F401
+        from hsnap_format import gc, remote  # noqa: F401
+        from hsnap_format.tools import cli
 
     def examine(self, desc: dict) -> dict:
         from hsnap_format import gc
@@ -2016,7 +2017,7 @@ def run_gc_cli(argv: list[str]) -> dict | None:
     import contextlib
     import io
 
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     o, e = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):

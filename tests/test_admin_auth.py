@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from hsnap_format.cli import main as hsnap
+from hsnap_format.tools.cli import main as hsnap
 from hsnap_sglang import auth, client
 from hsnap_sglang.serve import take_hsnap_flags
 

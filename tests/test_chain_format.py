@@ -22,7 +22,7 @@ import craft  # noqa: E402
 import independent_reader as ir  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import cli  # noqa: E402
+from hsnap_format.tools import cli  # noqa: E402
 from hsnap_format.chain import compact, compact_path, open_chain  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

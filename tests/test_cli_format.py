@@ -16,7 +16,7 @@ FILES = ["attention-only", "hybrid", "mla-fp8"]
 
 
 def hsnap(*args, exe=None) -> subprocess.CompletedProcess:
-    cmd = [exe] if exe else [sys.executable, "-m", "hsnap_format.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "hsnap_format.tools.cli"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 

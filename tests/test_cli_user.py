@@ -19,8 +19,8 @@ import pytest
 
 from hsnap_format import AttentionGeometry, Engine, Geometry, MambaGeometry, open_snapshot, write_snapshot
 from hsnap_format import reference as ref
-from hsnap_format.cli import main as hsnap
-from hsnap_format.export_npy import SAFETENSORS_DTYPES, load_npy_as
+from hsnap_format.tools.cli import main as hsnap
+from hsnap_format.tools.export_npy import SAFETENSORS_DTYPES, load_npy_as
 from hsnap_format.spec import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def _flip(path, section: str, at: int = 3) -> None:
 
 # command -> how the child makes that command slow (so that Ctrl-C lands in the middle)
 SLOW = {
-    "diff": "import hsnap_format.diff as m; m.compare_pair = slow",
+    "diff": "import hsnap_format.tools.diff as m; m.compare_pair = slow",
     "verify": "from hsnap_format.reader import Snapshot; Snapshot.verify_section = slow",
 }
 
@@ -80,7 +80,7 @@ def test_item4_ctrl_c_is_exit_130_and_one_line(command):
             print("working", flush=True)
             time.sleep(30)
         {patch}
-        from hsnap_format.cli import main
+        from hsnap_format.tools.cli import main
         sys.exit(main(sys.argv[1:]))
     """).format(patch=SLOW[command])
     args = [str(VEC / "hybrid.hsnap")] * (2 if command == "diff" else 1)

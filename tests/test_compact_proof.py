@@ -21,7 +21,7 @@ import hsnap_format as hf  # noqa: E402
 from hsnap_format import pages as pg  # noqa: E402
 from hsnap_format import chain as ch  # noqa: E402
 from hsnap_format.chain import base_ref, compact, compact_path, open_chain  # noqa: E402
-from hsnap_format.cli import main as hsnap  # noqa: E402
+from hsnap_format.tools.cli import main as hsnap  # noqa: E402
 
 BASE_POS, HEAD_POS = 3 * S, 5 * S + 1  # the base holds pages 0-2; the delta pages 3-4 and one row
 

@@ -30,7 +30,7 @@ N, K = 16, 4
 
 
 def _demo(*args, timeout=300):
-    cmd = [sys.executable, "-m", "hsnap_format.cli", "demo", "--library", *args]
+    cmd = [sys.executable, "-m", "hsnap_format.tools.cli", "demo", "--library", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

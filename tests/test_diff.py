@@ -1,4 +1,4 @@
-"""hsnap_format.diff and `hsnap diff`: per-section comparison, header differences, exit codes."""
+"""hsnap_format.tools.diff and `hsnap diff`: per-section comparison, header differences, exit codes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from hsnap_format import AttentionGeometry, Geometry, MambaGeometry, open_snapshot, write_snapshot
 from hsnap_format import reference as ref
-from hsnap_format.cli import main as hsnap
-from hsnap_format.diff import (
+from hsnap_format.tools.cli import main as hsnap
+from hsnap_format.tools.diff import (
     DIFFER, EQUAL, ONLY_A, ONLY_B, SHAPE_MISMATCH, compare_arrays, diff_snapshots, header_differences, section_pairs,
 )
 
@@ -229,6 +229,6 @@ def test_cli_json_and_names_only(snaps, capsys):
 
 
 def test_cli_diff_is_a_normal_subcommand():
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     assert "diff" not in cli._EXTERNAL

@@ -17,8 +17,8 @@ import pytest
 import hsnap_format as hf
 from hsnap_format import open_snapshot
 from hsnap_format import reference as ref
-from hsnap_format.cli import main as hsnap
-from hsnap_format.export_npy import load_npy_as
+from hsnap_format.tools.cli import main as hsnap
+from hsnap_format.tools.export_npy import load_npy_as
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"

@@ -11,7 +11,7 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import cli
+from hsnap_format.tools import cli
 from hsnap_format import gc as hgc
 
 

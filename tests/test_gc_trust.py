@@ -17,7 +17,8 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs, cli
+from hsnap_format import _fs
+from hsnap_format.tools import cli
 from hsnap_format import gc as hgc
 from hsnap_format.spec import MAGIC, PENDING_MARKER
 

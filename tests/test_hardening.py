@@ -17,10 +17,11 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs, cli
+from hsnap_format import _fs
+from hsnap_format.tools import cli
 from hsnap_format import gc as hgc
-from hsnap_format.diff import CORRUPT, diff_snapshots
-from hsnap_format.stats import section_stats
+from hsnap_format.tools.diff import CORRUPT, diff_snapshots
+from hsnap_format.tools.stats import section_stats
 
 VECTORS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "spec", "vectors")
 
@@ -485,7 +486,7 @@ def test_low_error_text_quotes_strings_and_stays_on_one_line():
     assert str(e) == "/x/a\\x0ab.hsnap: request.rid: expected a string, found '4'"
     assert "found 4" in str(hf.MalformedHeaderError(None, "f", "x", 4))
     assert "\n" not in str(hf.MalformedHeaderError(None, "f", "x", "a\nb\x1b"))
-    from hsnap_format.viewmodel import escape
+    from hsnap_format.tools.viewmodel import escape
 
     assert escape("\\x1b") == "\\\\x1b" and escape("\x1b") == "\\x1b" and escape("é") == "é"
 

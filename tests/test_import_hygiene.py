@@ -18,12 +18,12 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_hsnap_format_imports_no_tui_and_no_torch():
-    loaded = _modules_after("import hsnap_format, hsnap_format.cli, hsnap_format.diff, hsnap_format.stats, hsnap_format.viewmodel")
+    loaded = _modules_after("import hsnap_format, hsnap_format.tools.cli, hsnap_format.tools.diff, hsnap_format.tools.stats, hsnap_format.tools.viewmodel")
     assert not loaded & {"textual", "rich", "torch", "sglang", "transformers"}, loaded & {"textual", "rich", "torch", "sglang"}
 
 
 def test_hsnap_diff_runs_without_the_tui():
-    loaded = _modules_after("from hsnap_format.cli import main\ntry:\n    main(['diff', '/nonexistent-a', '/nonexistent-b'])\nexcept SystemExit:\n    pass")
+    loaded = _modules_after("from hsnap_format.tools.cli import main\ntry:\n    main(['diff', '/nonexistent-a', '/nonexistent-b'])\nexcept SystemExit:\n    pass")
     assert not loaded & {"textual", "rich", "torch", "sglang"}
 
 

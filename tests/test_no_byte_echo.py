@@ -8,11 +8,11 @@ import json
 import pytest
 
 from hsnap_format import open_snapshot
-from hsnap_format.cli import main as hsnap
+from hsnap_format.tools.cli import main as hsnap
 from hsnap_format.errors import BadMagicError, MalformedManifestError
 from hsnap_format.manifest import decode_manifest
 from hsnap_format.spec import MAGIC, PENDING_MAGIC
-from hsnap_format.viewmodel import salvageable
+from hsnap_format.tools.viewmodel import salvageable
 from hsnap_sglang.errors import error_dict
 
 SECRET = b"zqroot:x:0:0:Wv7/qq:/bin/zsh\nSECRET_TOKEN=hunter2\n"

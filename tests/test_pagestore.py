@@ -843,7 +843,7 @@ def test_item2_hsnap_gc_pages_command(tmp_path):
     import io
     import json
 
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     def run(*argv):
         out, err = io.StringIO(), io.StringIO()
@@ -898,7 +898,7 @@ def test_gc_pages_skips_and_reports_a_file_too_short_for_the_magic(tmp_path):
     import contextlib
     import io
 
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, tokens_for(SYSTEM, 3 * S + 1 + S, seed=40), "a")
@@ -923,7 +923,7 @@ def test_gc_pages_verify_lists_a_damaged_page_object(tmp_path):
     import contextlib
     import io
 
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, tokens_for(SYSTEM, 3 * S + 1, seed=42), "a")

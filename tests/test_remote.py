@@ -119,7 +119,7 @@ def _hsnap(opts, *args):
     import contextlib
     import io
 
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     out, err = io.StringIO(), io.StringIO()
     saved = dict(os.environ)

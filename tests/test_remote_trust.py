@@ -84,7 +84,7 @@ class _Run:
 
 def _hsnap(env: dict, *args) -> _Run:
     """The ``hsnap`` CLI in this process, with ``env`` over the environment (as a user has it)."""
-    from hsnap_format import cli
+    from hsnap_format.tools import cli
 
     out, err = io.StringIO(), io.StringIO()
     saved = dict(os.environ)

@@ -26,7 +26,8 @@ import craft  # noqa: E402
 import independent_reader as ir  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import cli, spec  # noqa: E402
+from hsnap_format import spec  # noqa: E402
+from hsnap_format.tools import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "spec" / "hsnap-v1.md"

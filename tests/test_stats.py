@@ -1,4 +1,4 @@
-"""hsnap_format.stats: chunked statistics, exact for bf16/fp8, bounded memory."""
+"""hsnap_format.tools.stats: chunked statistics, exact for bf16/fp8, bounded memory."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hsnap_format.stats import Cancelled, array_stats, is_float, sample, section_stats
+from hsnap_format.tools.stats import Cancelled, array_stats, is_float, sample, section_stats
 
 
 def _reference(arr: np.ndarray) -> dict:

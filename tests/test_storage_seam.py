@@ -121,7 +121,7 @@ def test_design_local_remove_of_a_file_changed_since_it_was_read(tmp_path):
 def test_design_snapshots_open_write_and_copy_through_the_seam(s3server, tmp_path):
     """The snapshot operations every call site uses, on both stores: a writer's file opens
     through the store; cp goes through the stores' sinks and set writers."""
-    from hsnap_format.cli_remote import copy
+    from hsnap_format.tools.cli_remote import copy
 
     opts = s3server.options()
     url = f"s3://{s3server.make_bucket()}/x"

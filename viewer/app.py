@@ -31,7 +31,7 @@ from .compat import Reference, load_reference
 from hsnap_format.errors import HsnapError
 from hsnap_format.remote import StorageOptions, endpoint_shown
 from hsnap_format.storage import store_for
-from hsnap_format.viewmodel import leftover_hint
+from hsnap_format.tools.viewmodel import leftover_hint
 
 from .model import Document, display_name, try_open
 from .screens.diff import DiffScreen

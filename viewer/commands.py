@@ -8,7 +8,7 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.content import Content
 from textual.markup import escape as escape_markup
 
-from hsnap_format.viewmodel import escape
+from hsnap_format.tools.viewmodel import escape
 
 
 class SectionCommands(Provider):

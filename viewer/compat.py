@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hsnap_format import Geometry, Identity, MalformedHeaderError, open_snapshot
-from hsnap_format.diff import rank_map
+from hsnap_format.tools.diff import rank_map
 
 from .model import display_name
 

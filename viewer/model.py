@@ -10,9 +10,9 @@ from itertools import groupby
 import numpy as np
 
 from hsnap_format import HsnapError, SectionInfo, Snapshot, SnapshotSet, open_snapshot
-from hsnap_format.diff import rank_map
-from hsnap_format.stats import section_stats
-from hsnap_format.viewmodel import PartialSnapshot, fmt_bytes, salvageable
+from hsnap_format.tools.diff import rank_map
+from hsnap_format.tools.stats import section_stats
+from hsnap_format.tools.viewmodel import PartialSnapshot, fmt_bytes, salvageable
 
 # digest status of a section, as the Digests tab, the tree and the Section tab show it
 OK, MISMATCH, MISSING, PENDING = "ok", "MISMATCH", "MISSING", "pending"

@@ -1,5 +1,5 @@
 """Terminal-safe text. Every string that came from a file goes through
-:func:`safe`: control characters escaped (hsnap_format.viewmodel.escape) and
+:func:`safe`: control characters escaped (hsnap_format.tools.viewmodel.escape) and
 wrapped in a Rich ``Text`` so that no ``[markup]`` in it is ever interpreted."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from rich.text import Text
 
 from hsnap_format import HsnapError
-from hsnap_format.viewmodel import escape
+from hsnap_format.tools.viewmodel import escape
 
 
 def safe(value, style: str = "") -> Text:

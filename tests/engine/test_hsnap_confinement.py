@@ -16,7 +16,7 @@ import pytest
 
 from hsnap_support import hsnap_server, start_together
 
-from hsnap_format.cli import main as hsnap
+from hsnap_format.tools.cli import main as hsnap
 from hsnap_sglang import client
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

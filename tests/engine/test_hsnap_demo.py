@@ -30,7 +30,7 @@ DEMO_TIMEOUT_S = 1200
 
 
 def _demo_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hsnap_format.cli", "demo", *args]
+    return [sys.executable, "-m", "hsnap_format.tools.cli", "demo", *args]
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ def test_item3_client_raises_the_servers_typed_reason():
             client.resume(url, "/s/x.hsnap")
         assert isinstance(e.value, HsnapError) and e.value.error_type == "IncompatibleSnapshotError" and e.value.status == 422
         assert e.value.error["differences"] == [["identity.weights_hash", "a", "b"]] and e.value.path == "/s/x.hsnap"
-        proc = subprocess.run([sys.executable, "-m", "hsnap_format.cli", "resume", url, "/s/x.hsnap"], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "hsnap_format.tools.cli", "resume", url, "/s/x.hsnap"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and proc.stderr.startswith("hsnap resume: IncompatibleSnapshotError:"), proc.stderr
         assert "\n" not in proc.stderr.strip()
     finally:
@@ -145,7 +145,7 @@ def test_item3_client_raises_the_servers_typed_reason():
 
 
 def test_item3_cli_clients_import_neither_torch_nor_sglang():
-    code = ("import sys, hsnap_format.cli as c\nc.main(['pause', 'http://127.0.0.1:9', 'r', '-o', '/tmp/x'])\n"
+    code = ("import sys, hsnap_format.tools.cli as c\nc.main(['pause', 'http://127.0.0.1:9', 'r', '-o', '/tmp/x'])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -43,7 +43,7 @@ def test_nothing_of_the_platform_loads_without_the_opt_in():
 
 
 def test_library_packages_never_import_the_platform_even_when_opted_in():
-    state = _run("import hsnap_format, hsnap_format.cli, hsnap_io\n" + _STATE, opt_in=True)
+    state = _run("import hsnap_format, hsnap_format.tools.cli, hsnap_io\n" + _STATE, opt_in=True)
     assert not [m for m in state["modules"] if m.startswith("hsnap_sglang.cpu")], state["modules"]
 
 

@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Static
 
 from view_fixtures import CHANGED_SECTIONS, CORRUPT_SECTION
 from hsnap_format import open_snapshot
-from hsnap_format.stats import array_stats
+from hsnap_format.tools.stats import array_stats
 from hsnap_view.app import main, make_app
 from hsnap_view.screens.diff import DiffScreen
 from hsnap_view.screens.error import ErrorScreen

@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Static
 
 from view_fixtures import CHANGED_SECTIONS, CORRUPT_SECTION
 from hsnap_format import open_snapshot
-from hsnap_format.export_npy import load_npy_as
+from hsnap_format.tools.export_npy import load_npy_as
 from hsnap_view.app import main, make_app
 from hsnap_view.screens.diff import DiffScreen
 from hsnap_view.screens.help import HelpScreen
@@ -265,7 +265,7 @@ async def test_item9_usable_at_80x24(in_fixtures):
 
 
 def fmt_first(app, name: str) -> str:
-    from hsnap_format.viewmodel import fmt_value
+    from hsnap_format.tools.viewmodel import fmt_value
 
     info = app.document.first.section(name)
     return fmt_value(app.document.first.read(info)[(0,) * len(info.shape)], info.dtype)

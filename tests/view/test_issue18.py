@@ -13,7 +13,7 @@ from textual.geometry import Region
 from textual.widgets import DataTable, TabbedContent
 
 from view_fixtures import CHANGED_SECTIONS, ZEROED_SECTION, _write, hybrid_geometry
-from hsnap_format.viewmodel import fmt_value
+from hsnap_format.tools.viewmodel import fmt_value
 from hsnap_view.app import make_app
 from hsnap_view.screens.diff import DiffScreen
 from hsnap_view.screens.main import PANES, MainScreen

@@ -17,9 +17,9 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, ProgressBar, Static
 from textual.worker import Worker, get_current_worker
 
-from hsnap_format.diff import CORRUPT, EQUAL, SectionDiff, SectionPair, compare_pair, header_differences, rank_map, section_pairs
-from hsnap_format.stats import Cancelled
-from hsnap_format.viewmodel import fmt_value, ulp_distance, value_bits
+from hsnap_format.tools.diff import CORRUPT, EQUAL, SectionDiff, SectionPair, compare_pair, header_differences, rank_map, section_pairs
+from hsnap_format.tools.stats import Cancelled
+from hsnap_format.tools.viewmodel import fmt_value, ulp_distance, value_bits
 
 from ..model import Document
 from ..text import describe_error, fmt_num, safe

@@ -20,8 +20,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from hsnap_format import HsnapError
-from hsnap_format.export_npy import export_npy
-from hsnap_format.viewmodel import SelectionError, fmt_bytes, fmt_value, parse_selection, plural, resolve_selection
+from hsnap_format.tools.export_npy import export_npy
+from hsnap_format.tools.viewmodel import SelectionError, fmt_bytes, fmt_value, parse_selection, plural, resolve_selection
 
 from ..compat import Reference, load_reference
 from ..messages import PaneWanted, SectionChosen

@@ -7,7 +7,7 @@ import math
 
 from rich.text import Text
 
-from hsnap_format.viewmodel import fmt_bytes
+from hsnap_format.tools.viewmodel import fmt_bytes
 
 from ..messages import SectionChosen
 from ..model import MISSING, Document, aligned_to

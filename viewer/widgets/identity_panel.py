@@ -12,7 +12,7 @@ from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from hsnap_format.viewmodel import fmt_bytes
+from hsnap_format.tools.viewmodel import fmt_bytes
 
 from ..compat import Reference, compat_rows, is_compatible
 from ..model import Document

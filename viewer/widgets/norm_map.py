@@ -24,8 +24,8 @@ from textual.widgets import Static
 from textual.worker import Worker, get_current_worker
 
 from hsnap_format import HsnapError
-from hsnap_format.stats import Cancelled
-from hsnap_format.viewmodel import NormRow, norm_groups, row_norms
+from hsnap_format.tools.stats import Cancelled
+from hsnap_format.tools.viewmodel import NormRow, norm_groups, row_norms
 
 from ..model import Document
 from ..text import describe_error

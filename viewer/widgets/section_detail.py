@@ -19,8 +19,8 @@ from textual.worker import get_current_worker
 
 from hsnap_format import DigestMismatchError, HsnapError
 from hsnap_format.spec import DTYPES
-from hsnap_format.stats import Cancelled, SectionStats, as_float64, chunks_stats
-from hsnap_format.viewmodel import NORM_FAMILIES, Selection, fmt_bytes
+from hsnap_format.tools.stats import Cancelled, SectionStats, as_float64, chunks_stats
+from hsnap_format.tools.viewmodel import NORM_FAMILIES, Selection, fmt_bytes
 
 from ..model import MISMATCH, MISSING, OK, Document, SectionRef, aligned_to
 from ..text import describe_error, fmt_num, safe

@@ -22,9 +22,9 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
 from hsnap_format import HsnapError
-from hsnap_format.stats import is_float
+from hsnap_format.tools.stats import is_float
 from hsnap_format.spec import DTYPES
-from hsnap_format.viewmodel import Selection, fmt_value, value_bits
+from hsnap_format.tools.viewmodel import Selection, fmt_value, value_bits
 
 from ..model import Document, SectionRef
 from ..text import describe_error

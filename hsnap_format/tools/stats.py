@@ -18,7 +18,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from .spec import DTYPES
+from ..spec import DTYPES
 
 CHUNK_ELEMENTS = 1 << 20  # 8 MiB of float64 per temporary
 

@@ -5,7 +5,6 @@ so ``hsnap info`` stays a numpy + xxhash program."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -13,13 +12,13 @@ import sys
 
 import numpy as np
 
-from . import MAJOR, MINOR, __version__, open_snapshot
-from .chain import chain_below, compact_path
-from .errors import HsnapError
-from .manifest import SnapshotSet
-from .pages import collect_pages
-from .spec import DTYPES
-from .storage import store_for
+from .. import MAJOR, MINOR, __version__, open_snapshot
+from ..chain import chain_below, compact_path
+from ..errors import HsnapError
+from ..manifest import SnapshotSet
+from ..pages import collect_pages
+from ..spec import DTYPES
+from ..storage import store_for
 from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
 
 
@@ -372,18 +371,24 @@ def print_gc_report(args, items) -> int:
     return 1 if failed else 0
 
 
-# name -> (module:function, help) for subcommands living in optional packages
-_EXTERNAL = {
-    # the engine demo (two real SGLang servers); `hsnap demo --library` dispatches to hsnap_io.demo.run (no server)
-    "demo": ("hsnap_sglang.demo:main", "pause a request of a real SGLang server, resume it in a fresh one (needs hsnap[engine])"),
-    "cp": ("hsnap_format.cli_remote:cp_main", "copy a snapshot between paths and s3:// URLs, verifying (needs hsnap[remote] for URLs)"),
-    # clients of an SGLang server running the hsnap plug-in (standard library only; hsnap_sglang/README.md)
-    "pause": ("hsnap_sglang.client:pause_main", "export one live request of a server: hsnap pause URL RID -o PATH"),
-    "resume": ("hsnap_sglang.client:resume_main", "resume a snapshot in a server and print the rest: hsnap resume URL PATH"),
-    "drain": ("hsnap_sglang.client:drain_main", "export every request of a server: hsnap drain URL -o DIR [--dedup]"),
-    "checkpoint": ("hsnap_sglang.client:checkpoint_main", "checkpoint a live request every N tokens: hsnap checkpoint URL RID -o DIR --every N"),
-    "migrate": ("hsnap_sglang.client:migrate_main", "live-migrate a request between servers: hsnap migrate URL RID --to URL2 --via DIR"),
-}
+# Subcommands of other packages register in the `hsnap.commands` entry-point group (pyproject.toml), as the plug-in
+# registers with SGLang's `sglang.srt.plugins`: this package never names them. Each entry is `name = "module:function"`;
+# the function takes argv and returns the exit status, and its docstring's first line is its help.
+COMMANDS_GROUP = "hsnap.commands"
+
+
+def registered_commands() -> dict:
+    """name -> entry point of every installed subcommand of another package."""
+    from importlib.metadata import entry_points
+    return {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+
+
+def _command_help(ep) -> str:
+    try:
+        fn = ep.load()
+    except ImportError as e:
+        return f"(not available: {e}; install the matching extra)"
+    return ((fn.__doc__ or "").strip().splitlines() or [""])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,15 +404,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _EXTERNAL:
-        target, _ = _EXTERNAL[argv[0]]
-        mod, func = target.split(":")
+    if argv and argv[0] == "cp":
+        from .cli_remote import cp_main
+        return cp_main(argv[1:])
+    external = registered_commands()
+    if argv and argv[0] in external:
         try:
-            module = importlib.import_module(mod)
+            fn = external[argv[0]].load()
         except ImportError as e:
             print(f"hsnap {argv[0]}: not available ({e}); install the matching extra", file=sys.stderr)
             return 2
-        return getattr(module, func)(argv[1:])
+        return fn(argv[1:])
     p = argparse.ArgumentParser(prog="hsnap", description="hsnap request snapshots: inspect, verify, compare, export, clean up")
     p.add_argument("--version", action="version", version=f"hsnap {__version__} (format {MAJOR}.{MINOR})")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
@@ -462,8 +469,9 @@ def _main(argv: list[str] | None = None) -> int:
                     help="with --pages: also read and verify every page object, listing each damaged one (exit 1 if any)")
     sp.add_argument("--json", action="store_true", help="the list as JSON")
     sp.set_defaults(fn=cmd_gc)
-    for name, (_, help_) in _EXTERNAL.items():
-        sub.add_parser(name, help=help_, add_help=False)
+    sub.add_parser("cp", help="copy a snapshot between paths and s3:// URLs, verifying (needs hsnap[remote] for URLs)", add_help=False)
+    for name, ep in sorted(external.items()):
+        sub.add_parser(name, help=_command_help(ep), add_help=False)
     args = p.parse_args(argv)
     try:
         return args.fn(args)

@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from .manifest import SnapshotSet
-from .reader import SectionInfo, Snapshot
-from .spec import DTYPES
-from .records import geometry_differences, identity_differences, numerics_differences
-from .errors import DigestMismatchError
+from ..manifest import SnapshotSet
+from ..reader import SectionInfo, Snapshot
+from ..spec import DTYPES
+from ..records import geometry_differences, identity_differences, numerics_differences
+from ..errors import DigestMismatchError
 from .stats import CHUNK_ELEMENTS, Cancelled, as_float64, is_float, iter_chunks
 
 EQUAL = "equal"

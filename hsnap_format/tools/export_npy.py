@@ -27,12 +27,12 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from . import _fs
-from .errors import DigestMismatchError, HsnapError, HsnapIOError, Phrase, SnapshotExistsError
-from .manifest import SnapshotSet
-from .reader import SectionInfo, Snapshot
-from .storage import store_for
-from .spec import DTYPES
+from .. import _fs
+from ..errors import DigestMismatchError, HsnapError, HsnapIOError, Phrase, SnapshotExistsError
+from ..manifest import SnapshotSet
+from ..reader import SectionInfo, Snapshot
+from ..storage import store_for
+from ..spec import DTYPES
 
 CHUNK_ELEMENTS = 1 << 20
 

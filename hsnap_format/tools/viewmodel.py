@@ -13,11 +13,11 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import BadMagicError, HsnapError, TruncatedError
-from .errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
-from .manifest import SnapshotSet
-from .reader import PENDING_FOUND, Snapshot, SectionInfo
-from .spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
+from ..errors import BadMagicError, HsnapError, TruncatedError
+from ..errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
+from ..manifest import SnapshotSet
+from ..reader import PENDING_FOUND, Snapshot, SectionInfo
+from ..spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
 from .stats import Cancelled, is_float
 
 # ---------------------------------------------------------------------------- summaries

@@ -13,11 +13,11 @@ import argparse
 import json
 import sys
 
-from .errors import HsnapError, MalformedHeaderError, Phrase
-from .manifest import SnapshotSet
-from .reader import Snapshot
-from .spec import HEADER_OFFSET, TRAILER
-from .storage import open_snapshot, store_for
+from ..errors import HsnapError, MalformedHeaderError, Phrase
+from ..manifest import SnapshotSet
+from ..reader import Snapshot
+from ..spec import HEADER_OFFSET, TRAILER
+from ..storage import open_snapshot, store_for
 from .viewmodel import escape
 
 WINDOW = 32 << 20  # bytes read (and held) at a time
@@ -27,7 +27,7 @@ def copy_snapshot(snap: Snapshot, dst: str, options=None, committed: list | None
     """Copy one rank file/object to ``dst``, verifying while copying. Returns the bytes
     copied; ``committed`` gets ``(dst, ETag)`` once an object is visible (what a set's
     abort may delete: only what this copy made)."""
-    from . import remote  # the window stream (remote.stream): a file's preads or an object's ranged GETs
+    from .. import remote  # the window stream (remote.stream): a file's preads or an object's ranged GETs
 
     sink = store_for(dst, options).sink(dst)
     try:
