@@ -231,3 +231,20 @@ def test_export_one_section_and_its_refusals(tmp_path, capsys, monkeypatch):
     assert hsnap(["export", str(bad), "attn.1.k", "-o", "k.npy"]) == 1
     assert "DigestMismatchError" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["attn.1.k.npy", "bad.hsnap"]  # nothing half-written left behind
+
+
+def test_subcommands_of_other_packages_come_from_the_entry_point_group(capsys):
+    """`hsnap --help` lists the plug-in's clients and the demo from the hsnap.commands group, each with its help line,
+    and `hsnap pause --help` dispatches to the registered function."""
+    from hsnap_format.tools import cli
+
+    registered = cli.registered_commands()
+    assert {"demo", "pause", "resume", "drain", "checkpoint", "migrate"} <= set(registered)
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "export one live request of a server" in out and "live-migrate a request between servers" in out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["pause", "--help"])
+    assert e.value.code == 0
+    assert "usage: hsnap pause" in capsys.readouterr().out

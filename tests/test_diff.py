@@ -231,4 +231,4 @@ def test_cli_json_and_names_only(snaps, capsys):
 def test_cli_diff_is_a_normal_subcommand():
     from hsnap_format.tools import cli
 
-    assert "diff" not in cli._EXTERNAL
+    assert "diff" not in cli.registered_commands()
