@@ -1,7 +1,7 @@
 # The README's two commands: `make demo` (the main job: two real SGLang servers, `hsnap demo`) and `make test`.
 # Each creates or reuses .venv by itself (scripts/bootstrap is idempotent).
-# `make demo DEMO_ARGS=--json` for the JSON report; `DEMO_ARGS=--library` for the library-level demo.
-.PHONY: demo test venv bench
+# `make demo DEMO_ARGS=--json` for the JSON report.
+.PHONY: demo test check venv bench
 
 venv:
 	@scripts/bootstrap
@@ -9,7 +9,14 @@ venv:
 demo: venv
 	@.venv/bin/hsnap demo $(DEMO_ARGS)
 
-test: venv
+# The gates `make test` runs first (seconds, not minutes): lint for bugs, types on hsnap_format and the plug-in's
+# server edge, which way imports may run (.importlinter). Their settings live in pyproject.toml.
+check: venv
+	@.venv/bin/ruff check --quiet || { echo "make check: ruff found the problems above"; exit 1; }
+	@.venv/bin/mypy || { echo "make check: mypy found the type errors above"; exit 1; }
+	@.venv/bin/lint-imports --no-cache || { echo "make check: an import runs against .importlinter's layers"; exit 1; }
+
+test: check
 	@.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: venv

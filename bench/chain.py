@@ -1,4 +1,4 @@
-"""Delta vs full export (issue 20 item 1): the cost of a checkpoint of a running request.
+"""Delta vs full export: the cost of a checkpoint of a running request.
 
     .venv/bin/python -m bench.chain [--tokens 4096] [--new 64] [--rounds 5] [--out bench/CHAIN.md]
 

@@ -1,4 +1,4 @@
-"""What periodic checkpoints cost the request they protect (issue 20 item 3): its inter-token time with and without
+"""What periodic checkpoints cost the request they protect: its inter-token time with and without
 ``POST /hsnap/checkpoint`` every M output tokens (goal: at most 2 % more, DéjàVu's figure).
 
     python -m bench.checkpoint                       # M = 16 and 64, 3 rounds, 192 output tokens

@@ -1,9 +1,9 @@
-"""Downtime of moving a decoding request to another process (issue 20 item 4): live migration
+"""Downtime of moving a decoding request to another process: live migration
 vs stop-and-copy vs recompute, side by side, at several committed lengths.
 
     .venv/bin/python -m bench.migrate [--lengths 1024,8192,32768] [--out bench/MIGRATE.md]
 
-Two processes per length (``hsnap_io.demo.migration``): a source that prefills a prompt of the
+Two processes per length (``hsnap_testing.migration``): a source that prefills a prompt of the
 length and decodes the tiny hybrid model through real SGLang pools, and a target with its own
 pools (another capacity, other requests) that takes the request over three times, one method
 after the other, through a local directory (fsync on):
@@ -51,7 +51,7 @@ def _run(length: int, repeats: int) -> dict:
         path = os.path.join(d, "spec.json")
         with open(path, "w") as f:
             json.dump(spec, f)
-        cmd = [sys.executable, "-m", "hsnap_io.demo.migration"]
+        cmd = [sys.executable, "-m", "hsnap_testing.migration"]
         target = subprocess.Popen([*cmd, "target", "--spec", path, "--result", os.path.join(d, "t.json")], cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:

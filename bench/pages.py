@@ -1,4 +1,4 @@
-"""Drain with dedup (issue 20 items 2 and 5): every request of an engine snapshotted, the
+"""Drain with dedup: every request of an engine snapshotted, the
 full pages of their shared prefix stored once.
 
     .venv/bin/python -m bench.pages [--requests 8] [--system 4096] [--own 512] [--page 64] [--rounds 3] [--out bench/PAGES.md]

@@ -4,7 +4,7 @@
 
 For each size (reference geometry, real SGLang pools on CPU, bench/run.py's helpers):
   export  : export_request(s3://...)  vs the same client's plain multipart put of the
-            same bytes (hsnap_format.remote.MultipartUpload, same part size and
+            same bytes (hsnap_format.stores.s3.upload.MultipartUpload, same part size and
             parallelism) vs export_request(local file)
   restore : restore_request(s3://...) (every digest checked as the bytes land) vs the
             same client's plain parallel ranged get of the same object into memory
@@ -34,12 +34,13 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import remote  # noqa: E402
+from hsnap_format.stores.s3 import options as s3options, ranges as s3ranges, upload as s3upload  # noqa: E402
 
 MiB = 1 << 20
 
@@ -74,49 +75,52 @@ def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: st
     br.fill_pool(src)
     row = br.alloc_request(src, tokens)
     ident, rec = br.identity(), br.record(tokens)
-    o = remote.StorageOptions.of(opts)
+    o = s3options.StorageOptions.of(opts)
     res: dict = {"tokens": tokens}
     t_url, t_put, t_loc = [], [], []
+
+    def plain_put(key: str, data: bytes) -> None:
+        up = s3upload.MultipartUpload(f"s3://{bucket}/{key}", o)
+        p = o.part_bytes
+        for n, a in enumerate(range(0, len(data), p)):
+            up.submit(n + 1, memoryview(data)[a : a + p])
+        up.complete()
+
+    # partial, not a closure: each timed call is bound to this round's values, and `del` frees them
+    export = partial(export_request, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident)
     for i in range(repeats):
         url = f"s3://{bucket}/t{tokens}-{i}.hsnap"
-        t_url.append(_t(lambda: export_request(url, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident, storage_options=opts)))
+        t_url.append(_t(partial(export, url, storage_options=opts)))
         path = os.path.join(d, f"t{tokens}-{i}.hsnap")
-        t_loc.append(_t(lambda: export_request(path, **src.kwargs(), req_pool_idx=row, record=rec, identity=ident)))
+        t_loc.append(_t(partial(export, path)))
         data = open(path, "rb").read()
-
-        def plain_put():
-            up = remote.MultipartUpload(f"s3://{bucket}/plain{tokens}-{i}", o)
-            p = o.part_bytes
-            for n, a in enumerate(range(0, len(data), p)):
-                up.submit(n + 1, memoryview(data)[a : a + p])
-            up.complete()
-
-        t_put.append(_t(plain_put))
+        t_put.append(_t(partial(plain_put, f"plain{tokens}-{i}", data)))
         res["bytes"] = len(data)
         del data
         if i:
             os.unlink(path)
     res.update(export_url=best(t_url), plain_put=best(t_put), export_local=best(t_loc))
-    del src
+    del src, export
 
     url, path = f"s3://{bucket}/t{tokens}-0.hsnap", os.path.join(d, f"t{tokens}-0.hsnap")
     t_res, t_get, t_resl, t_open, trips = [], [], [], [], []
     tgt, buf = br.build_reference_pools(tokens), bytearray(res["bytes"])  # both warm, reused: like for like
-    for i in range(repeats):
-        t_res.append(_restore_timed(tgt, lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=opts)))
-        t_resl.append(_restore_timed(tgt, lambda: restore_request(path, **tgt.kwargs(), identity=ident)))
+    restore = partial(restore_request, **tgt.kwargs(), identity=ident)
 
-        def plain_get():
-            r = remote.RangeReader(f"s3://{bucket}/plain{tokens}-0", o)
-            r.readinto(memoryview(buf), 0)
-            r.close()
+    def plain_get(into: bytearray) -> None:
+        r = s3ranges.RangeReader(f"s3://{bucket}/plain{tokens}-0", o)
+        r.readinto(memoryview(into), 0)
+        r.close()
 
-        t_get.append(_t(plain_get))
+    for _ in range(repeats):
+        t_res.append(_restore_timed(tgt, partial(restore, url, storage_options=opts)))
+        t_resl.append(_restore_timed(tgt, partial(restore, path)))
+        t_get.append(_t(partial(plain_get, buf)))
         t0 = time.perf_counter()
         with hf.open(url, storage_options=opts) as s:
             t_open.append(time.perf_counter() - t0)
-            trips.append(s.open_requests)
-    del tgt, buf
+            trips.append(s.source.requests)
+    del tgt, buf, restore
     res.update(restore_url=best(t_res), plain_get=best(t_get), restore_local=best(t_resl), open=best(t_open), open_trips=max(trips))
     return res
 
@@ -139,18 +143,18 @@ def bench_parallel(tokens: int, counts: list[int], repeats: int, bucket: str, op
     os.unlink(path)
     out = []
     tgt, buf = br.build_reference_pools(tokens), bytearray(size)
+
+    def plain_get(o: dict) -> None:
+        r = s3ranges.RangeReader(url, s3options.StorageOptions.of(o))
+        r.readinto(memoryview(buf), 0)
+        r.close()
+
     for p in counts:
         o = dict(opts, parallel=p)
         t_res, t_get = [], []
         for _ in range(repeats):
-            t_res.append(_restore_timed(tgt, lambda: restore_request(url, **tgt.kwargs(), identity=ident, storage_options=o)))
-
-            def plain_get():
-                r = remote.RangeReader(url, remote.StorageOptions.of(o))
-                r.readinto(memoryview(buf), 0)
-                r.close()
-
-            t_get.append(_t(plain_get))
+            t_res.append(_restore_timed(tgt, partial(restore_request, url, **tgt.kwargs(), identity=ident, storage_options=o)))
+            t_get.append(_t(partial(plain_get, o)))
         out.append({"tokens": tokens, "bytes": size, "parallel": p, "restore_url": best(t_res), "plain_get": best(t_get)})
         print(f"# parallel {p} at {tokens} tokens: {out[-1]}", file=sys.stderr, flush=True)
     return out
@@ -161,19 +165,19 @@ def bench_clients(server, bucket: str, opts: dict, size: int = 256 * MiB) -> lis
     import concurrent.futures as cf
 
     data = os.urandom(size)
-    o = remote.StorageOptions.of(opts)
+    o = s3options.StorageOptions.of(opts)
     C, P = o.chunk_bytes, o.parallel
     out = []
 
     def ours():
-        up = remote.MultipartUpload(f"s3://{bucket}/c-boto", o)
+        up = s3upload.MultipartUpload(f"s3://{bucket}/c-boto", o)
         for n, a in enumerate(range(0, size, o.part_bytes)):
             up.submit(n + 1, memoryview(data)[a : a + o.part_bytes])
         up.complete()
 
     buf = bytearray(size)
     tp = _t(ours)
-    tg = _t(lambda: remote.RangeReader(f"s3://{bucket}/c-boto", o).readinto(memoryview(buf), 0))
+    tg = _t(lambda: s3ranges.RangeReader(f"s3://{bucket}/c-boto", o).readinto(memoryview(buf), 0))
     assert bytes(buf) == data
     out.append(("botocore, thread pool (hsnap)", size / tp / 1e6, size / tg / 1e6))
     try:

@@ -15,7 +15,7 @@ restored two ways, interleaved, in the same run:
 both with the same ``verify`` mode; the ratio is t(plain) / t(re-sharded) (1.0 = as fast).
 Once per pair (untimed) the two restores are compared byte for byte in the target slots.
 
-Models: ``gqa`` (8 KV heads x 128 bf16, 4 layers, MHA pool: the issue's case) and
+Models: ``gqa`` (8 KV heads x 128 bf16, 4 layers, MHA pool: the case first measured) and
 ``reference`` (Qwen3.5-35B-A3B, hsnap_format.reference at TP 2: 2 KV heads x 256,
 10 attention layers, 30 GDN layers; at TP 4 each KV head lives on 2 ranks).
 """
@@ -43,7 +43,7 @@ from hsnap_format import reference as ref  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 
 MiB = 1 << 20
-T_RESHARD = 0.5  # issue 21 item 2: re-sharded >= 0.5x the plain same-TP restore
+T_RESHARD = 0.5  # target: re-sharded >= 0.5x the plain same-TP restore
 PAIRS = ((2, 1), (1, 2), (2, 4), (4, 2))
 
 
@@ -80,7 +80,7 @@ class Pools:
 
 def build_pools(m: BenchModel, tp: int, rank: int, size: int) -> Pools:
     """SGLang's own pool classes with rank ``rank`` of ``tp``'s shapes, room for ``size`` tokens."""
-    from hsnap_io._sglang_env import import_sglang
+    from hsnap_io.sglang_env import import_sglang
 
     sg = import_sglang()
     mp = sg.memory_pool
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
     elapsed, load1 = time.perf_counter() - t0, os.getloadavg()
     cmd = "python -m bench.reshard " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "# Re-sharded restore vs the plain same-TP restore (issue 21 item 2)", "",
+        "# Re-sharded restore vs the plain same-TP restore", "",
         *br.header_lines(cmd, info, elapsed, load0, load1),
         f"Statistic: median of {args.rounds} interleaved rounds after 1 warm-up round, the order rotating every round; "
         "page cache warm (the sets were just written); Python's cyclic GC off while timing.", "",

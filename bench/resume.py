@@ -60,7 +60,7 @@ OUTPUTS = 10  # the request's last 10 history tokens are outputs; the last one i
 
 
 def build(seed: int = 0, tiny: bool = False):
-    from hsnap_io.demo.model import Decoder, build_model
+    from hsnap_testing.model import Decoder, build_model
 
     cfg = dict(CONFIG)
     if tiny:  # the smoke test: same code path, a model that builds in a second
@@ -104,7 +104,8 @@ class Size:
 
 def run_size(dec, geom, n: int, d: str, s: Size, rounds_resume: int, rounds_recompute: int, log) -> None:
     from hsnap_io import export_request, restore_request, view_pools
-    from hsnap_io.demo.model import alloc_request, build_pools, cache_to_pool_tensors, free_request, pool_tensors_to_cache, read_from_pools, write_to_pools
+    from hsnap_testing import pools
+    from hsnap_testing.model import build_pools, cache_to_pool_tensors, pool_tensors_to_cache, read_from_pools, write_to_pools
     from hsnap_io.statecheck import PoolCheckpoint
 
     g = torch.Generator().manual_seed(n)
@@ -127,27 +128,28 @@ def run_size(dec, geom, n: int, d: str, s: Size, rounds_resume: int, rounds_reco
     tok_recompute, state = recompute(True)
     size = n + 64
     src = build_pools(geom, size=size, mamba_size=2)
-    slots = alloc_request(src, n)
-    write_to_pools(src.req_to_token_pool, src.allocator, slots.token_indices, slots.mamba_idx, state, req_pool_idx=slots.req_pool_idx)
+    slots = pools.alloc_request(src, n, seed=n)
+    write_to_pools(src.req_to_token_pool, src.token_to_kv_pool_allocator, slots.token_indices, slots.mamba_pool_idx, state,
+                   req_pool_idx=slots.req_pool_idx)
     path = os.path.join(d, f"resume-{n}.hsnap")
     ident = identity(geom)
-    info = export_request(path, req_to_token_pool=src.req_to_token_pool, token_to_kv_pool_allocator=src.allocator,
+    info = export_request(path, req_to_token_pool=src.req_to_token_pool, token_to_kv_pool_allocator=src.token_to_kv_pool_allocator,
                           req_pool_idx=slots.req_pool_idx, record=record(history, n), identity=ident, fsync=True)
     s.file_length = info.file_length
-    free_request(src, slots)
+    pools.free_request(src, slots)
     del src, state
     gc.collect()
 
     tgt = build_pools(geom, size=size, mamba_size=2)  # pools that never held the request
-    view = view_pools(tgt.req_to_token_pool, tgt.allocator)
+    view = view_pools(tgt.req_to_token_pool, tgt.token_to_kv_pool_allocator)
     for r in range(rounds_resume + 1):  # round 0: warm-up (first touch of the target pools)
         cp = PoolCheckpoint(view)
         gc.collect()
         t0 = time.perf_counter()
-        res = restore_request(path, req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.allocator,
+        res = restore_request(path, req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.token_to_kv_pool_allocator,
                               identity=ident, verify=True)
         t1 = time.perf_counter()
-        cache = pool_tensors_to_cache(read_from_pools(tgt.req_to_token_pool, tgt.allocator, res.token_indices, res.mamba_pool_idx, geom), geom, n)
+        cache = pool_tensors_to_cache(read_from_pools(tgt.req_to_token_pool, tgt.token_to_kv_pool_allocator, res.token_indices, res.mamba_pool_idx, geom), geom, n)
         t2 = time.perf_counter()
         tok = int(torch.argmax(dec.step(cache, pending)))
         t3 = time.perf_counter()

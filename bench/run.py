@@ -111,7 +111,7 @@ class Pools:
 def build_reference_pools(tokens: int, *, device: str = "cpu", max_reqs: int = 2, margin: int = 64) -> Pools:
     """HybridReqToTokenPool + HybridLinearKVPool + TokenToKVPoolAllocator, reference geometry,
     room for one request of ``tokens`` tokens (+ margin) and ``max_reqs`` mamba slots."""
-    from hsnap_io._sglang_env import import_sglang
+    from hsnap_io.sglang_env import import_sglang
 
     sg = import_sglang()
     mu = sg.mamba_utils
@@ -338,7 +338,7 @@ RAW_WRITERS = {  # name -> (posix_fallocate first, pwrite chunk bytes or None fo
 }
 
 
-from hsnap_format.writer import _sync_file_range  # noqa: E402  (the writer's own libc binding)
+from hsnap_format.localfs import sync_file_range  # noqa: E402  (the writer's own libc binding)
 
 
 def best_raw(t: dict[str, float]) -> tuple[str, float]:
@@ -382,7 +382,7 @@ def export_contenders(case: Case, names: Names, fsync: bool) -> dict[str, Callab
             while done < len(mv):
                 n = os.pwrite(fd, mv[done : done + chunk], done)
                 if writeback:
-                    _sync_file_range(fd, done, n, 2)  # SYNC_FILE_RANGE_WRITE
+                    sync_file_range(fd, done, n, 2)  # SYNC_FILE_RANGE_WRITE
                 done += n
         if fsync:
             os.fsync(fd)
@@ -554,7 +554,7 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
 
 
 class _FullChecks:
-    """Open with the fast paths of issue 15 switched off: canonical.loads' C-encoder proof
+    """Open with the fast paths switched off: canonical.loads' C-encoder proof
     and the reader's column-wise section table check — the pure-Python checks that were
     the only path before (the "before" of the open table, measured in the same run)."""
 
@@ -925,7 +925,7 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
             rows.append([f"{c.tokens:,}", fmt_bytes(c.file_length), f"{o * 1e3:.3f} ms", f"{full * 1e3:.3f} ms", f"{full / o:.1f}x", f"{o / opens[0]:.2f}"])
     R.table(["tokens", "file", "open", "open, pure-Python checks (before)", "speed-up", "vs smallest"], rows)
     R.add("`open, pure-Python checks`: the same open with the fast paths off (canonical.loads' C-encoder proof, the "
-          "column-wise section-table check) — the checks every open ran before issue 15; both accept and refuse the same headers.")
+          "column-wise section-table check) — the checks every open ran before the fast paths; both accept and refuse the same headers.")
     R.add()
     if opens and cases[0].tokens == 53:
         R.verdict(f"open 53 tok (seed) <= {T_OPEN_SEED_MS} ms", opens[0] * 1e3 <= T_OPEN_SEED_MS, f"{opens[0] * 1e3:.3f} ms")

@@ -311,7 +311,7 @@ def main(argv=None) -> int:
     sec_table, sec_fits = sweep_table(sec_points, "sections", "µs per section", 1e6)
     cmd = "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "# Scaling: export, restore and open against committed tokens and section count (issue 21 item 4)", "",
+        "# Scaling: export, restore and open against committed tokens and section count", "",
         *br.header_lines(cmd, info, elapsed, load0, load1, " (each point's 1-minute load is in its column)"),
         f"Statistic: best of {args.rounds} interleaved rounds per point (3 at 256 MiB and more; object-store rows "
         f"{args.url_rounds}, 1 at 256 MiB and more), after one untimed warm-up of each local operation; page cache warm; "

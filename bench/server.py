@@ -1,4 +1,4 @@
-"""The hsnap plug-in inside a running SGLang server (issue 19, Measure): what an export costs the other requests,
+"""The hsnap plug-in inside a running SGLang server: what an export costs the other requests,
 how fast a pause is durable, and how fast a resumed request gets its first token against re-prefilling its history.
 
     python -m bench.server                          # 53 / 4k / 32k committed tokens, as far as --budget allows

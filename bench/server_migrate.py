@@ -1,4 +1,4 @@
-"""Live migration between two running SGLang servers (issue 20 item 4, Measure): the client's downtime — the last
+"""Live migration between two running SGLang servers: the client's downtime — the last
 token the source streamed to the first token the target streams — against stop-and-copy and recompute, side by side.
 
     python -m bench.server_migrate                        # 1k / 8k committed tokens (32k as far as --budget allows)

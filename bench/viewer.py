@@ -1,5 +1,5 @@
 """hsnap-view on a 10,006-section snapshot directory: time to the first frame (the figure
-issue 14 set a 2 s target for) and to the end of the digest scan.
+with a 2 s target) and to the end of the digest scan.
 
     python -m bench.viewer [--repeats 5]     # prints a table; bench.run includes it
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-T_FIRST_FRAME_CPU = 2.0  # seconds (issue 14)
+T_FIRST_FRAME_CPU = 2.0  # seconds
 
 
 def _child(path: str) -> dict:

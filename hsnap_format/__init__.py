@@ -9,11 +9,11 @@ state + request record). Pure Python on numpy and xxhash: no torch, no SGLang.
 Normative spec: spec/hsnap-v1.md.
 """
 
+from . import errors
 from .errors import *  # noqa: F401,F403  (the error tree is public)
-from .errors import __all__ as _errors_all
 from .chain import Chain, compact, open_chain
 from .layout import SectionSpec
-from .manifest import Manifest, RankEntry, SetWriter, SnapshotSet, open_snapshot
+from .manifest import Manifest, RankEntry, SetWriter, SnapshotSet
 from .reader import SectionInfo, Snapshot
 from .records import (
     AttentionGeometry,
@@ -28,6 +28,7 @@ from .records import (
     numerics_differences,
 )
 from .spec import MAJOR, MINOR
+from .stores import open_snapshot
 from .writer import CommitInfo, SnapshotWriter, write_snapshot
 
 __version__ = "1.0.0"
@@ -61,5 +62,5 @@ __all__ = [
     "numerics_differences",
     "MAJOR",
     "MINOR",
-    *_errors_all,
 ]
+__all__ += errors.__all__

@@ -161,7 +161,7 @@ def _parse_float(text: str) -> float:
     return value
 
 
-# Fast path (issue 15): the C decoder and encoder do the work; the pure-Python
+# Fast path: the C decoder and encoder do the work; the pure-Python
 # ``_encode`` above stays the definition and decides every case the fast path does not
 # prove. Accepting needs all of:
 #   * ``json.loads`` without hooks but parse_float/parse_constant succeeds;

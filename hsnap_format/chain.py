@@ -9,7 +9,7 @@ the whole recurrent state and the whole record. A base may itself be a delta: a
 A chain's links live side by side: ``base.name`` is a file name beside the delta (a
 rank file), or a directory name beside the delta's set directory (rank ``r`` of a TP
 set has its base in rank ``r`` of the named set). Links are found through the storage
-seam (:mod:`hsnap_format.storage`), so a chain lies in a local directory or under one
+seam (:mod:`hsnap_format.stores`), so a chain lies in a local directory or under one
 object-store prefix alike.
 
 :func:`open_chain` opens a head and every link below it and checks each link against
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import xxhash
@@ -41,7 +41,10 @@ from .manifest import SnapshotSet
 from .reader import SectionInfo, Snapshot
 from .records import BaseRef, Geometry, Identity, RequestRecord, identity_differences
 from .spec import DTYPES, MAX_CHAIN_DEPTH
-from .storage import Store, store_for
+from .source import Store, store_at
+
+if TYPE_CHECKING:
+    from .pages import PageRef
 
 _COPY_CHUNK = 2 << 20  # hashed while in cache, as the reader's verify
 _OPEN_PAGES = 256  # page objects a compaction keeps open at once (one descriptor each)
@@ -75,7 +78,7 @@ class LinkFacts:
     def of_export(cls, path, identity: Identity, geometry: Geometry, record: RequestRecord, swa_start: int) -> "LinkFacts":
         prompt = np.ascontiguousarray(record.prompt_ids, dtype=DTYPES["int32"])
         return cls(None if path is None else os.fspath(path), identity, geometry, record.rid, record.state_position, swa_start,
-                   len(record.prompt_ids), len(record.output_ids), xxhash.xxh3_128_hexdigest(prompt.view(np.uint8)))
+                   len(record.prompt_ids), len(record.output_ids), xxhash.xxh3_128_hexdigest(prompt.view(np.uint8).data))
 
 
 def _identity(b: LinkFacts, d: LinkFacts):
@@ -186,7 +189,10 @@ class Piece:
 
     @property
     def length(self) -> int:
-        return self.take if self.take is not None else self.info.length - self.skip
+        if self.take is not None:
+            return self.take
+        assert self.info is not None  # only a page piece has no info, and every page piece has its take
+        return self.info.length - self.skip
 
 
 def _row_bytes(info: SectionInfo) -> int:
@@ -211,7 +217,7 @@ class Chain:
         self._owned = owned
         self.location = location
         self.locations = tuple(locations) if locations is not None else ((location,) * len(self.links) if len(self.links) == 1 else (None,) * len(self.links))
-        self.store = store if store is not None else (store_for(location) if location is not None else None)
+        self.store = store if store is not None else (store_at(location) if location is not None else None)
         self.rank = rank
 
     @classmethod
@@ -247,10 +253,11 @@ class Chain:
         for i, link in enumerate(self.links):
             if link.pages is None or (link_index is not None and i != link_index):
                 continue
-            if self.locations[i] is None or self.store is None:
+            location = self.locations[i]
+            if location is None or self.store is None:
                 raise ChainError(link.path, "pages.store", Phrase("a snapshot opened from its location (open_chain)"),
                                  Phrase("a file opened alone: its page store is unknown"))
-            out += page_refs(link, pages_dir(self.store, self.locations[i], link.pages.store), self.store)
+            out += page_refs(link, pages_dir(self.store, location, link.pages.store), self.store)
         return out
 
     def request_tokens(self, link: Snapshot, *, verify: bool = True) -> np.ndarray:
@@ -356,8 +363,8 @@ class Chain:
             failures.append(e)
             if first:
                 return failures
-        for e in self._page_proof(sections=sections if page_sections is None else page_sections, hashed=hashed, keys_fn=keys_fn, first=first):
-            failures.append(e)
+        for failure in self._page_proof(sections=sections if page_sections is None else page_sections, hashed=hashed, keys_fn=keys_fn, first=first):
+            failures.append(failure)
             if first:
                 break
         return failures
@@ -391,6 +398,7 @@ class Chain:
             except HsnapError as e:
                 yield e
                 continue
+            assert self.store is not None  # page_refs refused a chain without one
             for ref in refs:  # each reference on its own: two may name one object
                 try:
                     page = open_checked(ref, self.store, tokens)
@@ -452,7 +460,7 @@ def chain_below(head: Snapshot, *, location: str, rank: int | None = None, store
     the head itself stays the caller's. Refusals: :class:`ChainError` (missing link, cycle,
     too deep, another request/identity/geometry/position), ``DigestMismatchError`` (a base
     that is not the one named), or what opening the base refuses."""
-    store = store or store_for(location)
+    store = store or store_at(location)
     if head.base is None:
         return Chain([head], [], location, locations=[location], store=store, rank=rank)
     if head.base.depth > max_depth:  # bounded before anything is opened (R-7.5-1)
@@ -498,7 +506,7 @@ def open_chain(path, *, rank: int | None = None, storage_options=None, max_depth
     of a set (a directory or an object-store prefix) — through the store that holds it.
     The chain owns every file it opened; close it (a context manager)."""
     p = os.fspath(path)
-    store = store_for(p, storage_options)
+    store = store_at(p, storage_options)
     opened = store.open(p, ranks=None if rank is None else [rank])
     try:
         if isinstance(opened, SnapshotSet):
@@ -522,6 +530,7 @@ def iter_piece(piece: Piece, chunk: int = _COPY_CHUNK) -> Iterator[memoryview]:
     step raises ``DigestMismatchError`` if the section does not match its digest (nothing is
     final before the iteration ends)."""
     info, snap = piece.info, piece.link
+    assert info is not None and snap is not None  # a page piece is read as a piece of its page object
     stop = piece.skip + piece.length
     h = xxhash.xxh3_128()
     for at in range(0, info.length, chunk):
@@ -555,6 +564,7 @@ def write_compacted(chain: Chain, writer) -> None:
                         writer.write_chunk(data)
                     continue
                 ref = piece.page
+                assert chain.store is not None  # pieces made its page pieces through page_refs, which needs it
                 tok = tokens.get(id(ref.link))
                 if tok is None:
                     tok = tokens[id(ref.link)] = chain.request_tokens(ref.link)
@@ -582,7 +592,7 @@ def prove_output(path, head: Snapshot, *, storage_options=None) -> None:
     completed) and proved as any chain is (:meth:`Chain.prove`: a plain snapshot, every byte):
     plain, at the head's position, of the head's request."""
     p = os.fspath(path)
-    store = store_for(p, storage_options)
+    store = store_at(p, storage_options)
     snap = Snapshot(p) if store.local else store.open(p)
     try:
         for field, want, got in (("base", None, snap.base), ("pages", None, snap.pages), ("request.state_position", head.state_position, snap.state_position),
@@ -593,16 +603,6 @@ def prove_output(path, head: Snapshot, *, storage_options=None) -> None:
         Chain.single(snap).prove()
     finally:
         snap.close()
-
-
-def _withdraw(w) -> None:
-    """Remove an object a writer published before its proof failed (by its ETag: only that version)."""
-    from .remote import delete
-
-    try:
-        delete(w.path, w.options, etag=w.etag)
-    except HsnapError:
-        pass
 
 
 def compact(chain: Chain, path, *, storage_options=None, fsync: bool = True, mode: int = 0o600, writer=None, proved: bool = False):
@@ -624,17 +624,21 @@ def compact(chain: Chain, path, *, storage_options=None, fsync: bool = True, mod
     head = chain.head
     kw = dict(identity=head.identity, geometry=head.geometry, record=head.record(), swa_start=head.swa_start,
               features_optional=head.header["features"]["optional"], mode=mode)
-    w = writer(**kw) if writer is not None else store_for(path, storage_options).writer(os.fspath(path), writeback=fsync, **kw)
+    w = writer(**kw) if writer is not None else store_at(path, storage_options).writer(os.fspath(path), writeback=fsync, **kw)
     with w:
         write_compacted(chain, w)
         if w.publishes_by_rename:
             w.before_publish = lambda tmp: prove_output(tmp, head)
             return w.commit(fsync=fsync)
         info = w.commit(fsync=fsync)
+    options = getattr(w.sink, "options", storage_options)
     try:
-        prove_output(w.path, head, storage_options=getattr(w, "options", storage_options))
+        prove_output(w.path, head, storage_options=options)
     except BaseException:
-        _withdraw(w)
+        try:  # published before its proof failed: removed by its ETag (only that version)
+            store_at(w.path, options).remove(w.path, version=w.sink.etag)
+        except HsnapError:
+            pass
         raise
     return info
 
@@ -646,7 +650,7 @@ def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_dep
     every byte copied hashed again, every output proved before it is published (:func:`compact`).
     Returns ``(links, bytes)`` (the links of rank 0's chain, and the bytes written)."""
     src = os.fspath(head)
-    store = store_for(src, storage_options)
+    store = store_at(src, storage_options)
     opened = store.open(src)
     try:
         if not isinstance(opened, SnapshotSet):
@@ -659,7 +663,7 @@ def compact_path(head, out, *, storage_options=None, fsync: bool = True, max_dep
                 chains.append(chain_below(snap, location=opened.path, rank=r, store=store, max_depth=max_depth))
             for chain in chains:  # every rank's refusal before the set's first byte
                 chain.prove()
-            w = store_for(out, storage_options).set_writer(os.fspath(out))
+            w = store_at(out, storage_options).set_writer(os.fspath(out))
             total = 0
             try:
                 for r, chain in enumerate(chains):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import HsnapError, Phrase
-from .storage import store_for
+from .source import store_at
 
 LINK_RE = re.compile(r"(?P<name>[^/]+?)\.ck(?P<seq>[0-9]{6,})\.hsnap")
 _log = logging.getLogger("hsnap.checkpoints")
@@ -53,9 +53,9 @@ class LinkChoice:
 
     name: str
     path: str | None
+    highest: str  # the link of the highest number (what a resume names when none holds)
     position: int = -1
     passed_over: list[tuple[str, str]] = field(default_factory=list)
-    highest: str | None = None  # the link of the highest number (what a resume names when none holds)
 
 
 def _link_files(store, container: str) -> dict[str, list[tuple[int, str]]]:
@@ -76,7 +76,7 @@ def choose_links(container: str, *, storage_options=None, verify: bool = True) -
     chain opens and (``verify``) verifies whole — spec 7.5, 7.6, every byte read."""
     from .chain import open_chain
 
-    store = store_for(container, storage_options)
+    store = store_at(container, storage_options)
     out: dict[str, LinkChoice] = {}
     for name, links in sorted(_link_files(store, container).items()):
         choice = out[name] = LinkChoice(name, None, highest=max(links)[1])
@@ -113,7 +113,7 @@ def newest_links(container: str, *, storage_options=None, verify: bool = True) -
 def highest_seq(container: str, name: str, *, storage_options=None) -> int:
     """The highest link number of ``name`` in ``container``, whatever its file holds (0: none):
     a new link is numbered after it, so that no link is ever overwritten."""
-    store = store_for(container, storage_options)
+    store = store_at(container, storage_options)
     return max((seq for seq, _ in _link_files(store, container).get(name, [])), default=0)
 
 
@@ -141,7 +141,7 @@ class Checkpoints:
             raise HsnapError(directory, "rebase_every", Phrase("a number of links >= 1"), rebase_every)
         if parse_link(link_name(name, 1)) != (name, 1):
             raise HsnapError(directory, "name", Phrase("a file name without '/'"), name)
-        store = store_for(directory, storage_options)
+        store = store_at(directory, storage_options)
         store.makedirs(directory)
         seq = highest_seq(directory, name, storage_options=storage_options)
         return cls(directory, name, every, rebase_every, seq=seq, storage_options=storage_options)
@@ -153,7 +153,7 @@ class Checkpoints:
     def next_link(self) -> tuple[str, str | None]:
         """``(path, base)`` of the next link: a delta of the last one, or plain (the first, and every
         ``rebase_every``-th)."""
-        store = store_for(self.directory, self.storage_options)
+        store = store_at(self.directory, self.storage_options)
         base = None if self.last is None or self.depth >= self.rebase_every else self.last
         return store.join(self.directory, link_name(self.name, self.seq + 1)), base
 

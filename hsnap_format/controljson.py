@@ -60,7 +60,7 @@ def loads_bounded(raw: bytes | str, path, field: str = "json", *, max_bytes: int
 
 def read_control(store, path: str, field: str = "json", *, max_bytes: int = MAX_CONTROL_BYTES,
                  max_depth: int = MAX_CONTROL_DEPTH) -> Any:
-    """The JSON control file at ``path`` in ``store`` (hsnap_format.storage), read with its size capped before
+    """The JSON control file at ``path`` in ``store`` (hsnap_format.stores), read with its size capped before
     reading (a regular file only, no link followed), then :func:`loads_bounded`."""
     try:
         raw = store.read_bytes(path, max_bytes)[0]

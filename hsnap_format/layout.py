@@ -1,12 +1,17 @@
 """Which sections a request snapshot has, in which order: a pure function of the
 geometry and the request record, used by the writer to plan and by the reader to
-check that a file's section table is exactly what its header implies."""
+check that a file's section table is exactly what its header implies; and the namespace
+a paged file's page references are keyed in (spec 5.10), checked by both."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-from .records import Geometry
+from . import canonical
+from .errors import MalformedHeaderError, Phrase
+from .records import Geometry, Identity, PagesRef
+from .spec import NAMESPACE_DOMAIN
 
 # section kind of the request record -> (dtype, trailing shape or None for 1-D)
 _RECORD_DTYPES = {
@@ -126,6 +131,7 @@ def page_sections(geometry: Geometry, page_size: int) -> list[SectionSpec]:
     """The section plan of a page object (spec 5.11): for each full-attention layer in
     ascending order, its rows of one page (``attn.L.k``, ``attn.L.v``, or ``mla.L.kv``)."""
     att = geometry.attention
+    assert att is not None, "pages hold full-attention rows: the callers check the geometry has some"
     out = []
     for L in sorted(att.layers):
         if att.kind == "mla":
@@ -149,3 +155,49 @@ def record_sections(prompt_tokens: int, output_tokens: int, has_logprobs: bool, 
     if rng_bytes is not None:
         specs.append(SectionSpec("request.rng_state", "rng_state", None, "uint8", (rng_bytes,)))
     return specs
+
+
+# ------------------------------------------------------------------------- page namespaces (spec 5.10)
+
+
+def namespace(identity: Identity, geometry: Geometry, page_size: int) -> dict:
+    """The namespace of a rank's pages (spec 5.10): every binding field of ``identity``
+    (5.1), the attention geometry a page holds, its sharding, and the page size — what a
+    page's bytes depend on besides its tokens."""
+    att = geometry.attention
+    assert att is not None, "pages hold full-attention rows: the callers check the geometry has some"
+    sh = geometry.sharding
+    return {
+        "attention": {"dtype": att.dtype, "heads": att.heads, "k_head_dim": att.k_head_dim, "kind": att.kind,
+                      "kv_lora_rank": att.kv_lora_rank, "layers": sorted(att.layers), "qk_rope_head_dim": att.qk_rope_head_dim,
+                      "storage_dtype": att.storage_dtype, "v_head_dim": att.v_head_dim},
+        "engine": {"commit": identity.engine.commit, "name": identity.engine.name, "version": identity.engine.version},
+        "model_id": identity.model_id,
+        "page_size": page_size,
+        "sharding": None if sh is None or sh.attention is None else sh.attention.to_header(),
+        "tp_rank": identity.tp_rank,
+        "tp_size": identity.tp_size,
+        "weights_hash": identity.weights_hash,
+        "weights_version": identity.weights_version,
+    }
+
+
+def namespace_id(ns: dict) -> str:
+    """SHA-256 over ``NAMESPACE_DOMAIN`` and the namespace's canonical JSON (spec 4), hex."""
+    return hashlib.sha256(NAMESPACE_DOMAIN + canonical.dumps(ns)).hexdigest()
+
+
+def check_pages_ref(ref: PagesRef, identity: Identity, geometry: Geometry, base_position: int, state_position: int, path=None) -> PagesRef:
+    """What a reader checks of a ``pages`` header at open (R-5.10-2, R-5.10-3), for a writer
+    that must not write what a reader refuses (R-8-1)."""
+    ref = PagesRef.from_header(ref.to_header(), path)
+    att = geometry.attention
+    if att is None or not att.layers:
+        raise MalformedHeaderError(path, "pages", Phrase("a geometry with full-attention layers (what pages hold)"), Phrase("no full-attention layer"))
+    first, count = page_range(base_position, state_position, ref.page_size)
+    if ref.count != count:
+        raise MalformedHeaderError(path, "pages.refs", Phrase(f"{count} references"), Phrase(f"{ref.count}"))
+    nid = namespace_id(namespace(identity, geometry, ref.page_size))
+    if ref.namespace_id != nid:
+        raise MalformedHeaderError(path, "pages.namespace_id", nid, ref.namespace_id)
+    return ref

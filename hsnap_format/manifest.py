@@ -16,11 +16,11 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import xxhash
 
-from . import _fs, canonical
+from . import canonical, localfs
 from .errors import (
     Phrase,
     DigestMismatchError,
@@ -33,7 +33,6 @@ from .errors import (
 )
 from .reader import Snapshot
 from .spec import MAJOR, MANIFEST_FORMAT, MANIFEST_NAME, MAX_MANIFEST_BYTES, RANK_FILE_RE, rank_file_name
-from .storage import open_snapshot  # the seam decides: a file, a directory or a URL (re-exported)
 from .writer import SnapshotWriter
 
 
@@ -141,36 +140,49 @@ def manifest_for(snaps: Sequence[Snapshot]) -> Manifest:
     return manifest
 
 
+def read_manifest(path: str) -> Manifest:
+    """The manifest of the committed snapshot directory ``path`` (spec 7.1, 10.1): a regular
+    file, no symbolic link in the directory nor as the directory itself."""
+    refuse_link(path)
+    mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        st = os.lstat(mpath)
+    except FileNotFoundError:
+        raise MalformedManifestError(path, MANIFEST_NAME, "present (the commit point)", Phrase("missing: not a committed snapshot")) from None
+    except OSError as e:
+        raise HsnapIOError(mpath, "open", e) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise MalformedManifestError(mpath, "type", "a regular file", Phrase(stat.filemode(st.st_mode)))
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise MalformedManifestError(mpath, "length", f"<= {MAX_MANIFEST_BYTES}", st.st_size)
+    try:  # every OS failure (unreadable directory or manifest: files are 0600) is typed
+        fd = os.open(mpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            data = os.read(fd, MAX_MANIFEST_BYTES + 1)
+        finally:
+            os.close(fd)
+        with os.scandir(path) as it:
+            links = [e.name for e in it if e.is_symlink()]
+    except OSError as e:
+        raise HsnapIOError(mpath, "read", e) from None
+    manifest = decode_manifest(data, mpath)
+    if links:
+        raise MalformedManifestError(path, links[0], "no symbolic links in a snapshot directory", Phrase("a symbolic link"))
+    return manifest
+
+
 class SnapshotSet:
     """A committed multi-rank snapshot directory: ``.manifest`` and ``.ranks`` (one Snapshot each)."""
 
-    def __init__(self, path: str | os.PathLike[str], *, ranks: Sequence[int] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, ranks: Sequence[int] | None = None, manifest: Manifest | None = None,
+                 open_file: Callable[[str], Snapshot] = Snapshot) -> None:
+        """``manifest`` and ``open_file``: a set held elsewhere (an object-store prefix), its
+        manifest read and decoded, and how a rank file is opened by its path. By default the
+        local directory at ``path``."""
         self.path = os.fspath(path)
-        refuse_link(self.path)
-        mpath = os.path.join(self.path, MANIFEST_NAME)
-        try:
-            st = os.lstat(mpath)
-        except FileNotFoundError:
-            raise MalformedManifestError(self.path, MANIFEST_NAME, "present (the commit point)", Phrase("missing: not a committed snapshot")) from None
-        except OSError as e:
-            raise HsnapIOError(mpath, "open", e) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise MalformedManifestError(mpath, "type", "a regular file", Phrase(stat.filemode(st.st_mode)))
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise MalformedManifestError(mpath, "length", f"<= {MAX_MANIFEST_BYTES}", st.st_size)
-        try:  # every OS failure (unreadable directory or manifest: files are 0600) is typed
-            fd = os.open(mpath, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                data = os.read(fd, MAX_MANIFEST_BYTES + 1)
-            finally:
-                os.close(fd)
-            with os.scandir(self.path) as it:
-                links = [e.name for e in it if e.is_symlink()]
-        except OSError as e:
-            raise HsnapIOError(mpath, "read", e) from None
-        self.manifest = decode_manifest(data, mpath)
-        if links:
-            raise MalformedManifestError(self.path, links[0], "no symbolic links in a snapshot directory", Phrase("a symbolic link"))
+        self._open_file = open_file
+        self.ranks: dict[int, Snapshot] = {}
+        self.manifest = read_manifest(self.path) if manifest is None else manifest
         self._open_ranks(ranks)
 
     def _open_ranks(self, ranks: Sequence[int] | None) -> None:
@@ -181,7 +193,6 @@ class SnapshotSet:
         for r in wanted:  # no negative indexing, no IndexError: a rank this set does not have is named
             if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < tp:
                 raise MalformedManifestError(self.path, "ranks", f"rank numbers 0..{tp - 1} (tp_size {tp})", r)
-        self.ranks: dict[int, Snapshot] = {}
         try:
             for r in wanted:
                 self.ranks[r] = self._open_rank(self.manifest.ranks[r])
@@ -212,9 +223,6 @@ class SnapshotSet:
                 raise MalformedManifestError(fpath, f"rank {entry.rank} {field} (manifest vs rank file)", exp, found)
         return snap
 
-    def _open_file(self, fpath: str) -> Snapshot:  # a ranged-GET Snapshot in hsnap_format.remote
-        return Snapshot(fpath)
-
     def rank(self, r: int) -> Snapshot:
         return self.ranks[r]
 
@@ -242,15 +250,15 @@ class SetWriter:
 
     def __init__(self, path: str | os.PathLike[str], *, staging: str | None = None, mode: int = 0o700) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        _fs.check_final_path(self.path)  # the name, its length, no staging directory above it (spec 8.1)
+        localfs.check_final_path(self.path)  # the name, its length, no staging directory above it (spec 8.1)
         if os.path.lexists(self.path):
             raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
         self.mode = mode
         self.owns_staging = staging is None  # a given staging directory is its creator's to remove
-        self.staging = staging or _fs.staging_name(self.path)
+        self.staging = staging or localfs.staging_name(self.path)
         if staging is None:
             try:
-                _fs.make_staging_dir(self.staging, mode)
+                localfs.make_staging_dir(self.staging, mode)
             except OSError as e:
                 raise HsnapIOError(self.staging, "mkdir", e) from None
 
@@ -282,44 +290,44 @@ class SetWriter:
                 s.close()
         data = manifest.encode()
         final = os.path.join(self.staging, MANIFEST_NAME)
-        tmp = _fs.temp_name(final)
+        tmp = localfs.temp_name(final)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode & 0o666)
             try:
-                _fs.pwrite_all(fd, data, 0)
+                localfs.pwrite_all(fd, data, 0)
                 if fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            _fs.phase("manifest-written")
-            _fs.rename_noreplace(tmp, final)
-            _fs.drop_staging_marker(self.staging)  # complete now: gc must leave it alone
+            localfs.phase("manifest-written")
+            localfs.rename_noreplace(tmp, final)
+            localfs.drop_staging_marker(self.staging)  # complete now: gc must leave it alone
             if fsync:
-                _fs.fsync_dir(self.staging)
-            _fs.phase("before-dir-rename")
-            _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory
-            _fs.rename_noreplace(self.staging, self.path)
+                localfs.fsync_dir(self.staging)
+            localfs.phase("before-dir-rename")
+            localfs.check_final_path(self.path)  # again: a directory above may have become a staging directory
+            localfs.rename_noreplace(self.staging, self.path)
         except HsnapError:  # SnapshotExistsError is an OSError too: keep its type
             raise
         except OSError as e:
             raise HsnapIOError(self.path, "commit manifest", e) from None
         if fsync:
             try:
-                _fs.fsync_dir(os.path.dirname(self.path))
+                localfs.fsync_dir(os.path.dirname(self.path))
             except OSError as e:  # not durable: give the name back (see SnapshotWriter.commit), then
                 try:  # remove what this writer made, one by one (never a half-removed set under the name)
-                    _fs.rename_noreplace(self.path, self.staging)
-                    _fs.remove_own_staging(self.staging)
+                    localfs.rename_noreplace(self.path, self.staging)
+                    localfs.remove_own_staging(self.staging)
                 except HsnapError:
                     pass
                 raise HsnapIOError(self.path, "fsync directory", e) from None
-        _fs.phase("committed")
+        localfs.phase("committed")
         return manifest
 
     def abort(self) -> None:
         """Remove this writer's staging directory: its own files one by one, the marker
-        last (``_fs.remove_own_staging``); anything else keeps it, for gc to list."""
-        _fs.remove_own_staging(self.staging)
+        last (``localfs.remove_own_staging``); anything else keeps it, for gc to list."""
+        localfs.remove_own_staging(self.staging)
 
 
 def refuse_link(path: str) -> None:
@@ -336,4 +344,4 @@ def refuse_link(path: str) -> None:
         raise HsnapIOError(path, "open", OSError(errno.ELOOP, "a symbolic link: not followed (spec 7.1 step 1); give the path it points to"))
 
 
-__all__ = ["Manifest", "RankEntry", "manifest_for", "SnapshotSet", "SetWriter", "open_snapshot", "decode_manifest", "refuse_link", "HsnapError"]
+__all__ = ["Manifest", "RankEntry", "manifest_for", "read_manifest", "SnapshotSet", "SetWriter", "decode_manifest", "refuse_link", "HsnapError"]

@@ -54,14 +54,13 @@ from .errors import (
     TruncatedError,
     UnsupportedFeatureError,
 )
-from .layout import SectionSpec, page_range, page_sections
+from .layout import SectionSpec, namespace, namespace_id, page_range, page_sections
 from .reader import Snapshot
-from .records import ATTENTION_KINDS, AttentionGeometry, Geometry, Identity, PagesRef, RequestRecord, ShardAxis, _Fields
+from .records import ATTENTION_KINDS, AttentionGeometry, Geometry, Identity, PagesRef, RequestRecord, ShardAxis, HeaderFields
 from .spec import (
     BYTE_ORDER_MARK,
     DEFAULT_DIGEST,
     DIGEST_ALGORITHMS,
-    DTYPES,
     FEATURE_MINOR,
     HEADER_OFFSET,
     MAGIC,
@@ -71,7 +70,6 @@ from .spec import (
     MAX_MARKER_BYTES,
     MAX_PAGE_REFS,
     MAX_PAGE_SIZE,
-    NAMESPACE_DOMAIN,
     PAGE_FORMAT,
     PAGE_MARKERS_DIR,
     PAGE_NAME_RE,
@@ -84,9 +82,8 @@ from .spec import (
     TMP_FILE_MARK,
     TRAILER,
     TRAILER_MAGIC,
-    align_up,
 )
-from .storage import Store, store_for
+from .source import Store, store_at
 
 _TOKEN_MAX = (1 << 31) - 1  # hsnap token ids are int32 (5.4): SGLang's u32 page form always applies
 
@@ -98,32 +95,6 @@ SWEEP_LEASE_S = 300.0
 
 
 # ------------------------------------------------------------------------- keys
-
-
-def namespace(identity: Identity, geometry: Geometry, page_size: int) -> dict:
-    """The namespace of a rank's pages (spec 5.10): every binding field of ``identity``
-    (5.1), the attention geometry a page holds, its sharding, and the page size — what a
-    page's bytes depend on besides its tokens."""
-    att = geometry.attention
-    sh = geometry.sharding
-    return {
-        "attention": {"dtype": att.dtype, "heads": att.heads, "k_head_dim": att.k_head_dim, "kind": att.kind,
-                      "kv_lora_rank": att.kv_lora_rank, "layers": sorted(att.layers), "qk_rope_head_dim": att.qk_rope_head_dim,
-                      "storage_dtype": att.storage_dtype, "v_head_dim": att.v_head_dim},
-        "engine": {"commit": identity.engine.commit, "name": identity.engine.name, "version": identity.engine.version},
-        "model_id": identity.model_id,
-        "page_size": page_size,
-        "sharding": None if sh is None or sh.attention is None else sh.attention.to_header(),
-        "tp_rank": identity.tp_rank,
-        "tp_size": identity.tp_size,
-        "weights_hash": identity.weights_hash,
-        "weights_version": identity.weights_version,
-    }
-
-
-def namespace_id(ns: dict) -> str:
-    """SHA-256 over ``NAMESPACE_DOMAIN`` and the namespace's canonical JSON (spec 4), hex."""
-    return hashlib.sha256(NAMESPACE_DOMAIN + canonical.dumps(ns)).hexdigest()
 
 
 def _u32(tokens, path=None, where: str = "tokens") -> bytes:
@@ -161,22 +132,6 @@ def request_tokens(record: RequestRecord) -> np.ndarray:
 
 def page_name(nid: str, key: str, root: str) -> str:
     return f"{nid}-{key}-{root}{PAGE_SUFFIX}"
-
-
-def check_pages_ref(ref: PagesRef, identity: Identity, geometry: Geometry, base_position: int, state_position: int, path=None) -> PagesRef:
-    """What a reader checks of a ``pages`` header at open (R-5.10-2, R-5.10-3), for a writer
-    that must not write what a reader refuses (R-8-1)."""
-    ref = PagesRef.from_header(ref.to_header(), path)
-    att = geometry.attention
-    if att is None or not att.layers:
-        raise MalformedHeaderError(path, "pages", Phrase("a geometry with full-attention layers (what pages hold)"), Phrase("no full-attention layer"))
-    first, count = page_range(base_position, state_position, ref.page_size)
-    if ref.count != count:
-        raise MalformedHeaderError(path, "pages.refs", Phrase(f"{count} references"), Phrase(f"{ref.count}"))
-    nid = namespace_id(namespace(identity, geometry, ref.page_size))
-    if ref.namespace_id != nid:
-        raise MalformedHeaderError(path, "pages.namespace_id", nid, ref.namespace_id)
-    return ref
 
 
 # ------------------------------------------------------------------------- page objects (spec 5.11)
@@ -233,7 +188,7 @@ def parse_namespace(obj, path=None) -> tuple[Identity, Geometry, int]:
     its type and range; the identity, attention-only geometry and page size it describes."""
     _exact_keys(obj, _NS_KEYS, "namespace", path)
     _exact_keys(obj["attention"], _NS_ATT_KEYS, "namespace.attention", path)
-    f = _Fields(obj, "namespace", path)
+    f = HeaderFields(obj, "namespace", path)
     e = f.sub("engine")
     _exact_keys(obj["engine"], frozenset({"commit", "name", "version"}), "namespace.engine", path)
     from .records import Engine
@@ -297,7 +252,7 @@ class PageHeader:
 
 def parse_page_fields(obj, page_size: int, path=None) -> PageHeader:
     _exact_keys(obj, frozenset({"index", "key", "namespace_id", "prior", "tokens"}), "page", path)
-    f = _Fields(obj, "page", path)
+    f = HeaderFields(obj, "page", path)
     index = f.int("index", hi=(1 << 40))
     for k in ("key", "namespace_id"):
         if not _is_hex(obj[k], 64):
@@ -318,10 +273,11 @@ def _page_plan(geometry: Geometry, page_size: int) -> tuple[SectionSpec, ...]:
     return tuple(page_sections(geometry, page_size))
 
 
-class _PageMixin:
-    """Opens a page object with a snapshot reader's machinery (spec 5.11): 7.1 steps 1-18 with
-    the page's own header keys, then its namespace and page fields, their digests, and its
-    section plan. Verification, reads and the guarantees of 7.4 are the reader's own."""
+class PageObject(Snapshot):
+    """A page object, opened with a snapshot reader's machinery (spec 5.11): 7.1 steps 1-18
+    with the page's own header keys, then its namespace and page fields, their digests, and
+    its section plan. Verification, reads and the guarantees of 7.4 are the reader's own,
+    from whatever source it is given (a local file by default, as a rank file)."""
 
     _parse_header = staticmethod(parse_page_header)
 
@@ -354,28 +310,10 @@ class _PageMixin:
         return f"<hsnap.PageObject {self.path!r} page {self.page.index} of {self.page.namespace_id[:12]}…>"
 
 
-class PageObject(_PageMixin, Snapshot):
-    """A page object in a local page store, opened like a rank file (one descriptor, pread)."""
-
-
-_REMOTE_PAGE = None
-
-
-def _remote_page_class():
-    global _REMOTE_PAGE
-    if _REMOTE_PAGE is None:
-        from .remote import RemoteSnapshot
-
-        _REMOTE_PAGE = type("RemotePageObject", (_PageMixin, RemoteSnapshot), {"__doc__": "A page object under an s3:// prefix (ranged GETs)."})
-    return _REMOTE_PAGE
-
-
 def open_page(path: str, store: Store | None = None):
     """Open a page object through the store that holds it (spec 5.11 checks)."""
-    store = store or store_for(path)
-    if store.local:
-        return PageObject(path)
-    return _remote_page_class()(path, storage_options=store.options)
+    store = store or store_at(path)
+    return PageObject(path, source=store.source(path))
 
 
 def encode_page(ns: dict, nid: str, index: int, prior: str | None, key: str, tokens, sections: Sequence[tuple[SectionSpec, bytes]]) -> tuple[bytes, str]:
@@ -404,8 +342,8 @@ def encode_page(ns: dict, nid: str, index: int, prior: str | None, key: str, tok
     header_digest = xxhash.xxh3_128_digest(header)
     root = xxhash.xxh3_128()
     root.update(header_digest)
-    for d in digests:
-        root.update(bytes.fromhex(d))
+    for digest in digests:
+        root.update(bytes.fromhex(digest))
     root_digest = root.digest()
     pre = PREAMBLE.pack(MAGIC, MAJOR, FEATURE_MINOR[PAGES_FEATURE], BYTE_ORDER_MARK, len(header), data_offset, header_digest, file_length, 0)
     out[:64] = pre[:56] + xxhash.xxh3_64_digest(pre[:56])[::-1]
@@ -460,7 +398,13 @@ class PageRef:
 
     @property
     def size(self) -> int:
-        return self.link.pages.page_size
+        return link_pages(self.link).page_size
+
+
+def link_pages(link: Snapshot) -> PagesRef:
+    """The ``pages`` of a link that references pages (what every reference is made from)."""
+    assert link.pages is not None  # callers pass only links whose pages they checked
+    return link.pages
 
 
 def pages_dir(store: Store, location: str, name: str) -> str:
@@ -471,7 +415,7 @@ def pages_dir(store: Store, location: str, name: str) -> str:
 
 def page_refs(link: Snapshot, pages_dir: str, store: Store) -> list[PageRef]:
     """The page references of one link, with the path of each page object."""
-    p = link.pages
+    p = link_pages(link)
     first, _ = page_range(link.base_position, link.state_position, p.page_size)
     return [PageRef(link, i, first + i, key, root, store.join(pages_dir, page_name(p.namespace_id, key, root)))
             for i, (key, root) in enumerate(p.refs)]
@@ -480,11 +424,10 @@ def page_refs(link: Snapshot, pages_dir: str, store: Store) -> list[PageRef]:
 def check_keys(link: Snapshot, tokens: np.ndarray, keys_fn: Callable | None = None) -> None:
     """The keys a link names are SGLang's page hash chain over its own token ids (R-7.6-1):
     ``DigestMismatchError`` naming the first reference whose key is not the computed one."""
-    p = link.pages
+    p = link_pages(link)
     first, count = page_range(link.base_position, link.state_position, p.page_size)
     span = np.asarray(tokens[: (first + count) * p.page_size])
-    negative = np.flatnonzero(span < 0) if count else ()
-    if len(negative):  # spec 5.10: a key is over ids as u32; an int32 below 0 has none (every later key depends on it)
+    if count and len(negative := np.flatnonzero(span < 0)):  # spec 5.10: a key is over ids as u32; an int32 below 0 has none (every later key depends on it)
         q = int(negative[0])
         i = max(q // p.page_size - first, 0)
         raise DigestMismatchError(link.path, f"pages.refs[{i}] (key of page {first + i})", p.refs[i][0],
@@ -498,17 +441,17 @@ def check_keys(link: Snapshot, tokens: np.ndarray, keys_fn: Callable | None = No
 def check_page(page, ref: PageRef, tokens: np.ndarray | None = None) -> None:
     """The page object found is the one referenced (R-7.6-2): its root digest, namespace,
     index, key and (given the request's ``tokens``) tokens."""
-    link = ref.link
+    link, pages = ref.link, link_pages(ref.link)
     where = f"pages.refs[{ref.index}]"
     if page.root_digest != ref.root:
         raise DigestMismatchError(link.path, f"{where}.root_digest ({page.path})", ref.root, page.root_digest)
     problems = [
-        ("namespace_id", link.pages.namespace_id, page.page.namespace_id),
+        ("namespace_id", pages.namespace_id, page.page.namespace_id),
         ("index", ref.page, page.page.index),
         ("key", ref.key, page.page.key),
     ]
     if tokens is not None:
-        S = link.pages.page_size
+        S = pages.page_size
         problems.append(("tokens", [int(t) for t in tokens[ref.page * S : (ref.page + 1) * S]], list(page.page.tokens)))
     for fld, expected, found in problems:
         if expected != found:
@@ -607,7 +550,7 @@ class PageStore:
                  verify_existing: bool = True, writer_lease: float = WRITER_LEASE_S, sweep_lease: float = SWEEP_LEASE_S,
                  poll_s: float | None = None) -> None:
         self.directory = os.fspath(directory).rstrip("/") or "/"
-        self.store = store_for(self.directory, storage_options)
+        self.store = store_at(self.directory, storage_options)
         self.parent, self.name = self.store.split(self.directory)
         if not self.name or self.name in (".", "..") or TMP_FILE_MARK in self.name or STAGING_DIR_MARK in self.name:
             raise PageError(self.directory, "page store", Phrase("a directory name (not a temporary's)"), self.name)
@@ -677,9 +620,6 @@ class PageStore:
             _remove_quiet(self.store, path, version)
 
     # -- pages (W3)
-    def page_size_for(self, geometry: Geometry) -> int:
-        return self.page_size or geometry.attention.page_size
-
     def beside(self, snapshot_path: str, in_set: bool = False) -> None:
         """Refuse a snapshot that does not lie beside this store (spec 5.10: ``pages.store``
         is a name beside the file, or beside the set directory holding it)."""
@@ -703,7 +643,7 @@ class PageStore:
         att = geometry.attention
         if att is None or not att.layers:
             return None
-        S = self.page_size_for(geometry)
+        S = self.page_size or att.page_size
         if type(S) is not int or not 1 <= S <= MAX_PAGE_SIZE:  # spec 5.10: a larger page might not open
             raise MalformedHeaderError(path, "pages.page_size", f"1..{MAX_PAGE_SIZE}", S)
         first, count = page_range(base_position, record.state_position, S)
@@ -780,6 +720,8 @@ class PageStore:
             if isinstance(err, HsnapIOError) and not isinstance(getattr(err, "os_error", None), FileNotFoundError):
                 raise  # the store failed: nothing is known of the page
             damage = err
+        found: bytes | None
+        version: str | None
         try:
             found, version = self.store.read_bytes(path, len(data))
         except HsnapError as err:
@@ -841,7 +783,7 @@ def _list_quiet(store: Store, container: str):
     try:
         return store.list(container)
     except HsnapIOError as e:
-        if isinstance(getattr(e, "os_error", None), FileNotFoundError) and e.path.rstrip("/") == container.rstrip("/"):
+        if isinstance(getattr(e, "os_error", None), FileNotFoundError) and e.path is not None and e.path.rstrip("/") == container.rstrip("/"):
             return []
         raise
 
@@ -869,7 +811,7 @@ def write_paged_snapshot(path, *, identity: Identity, geometry: Geometry, record
         arr = np.ascontiguousarray(state[name])
         return arr[a:b].reshape(-1).view(np.uint8).tobytes()
 
-    with store_for(path, storage_options).writer(os.fspath(path), identity=identity, geometry=geometry, record=record, swa_start=swa_start,
+    with store_at(path, storage_options).writer(os.fspath(path), identity=identity, geometry=geometry, record=record, swa_start=swa_start,
                                                  base=base, pages=None if plan is None else plan.placeholder(), **kw) as w:
         if plan is not None:
             w.set_pages(pages.put_pages(plan, rows))
@@ -1027,7 +969,7 @@ def collect_pages(directory, *, store_name: str = "pages", remove: bool = False,
     and verified, and each damaged one listed (``report.damaged``; the next writer of that
     page replaces it). Local directory or ``s3://`` prefix."""
     directory = os.fspath(directory).rstrip("/") or "/"
-    store = store_for(directory, storage_options)
+    store = store_at(directory, storage_options)
     pages_dir = store.join(directory, store_name)
     markers_dir = store.join(pages_dir, PAGE_MARKERS_DIR)
     report = PageReport(directory, store_name)
@@ -1068,7 +1010,7 @@ def collect_pages(directory, *, store_name: str = "pages", remove: bool = False,
                 candidates.append(v)
             if damage is not None:
                 v.reason = f"damaged ({damage}); {v.reason}"
-        if remove:
+        if sweep is not None:  # remove: the sweep marker is up
             for v in candidates:
                 if time.monotonic() - sweep[2] >= sweep_lease / 2:  # writers wait at most the lease for this sweep
                     v.action, v.reason = "kept", v.reason + "; the sweep ran out of time: run gc again"
@@ -1132,7 +1074,7 @@ def _sweep_one(store: Store, v: PageVerdict, announce) -> None:
 
 
 __all__ = [
-    "namespace", "namespace_id", "page_key", "chain_keys", "request_tokens", "page_name", "check_pages_ref", "PageObject", "open_page",
+    "page_key", "chain_keys", "request_tokens", "page_name", "PageObject", "open_page",
     "encode_page", "PagePlan", "PageRef", "page_refs", "pages_dir", "check_keys", "check_page", "open_checked", "PageStore", "PageStats",
     "write_paged_snapshot", "collect_pages", "mark", "PageReport", "PageVerdict", "parse_marker", "WRITER_LEASE_S", "SWEEP_LEASE_S",
 ]

@@ -8,14 +8,13 @@ file yields a typed :class:`HsnapError`, never a giant allocation or a hang.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import mmap
 import operator
 import os
 import re
-import stat
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generator, Iterator
 
 import numpy as np
 import xxhash
@@ -32,8 +31,9 @@ from .errors import (
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
-from .layout import SectionSpec, page_range, record_sections, state_section_rows
+from .layout import SectionSpec, namespace, namespace_id, page_range, record_sections, state_section_rows
 from .records import BaseRef, Geometry, Identity, PagesRef, RequestRecord, request_header_fields
+from .source import FileSource, Source
 from .spec import (
     ALIGNMENT,
     BYTE_ORDER_MARK,
@@ -273,23 +273,6 @@ def _expected_section_count(geometry: Geometry, counts: dict, has_rng: bool) -> 
     return n
 
 
-def _open_regular(path: str) -> tuple[int, os.stat_result]:
-    """Open a rank file read-only, never following a final symlink and never waiting on a
-    FIFO (O_NONBLOCK); refuse anything but a regular file. Returns (descriptor, stat)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise HsnapIOError(path, "open", e) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise MalformedHeaderError(path, "path", "a regular file", Phrase(stat.filemode(st.st_mode)))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
 class Snapshot:
     """One committed rank file, mapped read-only.
 
@@ -297,32 +280,31 @@ class Snapshot:
     ``snap.record()`` the request record; ``snap.verify()`` checks every byte.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, source: Source | None = None) -> None:
+        """``source``: where the bytes come from (:mod:`hsnap_format.source`); by default
+        the local file at ``path``, opened once (every read below goes through it)."""
         self.path = os.fspath(path)
-        self._mm = None
-        self._fd = -1
-        fd, st = _open_regular(self.path)
+        self.source: Source | None = None
+        src: Source = FileSource(self.path) if source is None else source
         try:
-            self.size = st.st_size
-            self._load(lambda n, at: os.pread(fd, n, at))
-        except OSError as e:
-            os.close(fd)
+            self.size = src.size
+            self._load(src.pread)
+        except HsnapError:
+            src.close()
+            raise
+        except OSError as e:  # a file's pread
+            src.close()
             raise HsnapIOError(self.path, "read", e) from None
         except BaseException:
-            os.close(fd)
+            src.close()
             raise
-        # One descriptor per open file, kept: every read path below preads through it,
-        # so a file truncated or unreadable under an open reader gives a typed error
-        # (through a map it would be SIGBUS). The map is made only when a zero-copy
-        # view is asked for (``array``/``raw``), and then costs a second descriptor.
-        self._fd = fd
-        self._stat = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        self.source = src
         self._scratch = bytearray()
+        self._padding_error: tuple[bool, HsnapError | None] | None = None  # the streaming pass's, once (a source with a window)
 
     def _load(self, pread) -> None:
         """Parse and check preamble, header and trailer in the order of spec 7.1;
-        ``pread(n, offset)`` reads the source (a descriptor here; ranged GETs in
-        hsnap_format.remote). Needs ``self.size``."""
+        ``pread(n, offset)`` reads the source. Needs ``self.size``."""
         self._load_header(pread, pread(PREAMBLE.size, 0), self.size)
         self._check_trailer(pread(TRAILER.size, self.preamble.file_length - TRAILER.size))
         self._load_request()
@@ -403,8 +385,6 @@ class Snapshot:
         if ref.count != count:
             raise MalformedHeaderError(self.path, "pages.refs", Phrase(f"{count} references (pages {first}..{first + count - 1} of "
                                                                       f"{ref.page_size} positions)"), Phrase(f"{ref.count}"))
-        from .pages import namespace, namespace_id  # the key rules live with the page store
-
         nid = namespace_id(namespace(self.identity, self.geometry, ref.page_size))
         if ref.namespace_id != nid:
             raise MalformedHeaderError(self.path, "pages.namespace_id", Phrase(f"{nid} (this file's identity, geometry and page size)"),
@@ -510,55 +490,31 @@ class Snapshot:
     #   array / raw / snap[name]: zero-copy views of a read-only map; a truncation
     #     while a view is used kills the process with SIGBUS, a change in place shows
     #     through. For trusted, unchanging files (the fast path of restores on GPU).
-    def _map(self):
-        if self._fd < 0:
+    def _source(self) -> Source:
+        if self.source is None:
             raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
-        if self._mm is None:
-            try:
-                mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:  # ValueError: the file is now empty
-                raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, Phrase(f"unmappable: {e}")) from None
-            if len(mm) < self.file_length:
-                mm.close()
-                raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, len(mm))
-            self._mm = mm
-        return self._mm
+        return self.source
+
+    def _map(self):
+        return self._source().map()
 
     def _read(self, offset: int, length: int, out: memoryview | None = None) -> memoryview:
-        """Bytes [offset, offset+length) by pread, into ``out`` or a reused buffer (valid until the next call)."""
-        if self._fd < 0:
-            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
+        """Bytes [offset, offset+length) read from the source, into ``out`` or a reused buffer (valid until the next call)."""
+        src = self._source()
         if out is None:
             if len(self._scratch) < length:
                 self._scratch = bytearray(length)
             out = memoryview(self._scratch)[:length]
-        done = 0
-        while done < length:
-            try:
-                got = os.preadv(self._fd, [out[done:]], offset + done)
-            except OSError as e:
-                raise HsnapIOError(self.path, f"read at byte {offset + done}", e) from None
-            if got <= 0:
-                raise TruncatedError(self.path, f"read at byte {offset + done} (file changed under the reader?)", length, done)
-            done += got
+        src.readinto(out, offset)
         return out
 
     def fileno(self) -> int:
         """The open, read-only descriptor of the checked file (for pread-based copies)."""
-        if self._fd < 0:
-            raise HsnapError(self.path, "snapshot", "open", Phrase("closed"))
-        return self._fd
+        return self._source().fileno()
 
     def check_unchanged(self) -> None:
-        """Refuse if the file was resized or written since open (size, mtime_ns)."""
-        try:
-            st = os.fstat(self.fileno())
-        except OSError as e:
-            raise HsnapIOError(self.path, "fstat", e) from None
-        if st.st_size != self.file_length:
-            raise TruncatedError(self.path, "file_length (changed since open)", self.file_length, st.st_size)
-        if st.st_mtime_ns != self._stat[1]:
-            raise DigestMismatchError(self.path, "mtime_ns (written since open)", self._stat[1], st.st_mtime_ns)
+        """Refuse if the bytes changed since open (a file: size, mtime_ns; an object: its version)."""
+        self._source().check_unchanged()
 
     def _info(self, name_or_info: str | SectionInfo) -> SectionInfo:
         return name_or_info if isinstance(name_or_info, SectionInfo) else self.section(name_or_info)
@@ -567,6 +523,8 @@ class Snapshot:
         """Zero-copy bytes of a section, from the map: SIGBUS if the file is truncated while
         the view is used. Use :meth:`section_bytes` or :meth:`read` for files that may change."""
         s = self._info(name_or_info)
+        if not self._source().mappable:  # an object: a copy, verified
+            return self.read(s, verify=True).reshape(-1).view(np.uint8).data
         return memoryview(self._map())[s.offset : s.offset + s.length]
 
     def array(self, name_or_info: str | SectionInfo, *, verify: bool = False) -> np.ndarray:
@@ -577,7 +535,7 @@ class Snapshot:
         ``verify=True``: :meth:`read` — a private copy whose bytes were hashed and matched.
         """
         s = self._info(name_or_info)
-        if verify:
+        if verify or not self._source().mappable:  # an object cannot be mapped: a copy, verified
             return self.read(s, verify=True)
         arr = np.frombuffer(self._map(), dtype=DTYPES[s.dtype], count=math.prod(s.shape), offset=s.offset)
         return arr.reshape(s.shape)
@@ -601,7 +559,7 @@ class Snapshot:
         if not (0 <= start <= total and 0 <= count <= total - start):
             raise IndexError(f"{self.path}: {s.name}: elements [{start}, {start + count}) outside [0, {total})")
         out = np.empty(count, dtype=DTYPES[s.dtype])
-        buf = memoryview(out.view(np.uint8))
+        buf = out.view(np.uint8).data
         self._read(s.offset + start * itemsize, count * itemsize, buf)
         if verify:
             got = xxhash.xxh3_128_hexdigest(buf)
@@ -626,7 +584,7 @@ class Snapshot:
                 return
             n = min(step, total - start)
             chunk = np.empty(n, dtype=dt)
-            view = memoryview(chunk.view(np.uint8))
+            view = chunk.view(np.uint8).data
             self._read(s.offset + start * dt.itemsize, n * dt.itemsize, view)
             if h is not None:
                 h.update(view)
@@ -666,6 +624,16 @@ class Snapshot:
         return [(a, b) for a, b in ranges if b > a]
 
     def check_padding(self) -> None:
+        if self._source().window is not None:  # answered by the streaming pass (one just made answers once)
+            done, self._padding_error = self._padding_error, None
+            if done is None:
+                for _ in self.iter_verify():
+                    pass
+                done, self._padding_error = self._padding_error, None
+                assert done is not None  # a whole pass (none cancelled it) puts its padding verdict
+            if done[1] is not None:
+                raise done[1]
+            return
         for a, b in self.padding_ranges():
             for start in range(a, b, len(_ZERO_CHUNK)):
                 stop = min(b, start + len(_ZERO_CHUNK))
@@ -675,7 +643,18 @@ class Snapshot:
                     raise DigestMismatchError(self.path, f"padding at byte {start + i}", "zero bytes", f"0x{chunk[i]:02x}")
 
     def iter_verify(self, cancelled=None) -> Iterator[tuple[SectionInfo, HsnapError | None]]:
-        """Verify section by section, yielding (section, error or None); stops when ``cancelled()``."""
+        """Verify section by section, yielding (section, error or None); stops when ``cancelled()``.
+        A source with a ``window`` (an object) is read in one streaming pass, sections and
+        padding together, not one read per gap."""
+        window = self._source().window
+        if window is not None:
+            self._padding_error = None
+            result: dict = {}
+            yield from stream(self, window, HEADER_OFFSET + self.preamble.header_length, self.file_length - TRAILER.size,
+                              cancelled=cancelled, result=result)
+            if "padding" in result:
+                self._padding_error = (True, result["padding"])
+            return
         for s in self.sections:
             if cancelled is not None and cancelled():
                 return
@@ -690,6 +669,13 @@ class Snapshot:
         non-zero padding byte in file order, then each section whose digest differs, in table
         order. ``first``: stop at the first of them (what ``verify()`` raises)."""
         failures: list[HsnapError] = []
+        if self._source().window is not None:  # one streaming pass answers both; padding first
+            failures = [err for _, err in self.iter_verify() if err is not None]
+            try:
+                self.check_padding()
+            except HsnapError as e:
+                failures.insert(0, e)
+            return failures[:1] if first else failures
         try:
             self.check_padding()  # the padding ranges are small: cheap to check before hashing
         except HsnapError as e:
@@ -725,15 +711,9 @@ class Snapshot:
         )
 
     def close(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if getattr(self, "_mm", None) is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # views still alive; the map goes when they do
-                pass
-            self._mm = None
+        src, self.source = getattr(self, "source", None), None
+        if src is not None:
+            src.close()
 
     def __enter__(self) -> "Snapshot":
         return self
@@ -764,6 +744,66 @@ class SectionBytes:
             raise ValueError("SectionBytes takes contiguous slices")
         n = max(0, b - a)
         return bytes(self.snap._read(self.info.offset + a, n)) if n else b""
+
+
+def _windows(snap: Snapshot, window: int, start: int, stop: int, into: memoryview | None) -> Generator[tuple[int, memoryview], None, None]:
+    """``(offset, bytes)`` of [start, stop) window by window: into one reused buffer, or
+    into ``into`` (bytes [start, stop) kept whole) — by ranged GETs running ahead of the
+    consumer where the snapshot has them (``iter_into``), else one read per window."""
+    ranged = getattr(snap._source(), "iter_into", None)
+    if into is not None and ranged is not None:
+        yield from ranged(into[: stop - start], start, window)
+        return
+    buf = into if into is not None else memoryview(bytearray(min(window, max(stop - start, 0))))
+    for w in range(start, stop, window):
+        n = min(window, stop - w)
+        at = w - start if into is not None else 0  # ``into`` keeps every window; the one buffer is reused
+        yield w, snap._read(w, n, buf[at : at + n])
+
+
+def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, cancelled=None, result: dict | None = None,
+           into: memoryview | None = None):
+    """Read bytes [start, stop) of ``snap`` in windows (one buffer, reused — or ``into``,
+    which then holds them all), hashing every section and checking the padding as each
+    window lands; yields ``(section, error or None)`` as each section ends, calls
+    ``each(offset, bytes)`` per window (a copy's sink), and puts the first padding error
+    (or None) in ``result["padding"]`` when the pass completes."""
+    regions = sorted([(s.offset, s.offset + s.length, s) for s in snap.sections] + [(a, b, None) for a, b in snap.padding_ranges()],
+                     key=lambda r: r[0])
+    regions = [r for r in regions if r[1] > start or r[0] >= start]
+    with contextlib.closing(_windows(snap, window, start, stop, into)) as windows:
+        yield from _hash_windows(snap, windows, regions, each, cancelled, result)
+
+
+def _hash_windows(snap: Snapshot, windows, regions, each, cancelled, result):
+    ri, h, padding_error = 0, xxhash.xxh3_128(), None
+    for w, mv in windows:
+        if cancelled is not None and cancelled():
+            return
+        n = len(mv)
+        if each is not None:
+            each(w, mv)
+        while ri < len(regions) and regions[ri][0] < w + n:
+            a, b, s = regions[ri]
+            piece = mv[max(a, w) - w : min(b, w + n) - w]
+            if s is not None:
+                h.update(piece)
+            elif padding_error is None and np.frombuffer(piece, dtype=np.uint8).any():  # (C speed: padding adds up)
+                i = int(np.flatnonzero(np.frombuffer(piece, dtype=np.uint8))[0])
+                padding_error = DigestMismatchError(snap.path, f"padding at byte {max(a, w) + i}", "zero bytes", f"0x{piece[i]:02x}")
+            if b > w + n:
+                break
+            if s is not None:
+                got = h.hexdigest()
+                yield s, None if got == s.digest else DigestMismatchError(snap.path, f"sections[{s.name!r}].digest", s.digest, got)
+                h = xxhash.xxh3_128()
+            ri += 1
+    for a, b, s in regions[ri:]:  # zero-length sections at the very end
+        if s is not None:
+            got = xxhash.xxh3_128_hexdigest(b"")
+            yield s, None if got == s.digest else DigestMismatchError(snap.path, f"sections[{s.name!r}].digest", s.digest, got)
+    if result is not None:
+        result["padding"] = padding_error
 
 
 def section_digest(data) -> str:

@@ -8,6 +8,7 @@ sections, not header text; :class:`RequestRecord` holds them as numpy arrays.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import dataclasses
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ _MAX_INT = 2**53 - 1
 _MAX_LAYER = (1 << 16) - 1  # section tables hold layer ids < 2**16
 
 
-class _Fields:
+class HeaderFields:
     """Typed access to one JSON object of the header; errors name the dotted field.
 
     A default is the JSON value the spec names for an absent key (``[]``, not ``()``: it
@@ -84,7 +85,8 @@ class _Fields:
             raise self._err(key, "true or false", v)
         return v
 
-    def ints(self, key, default=dataclasses.MISSING, lo=0, hi=_MAX_INT, max_len=1 << 16) -> tuple[int, ...]:
+    # `builtins.` in the annotations below: inside this class `int` and `str` name the methods above
+    def ints(self, key, default=dataclasses.MISSING, lo=0, hi=_MAX_INT, max_len=1 << 16) -> tuple[builtins.int, ...]:
         v = self.raw(key, default)
         if (
             not isinstance(v, list)
@@ -94,7 +96,7 @@ class _Fields:
             raise self._err(key, f"a list of at most {max_len} integers in [{lo}, {hi}]", v)
         return tuple(v)
 
-    def strs(self, key, default=dataclasses.MISSING, max_len=MAX_STOP_STRINGS, max_each=MAX_STOP_STRING_LENGTH) -> tuple[str, ...]:
+    def strs(self, key, default=dataclasses.MISSING, max_len=MAX_STOP_STRINGS, max_each=MAX_STOP_STRING_LENGTH) -> tuple[builtins.str, ...]:
         v = self.raw(key, default)
         if not isinstance(v, list) or len(v) > max_len:
             raise self._err(key, f"a list of at most {max_len} strings", v if not isinstance(v, list) else Phrase(f"{len(v)} entries"))
@@ -104,17 +106,17 @@ class _Fields:
                                 x if not isinstance(x, str) else Phrase(f"{len(x)} code points"))
         return tuple(v)
 
-    def dtype(self, key) -> str:
+    def dtype(self, key) -> builtins.str:
         v = self.raw(key)
         if not isinstance(v, str) or v not in DTYPES:  # isinstance first: a list is unhashable
             raise self._err(key, f"one of {sorted(DTYPES)}", v)
         return v
 
-    def shape(self, key) -> tuple[int, ...]:
+    def shape(self, key) -> tuple[builtins.int, ...]:
         return self.ints(key, max_len=MAX_NDIM, hi=(1 << 40) - 1)  # as the section table's dims (spec 5.2, 5.5)
 
-    def sub(self, key, default=dataclasses.MISSING) -> "_Fields":
-        return _Fields(self.raw(key, default), f"{self.where}.{key}", self.path, self.fill)
+    def sub(self, key, default=dataclasses.MISSING) -> "HeaderFields":
+        return HeaderFields(self.raw(key, default), f"{self.where}.{key}", self.path, self.fill)
 
     def scalar_map(self, key) -> dict:
         """A flat object of JSON scalars (strings, numbers, booleans, null, lists of those)."""
@@ -163,7 +165,7 @@ class Identity:
 
     @classmethod
     def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "Identity":
-        f = _Fields(obj, "identity", path, fill_defaults)
+        f = HeaderFields(obj, "identity", path, fill_defaults)
         e = f.sub("engine")
         identity = cls(
             model_id=f.str("model_id"),
@@ -235,7 +237,7 @@ class AttentionGeometry:
 
     @classmethod
     def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "AttentionGeometry":
-        f = _Fields(obj, "geometry.attention", path, fill_defaults)
+        f = HeaderFields(obj, "geometry.attention", path, fill_defaults)
         kind = f.raw("kind")
         if kind not in ATTENTION_KINDS:
             raise MalformedHeaderError(path, "geometry.attention.kind", f"one of {ATTENTION_KINDS}", kind)
@@ -292,11 +294,11 @@ class MambaGeometry:
 
     @classmethod
     def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "MambaGeometry":
-        f = _Fields(obj, "geometry.mamba", path, fill_defaults)
+        f = HeaderFields(obj, "geometry.mamba", path, fill_defaults)
         shapes = f.raw("conv_shapes")
         if not isinstance(shapes, list) or not 1 <= len(shapes) <= 8:
             raise MalformedHeaderError(path, "geometry.mamba.conv_shapes", "a list of 1 to 8 shapes", shapes)
-        conv = tuple(_Fields({f"conv_shapes[{i}]": s}, "geometry.mamba", path).shape(f"conv_shapes[{i}]") for i, s in enumerate(shapes))
+        conv = tuple(HeaderFields({f"conv_shapes[{i}]": s}, "geometry.mamba", path).shape(f"conv_shapes[{i}]") for i, s in enumerate(shapes))
         return cls(
             layers=f.ints("layers", hi=_MAX_LAYER),
             conv_shapes=conv,
@@ -330,7 +332,7 @@ class ShardAxis:
 
     @classmethod
     def from_header(cls, obj, where: str, path=None) -> "ShardAxis":
-        f = _Fields(obj, where, path)
+        f = HeaderFields(obj, where, path)
         axis = f.int("axis", hi=MAX_NDIM - 1)
         size = f.int("global", lo=1, hi=1 << 40)
         raw = f.raw("parts")
@@ -365,7 +367,7 @@ class Sharding:
 
     @classmethod
     def from_header(cls, obj, attention: "AttentionGeometry | None", mamba: "MambaGeometry | None", path=None) -> "Sharding":
-        f = _Fields(obj, "geometry.sharding", path)
+        f = HeaderFields(obj, "geometry.sharding", path)
         att, conv, tem = f.raw("attention"), f.raw("conv"), f.raw("temporal")  # spec 5.7: present, AXIS or null
         w = "geometry.sharding"
         out = cls(
@@ -374,7 +376,7 @@ class Sharding:
             temporal=None if tem is None else ShardAxis.from_header(tem, f"{w}.temporal", path),
         )
         # each description agrees with the shapes it describes (table: field, present, axis rule, local extent)
-        checks = []
+        checks: list[tuple[str, ShardAxis, int, tuple[int, ...]]] = []
         if out.attention is not None:
             if attention is None:
                 raise MalformedHeaderError(path, f"{w}.attention", "null (geometry.attention is null)", "present")
@@ -382,13 +384,13 @@ class Sharding:
         if out.conv is not None or out.temporal is not None:
             if mamba is None:
                 raise MalformedHeaderError(path, f"{w}.conv/temporal", "null (geometry.mamba is null)", "present")
-        if out.conv is not None:
-            if len(out.conv) != len(mamba.conv_shapes):
-                raise MalformedHeaderError(path, f"{w}.conv", f"{len(mamba.conv_shapes)} entries (one per conv_shapes)", len(out.conv))
-            for i, c in enumerate(out.conv):
-                checks.append((f"{w}.conv[{i}]", c, mamba.conv_slice_axis, mamba.conv_shapes[i]))
-        if out.temporal is not None:
-            checks.append((f"{w}.temporal", out.temporal, out.temporal.axis, mamba.temporal_shape))
+            if out.conv is not None:
+                if len(out.conv) != len(mamba.conv_shapes):
+                    raise MalformedHeaderError(path, f"{w}.conv", f"{len(mamba.conv_shapes)} entries (one per conv_shapes)", len(out.conv))
+                for i, c in enumerate(out.conv):
+                    checks.append((f"{w}.conv[{i}]", c, mamba.conv_slice_axis, mamba.conv_shapes[i]))
+            if out.temporal is not None:
+                checks.append((f"{w}.temporal", out.temporal, out.temporal.axis, mamba.temporal_shape))
         for where, ax, axis, shape in checks:
             if ax.axis != axis or axis >= len(shape):
                 raise MalformedHeaderError(path, f"{where}.axis", f"{axis} (< ndim {len(shape)})", ax.axis)
@@ -424,7 +426,7 @@ class Geometry:
 
     @classmethod
     def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "Geometry":
-        f = _Fields(obj, "geometry", path, fill_defaults)
+        f = HeaderFields(obj, "geometry", path, fill_defaults)
         att, mam = f.raw("attention", None), f.raw("mamba", None)
         g = cls(
             attention=None if att is None else AttentionGeometry.from_header(att, path, fill_defaults=fill_defaults),
@@ -626,8 +628,8 @@ def check_request_counts(fields: dict, counts: dict, path=None) -> None:
 
 def request_header_fields(obj, path=None, *, fill_defaults: bool = False) -> dict:
     """Validate the header's request object; returns the scalar fields of a RequestRecord.
-    ``fill_defaults``: set every absent key that has a default to it, in ``obj`` (see _Fields)."""
-    f = _Fields(obj, "request", path, fill_defaults)
+    ``fill_defaults``: set every absent key that has a default to it, in ``obj`` (see HeaderFields)."""
+    f = HeaderFields(obj, "request", path, fill_defaults)
     stop, streamed = f.sub("stop"), f.sub("streamed")
     sampling = f.scalar_map("sampling")
     fields = dict(
@@ -687,7 +689,7 @@ class BaseRef:
     def from_header(cls, obj, path=None, *, state_position: int | None = None) -> "BaseRef":
         """Validate a header's ``base`` (R-5.9-2); ``state_position`` is the delta's own, which
         the base's may not exceed."""
-        f = _Fields(obj, "base", path)
+        f = HeaderFields(obj, "base", path)
         name = check_store_name(f, "name")
         digest = f.raw("root_digest")
         if not isinstance(digest, str) or len(digest) != 32 or not set(digest) <= _HEX32:
@@ -708,7 +710,7 @@ def _hex(v, n: int) -> bool:
     return isinstance(v, str) and len(v) == n and set(v) <= _HEX32
 
 
-def check_store_name(f: "_Fields", key: str) -> str:
+def check_store_name(f: "HeaderFields", key: str) -> str:
     """A name beside the file (spec 5.9 ``base.name``, 5.10 ``pages.store``): one file or
     directory name, never a path."""
     name = f.str(key)
@@ -740,7 +742,7 @@ class PagesRef:
     @classmethod
     def from_header(cls, obj, path=None) -> "PagesRef":
         """Validate a header's ``pages`` (R-5.10-2): every key present, in its type and range."""
-        f = _Fields(obj, "pages", path)
+        f = HeaderFields(obj, "pages", path)
         store = check_store_name(f, "store")
         page_size = f.int("page_size", lo=1, hi=MAX_PAGE_SIZE)  # every page object of it fits a header (spec 5.10)
         nid = f.raw("namespace_id")

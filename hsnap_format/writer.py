@@ -20,9 +20,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import xxhash
 
-from . import _fs, canonical
-from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, SnapshotExistsError, WriterStateError, require_type
-from .layout import SectionSpec, record_sections, state_sections
+from . import canonical, localfs
+from .errors import HsnapError, HsnapIOError, MalformedHeaderError, Phrase, WriterStateError, require_type
+from .layout import SectionSpec, check_pages_ref, record_sections, state_sections
+from .source import FileSink, Sink
 from .records import BaseRef, Geometry, Identity, PagesRef, RequestRecord, Sharding
 from .spec import (
     ALIGNMENT,
@@ -45,24 +46,6 @@ from .spec import (
 )
 
 _ZERO_DIGEST = "0" * 32
-WRITEBACK_BYTES = 2 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of the range's dirty pages, do not wait
-
-
-def _load_sync_file_range():
-    """libc's sync_file_range (Linux), or None: then the writer only fsyncs at commit."""
-    try:
-        import ctypes
-
-        f = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    f.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-    f.restype = ctypes.c_int
-    return f
-
-
-_sync_file_range = _load_sync_file_range()
 
 
 def check_spec(spec: SectionSpec) -> None:
@@ -174,7 +157,7 @@ def _byte_view(data, spec: SectionSpec, path) -> memoryview:
     if isinstance(data, np.ndarray):  # bf16/fp8 (ml_dtypes) arrays export no buffer: view as bytes
         if data.dtype != DTYPES[spec.dtype] and data.dtype != np.uint8:
             raise WriterStateError(path, f"sections[{spec.name}].dtype", f"{spec.dtype} (or raw bytes as uint8)", str(data.dtype))
-        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     try:
         return memoryview(data).cast("B")
     except TypeError as e:  # a list, a str, a non-contiguous view...
@@ -200,9 +183,11 @@ class SnapshotWriter:
     its temporary name right before the rename that publishes it; if it raises, nothing is
     published (a compaction re-reads and proves its output there). A writer whose commit
     is not a rename (an object store's multipart upload) says so: ``publishes_by_rename``.
+
+    ``sink``: where the bytes go (:mod:`hsnap_format.source`); by default a local file at
+    ``path`` (``mode``, ``preallocate`` and ``writeback`` are its settings).
     """
 
-    publishes_by_rename = True
     before_publish = None
 
     def __init__(
@@ -219,6 +204,7 @@ class SnapshotWriter:
         writeback: bool = False,
         base: BaseRef | None = None,
         pages: PagesRef | None = None,
+        sink: Sink | None = None,
     ) -> None:
         """``base``: write a delta (spec 5.9, format 1.2): attention sections hold only the
         rows after ``base.state_position``; recurrent state and record are whole.
@@ -226,12 +212,7 @@ class SnapshotWriter:
         5.10, format 1.3): its ``attn_*``/``mla_kv`` sections hold only the other rows —
         before its first page and after its last (:func:`hsnap_format.layout.inline_runs`)."""
         self.path = os.fspath(path)
-        # For a caller that will commit with fsync: start the kernel's writeback of every
-        # WRITEBACK_BYTES written (sync_file_range, asynchronous), so the data goes to the
-        # device while later sections are produced and commit's fsync waits for less
-        # (bench: 31 MiB written + fsynced in 14.8 instead of 20.7 ms). The commit protocol
-        # is unchanged: its fsync still makes everything durable, in the same order.
-        self._writeback_from = 0 if writeback and _sync_file_range is not None else None
+        self.sink = FileSink(self.path, mode=mode, preallocate=preallocate, writeback=writeback) if sink is None else sink
         self.state = WriterState.ABORTED  # until the file exists
         # a dict where a record class goes: a typed refusal, not an AttributeError further on
         for field, value, cls in (("identity", identity, Identity), ("geometry", geometry, Geometry), ("record", record, RequestRecord)):
@@ -246,8 +227,6 @@ class SnapshotWriter:
         self.base = base
         base_position = 0 if base is None else base.state_position
         if pages is not None:  # the reader's own rules (R-5.10-2, R-5.10-3), before any byte
-            from .pages import check_pages_ref
-
             pages = check_pages_ref(pages, identity, geometry, base_position, record.state_position, self.path)
         self.pages = pages
         paged_rows = 0 if pages is None else pages.count * pages.page_size
@@ -302,10 +281,15 @@ class SnapshotWriter:
         self.file_length = end + TRAILER.size
         self.payload_bytes = sum(section_nbytes(s) for s in specs if SECTION_KINDS[s.kind].state)
         self._next = 0
-        self._hasher = None
+        self._hasher = xxhash.xxh3_128()  # begin_section starts each section's afresh
         self._cursor = 0
         self._written = 0
-        self._create(mode, preallocate)
+        self.sink.open(self.file_length, self._data_offset)
+        self.state = WriterState.OPEN
+
+    @property
+    def publishes_by_rename(self) -> bool:
+        return self.sink.publishes_by_rename
 
     def set_pages(self, pages: PagesRef) -> None:
         """The file's ``pages`` with the root digests of the page objects now put, in place of
@@ -323,38 +307,6 @@ class SnapshotWriter:
         if len(header) != self._header_length:
             raise AssertionError("header length moved with the page digests")  # every value is fixed-width
         self._planned_header = header
-
-    # -- the target: a temporary file renamed at commit (hsnap_format.remote overrides
-    #    these four for a multipart upload whose completion is the commit)
-    def _create(self, mode: int, preallocate: bool) -> None:
-        _fs.check_final_path(self.path)  # the name, its length, no staging directory above it (spec 8.1)
-        if os.path.lexists(self.path):
-            raise SnapshotExistsError(self.path, "path", "no file or directory", Phrase("one exists"))
-        try:  # marked as an unfinished write from its first byte (what hsnap gc checks)
-            self._tmp, self._fd = _fs.create_temp_file(self.path, mode, checked=True)
-        except OSError as e:
-            raise HsnapIOError(self.path, "create", e) from None
-        self.state = WriterState.OPEN
-        try:
-            if preallocate:  # a full disk fails here, before any work
-                try:
-                    os.posix_fallocate(self._fd, 0, self.file_length)
-                except OSError as e:
-                    if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: filesystem without fallocate
-                        raise
-            os.ftruncate(self._fd, self.file_length)
-            _fs.phase("open")
-        except OSError as e:
-            self.abort()
-            raise HsnapIOError(self.path, "preallocate", e) from None
-
-    def _write_at(self, view: memoryview, offset: int) -> None:
-        _fs.pwrite_all(self._fd, view, offset)
-        start = self._writeback_from
-        if start is not None and offset + view.nbytes - start >= WRITEBACK_BYTES:  # sections arrive in file order
-            end = offset + view.nbytes
-            _sync_file_range(self._fd, start, end - start, _SYNC_FILE_RANGE_WRITE)  # a hint: errors are fsync's to report
-            self._writeback_from = end
 
     # -- state machine helpers
     def _require(self, *states: WriterState, call: str) -> None:
@@ -393,8 +345,11 @@ class SnapshotWriter:
             raise WriterStateError(self.path, f"sections[{self.specs[self._next].name}].length", expected, self._written + view.nbytes)
         self._hasher.update(view)
         try:
-            self._write_at(view, self._cursor)
-            _fs.phase("chunk")
+            self.sink.write_at(view, self._cursor)
+            localfs.phase("chunk")
+        except HsnapError:
+            self.abort()
+            raise
         except OSError as e:
             self.abort()
             raise HsnapIOError(self.path, f"write {self.specs[self._next].name}", e) from None
@@ -411,7 +366,7 @@ class SnapshotWriter:
         self._digests[self._next] = digest
         self._next += 1
         self.state = WriterState.OPEN
-        _fs.phase("section")
+        localfs.phase("section")
         return digest
 
     def write_section(self, name: str, data) -> str:
@@ -452,79 +407,21 @@ class SnapshotWriter:
         pre = pre[:56] + xxhash.xxh3_64_digest(pre[:56])[::-1]  # digest() is big-endian; store LE
         tra = TRAILER.pack(TRAILER_MAGIC, self.file_length, len(self.specs), root_digest, bytes(16), 0)
         tra = tra[:56] + xxhash.xxh3_64_digest(tra[:56])[::-1]
-        self._publish(pre, header, tra, end, fsync)
-        self.state = WriterState.COMMITTED
-        _fs.phase("committed")
-        return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
-
-    def _publish(self, pre: bytes, header: bytes, tra: bytes, end: int, fsync: bool) -> None:
-        """Make the finished file visible under its final name (the commit point)."""
         try:
-            # Everything but the magic first: until the magic replaces PENDING_MAGIC the
-            # file is provably unfinished (what hsnap gc checks, spec 8.1), so a crash
-            # during the long fsync leaves a leftover gc may remove. The magic costs one
-            # more small data sync (~0.2 ms here); only between it and the rename is a
-            # complete file under a temporary name, which gc lists and keeps.
-            _fs.pwrite_all(self._fd, pre[len(MAGIC):] + header, len(MAGIC))
-            _fs.pwrite_all(self._fd, tra, end)
-            _fs.phase("before-fsync")
-            if fsync:
-                os.fsync(self._fd)
-            _fs.phase("after-fsync")
-            _fs.pwrite_all(self._fd, MAGIC, 0)
-            if fsync:
-                os.fdatasync(self._fd)
-            _fs.phase("magic-written")
-            os.close(self._fd)
-            self._fd = -1
-        except OSError as e:
-            self.abort()
-            raise HsnapIOError(self.path, "commit", e) from None
-        if self.before_publish is not None:
-            try:
-                self.before_publish(self._tmp)
-            except BaseException:
-                self.abort()
-                raise
-        try:
-            _fs.phase("before-rename")
-            _fs.check_final_path(self.path)  # again: a directory above may have become a staging directory
-            _fs.rename_noreplace(self._tmp, self.path)
-            _fs.phase("after-rename")
-        except HsnapError:
+            self.sink.publish(pre, header, tra, end, fsync, self.before_publish)
+        except BaseException:
             self.abort()
             raise
-        if fsync:
-            try:
-                _fs.fsync_dir(os.path.dirname(os.path.abspath(self.path)))
-            except OSError as e:
-                # The name may not survive a crash: take it back rather than report
-                # a commit that is not durable (and leave the name free for a retry).
-                self.state = WriterState.ABORTED
-                try:
-                    os.unlink(self.path)
-                except OSError:
-                    pass
-                raise HsnapIOError(self.path, "fsync directory", e) from None
+        self.state = WriterState.COMMITTED
+        localfs.phase("committed")
+        return CommitInfo(self.path, self.file_length, self.payload_bytes, root_digest.hex(), dict(zip((s.name for s in self.specs), self._digests)))
 
     def abort(self) -> None:
         """Drop the temporary file. Safe to call in any state; a no-op once committed."""
         if self.state in (WriterState.COMMITTED, WriterState.ABORTED):
             return
         self.state = WriterState.ABORTED
-        self._discard()
-
-    def _discard(self) -> None:
-        if getattr(self, "_fd", -1) >= 0:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
-        try:
-            os.unlink(self._tmp)
-        except OSError:
-            pass
+        self.sink.discard()
 
     def __enter__(self) -> "SnapshotWriter":
         return self

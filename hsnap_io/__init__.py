@@ -8,8 +8,8 @@ snapshot, and restore it into fresh slots of other pools in another process.
     restored = restore_request("req.hsnap", req_to_token_pool=rtp2,
                                token_to_kv_pool_allocator=alloc2, identity=identity2)
 
-Names are imported lazily, so ``hsnap demo``'s parent process (and anything that
-only touches ``hsnap_io.demo``) does not pay for importing torch.
+Names are imported lazily, so ``hsnap demo``'s parent process does not pay for
+importing torch.
 """
 
 import importlib
@@ -21,8 +21,8 @@ _EXPORTS = {
     "CapturedRequest": "export",
     "WrittenLink": "export",
     "restore_request": "restore",
-    "RestoredRequest": "restore",
-    "NumericsWarning": "restore",
+    "RestoredRequest": "slots",
+    "NumericsWarning": "checks",
     "UnsupportedPoolError": "adapters",
     "view_pools": "adapters",
     "KV_ADAPTERS": "adapters",
@@ -32,7 +32,7 @@ _EXPORTS = {
     "MigrationTarget": "migrate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ from hsnap_format.pages import PageStore
 from hsnap_format.spec import RANK_FILE_RE
 from hsnap_format.records import BaseRef, Sharding
 from hsnap_format.spec import MAX_CHAIN_DEPTH
-from hsnap_format.storage import store_for
+from hsnap_format.stores import store_for
 
 from .adapters import PoolView, view_pools
 from .pagestore import page_rows, page_store
@@ -128,7 +128,7 @@ def export_request(
             runs = inline_runs(base_position, record.state_position, plan.page_size)
             slots = RequestSlots(_rows(full_token, runs), slots.swa, slots.mamba)
         # a file to fsync writes back as it goes; an s3:// URL streams a multipart upload whose
-        # completion is the commit (hsnap_format.remote). Created first: a name it refuses
+        # completion is the commit (hsnap_format.stores.s3.upload). Created first: a name it refuses
         # is refused before any page is put.
         with store.writer(os.fspath(path), writeback=fsync, identity=identity, geometry=view.geometry, record=record,
                           swa_start=swa_start, mode=mode, base=ref, pages=None if plan is None else plan.placeholder()) as w:

@@ -1,4 +1,4 @@
-"""Live migration of one request between two processes (issue 20 item 4), through a store.
+"""Live migration of one request between two processes, through a store.
 
 The source keeps decoding while it *pre-copies* its committed attention rows: a plain
 snapshot first, then deltas (format 1.2, spec 5.9) of the rows committed since; when few
@@ -25,7 +25,7 @@ target's :meth:`~MigrationTarget.step` raises :class:`MigrationError` saying why
 use these names (``/hsnap/migrate``, ``/hsnap/follow``: :mod:`hsnap_sglang.migration`), so a server
 and a library process interoperate.
 
-The transport is the storage seam (:mod:`hsnap_format.storage`): a local directory or an
+The transport is the storage seam (:mod:`hsnap_format.stores`): a local directory or an
 ``s3://`` prefix; a link is visible under its name only once committed.
 
 Guarantees of :meth:`MigrationTarget.apply`, as for a restore: before anything is
@@ -85,21 +85,15 @@ from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, Reques
 from hsnap_format.chain import Chain, LinkFacts, check_link, check_ref
 from hsnap_format.errors import ChainError, Phrase, UnsupportedFeatureError, require_type
 from hsnap_format.records import Sharding
-from hsnap_format.storage import store_for
+from hsnap_format.stores import store_for
 
 from .adapters import view_pools
 from .export import export_request
 from .reshard import build_plans, check_delta_set, check_set, delta_set_record, source_ranks_of, upload_delta_set
-from .restore import (
-    RestoredRequest,
-    _target_page,
-    _upload_piece,
-    check_compatible,
-    open_source,
-    pool_lock,
-    raise_upload_failure,
-    restore_opened,
-)
+from .checks import check_compatible
+from .pieces import upload_piece
+from .restore import open_source, restore_opened
+from .slots import RestoredRequest, alloc_token_slots, pool_lock, raise_upload_failure, target_page
 from .statecheck import PoolCheckpoint
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
 
@@ -399,7 +393,7 @@ class MigrationTarget:
 
     def _check_capacity(self, snap: Snapshot) -> None:
         rtp, alloc = self.view.req_to_token_pool, self.view.allocator
-        old, new, page = self.request.state_position, snap.state_position, _target_page(self.view)
+        old, new, page = self.request.state_position, snap.state_position, target_page(self.view)
         short = []
         if new > rtp.req_to_token.shape[1]:
             short.append(f"req_to_token_pool.max_context_len: need {new}, have {rtp.req_to_token.shape[1]}")
@@ -419,7 +413,7 @@ class MigrationTarget:
             for b in self.view.bindings:
                 for piece in chain.pieces(b.name):
                     at[0] = f"sections[{b.name}]"
-                    uploaded += _upload_piece(engine, b, dests[b.space], piece, self.verify)
+                    uploaded += upload_piece(engine, b, dests[b.space], piece, self.verify)
             return uploaded
 
         return upload
@@ -463,14 +457,8 @@ class MigrationTarget:
         rtp, alloc = view.req_to_token_pool, view.allocator
         if view.geometry.attention is None or new == old:
             return torch.empty(0, dtype=torch.int64)
-        page = _target_page(view)
-        if page == 1:
-            got = alloc.alloc(new - old)
-        else:
-            dev = getattr(alloc, "device", "cpu")
-            prefix, seq = torch.tensor([old], dtype=torch.int64), torch.tensor([new], dtype=torch.int64)
-            last = int(req.token_indices[old - 1]) if old else -1
-            got = alloc.alloc_extend(prefix.to(dev), prefix, seq.to(dev), seq, torch.tensor([last], dtype=torch.int64, device=dev), new - old)
+        last = int(req.token_indices[old - 1]) if old else -1
+        got = alloc_token_slots(alloc, target_page(view), old, new, last)
         if got is None:
             raise CapacityError(path, "token slots", new - old, alloc.available_size())
         fresh = got[: new - old].to(torch.int64)

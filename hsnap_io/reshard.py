@@ -43,6 +43,7 @@ import functools
 import importlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,6 +56,12 @@ from hsnap_format import (DigestMismatchError, HsnapError, HsnapIOError, Incompa
 from hsnap_format.errors import Phrase
 from hsnap_format.records import Geometry, ShardAxis, Sharding
 from hsnap_format.spec import DTYPES
+
+from .checks import GEOMETRY_NOT_COMPARED, NumericsWarning, storage_differs, verify_mode
+from .sglang_env import import_sglang
+from .slots import RestoredRequest, allocate, check_capacity, pool_lock, raise_upload_failure
+from .statecheck import PoolCheckpoint
+from .transfer import engine_for
 
 
 class ReshardError(IncompatibleSnapshotError):
@@ -145,8 +152,6 @@ def _logical_tp(linear_mod, tp: int, rank: int):
 
 
 def _sg(name: str):
-    from ._sglang_env import import_sglang
-
     import_sglang()  # the import-time environment (torchvision placeholder, warnings)
     return importlib.import_module(name)
 
@@ -511,8 +516,6 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
     attention sections hold the rows after it."""
     from hsnap_format.layout import state_section_rows
 
-    from .restore import _NOT_COMPARED, _storage_differs
-
     ranks = _sources(snapset)
     src0 = ranks[0]
     paths = [s.path for s in ranks]
@@ -523,9 +526,9 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
     expected = expected_target_geometry(src0.geometry, target)
     for s in ranks:  # every source rank: same layers, dtypes, dims but for its own extents
         found = expected_target_geometry(s.geometry, target)
-        diffs = geometry_differences(view.geometry, found, ignore=_NOT_COMPARED) if s is src0 else \
-            geometry_differences(expected, found, ignore=_NOT_COMPARED)
-        if _storage_differs(view.geometry.attention, s.geometry.attention):
+        diffs = geometry_differences(view.geometry, found, ignore=GEOMETRY_NOT_COMPARED) if s is src0 else \
+            geometry_differences(expected, found, ignore=GEOMETRY_NOT_COMPARED)
+        if storage_differs(view.geometry.attention, s.geometry.attention):
             diffs.append(("geometry.attention.storage_dtype", view.geometry.attention.storage_dtype, s.geometry.attention.storage_dtype))
         if diffs:
             raise IncompatibleSnapshotError(s.path, diffs)
@@ -670,16 +673,8 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
     mismatch is found after the bytes landed and rolled back) or else into one scratch
     buffer, checked before it is uploaded; any failure gives every allocation back, the
     written slots' old bytes with ``exact_rollback``
-    (:func:`hsnap_io.restore.raise_upload_failure`)."""
-    import warnings
-
-    from .restore import _VERIFY_MODES, NumericsWarning, _allocate, check_capacity, pool_lock, raise_upload_failure, RestoredRequest
-    from .statecheck import PoolCheckpoint
-    from .transfer import engine_for
-
-    if verify not in _VERIFY_MODES:
-        raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
-    mode = _VERIFY_MODES[verify]
+    (:func:`hsnap_io.slots.raise_upload_failure`)."""
+    mode = verify_mode(verify)
     path = snapset.path
     numerics = check_set(snapset, identity)
     if numerics:
@@ -702,7 +697,7 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
         slots_view = getattr(engine, "slots_view", None)
         where = "allocation"
         try:
-            row, slots, floor = _allocate(view, src0.state_position, src0.swa_start, path, checkpoint)
+            row, slots, floor = allocate(view, src0.state_position, src0.swa_start, path, checkpoint)
             for b, p in zip(view.bindings, plans):
                 where = f"sections[{p.name}]"
                 rows = slots.rows(b.space).to(b.buffer.device)

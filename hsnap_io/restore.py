@@ -18,84 +18,36 @@ Order of work, so that a refusal leaves the pools untouched:
      it lands in the slots (``verify=True``); on any failure — a digest mismatch
      included — the allocations are put back (and, with ``exact_rollback``, what each
      touched slot held) and a typed error names the section.
-  Steps 5-6 hold :func:`pool_lock` (one per pool set): SGLang's allocators are not
+  Steps 5-6 hold :func:`hsnap_io.slots.pool_lock` (one per pool set): SGLang's allocators are not
   thread-safe, and the rollback restores the allocators' whole earlier state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import math
 import os
 import threading
 import warnings
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
-import xxhash
 
-from hsnap_format import (
-    CapacityError,
-    DigestMismatchError,
-    HsnapError,
-    HsnapIOError,
-    Identity,
-    IncompatibleSnapshotError,
-    RequestRecord,
-    Snapshot,
-    SnapshotSet,
-    TruncatedError,
-    geometry_differences,
-    identity_differences,
-    numerics_differences,
-)
+from hsnap_format import HsnapIOError, Identity, IncompatibleSnapshotError, RequestRecord, Snapshot, SnapshotSet
 from hsnap_format.chain import Chain, Piece, chain_below
 from hsnap_format.pages import open_checked
 from hsnap_format.errors import Phrase, UnsupportedFeatureError, require_type
 from hsnap_format.records import Sharding
-from hsnap_format.spec import DTYPES, HEADER_OFFSET, TRAILER
-from hsnap_format.storage import store_for
+from hsnap_format.spec import HEADER_OFFSET, TRAILER
+from hsnap_format.stores import store_for
 
 from .adapters import PoolView, view_pools
-from .export import RequestSlots
+from .checks import NumericsWarning, check_compatible, verify_mode
+from .pieces import HASH_PIECE, upload_piece
+from .reshard import restore_resharded
+from .slots import RestoredRequest, allocate, check_capacity, holding_checkpoints, pool_lock, raise_upload_failure
 from .statecheck import PoolCheckpoint, RollbackError
-from .transfer import DEFAULT_STAGING_BYTES, FileRange, _pread_into, engine_for
-
-
-class NumericsWarning(UserWarning):
-    """The snapshot was written in another numerics environment: bit-exactness is not expected."""
-
-
-class UploadError(HsnapError):
-    """The upload failed after allocation (not an I/O error: that is HsnapIOError);
-    every allocation was given back. ``field`` names the section being uploaded."""
-
-
-@dataclass
-class RestoredRequest:
-    """What a scheduler needs to rebuild the request."""
-
-    req_pool_idx: int
-    token_indices: torch.Tensor  # slots of positions 0..state_position-1 (int64)
-    mamba_pool_idx: int | None
-    record: RequestRecord
-    state_position: int
-    snapshot_id: str
-    bytes_uploaded: int
-    numerics_differences: list[tuple[str, Any, Any]] = field(default_factory=list)
-    # SWA pools: positions below this own no SWA slot (SGLang's req.kv.swa_evict_floor).
-    # It is the snapshot's swa_start rounded down to the target's page: positions
-    # swa_evict_floor..swa_start-1 hold SWA slots whose bytes are not the snapshot's
-    # (they left the window before the snapshot; attention never reads them).
-    swa_evict_floor: int = 0
-    # re-sharded restores (TP N -> TP M): bytes read from the source files to assemble the
-    # shard (digest verification not counted), and which source ranks supplied them
-    source_bytes_read: int = 0
-    source_ranks: tuple[int, ...] = ()
+from .transfer import DEFAULT_STAGING_BYTES, engine_for
 
 
 def _open_rank(path, rank: int | None, storage_options=None) -> tuple[Snapshot, SnapshotSet | None]:
@@ -104,119 +56,6 @@ def _open_rank(path, rank: int | None, storage_options=None) -> tuple[Snapshot, 
     p = os.fspath(path)
     s = store_for(p, storage_options).open(p, ranks=[0 if rank is None else rank])
     return (next(iter(s.ranks.values())), s) if isinstance(s, SnapshotSet) else (s, None)
-
-
-# Geometry fields a restore does not compare as plain values: the page size is the
-# pool's allocation unit (sections are per token, spec 5.2), and the storage type is
-# compared by _storage_differs.
-_NOT_COMPARED = ("geometry.num_layers", "geometry.attention.page_size", "geometry.attention.storage_dtype")
-
-
-def _storage_differs(target, snap) -> bool:
-    """True when the attention storage types really differ. Same element format
-    (``dtype``, compared separately), storage either that format itself or its byte
-    view (``uint8`` for a 1-byte format, as SGLang stores fp8): the section bytes are
-    the same either way and are copied as raw bytes."""
-    if target is None or snap is None or target.storage_dtype == snap.storage_dtype:
-        return False
-    same_bytes = {target.dtype, "uint8"} if DTYPES[target.dtype].itemsize == 1 else {target.dtype}
-    return target.dtype != snap.dtype or not {target.storage_dtype, snap.storage_dtype} <= same_bytes
-
-
-def check_compatible(snap: Snapshot, view: PoolView, expected: Identity | None) -> list[tuple[str, Any, Any]]:
-    diffs = [] if expected is None else identity_differences(expected, snap.identity)
-    diffs += geometry_differences(view.geometry, snap.geometry, ignore=_NOT_COMPARED)
-    target, found = view.geometry.attention, snap.geometry.attention
-    if _storage_differs(target, found):
-        diffs.append(("geometry.attention.storage_dtype", target.storage_dtype, found.storage_dtype))
-    if diffs:
-        raise IncompatibleSnapshotError(snap.path, diffs)
-    return [] if expected is None else numerics_differences(expected, snap.identity)
-
-
-def _target_page(view: PoolView) -> int:
-    return view.geometry.attention.page_size if view.geometry.attention is not None else 1
-
-
-def check_capacity(snap: Snapshot, view: PoolView) -> None:
-    pos, page = snap.state_position, _target_page(view)  # pages of the target, whatever the snapshot's
-    rtp, alloc = view.req_to_token_pool, view.allocator
-    short = []
-    history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
-    need = [
-        ("req_to_token_pool rows", 1, rtp.available_size()),
-        ("req_to_token_pool.max_context_len (committed positions)", pos, rtp.req_to_token.shape[1]),
-        # refuse a record the target could never continue, before reading (verifying) it all
-        ("req_to_token_pool.max_context_len (prompt + output - 1)", history - 1, rtp.req_to_token.shape[1]),
-    ]
-    if view.geometry.attention is not None:
-        full_avail = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
-        need.append(("token slots", math.ceil(pos / page) * page, full_avail))
-        if view.geometry.attention.swa_layers:
-            need.append(("swa token slots", math.ceil(pos / page) * page, alloc.swa_available_size()))
-    if view.mamba_pool is not None:
-        need.append(("mamba slots", 1, rtp.mamba_allocator.available_size()))
-    for what, want, have in need:
-        if have < want:
-            short.append(f"{what}: need {want}, free {have}")
-    if short:
-        raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
-
-
-def _alloc_token_slots(alloc, pos: int, page: int):
-    """``pos`` fresh token slots, handed out as SGLang hands them to a new request: page
-    1 ``alloc(pos)``; paged, a prefill without prefix (``alloc_extend``): whole pages,
-    token i at ``page_i * page + i % page`` — the layout SGLang's paged kernels assume,
-    and the only paged path of its SWA allocator (``alloc`` asserts page 1 there)."""
-    if page == 1:
-        return alloc.alloc(pos)
-    dev = getattr(alloc, "device", "cpu")
-    zero, seq = torch.zeros(1, dtype=torch.int64), torch.tensor([pos], dtype=torch.int64)
-    last_loc = torch.full((1,), -1, dtype=torch.int64, device=dev)
-    return alloc.alloc_extend(zero.to(dev), zero, seq.to(dev), seq, last_loc, pos)
-
-
-def _allocate(view: PoolView, pos: int, swa_start: int, path, checkpoint: PoolCheckpoint) -> tuple[int, RequestSlots, int]:
-    """Request row, token slots (and SWA slots), mamba slot; returns the SWA evict floor too.
-
-    Every index space a binding uses gets a tensor, empty when ``pos`` is 0: a request
-    with no committed position still has (empty) attention and SWA sections."""
-    held = _HELD_CHECKPOINTS.get()
-    if held is not None:  # restore_opened(bind=...): the rollback stays open past the upload
-        held.append(checkpoint)
-    rtp, alloc = view.req_to_token_pool, view.allocator
-    page = _target_page(view)
-    rows = rtp.alloc_rows(1)
-    if not rows:
-        raise CapacityError(path, "req_to_token_pool rows", 1, 0)
-    row = rows[0]
-    att = view.geometry.attention
-    token = torch.empty(0, dtype=torch.int64)
-    swa = torch.empty(0, dtype=torch.int64) if att is not None and att.swa_layers else None
-    floor = 0
-    if att is not None and pos:
-        got = _alloc_token_slots(alloc, pos, page)
-        if got is None:
-            raise CapacityError(path, "token slots", math.ceil(pos / page) * page, alloc.available_size())
-        token = got[:pos].to(torch.int64)
-        if swa is not None:
-            # positions that slid out of the window own no SWA slot; SGLang frees SWA
-            # slots in whole pages, so the partial page below swa_start keeps them
-            floor = swa_start // page * page
-            if floor:
-                alloc.free_swa_segment(token[:floor], start_pos=0)
-            swa = view.kv_pool.translate_loc_from_full_to_swa(token[swa_start:]).to(torch.int64)
-        checkpoint.remember_rows(rtp.req_to_token, torch.tensor([row]), "req_to_token_pool.req_to_token")
-        rtp.req_to_token[row, :pos] = token.to(rtp.req_to_token.dtype)
-    mamba = None
-    if view.mamba_pool is not None:
-        got = rtp.mamba_allocator.alloc(1)
-        if got is None:
-            raise CapacityError(path, "mamba slots", 1, 0)
-        mamba = got.reshape(1).to(torch.int64)
-        checkpoint.remember_rows(rtp.req_index_to_mamba_index_mapping, torch.tensor([row]), "req_to_token_pool.req_index_to_mamba_index_mapping")
-        rtp.req_index_to_mamba_index_mapping[row] = int(mamba[0])
-    return row, RequestSlots(token, swa, mamba), floor
 
 
 def restore_request(
@@ -278,9 +117,6 @@ def restore_request(
     with open_source(path, rank=rank, identity=identity, sharding=sharding, tp_size=tp_size, storage_options=storage_options) as source:
         return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, None)
 
-
-# verify= argument -> how digests are checked (restore_request's docstring)
-_VERIFY_MODES = {True: "before", "before": "before", "during": "during", False: None}
 
 # what open_source takes of restore_request's keywords (the rest is restore_opened's)
 OPEN_KEYWORDS = ("sharding", "tp_size", "storage_options")
@@ -401,7 +237,7 @@ def restore_opened(
     record from). ``bind(restored)``, when given, runs under :func:`pool_lock` right after
     the upload and inside its rollback: if it raises, every allocation of the restore (and
     whatever ``bind`` allocated from the same pools) is given back, as for a failed upload,
-    and the error is raised typed (:class:`UploadError` naming ``bind`` for an untyped one)."""
+    and the error is raised typed (:class:`hsnap_io.slots.UploadError` naming ``bind`` for an untyped one)."""
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, bind)
 
@@ -410,30 +246,19 @@ def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_ro
     if bind is None:
         return _restore_source(source, view, identity, verify, exact_rollback, staging_bytes)
     with pool_lock(view.req_to_token_pool):  # nothing else allocates between the upload and bind
-        held: list[PoolCheckpoint] = []
-        token = _HELD_CHECKPOINTS.set(held)
-        try:
+        with holding_checkpoints() as held:
             restored = _restore_source(source, view, identity, verify, exact_rollback, staging_bytes)
-        finally:
-            _HELD_CHECKPOINTS.reset(token)
         try:
             bind(restored)
         except BaseException as e:
-            if not held:  # a restore path that allocates without _allocate: say so, loudly
+            if not held:  # a restore path that allocates without slots.allocate: say so, loudly
                 raise RollbackError(source.snap.path, "rollback", "the restore's allocation registered for bind", Phrase("none: not given back")) from e
             raise_upload_failure(None, held[-1], source.snap.path, e, "bind")
     return restored
 
 
-# The checkpoint of the allocation in progress, kept past the upload for restore_opened's
-# bind: _allocate (used by the plain and the re-sharded path) registers it here.
-_HELD_CHECKPOINTS: "contextvars.ContextVar[list[PoolCheckpoint] | None]" = contextvars.ContextVar("hsnap_held_checkpoints", default=None)
-
-
 def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes) -> RestoredRequest:
     if source.resharded:
-        from .reshard import restore_resharded
-
         return restore_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
                                  target_rank=source.rank, verify=verify, exact_rollback=exact_rollback, staging_bytes=staging_bytes)
     snap = source.snap
@@ -449,13 +274,11 @@ def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_
         )
     check_capacity(snap, view)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
-    mode = _VERIFY_MODES.get(verify)
-    if mode is None and verify not in _VERIFY_MODES:
-        raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
+    mode = verify_mode(verify)
     # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
     # an object store's ranged GETs): what was hashed is exactly what is in the slots.
     # An engine that does not read files (CUDA: uploads from the map) verifies first.
-    remote = getattr(snap, "verifies_while_reading", False)
+    remote = getattr(snap.source, "verifies_while_reading", False)
     during = mode is not None and (remote or engine.reads_files)
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
     staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
@@ -527,15 +350,15 @@ class _Staged:
         with cls._lock:
             buf, cls._kept = (cls._kept, None) if cls._kept is not None and cls._kept.size >= stop - start else (None, cls._kept)
         if buf is None:
-            buf = np.empty(-(-max(stop - start, 1) // _HASH_PIECE) * _HASH_PIECE, dtype=np.uint8)
+            buf = np.empty(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE, dtype=np.uint8)
         return cls(snap, start, stop, buf)
 
     def verify(self) -> None:
         """Read the body into the buffer, hashing as it lands; raise the first failure in
         spec 7.2's order (padding, then sections in table order)."""
-        from hsnap_format.remote import stream
+        from hsnap_format.reader import stream
 
-        window = getattr(self.snap, "stage_window", _HASH_PIECE)  # an object: bytes per ranged GET
+        window = getattr(self.snap.source, "stage_window", HASH_PIECE)  # an object: bytes per ranged GET
         result: dict = {}
         into = memoryview(self.buf)[: self.stop - self.start]
         failures = [e for _, e in stream(self.snap, window, self.start, self.stop, result=result, into=into) if e is not None]
@@ -546,7 +369,7 @@ class _Staged:
 
     def serving(self):
         """Reads of the snapshot served from the buffer where it can (an object's)."""
-        serving = getattr(self.snap, "serving", None)
+        serving = getattr(self.snap.source, "serving", None)
         return serving(self) if serving is not None else contextlib.nullcontext()
 
     def serve(self, view: memoryview, offset: int) -> int:
@@ -567,69 +390,6 @@ class _Staged:
                 _Staged._kept = buf
 
 
-_POOL_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
-_POOL_LOCKS_BY_ID: dict[int, tuple[Any, threading.RLock]] = {}  # pools that refuse weak references
-_POOL_LOCKS_GUARD = threading.Lock()
-
-
-def pool_lock(req_to_token_pool) -> threading.RLock:
-    """The lock hsnap holds (per pool set, keyed by its ``req_to_token_pool``) while a
-    restore allocates, uploads and — on failure — rolls back.
-
-    SGLang's allocators are not thread-safe (its scheduler serialises them), and a
-    rollback puts back the allocators' whole state as it was before the restore
-    allocated. So restores into one pool set run their allocate/upload/rollback
-    step one at a time; opening, checking and verifying (the expensive read of every
-    byte) run concurrently, and so does export (it only reads the request's own
-    rows). Code that allocates or frees in the same pools from another thread while
-    restores may run must hold this lock too (it is reentrant).
-    """
-    with _POOL_LOCKS_GUARD:
-        try:
-            lock = _POOL_LOCKS.get(req_to_token_pool)
-            if lock is None:
-                lock = _POOL_LOCKS[req_to_token_pool] = threading.RLock()
-        except TypeError:  # not weak-referenceable or not hashable: keep it alive with its lock
-            entry = _POOL_LOCKS_BY_ID.setdefault(id(req_to_token_pool), (req_to_token_pool, threading.RLock()))
-            lock = entry[1]
-    return lock
-
-
-_HASH_PIECE = 2 << 20  # hashed right after it lands, while still in cache
-
-
-class VerifiedFileRange:
-    """One section of an open snapshot file for a file-reading engine (``HostEngine``):
-    ``readinto(view, at)`` preads the section's bytes from ``at`` — in order — 2 MiB at a
-    time and hashes each piece right after it lands in ``view`` (the slots, or the
-    engine's staging chunk on its way to them); :meth:`finish` compares the digest.
-    The same call as :class:`hsnap_io.transfer.FileRange` and
-    ``hsnap_format.remote.SectionRange``."""
-
-    __slots__ = ("fd", "offset", "length", "info", "path", "_h", "_next")
-
-    def __init__(self, fd: int, info, path) -> None:
-        self.fd, self.offset, self.length, self.info, self.path = fd, info.offset, info.length, info, path
-        self._h = xxhash.xxh3_128()
-        self._next = 0
-
-    def readinto(self, view: memoryview, at: int) -> None:
-        if at != self._next:  # the digest is over the section in order
-            raise HsnapError(self.path, f"sections[{self.info.name!r}]", f"a read at byte {self._next}", at, detail="out of order")
-        for a in range(0, len(view), _HASH_PIECE):
-            piece = view[a : a + _HASH_PIECE]
-            _pread_into(self.fd, piece, self.offset + at + a)
-            self._h.update(piece)
-        self._next = at + len(view)
-
-    def finish(self) -> None:
-        if self._next != self.length:
-            raise TruncatedError(self.path, f"sections[{self.info.name!r}]", self.length, self._next)
-        got = self._h.hexdigest()
-        if got != self.info.digest:
-            raise DigestMismatchError(self.path, f"sections[{self.info.name!r}].digest", self.info.digest, got)
-
-
 class _StagedRange:
     """Staged (hashed) bytes of one piece with :class:`hsnap_io.transfer.FileRange`'s call:
     the engine copies them straight into the slots (one memcpy for a run of slots)."""
@@ -641,59 +401,6 @@ class _StagedRange:
 
     def readinto(self, view: memoryview, at: int) -> None:
         view[:] = self.view[at : at + len(view)]
-
-
-class _Window:
-    """A section source of which only ``take`` bytes after the first ``skip`` are handed on
-    — a link's sliding-window rows that left the window before the head's position (spec
-    7.5), or the inline rows on one side of a link's pages (spec 7.6) — while the whole
-    section is read and hashed in order (its digest is over all of it): :meth:`finish`
-    reads the rest before the source's own check."""
-
-    __slots__ = ("src", "skip", "length", "_done", "_total")
-
-    def __init__(self, src, skip: int, take: int | None = None) -> None:
-        self.src, self.skip, self._total = src, skip, src.length
-        self.length = src.length - skip if take is None else take
-        self._done = 0
-
-    def _pass(self, start: int, stop: int) -> None:
-        scratch = memoryview(bytearray(min(max(stop - start, 1), _HASH_PIECE)))
-        for a in range(start, stop, len(scratch)):
-            n = min(len(scratch), stop - a)
-            self.src.readinto(scratch[:n], a)
-
-    def readinto(self, view: memoryview, at: int) -> None:
-        if self._done == 0 and self.skip:
-            self._pass(0, self.skip)
-        self.src.readinto(view, self.skip + at)
-        self._done = max(self._done, at + len(view))
-
-    def finish(self) -> None:
-        if self.skip and self._done == 0:
-            self._pass(0, self.skip)
-        end = self.skip + self.length
-        if end < self._total:
-            self._pass(end, self._total)
-        self.src.finish()
-
-
-def _piece_source(piece, engine, check_digests: bool, staged: "_Staged | None" = None):
-    """What the engine reads one piece of a link's (or page object's) section from (see
-    :func:`_upload_locked`)."""
-    snap, info = piece.link, piece.info
-    if staged is not None and snap is staged.snap:  # hashed in the staging buffer (verify=True, one read)
-        return staged.section(info, piece.skip, piece.length)
-    if not engine.reads_files:  # (an object's raw() is a verified copy of the section)
-        return np.frombuffer(snap.raw(info), dtype=np.uint8)[piece.skip : piece.skip + piece.length]
-    ranged = getattr(snap, "section_range", None)  # an object: ranged GETs, hashed on the way in
-    if ranged:
-        src = ranged(info)
-    elif check_digests:
-        src = VerifiedFileRange(snap.fileno(), info, snap.path)
-    else:  # pread into the slots: nothing mapped, an I/O error is an OSError
-        return FileRange(snap.fileno(), info.offset + piece.skip, piece.length)
-    return _Window(src, piece.skip, piece.take) if piece.skip or piece.length != info.length else src
 
 
 def _upload(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
@@ -719,7 +426,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         pieces = {b.name: chain.pieces(b.name) for b in view.bindings}
         if staged is None:
             _read_ahead(ahead, pieces)  # the GETs start now, overlapping the allocation and the undo log
-        row, slots, floor = _allocate(view, pos, snap.swa_start, snap.path, checkpoint)
+        row, slots, floor = allocate(view, pos, snap.swa_start, snap.path, checkpoint)
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         for b in view.bindings:
             dest = slots.rows(b.space)
@@ -732,7 +439,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
                 where = f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")
-                uploaded += _upload_piece(engine, b, rows, piece, check_digests, staged)
+                uploaded += upload_piece(engine, b, rows, piece, check_digests, staged)
         for ref, targets in by_page.values():
             where = f"pages.refs[{ref.index}] of {ref.link.path} ({ref.path})"
             # opened and checked again (what is uploaded is what this open reads, hashed)
@@ -740,7 +447,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                 for b, rows in targets:
                     where = f"sections[{b.name}] of {ref.path}"
                     info = page.section(b.name)
-                    uploaded += _upload_piece(engine, b, rows, Piece(page, info, 0, None, None), check_digests)
+                    uploaded += upload_piece(engine, b, rows, Piece(page, info, 0, None, None), check_digests)
         where = "finish upload"
         engine.finish_import()
     except BaseException as e:
@@ -769,47 +476,10 @@ def _read_ahead(stack: contextlib.ExitStack, pieces: dict) -> None:
     plan: dict[int, tuple] = {}
     for name_pieces in pieces.values():
         for piece in name_pieces:
-            if piece.link is not None and getattr(piece.link, "read_ahead", None) is not None:
+            if piece.link is not None and getattr(piece.link.source, "read_ahead", None) is not None:
                 plan.setdefault(id(piece.link), (piece.link, []))[1].append(piece.info)
     for link, infos in plan.values():
-        stack.enter_context(link.read_ahead(infos))
+        stack.enter_context(link.source.read_ahead(infos))
 
 
-def _upload_piece(engine, b, rows, piece, check_digests: bool, staged: "_Staged | None" = None) -> int:
-    src = _piece_source(piece, engine, check_digests, staged)
-    engine.import_section(b.buffer, rows.to(b.buffer.device), src)
-    if check_digests and engine.reads_files:
-        src.finish()  # DigestMismatchError: rolled back by the caller
-    return piece.length
-
-
-def raise_upload_failure(engine, checkpoint: PoolCheckpoint, path, cause: BaseException, where: str):
-    """Give every allocation back (:func:`_give_back`), then raise ``cause`` typed: an
-    OSError as HsnapIOError, anything untyped (a torch kernel, an allocator assertion)
-    as UploadError naming ``where``; HsnapErrors and BaseExceptions as they are."""
-    _give_back(engine, checkpoint, path, cause)
-    if isinstance(cause, OSError):
-        raise HsnapIOError(path, "read", cause) from None
-    if isinstance(cause, Exception) and not isinstance(cause, HsnapError):
-        raise UploadError(path, where, detail=f"{type(cause).__name__}: {cause}; every allocation was given back") from cause
-    raise cause
-
-
-def _give_back(engine, checkpoint: PoolCheckpoint, path, cause: BaseException) -> None:
-    """Drain the engine, then roll back — the rollback runs even when draining fails.
-    A rollback that cannot put everything back wins over ``cause`` (chained to it):
-    the caller must learn that the pools are not as they were. ``engine`` None: the
-    upload had finished (a failure in restore_opened's bind)."""
-    try:
-        if engine is not None:
-            engine.finish_import()
-    except Exception:  # noqa: BLE001 - the rollback below matters more; cause is re-raised
-        pass
-    try:
-        checkpoint.rollback(path)
-    except RollbackError as r:
-        raise r from cause
-
-
-__all__ = ["restore_request", "RestoredRequest", "NumericsWarning", "UploadError", "RollbackError", "HsnapError", "pool_lock",
-           "open_source", "restore_opened", "OpenSource"]
+__all__ = ["restore_request", "open_source", "restore_opened", "OpenSource", "check_target"]

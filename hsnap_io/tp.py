@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from hsnap_format import CommitInfo, HsnapError, Identity, Manifest, RequestRecord, SetWriter, SnapshotExistsError
 from hsnap_format.errors import Phrase, require_type
-from hsnap_format import _fs
+from hsnap_format import localfs
 from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
 
 from .export import export_request
-from .restore import RestoredRequest, restore_request
+from .restore import restore_request
+from .slots import RestoredRequest
 
 
 class RankFailedError(HsnapError):
@@ -81,15 +82,15 @@ def export_rank_tp(path, *, identity: Identity, record: RequestRecord, group=Non
     error: BaseException | None = None
     if rank == 0:
         try:
-            _fs.check_final_path(final, tag_bytes=len(identity.snapshot_id))  # the staging name must fit too
+            localfs.check_final_path(final, tag_bytes=len(identity.snapshot_id))  # the staging name must fit too
             if os.path.lexists(final):
                 raise SnapshotExistsError(final, "path", "no file or directory", Phrase("one exists"))
-            _fs.make_staging_dir(staging, 0o700)  # with the marker hsnap gc checks
+            localfs.make_staging_dir(staging, 0o700)  # with the marker hsnap gc checks
         except BaseException as e:  # noqa: BLE001 - reported after the collective
             error = e
     # Only what this rank 0 created is ever removed: a staging directory that already
     # existed (another export with the same snapshot id) is someone else's.
-    drop_staging = (lambda: _fs.remove_own_staging(staging)) if rank == 0 and error is None else None
+    drop_staging = (lambda: localfs.remove_own_staging(staging)) if rank == 0 and error is None else None
     if not _agree(error is None, group, final, drop_staging):
         raise error or RankFailedError(final, "staging directory", "created by rank 0", Phrase("rank 0 failed"))
     info = None
@@ -106,7 +107,7 @@ def export_rank_tp(path, *, identity: Identity, record: RequestRecord, group=Non
             except BaseException as e:  # noqa: BLE001
                 error = e
         if error is not None or not all_ok:
-            _fs.remove_own_staging(staging)
+            localfs.remove_own_staging(staging)
     committed = _agree(error is None and all_ok, group, final)
     if not committed:
         raise error or RankFailedError(final, "export", "every rank written", Phrase("another rank failed; nothing committed"))

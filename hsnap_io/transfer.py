@@ -114,11 +114,11 @@ class FileRange:
     length: int
 
     def readinto(self, view: memoryview, at: int) -> None:
-        """Bytes [at, at+len(view)) of the range (hsnap_format.remote.SectionRange has the same call)."""
-        _pread_into(self.fd, view, self.offset + at)
+        """Bytes [at, at+len(view)) of the range (hsnap_format.stores.s3.ranges.SectionRange has the same call)."""
+        pread_into(self.fd, view, self.offset + at)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+def pread_into(fd: int, view: memoryview, offset: int) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a file shorter than that is an OSError."""
     done, n = 0, len(view)
     while done < n:

@@ -13,6 +13,6 @@ import os
 def torch_autoload() -> None:
     if os.environ.get("HSNAP_SGLANG_CPU") != "1":
         return
-    from hsnap_sglang.cpu import _install
+    from hsnap_sglang.cpu import install
 
-    _install()
+    install()

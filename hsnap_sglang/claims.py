@@ -17,7 +17,7 @@ import time
 from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.controljson import loads_bounded
 from hsnap_format.errors import Phrase
-from hsnap_format.storage import store_for
+from hsnap_format.stores import store_for
 
 CLAIM_SUFFIX = ".claimed"
 _CLAIM_BYTES = 4096  # a marker is a few hundred bytes; a bigger one is not ours and is not read whole

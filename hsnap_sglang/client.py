@@ -104,7 +104,7 @@ def drain(url: str, dir: str, *, dedup: bool = False, page_size: int | None = No
     """Export every request of the server into ``dir`` (``{"ok", "items": [{rid, path, ok, result|error}]}``).
     ``dedup``: their full pages of ``page_size`` positions (default 64) stored once, in ``dir/pages`` (format 1.3);
     the answer's ``dedup`` says what was written against the sum of single snapshots."""
-    body = {"dir": dir}
+    body: dict[str, object] = {"dir": dir}
     if dedup:
         body.update(dedup=True, page_size=page_size or 0)
     return _json(url, "/hsnap/drain", body, timeout, api_key)
@@ -290,7 +290,7 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
         report = migrate(source_url, rid, dir, timeout_s=timeout_s, api_key=api_key, **migrate_kw)
     except HsnapError as e:
         t.join(DEFAULT_TIMEOUT_S)  # the source said why in the container: the target's follow ends with it
-        e.follow_error = got.get("error")
+        e.follow_error = got.get("error")  # type: ignore[attr-defined]  # on whichever HsnapError: see the docstring
         raise
     t.join(DEFAULT_TIMEOUT_S)
     if "error" in got:

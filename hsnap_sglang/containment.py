@@ -26,7 +26,7 @@ MAX_PATH_CHARS = 4096  # PATH_MAX
 MAX_RID_CHARS = 512
 MAX_FOLLOWS = 4  # concurrent /hsnap/follow calls per server (each holds a scheduler watcher and, later, slots)
 MAX_FOLLOW_TIMEOUT_S = 600.0  # a follow waits at most this long for each link
-_LOGGED = OrderedDict()  # (where, error type, message) already logged: a fault repeated every iteration is said once
+_LOGGED: OrderedDict[tuple[str, str, str], int] = OrderedDict()  # (where, error type, message) already logged: a fault repeated every iteration is said once
 _LOGGED_MAX = 256
 
 
@@ -93,11 +93,9 @@ def _bad(field: str, expected: str, found) -> BadRequestError:
     return BadRequestError("request body", field, Phrase(expected), found)
 
 
-def check_text(field: str, value: Any, *, max_chars: int, what: str = "a string", optional: bool = False) -> str | None:
+def check_text(field: str, value: Any, *, max_chars: int, what: str = "a string") -> str:
     """``value`` if it is a non-empty string of at most ``max_chars`` characters with no NUL byte and no lone
     surrogate (neither can name a file, and the scheduler's OS calls would raise on them), else a typed 400."""
-    if value is None and optional:
-        return None
     if type(value) is not str or not value:
         raise _bad(field, what, value)
     if len(value) > max_chars:
@@ -111,12 +109,12 @@ def check_text(field: str, value: Any, *, max_chars: int, what: str = "a string"
     return value
 
 
-def check_path(field: str, value: Any, *, what: str = "a path or s3:// URL (string)", optional: bool = False) -> str | None:
-    return check_text(field, value, max_chars=MAX_PATH_CHARS, what=what, optional=optional)
+def check_path(field: str, value: Any, *, what: str = "a path or s3:// URL (string)") -> str:
+    return check_text(field, value, max_chars=MAX_PATH_CHARS, what=what)
 
 
-def check_rid(field: str, value: Any, *, what: str = "a request id (string)", optional: bool = False) -> str | None:
-    return check_text(field, value, max_chars=MAX_RID_CHARS, what=what, optional=optional)
+def check_rid(field: str, value: Any, *, what: str = "a request id (string)") -> str:
+    return check_text(field, value, max_chars=MAX_RID_CHARS, what=what)
 
 
 async def read_body(request, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX_BODY_DEPTH) -> dict:

@@ -19,8 +19,7 @@ hsnap plug-in on, on hsnap's CPU platform; bfloat16, radix cache on, both server
 Every output goes into a fresh directory (``--out``, which must not exist; default ``hsnap-demo-<time>``); nothing
 is ever deleted.  The servers are stopped (SIGTERM, then SIGKILL after a bound, each process by its pid) on success,
 failure, Ctrl-C and SIGTERM.  Exit status: 0 every check holds, 1 a check failed, 2 the demo could not run, 130
-interrupted.  ``hsnap demo --library [...]`` runs the library-level demo (``hsnap_io.demo.run``: SGLang's pools and
-``Req`` driven by hsnap's own loop, no server).
+interrupted.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -495,7 +493,7 @@ def refuse(url: str, files: dict[str, str]) -> list[dict[str, Any]]:
         streamed: list = []
         error = None
         try:
-            client.resume(url, path, on_chunk=lambda *a: streamed.append(a))
+            client.resume(url, path, on_chunk=lambda *a: streamed.append(a))  # noqa: B023 (runs within the call)
         except client.ServerError as e:
             error = e
         after = _wait_idle(url)
@@ -519,8 +517,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="hsnap demo",
         description="Pause one live request of SGLang's real server over HTTP (the hsnap plug-in), stop that server, "
         "resume the request in a fresh server with other capacities: its token ids and logprobs must equal an "
-        "uninterrupted run exactly, with no history position recomputed.  `hsnap demo --library` runs the "
-        "library-level demo instead (no server).",
+        "uninterrupted run exactly, with no history position recomputed.",
     )
     p.add_argument("--n", type=int, default=N, help=f"output tokens in total (default {N})")
     p.add_argument("-k", "--k", type=int, default=K, help=f"outputs streamed before the pause (default {K})")
@@ -835,7 +832,7 @@ def format_report(r: dict[str, Any]) -> str:
     src, dst = r["servers"]
     num = r["snapshot"]["numerics"]
     lines = [
-        f"hsnap demo: SGLang's real server (python -m hsnap_sglang.serve --enable-hsnap: sglang.launch_server + the hsnap plug-in)",
+        "hsnap demo: SGLang's real server (python -m hsnap_sglang.serve --enable-hsnap: sglang.launch_server + the hsnap plug-in)",
         f"  model     tiny random-weight {c['arch']} (seed {c['model_seed']}), built locally: {_rel(c['model'])}",
         f"  numerics  {c['dtype']}, torch {num.get('torch', '?')}, {num.get('threads', '?')} thread(s) in each server "
         f"(cores {c['threads_bind']}); the target found no numerics difference: {_yes(ck['same_numerics'])}",
@@ -908,12 +905,7 @@ def _raise_interrupted(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     """pause a request of a real SGLang server, resume it in a fresh one (needs hsnap[engine])"""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--library" in argv:  # the library-level demo: SGLang's pools and Req driven by hsnap's own loop
-        from hsnap_io.demo.run import main as library_main
-
-        return library_main([a for a in argv if a != "--library"])
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         report = run_demo(args)

@@ -37,6 +37,18 @@ class ServerBusyError(HsnapError):
     """A bounded resource of the server is in use to its limit (concurrent follows): retry later."""
 
 
+class RemoteRankError(HsnapError):
+    """Another TP rank refused; ``remote`` is its error (:func:`error_dict`), which the HTTP answer carries."""
+
+    def __init__(self, rank: int, remote: dict) -> None:
+        self.rank, self.remote = rank, dict(remote, tp_rank=rank)
+        super().__init__(remote.get("path"), f"tp rank {rank}: {remote.get('field') or remote.get('type')}",
+                         detail=f"{remote.get('type')}: {remote.get('message')}")
+
+    def __reduce__(self):
+        return (type(self), (self.rank, self.remote))
+
+
 # the first class in the MRO of an error that has a row here gives the HTTP status
 STATUS: dict[str, int] = {
     "UnknownRequestError": 404,
@@ -74,7 +86,7 @@ ECHO_CHARS = 200  # an error answer repeats at most this much of any value it na
 MESSAGE_CHARS = 4000  # the one-line message and ``detail`` (they name every differing field)
 
 
-# the object store's endpoint as hsnap_format.remote names it in its errors ("get at http://10.0.0.5:8333"): an
+# the object store's endpoint as hsnap_format.stores.s3 names it in its errors ("get at http://10.0.0.5:8333"): an
 # operator's internal address, not for the server's HTTP clients
 _ENDPOINT = re.compile(r"\bhttps?://[^\s/:]+(?::\d+)?(?:/[^\s:]*)?")
 ENDPOINT_SHOWN = "<the object store>"
@@ -120,4 +132,10 @@ def error_dict(e: BaseException, **extra) -> dict:
     return d
 
 
-__all__ = ["UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "capped", "STATUS", "status_of", "error_dict"]
+def error_of(e: BaseException) -> dict:
+    """:func:`error_dict` of ``e``; another rank's refusal as that rank sent it."""
+    return dict(e.remote) if isinstance(e, RemoteRankError) else error_dict(e)
+
+
+__all__ = ["UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "RemoteRankError", "capped", "STATUS", "status_of", "error_dict",
+           "error_of"]

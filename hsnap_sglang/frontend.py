@@ -175,7 +175,7 @@ class HsnapFrontend:
         if not out.ok:
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
-            raise _AnsweredError(out.error)
+            raise _AnsweredError(out.error or {})
         return obj, out, had
 
 
@@ -189,7 +189,7 @@ class HsnapFrontend:
             raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
         out = await self.call(HsnapFollowReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=container, timeout_s=timeout_s))
         if not out.ok:
-            raise _AnsweredError(out.error)
+            raise _AnsweredError(out.error or {})
         result = dict(out.result)
         info = result.pop("info")
         rid = info["rid"]
@@ -357,7 +357,7 @@ def snapshot_entries(path: str) -> list[str]:
     it, by name — of the checkpoint links of a request (``<name>.ckNNNNNN.hsnap``) only its newest committed one (the
     others are the chain below it)."""
     from hsnap_format.checkpoints import newest_links, parse_link
-    from hsnap_format.storage import store_for
+    from hsnap_format.stores import store_for
 
     store = store_for(path)
     p = path if store.local else path.rstrip("/")
@@ -428,7 +428,6 @@ def _contained(where: str):
 
 def router():
     from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
 
     r = APIRouter(prefix="/hsnap")
 
@@ -438,7 +437,7 @@ def router():
         body = await _body(request)
         rid, path, keep = body.get("rid"), body.get("path"), body.get("keep_running", False)
         check_rid("rid", rid)
-        check_path("path", path)
+        path = check_path("path", path)
         if type(keep) is not bool:
             return _bad("keep_running", "true or false", keep)
         out = await _frontend().call(HsnapExportReqInput(op_id=uuid.uuid4().hex, rid=rid, path=_local(path), keep_running=keep))
@@ -448,8 +447,7 @@ def router():
     @_contained("drain")
     async def drain(request: Request):
         body = await _body(request)
-        d = body.get("dir")
-        check_path("dir", d, what="a directory or s3:// prefix (string)")
+        d = check_path("dir", body.get("dir"), what="a directory or s3:// prefix (string)")
         dedup, page = body.get("dedup", False), body.get("page_size", 0)
         if type(dedup) is not bool:
             return _bad("dedup", "true or false", dedup)
@@ -469,25 +467,24 @@ def router():
         if every == 0 and d is None:
             d = ""
         else:
-            check_path("dir", d, what="a directory or s3:// prefix (string)")
+            d = check_path("dir", d, what="a directory or s3:// prefix (string)")
         out = await _frontend().call(HsnapCheckpointReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d, "dir") if d else d, every=every))
         return _answer_response(out)
 
     @r.get("/stats")
     @_contained("stats")
     async def stats(rid: str | None = None):
-        check_rid("rid", rid, optional=True)
+        if rid is not None:
+            check_rid("rid", rid)
         out = await _frontend().call(HsnapStatsReqInput(op_id=uuid.uuid4().hex, rid=rid))
         return _answer_response(out)
 
     @r.post("/resume")
     @_contained("resume")
     async def resume(request: Request):
-        from sglang.srt.entrypoints.http_server import dumps_json
-
         body = await _body(request)
         path, stream, text_lp = body.get("path"), body.get("stream", False), body.get("return_text_in_logprobs", False)
-        check_path("path", path, what="a snapshot path, a directory of snapshots or an s3:// URL (string)")
+        path = check_path("path", path, what="a snapshot path, a directory of snapshots or an s3:// URL (string)")
         if type(stream) is not bool or type(text_lp) is not bool:
             return _bad("stream", "true or false", stream)
         again = body.get("again", False)
@@ -504,7 +501,8 @@ def router():
         if not entries:
             return _error_response(error_dict(HsnapError(path, "path", Phrase("a snapshot, or a directory holding *.hsnap snapshots"),
                                                          Phrase("no snapshot"))))
-        resumed, results = [], []
+        resumed: list = []
+        results: list[dict[str, Any]] = []
         for entry in entries:
             try:
                 obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request, again=again)
@@ -534,7 +532,7 @@ def router():
         rid, d = body.get("rid"), body.get("dir")
         tail, rounds, timeout_s, fsync = body.get("tail", 16), body.get("max_rounds", 8), body.get("timeout_s", 60), body.get("fsync", False)
         check_rid("rid", rid)
-        check_path("dir", d, what="a directory or s3:// prefix the target follows (string)")
+        d = check_path("dir", d, what="a directory or s3:// prefix the target follows (string)")
         if type(tail) is not int or not 0 <= tail <= 1 << 20:
             return _bad("tail", "rows left at most when the request stops, 0..1048576", tail)
         if type(rounds) is not int or not 1 <= rounds <= 1000:
@@ -553,8 +551,9 @@ def router():
         body = await _body(request)
         d, rid, stream = body.get("dir"), body.get("rid"), body.get("stream", False)
         text_lp, timeout_s = body.get("return_text_in_logprobs", False), body.get("timeout_s", 60)
-        check_path("dir", d, what="the directory or s3:// prefix a source migrates through (string)")
-        check_rid("rid", rid, what="the request id expected (string) or null", optional=True)
+        d = check_path("dir", d, what="the directory or s3:// prefix a source migrates through (string)")
+        if rid is not None:
+            check_rid("rid", rid, what="the request id expected (string) or null")
         if type(stream) is not bool or type(text_lp) is not bool:
             return _bad("stream", "true or false", stream)
         if type(timeout_s) not in (int, float) or not 0 < timeout_s <= MAX_FOLLOW_TIMEOUT_S:

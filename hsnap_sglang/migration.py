@@ -1,4 +1,4 @@
-"""Live migration of one request between two running SGLang servers (issue 20 item 4), in the scheduler processes.
+"""Live migration of one request between two running SGLang servers, in the scheduler processes.
 
 The container (a directory or an ``s3://`` prefix both servers reach) and its names are hsnap_io.migrate's, so a
 server and a library process (:class:`hsnap_io.migrate.MigrationTarget`) interoperate:
@@ -26,96 +26,21 @@ TP 1 servers only (a TP server refuses by name); the library migrates across TP 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
-import threading
 import time
-from typing import Any
 
 from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.errors import Phrase
-from hsnap_format.storage import store_for
+from hsnap_format.stores import store_for
 
 from . import confine
 from .containment import MAX_FOLLOWS, guarded, typed
 from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict
+from .jobs import Export, Following, Migrating, Watch
 
 logger = logging.getLogger("hsnap_sglang")
-
-LOCAL_POLL_S = 0.0005  # how often a watcher looks for a marker or link in a directory (a stat)
-REMOTE_POLL_S = 0.01  # ... under an s3:// prefix (a HEAD request)
-
-
-class _Watch:
-    """A daemon thread that looks for the first of ``paths`` to exist (off the scheduler thread: an object store's
-    HEAD never holds up a decode step); ``hit`` is that path once seen."""
-
-    def __init__(self, store, paths) -> None:
-        self.store, self.paths, self.hit = store, list(paths), None
-        self._stop = threading.Event()
-        self._poll = LOCAL_POLL_S if store.local else REMOTE_POLL_S
-        self._thread = threading.Thread(target=self._run, name="hsnap-migration-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        warned = False
-        while not self._stop.is_set():
-            for p in self.paths:
-                try:
-                    if self.store.exists(p):
-                        self.hit = p
-                        return
-                except Exception as e:  # noqa: BLE001 - a store that errs is asked again; said once
-                    if not warned:
-                        logger.warning("hsnap migration: looking for %s: %s", p, e)
-                        warned = True
-            self._stop.wait(self._poll)
-
-    def cancel(self) -> None:
-        self._stop.set()
-
-
-@dataclasses.dataclass
-class Migrating:
-    """A request migrating out of this server (source side)."""
-
-    op: Any  # HsnapMigrateReqInput, answered once the final link is committed (or the migration given up)
-    container: str
-    store: Any
-    tail: int
-    max_rounds: int
-    timeout_s: float
-    fsync: bool
-    started: float
-    links: list = dataclasses.field(default_factory=list)  # committed rounds, in order
-    rounds: list = dataclasses.field(default_factory=list)  # per round: what it carried and took
-    base_position: int = 0  # state position of the last committed round (the next delta holds the rows after it)
-    held: Any = None  # hsnap_io.export.WrittenLink of the last committed round: the next delta's base, not re-opened
-    queued: bool = False  # a round or the final link is pending or being written
-    watch: _Watch | None = None  # the last round's .applied marker
-    since: float = 0.0  # when the last round was committed
-    writer_s: float = 0.0
-    stopped_checkpoints: bool = False
-    left_at_stop: int = 0  # rows after the last round when the stop was decided (the boundary it waits for adds its step)
-
-
-@dataclasses.dataclass
-class Following:
-    """A migration this server follows (target side)."""
-
-    op: Any  # HsnapFollowReqInput, answered once the final link is applied and the Req bound (or refused)
-    container: str
-    store: Any
-    target: Any  # hsnap_io.migrate.MigrationTarget over the scheduler's pools
-    timeout_s: float
-    deadline: float
-    watch: _Watch | None = None
-    prepared: Any = None  # hsnap_sglang.req.PreparedReq of the last link checked (the first, then the final)
-    applied: list = dataclasses.field(default_factory=list)
-    started: float = 0.0
-    arrived_at: float = 0.0  # the final link applied and the Req bound: admitted by the HTTP process within timeout_s
 
 
 def held_kv_rows(hs) -> list:
@@ -145,11 +70,9 @@ def on_migrate(hs, msg) -> None:
     try:  # the HTTP edge checked it; again before anything there is looked at or written (nor abandoned.json outside)
         confine.resolve(msg.dir, "dir", confine.DIR)
     except HsnapError as e:
-        hs._answer(msg, ok=False, error=error_dict(e))
+        hs.answer(msg, ok=False, error=error_dict(e))
         return
     from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME, REFUSED_NAME
-
-    from .scheduler import _Export
 
     where, req = hs.locate(msg.rid)
     store = store_for(msg.dir)
@@ -161,7 +84,7 @@ def on_migrate(hs, msg) -> None:
                              f"TP {hs.tp_size}")
         if where is None:
             raise hs.absent(msg.rid)
-        if hs._busy(msg.rid) or msg.rid in hs.migrations:
+        if hs.busy(msg.rid) or msg.rid in hs.migrations:
             raise RequestBusyError(None, "rid", Phrase("a request no other export or migration is waiting for"), msg.rid)
         if used is not None:
             raise SnapshotExistsError(used, "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
@@ -171,18 +94,18 @@ def on_migrate(hs, msg) -> None:
         err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "migrate", msg.dir)
         if used is None:  # a fresh container: a target already following it learns at once that nothing will come
             _say_abandoned(store, msg.dir, error_dict(err), 0)
-        hs._answer(msg, ok=False, error=error_dict(err))
+        hs.answer(msg, ok=False, error=error_dict(err))
         return
     m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
     if msg.rid in hs.checkpoints:  # its checkpoints end here (the request leaves); a link on its way is committed first
         hs.checkpoints.pop(msg.rid)
         hs.links.wait(msg.rid)
-        hs._collect_links()
+        hs.collect_links()
         m.stopped_checkpoints = True
-    hs._drop_links(msg.rid)
+    hs.drop_links(msg.rid)
     hs.migrations[msg.rid] = m
     m.queued = True
-    hs.pending.append(_Export(msg.rid, store.join(msg.dir, LINK_NAME.format(0)), True, time.monotonic(), req=req, found_in=where,
+    hs.pending.append(Export(msg.rid, store.join(msg.dir, LINK_NAME.format(0)), True, time.monotonic(), req=req, found_in=where,
                               migration=m))
 
 
@@ -202,8 +125,6 @@ def advance_migrations(hs) -> None:
 
 def _advance_migration(hs, rid: str, m: Migrating, now: float) -> None:
     from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, MigrationError, marker_reason
-
-    from .scheduler import _Export
 
     where, req = hs.locate(rid)
     if req is None or req.finished():
@@ -230,7 +151,7 @@ def _advance_migration(hs, rid: str, m: Migrating, now: float) -> None:
     name = FINAL_NAME if final else LINK_NAME.format(len(m.links))
     m.left_at_stop = left
     m.queued = True
-    hs.pending.append(_Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
+    hs.pending.append(Export(rid, m.store.join(m.container, name), not final, now, req=req, found_in=where, migration=m,
                               base=m.links[-1]))
 
 
@@ -251,7 +172,7 @@ def round_done(hs, ex, result, error) -> None:
     m.rounds.append({"link": ex.path, "committed_positions": m.base_position, "output_tokens": int(result["output_tokens"]),
                      "bytes": int(result["bytes"]), "capture_s": float(result["timings"]["write_s"]),
                      "writer_s": float(result["timings"].get("writer_s", 0.0)), "committed_at": m.since})
-    m.watch = _Watch(m.store, [ex.path + APPLIED_SUFFIX, m.store.join(m.container, REFUSED_NAME)])
+    m.watch = Watch(m.store, [ex.path + APPLIED_SUFFIX, m.store.join(m.container, REFUSED_NAME)])
 
 
 def finish(hs, ex, req, where: str) -> None:
@@ -259,19 +180,13 @@ def finish(hs, ex, req, where: str) -> None:
     rows since the last round, the recurrent state and the record; write and commit; release the request."""
     import uuid
 
-    from hsnap_io.export import capture_request, write_captured
-
-    from .req import req_record
+    from hsnap_io.export import write_captured
 
     m = ex.migration
     t_stop = time.monotonic()
-    s = hs.sched
     sid = uuid.uuid4().hex
     try:
-        record, swa_start = req_record(req, path=ex.path)
-        cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                              req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
-                              identity=dataclasses.replace(hs.identity(), snapshot_id=sid), base_position=m.base_position)
+        cap = hs.capture(req, ex.path, sid, m.base_position)
         t_captured = time.monotonic()
         written = write_captured(ex.path, cap, base=m.held, fsync=m.fsync)
     except Exception as e:  # noqa: BLE001 - the request decodes on here; the caller gets the reason
@@ -284,9 +199,9 @@ def finish(hs, ex, req, where: str) -> None:
         abandon(hs, m, ex.rid, e)
         return
     t_committed = time.monotonic()
-    committed = int(record.state_position)
+    committed = int(cap.record.state_position)
     info = {"path": str(ex.path), "snapshot_id": sid, "committed_positions": committed, "migration": m.container}
-    hs._release_exported(req, info)
+    hs.release_exported(req, info)
     del hs.migrations[ex.rid]
     hs.exports += 1
     result = {
@@ -299,7 +214,7 @@ def finish(hs, ex, req, where: str) -> None:
                     "final_write_s": t_committed - t_captured, "stopped_at": t_stop, "final_committed_at": t_committed,
                     "released_s": time.monotonic() - t_committed},
     }
-    hs._answer(m.op, ok=True, result=result)
+    hs.answer(m.op, ok=True, result=result)
 
 
 def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dict | None = None, say: bool = True) -> None:
@@ -317,7 +232,7 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
     error = error if error is not None else error_dict(err)
     if say:  # (not to a target that refused: it knows)
         _say_abandoned(m.store, m.container, error, len(m.links))
-    hs._answer(m.op, ok=False, error=error)
+    hs.answer(m.op, ok=False, error=error)
 
 
 def _say_abandoned(store, container: str, error: dict, links: int) -> None:
@@ -356,11 +271,11 @@ def on_follow(hs, msg) -> None:
         target = MigrationTarget(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
                                  identity=hs.identity())
     except HsnapError as e:
-        hs._answer(msg, ok=False, error=error_dict(e))
+        hs.answer(msg, ok=False, error=error_dict(e))
         return
     now = time.monotonic()
     f = Following(msg, msg.dir, store, target, float(msg.timeout_s), now + float(msg.timeout_s), started=now)
-    f.watch = _Watch(store, target.next_names(msg.dir))
+    f.watch = Watch(store, target.next_names(msg.dir))
     hs.follows[msg.op_id] = f
 
 
@@ -397,7 +312,7 @@ def _advance_follow(hs, op_id: str, f: Following, now: float) -> None:
         fail_follow(hs, op_id, PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}"))
         return
     if applied is None:  # seen, then gone: look again
-        f.watch = _Watch(f.store, f.target.next_names(f.container))
+        f.watch = Watch(f.store, f.target.next_names(f.container))
         return
     t1 = time.monotonic()
     f.applied.append({"link": applied.path, "committed_positions": applied.state_position, "rows": applied.rows,
@@ -406,7 +321,7 @@ def _advance_follow(hs, op_id: str, f: Following, now: float) -> None:
         arrive(hs, op_id, f, t1)
     else:
         f.deadline = t1 + f.timeout_s
-        f.watch = _Watch(f.store, f.target.next_names(f.container))
+        f.watch = Watch(f.store, f.target.next_names(f.container))
 
 
 def _accept(hs, f: Following, snap, record) -> None:
@@ -414,8 +329,8 @@ def _accept(hs, f: Following, snap, record) -> None:
     (what is bound): a record the target could not run is refused before anything is allocated."""
     from hsnap_io.migrate import FINAL_NAME
 
-    from .req import _check_tracking_capacity, _mamba_tracking_slots, _target_worker_ipc, prepare_req
-    from .scheduler import _loaded_lora_ids, _req_kwargs
+    from .req import prepare_req, target_worker_ipc
+    from .req.bind import check_tracking_capacity, mamba_tracking_slots
 
     first = f.target.request is None
     final = snap.path.rstrip("/").endswith(FINAL_NAME)
@@ -424,13 +339,11 @@ def _accept(hs, f: Following, snap, record) -> None:
     s = hs.sched
     if first and (hs.locate(record.rid)[0] is not None or record.rid in hs.arrived):
         raise RequestBusyError(snap.path, "request.rid", Phrase("a rid no request of this server has"), record.rid)
-    kwargs = _req_kwargs(s)
-    ipc = _target_worker_ipc(snap.path, f.op.http_worker_ipc, kwargs)
-    f.prepared = prepare_req(record, snap.path, swa_start=snap.swa_start, tokenizer=s.tokenizer,
-                             grammar_backend=getattr(s.grammar_manager, "grammar_backend", None), loaded_lora_ids=_loaded_lora_ids(s),
-                             vocab_size=s.model_config.vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs, expect_rid=f.op.rid)
+    context = hs.resume_context()
+    ipc = target_worker_ipc(snap.path, f.op.http_worker_ipc, context["req_kwargs"])
+    f.prepared = prepare_req(record, snap.path, swa_start=snap.swa_start, http_worker_ipc=ipc, expect_rid=f.op.rid, **context)
     if final:
-        _check_tracking_capacity(s.req_to_token_pool, _mamba_tracking_slots(s.req_to_token_pool), snap.path)
+        check_tracking_capacity(s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool), snap.path)
 
 
 def _make_room(hs, f: Following) -> None:
@@ -464,10 +377,10 @@ def _make_room(hs, f: Following) -> None:
 def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     """The final link is applied: bind the prepared Req to the slots (as resume_req does), hold it for the HTTP
     process's admission, and answer the follow with what the client's state needs."""
-    from hsnap_io.restore import pool_lock
+    from hsnap_io.slots import pool_lock
 
     from .frontend import resume_info_of
-    from .req import _binder, _mamba_tracking_slots
+    from .req.bind import binder, mamba_tracking_slots
 
     s = hs.sched
     del hs.follows[op_id]
@@ -476,11 +389,11 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     root = s.tree_cache.root_node_handle(req.extra_key) if s.tree_cache is not None else None
     try:
         with pool_lock(s.req_to_token_pool):
-            _binder(req, prepared.carried["ReqKvInfo"], root, s.req_to_token_pool, _mamba_tracking_slots(s.req_to_token_pool))(restored)
+            binder(req, prepared.carried["ReqKvInfo"], root, s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool))(restored)
     except Exception as e:  # noqa: BLE001 - checked before the final link was applied; if it fails anyway: give it all back
         f.target.release()
         err = e if isinstance(e, HsnapError) else PluginError(f.container, "follow", detail=f"binding: {type(e).__name__}: {e}")
-        hs._answer(f.op, ok=False, error=error_dict(err))
+        hs.answer(f.op, ok=False, error=error_dict(err))
         return
     f.target.close()
     if prepared.grammar is not None:
@@ -489,7 +402,7 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     f.arrived_at = time.monotonic()
     hs.arrived[req.rid] = (req, f)
     record = restored.record
-    hs._answer(f.op, ok=True, result={
+    hs.answer(f.op, ok=True, result={
         "rid": req.rid, "dir": f.container, "final": f.applied[-1]["link"], "committed_positions": int(restored.state_position),
         "bytes_uploaded": int(restored.bytes_uploaded), "links": f.applied, "prompt_tokens": len(req.origin_input_ids),
         "output_tokens": len(req.output_ids), "info": resume_info_of(record, f.applied[-1]["link"]),
@@ -516,7 +429,7 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
                 f.target.refuse(f.container, error)
         except Exception:  # noqa: BLE001 - the source then times out instead (its own deadline)
             logger.exception("hsnap follow of %s: writing %s", f.container, REFUSED_NAME)
-        hs._answer(f.op, ok=False, error=error)
+        hs.answer(f.op, ok=False, error=error)
 
 
 def expire_arrivals(hs) -> None:
@@ -542,14 +455,14 @@ def on_admit(hs, msg) -> None:
     """The HTTP process registered the client's state: run the arrived request (or give it back)."""
     got = hs.arrived.pop(msg.rid, None)
     if got is None:
-        hs._answer(msg, ok=False, error=error_dict(UnknownRequestError(None, "rid", Phrase("a migrated request waiting for admission"), msg.rid)))
+        hs.answer(msg, ok=False, error=error_dict(UnknownRequestError(None, "rid", Phrase("a migrated request waiting for admission"), msg.rid)))
         return
     req, f = got
     if msg.admit:
         t0 = time.monotonic()
         hs.admit([req], resumed=True)
         hs.resumes += 1
-        hs._answer(msg, ok=True, result={"rid": msg.rid, "admitted_at": time.monotonic(), "admit_s": time.monotonic() - t0})
+        hs.answer(msg, ok=True, result={"rid": msg.rid, "admitted_at": time.monotonic(), "admit_s": time.monotonic() - t0})
         return
     _release_unadmitted(hs, req)
-    hs._answer(msg, ok=True, result={"rid": msg.rid, "released": True})
+    hs.answer(msg, ok=True, result={"rid": msg.rid, "released": True})

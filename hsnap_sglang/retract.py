@@ -26,9 +26,11 @@ import os
 from hsnap_format import CommitInfo, HsnapError, Identity
 from hsnap_format.errors import require_type
 
-from hsnap_io._sglang_env import import_sglang
+from hsnap_io.sglang_env import import_sglang
 
-from .req import _export_req
+from .req import snapshot_req
+from .req.bind import binder, check_tracking_capacity, mamba_tracking_slots
+from .req.record import decode_carried, read_record
 
 
 def retract_to_disk(
@@ -52,7 +54,7 @@ def retract_to_disk(
     import_sglang()
     from sglang.srt.managers.schedule_batch import release_req
 
-    info = _export_req(
+    info = snapshot_req(
         path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
         identity=identity, extra={"sglang.Req.retraction_count": int(req.retraction_count) + 1, "sglang.Req.retracted_stain": True},
         **export_kwargs,
@@ -93,8 +95,8 @@ def load_retracted(
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source, pool_lock, restore_opened
-    from .req import _binder, _check_tracking_capacity, _mamba_tracking_slots, _read_record, decode_carried
+    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source, restore_opened
+    from hsnap_io.slots import pool_lock
 
     require_type(path, "identity", identity, Identity, optional=True)
     rank = restore_kwargs.pop("rank", None)
@@ -105,7 +107,7 @@ def load_retracted(
         if not req.is_retracted or req.kv.req_pool_idx is not None:
             raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
         check_target(source, view, identity)
-        record = _read_record(source.snap, fpath)
+        record = read_record(source.snap, fpath)
         checks = [
             ("request.rid", req.rid, record.rid),
             ("request.output_tokens", len(req.output_ids), len(record.output_ids)),
@@ -118,11 +120,11 @@ def load_retracted(
             raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
         kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
-        tracking = _mamba_tracking_slots(req_to_token_pool)
+        tracking = mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):
-            _check_tracking_capacity(req_to_token_pool, tracking, fpath)
+            check_tracking_capacity(req_to_token_pool, tracking, fpath)
             restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                           identity=identity, bind=_binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
+                           identity=identity, bind=binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
     req.is_retracted = False
     req.already_computed = 0
     return req

@@ -37,11 +37,12 @@ import torch
 from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.errors import Phrase
 
-from hsnap_format.storage import is_url, store_for
+from hsnap_format.stores import is_url, store_for
 
-from .errors import PluginError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict
+from .errors import PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of
 from . import confine, migration
 from .containment import contained_handler, guarded, log_failure, typed
+from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
@@ -122,157 +123,6 @@ def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
     return original(sched, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- the state
-
-
-@dataclasses.dataclass
-class _Export:
-    rid: str
-    path: str
-    keep_running: bool
-    asked: float  # time.monotonic() when the request arrived
-    op: Any = None  # the HsnapExportReqInput to answer (None: a drain member)
-    drain: "_Drain | None" = None
-    req: Any = None  # the Req, once found
-    parked: bool = False  # taken out of the running batch (overlap), to be exported or given back
-    waited: int = 0  # boundaries passed because the text ended mid-character
-    found_in: str = ""  # where the request was when the export was asked for
-    checkpoint: "_Checkpointing | None" = None  # a link of a request's checkpoints (keep_running)
-    base: str | None = None  # the link it is a delta of (None: plain)
-    migration: Any = None  # hsnap_sglang.migration.Migrating: a pre-copy round (keep_running) or the final link
-
-
-@dataclasses.dataclass
-class _Drain:
-    op: HsnapDrainReqInput
-    members: list
-    items: dict = dataclasses.field(default_factory=dict)  # rid -> item
-    pages: Any = None  # dedup: the page store session every member's full pages go to (closed when answered)
-
-
-@dataclasses.dataclass
-class _Checkpointing:
-    """A request checkpointed every ``links.every`` output tokens (hsnap_format.checkpoints): a link is queued as a
-    keep_running export at the first committed boundary where one is due."""
-
-    links: Any  # hsnap_format.checkpoints.Checkpoints
-    written: int = 0
-    write_s: float = 0.0  # scheduler time per link (capturing rows/state/record at the boundary: the decode waited that long)
-    writer_s: float = 0.0  # the background writer's time (header, write, fsync, rename): off the decode path
-    merged: int = 0  # links due while the previous one was still being written: folded into the next (never blocks decode)
-    base_position: int = 0  # state position of the last committed link (the next delta holds the rows after it)
-    waiting: bool = False  # a link came due while one is being written (counted once in ``merged``)
-    held: Any = None  # hsnap_io.export.WrittenLink of the last committed link: the next delta's base, not re-opened
-
-
-@dataclasses.dataclass
-class _LinkJob:
-    """A checkpoint link captured at a committed boundary, written by the link writer thread."""
-
-    ex: "_Export"
-    capture: Any  # hsnap_io.export.CapturedRequest (host copies)
-    result: dict  # the export's answer so far (the info is added once written)
-    capture_s: float
-    base: Any = None  # the base as write_captured takes it (the held WrittenLink, else the path)
-    info: Any = None  # hsnap_io.export.WrittenLink once written
-    error: Any = None
-    writer_s: float = 0.0
-    done: Any = None  # threading.Event, set once written (or failed)
-
-
-class _LinkWriter:
-    """One background thread per scheduler that writes captured checkpoint links, migration rounds and (TP 1) plain
-    exports and drain members (header planning, write, fsync, rename), so none of that runs in the scheduler loop. At most ``depth`` links wait; the scheduler collects the
-    finished ones at its next boundary (``collect``: bookkeeping and answers stay on the scheduler thread)."""
-
-    def __init__(self, depth: int = 2) -> None:
-        import queue
-        import threading
-
-        self.depth = depth
-        self._q: "queue.Queue" = queue.Queue(maxsize=depth)
-        self._lock = threading.Lock()
-        self._finished: list[_LinkJob] = []
-        self.in_flight: dict[str, _LinkJob] = {}  # rid -> its link being written (scheduler thread only)
-        self._thread = None
-        self._threading = threading
-        self.export_waiting: str | None = None  # rid whose export waits (blocking the scheduler) for its link
-
-    def busy(self) -> bool:
-        return bool(self.in_flight)
-
-    def full(self) -> bool:
-        return len(self.in_flight) >= self.depth
-
-    def submit(self, job: _LinkJob) -> None:
-        if self._thread is None:
-            import atexit
-
-            self._thread = self._threading.Thread(target=self._run, name="hsnap-link-writer", daemon=True)
-            self._thread.start()
-            atexit.register(self.close)
-        job.done = self._threading.Event()
-        self.in_flight[job.ex.rid] = job
-        self._q.put_nowait(job)  # never blocks: full() is checked before capturing
-
-    # a test seam, never set in production: ``before_write(writer, job)`` runs in the writer thread before each link
-    # is written (tests/engine/linkgate holds a link there, "being written")
-    before_write = None
-
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            self._write_one(job)
-
-    def _write_one(self, job: _LinkJob) -> None:
-        """Write one link; whatever happens the job is finished (an export waiting for it never waits for ever) and
-        the thread lives on for the next link."""
-        from hsnap_io.export import write_captured
-
-        t0 = time.monotonic()
-        try:
-            if self.before_write is not None:
-                self.before_write(job)
-            job.info = write_captured(job.ex.path, job.capture, base=job.base)
-        except HsnapError as e:
-            job.error = _error_of(e)
-        except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
-            job.error = error_dict(typed(e, "checkpoint link", job.ex.path))
-        finally:
-            job.writer_s = time.monotonic() - t0
-            job.capture = None  # the host copies go now
-            with self._lock:
-                self._finished.append(job)
-            job.done.set()
-
-    def wait(self, rid: str) -> None:
-        """Block until ``rid``'s link on its way (if any) is written or failed."""
-        job = self.in_flight.get(rid)
-        if job is not None:
-            self.export_waiting = rid
-            try:
-                job.done.wait()
-            finally:
-                self.export_waiting = None
-
-    def collect(self) -> list[_LinkJob]:
-        """The links written (or failed) since the last call; they are no longer in flight."""
-        with self._lock:
-            done, self._finished = self._finished, []
-        for job in done:
-            if self.in_flight.get(job.ex.rid) is job:
-                del self.in_flight[job.ex.rid]
-        return done
-
-    def close(self) -> None:
-        """Server shutdown: the links queued are written, then the thread ends (joined)."""
-        if self._thread is not None and self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-
 def _finish_reason_class():
     from sglang.srt.managers.schedule_batch import BaseFinishReason
 
@@ -293,6 +143,10 @@ def _finish_reason_class():
 
 
 class HsnapScheduler:
+    """hsnap in one scheduler process (every TP rank): the handlers of the hsnap messages and the jobs they queue
+    (exports waiting for a committed boundary, requests parked or held while written, checkpoints, migrations);
+    :mod:`.migration` drives its migrations through the public methods here."""
+
     def __init__(self, sched) -> None:
         from sglang.srt.runtime_context import get_parallel
 
@@ -300,12 +154,12 @@ class HsnapScheduler:
         parallel = get_parallel()
         self.tp_size, self.tp_rank = int(parallel.tp_size), int(parallel.tp_rank)
         self.group = sched.tp_cpu_group if self.tp_size > 1 else None
-        self.pending: list[_Export] = []
+        self.pending: list[Export] = []
         self.parked: dict[str, Any] = {}  # rid -> Req out of the running batch (overlap), until exported/given back
         self.writing: dict[str, Any] = {}  # rid -> Req held out of every batch while the link writer writes its export
         self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
-        self.checkpoints: dict[str, _Checkpointing] = {}  # rid -> its periodic checkpoints
-        self.links = _LinkWriter()  # writes the checkpoint links off the decode path
+        self.checkpoints: dict[str, Checkpointing] = {}  # rid -> its periodic checkpoints
+        self.links = LinkWriter()  # writes the checkpoint links off the decode path
         self.migrations: dict[str, Any] = {}  # rid -> migration.Migrating (source side)
         self.follows: dict[str, Any] = {}  # op_id -> migration.Following (target side)
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
@@ -321,7 +175,7 @@ class HsnapScheduler:
                  (HsnapDrainReqInput, "drain", self.on_drain), (HsnapCheckpointReqInput, "checkpoint", self.on_checkpoint),
                  (HsnapStatsReqInput, "stats", self.on_stats), (HsnapMigrateReqInput, "migrate", self._on(migration.on_migrate)),
                  (HsnapFollowReqInput, "follow", self._on(migration.on_follow)), (HsnapAdmitReqInput, "admit", self._on(migration.on_admit))]
-        return [(kind, contained_handler(self._answer, where, fn)) for kind, where, fn in table]
+        return [(kind, contained_handler(self.answer, where, fn)) for kind, where, fn in table]
 
     def _on(self, fn):
         def handler(msg):
@@ -339,7 +193,17 @@ class HsnapScheduler:
             self._identity = server_identity(self.sched.server_args, tp_size=self.tp_size, tp_rank=self.tp_rank)
         return self._identity
 
-    def _answer(self, op, *, ok: bool, result=None, error=None, items=None) -> None:
+    def resume_context(self) -> dict[str, Any]:
+        """What a request resumed or migrated into this scheduler is checked against and built with (keywords of
+        ``resume_req`` / ``prepare_req``): the tokenizer, the grammar backend, the LoRA adapters loaded, the model's
+        vocabulary size and the ``Req`` constructor's extras (the metrics collector, where metrics are on)."""
+        s = self.sched
+        registry = getattr(getattr(getattr(s, "tp_worker", None), "model_runner", None), "lora_manager", None)
+        req_kwargs = {"metrics_collector": s.metrics_collector} if getattr(s.metrics_reporter, "enable_metrics", False) else {}
+        return dict(tokenizer=s.tokenizer, grammar_backend=getattr(s.grammar_manager, "grammar_backend", None),
+                    loaded_lora_ids=set(getattr(registry, "loras", None) or {}), vocab_size=s.model_config.vocab_size, req_kwargs=req_kwargs)
+
+    def answer(self, op, *, ok: bool, result=None, error=None, items=None) -> None:
         out = HsnapReqOutput(op_id=op.op_id, rid=op.rid, ok=ok, result=result or {}, error=error, items=items or [])
         self.sched.send_control_output(out, op)  # rank 0 only (SGLang's sender is a no-op on the others)
 
@@ -405,23 +269,23 @@ class HsnapScheduler:
         try:
             if where is None:
                 raise self.absent(msg.rid)
-            if self._busy(msg.rid):
+            if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             self._check_target(msg.path)
         except HsnapError as e:
-            self._answer(msg, ok=False, error=error_dict(e))
+            self.answer(msg, ok=False, error=error_dict(e))
             return None
-        self._drop_links(msg.rid)
-        self.pending.append(_Export(msg.rid, msg.path, bool(msg.keep_running), time.monotonic(), op=msg, req=req, found_in=where))
+        self.drop_links(msg.rid)
+        self.pending.append(Export(msg.rid, msg.path, bool(msg.keep_running), time.monotonic(), op=msg, req=req, found_in=where))
         return None  # answered by service(), at the boundary
 
-    def _busy(self, rid: str) -> bool:
+    def busy(self, rid: str) -> bool:
         """An export asked for by a caller (not a checkpoint link) waits for ``rid``, or is being written."""
         job = self.links.in_flight.get(rid)
         return (rid in self.migrations or any(e.rid == rid and e.checkpoint is None for e in self.pending)
                 or (job is not None and job.ex.checkpoint is None and job.ex.migration is None))
 
-    def _drop_links(self, rid: str) -> None:
+    def drop_links(self, rid: str) -> None:
         """A pending checkpoint link of ``rid`` gives way to the export queued next (which takes over a parked
         request: it finds it parked)."""
         self.pending = [e for e in self.pending if not (e.rid == rid and e.checkpoint is not None)]
@@ -436,7 +300,7 @@ class HsnapScheduler:
         """Run every export whose request is at a committed decode boundary now; park (overlap) those whose last
         batch is still in flight; keep waiting for the ones being queued or prefilled."""
         if self.links.busy():
-            guarded("collecting checkpoint links", self._collect_links)
+            guarded("collecting checkpoint links", self.collect_links)
         if self.checkpoints:
             guarded("queueing checkpoint links", self._queue_due_links)
         if self.migrations:
@@ -457,7 +321,7 @@ class HsnapScheduler:
                     self.admit([parked])
                 self._done(ex, error=error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}")))
 
-    def _service_one(self, ex: _Export) -> None:
+    def _service_one(self, ex: Export) -> None:
         where, req = self.locate(ex.rid)
         if req is not None:
             ex.req = req
@@ -479,7 +343,7 @@ class HsnapScheduler:
                 # a pause/drain/export of a checkpointed request: its link on the way is committed first (and
                 # answered), so no link is written after this export and the final snapshot follows the last link
                 self.links.wait(ex.rid)
-                self._collect_links()
+                self.collect_links()
             background = self._writes_in_background(ex)
             if background and self.links.full():  # the writer is behind: a later boundary (the request decodes on)
                 if where == "parked":
@@ -501,33 +365,25 @@ class HsnapScheduler:
             self.parked[ex.rid] = req
             ex.parked = True
 
-    def _writes_in_background(self, ex: _Export) -> bool:
+    def _writes_in_background(self, ex: Export) -> bool:
         """A plain export or drain member is written by the link writer (TP 1; a dedup drain's page store session
         and a TP set's collectives stay on this thread)."""
         return (self.tp_size == 1 and ex.checkpoint is None and ex.migration is None and ex.base is None
                 and (ex.drain is None or ex.drain.pages is None))
 
-    def _capture_export(self, ex: _Export, req, where: str) -> None:
+    def _capture_export(self, ex: Export, req, where: str) -> None:
         """A plain export at the committed boundary: the rows, the recurrent state and the record copied to host
         memory (the only part the decode waits for); the link writer writes, fsyncs and commits it.  Without
         ``keep_running`` the request is held out of every batch until the snapshot is durable: its slots are
         released then (:meth:`_export_written`), or it decodes on if the write fails (it missed no token)."""
         import uuid
 
-        from hsnap_io.export import capture_request
-
-        from .req import req_record
-
         t0 = time.monotonic()
         sid = uuid.uuid4().hex
         try:
-            record, swa_start = req_record(req, path=ex.path)
-            s = self.sched
-            cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                                  req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
-                                  identity=dataclasses.replace(self.identity(), snapshot_id=sid))
+            cap = self.capture(req, ex.path, sid)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
-            err = _error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
+            err = error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
         else:
             err = None
         if (err is not None or ex.keep_running) and where == "parked":
@@ -546,9 +402,23 @@ class HsnapScheduler:
         result = dict(path=str(ex.path), committed_positions=int(req.kv.kv_committed_len), snapshot_id=sid, tp_size=1, rid=ex.rid,
                       keep_running=ex.keep_running, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
                       output_tokens=len(req.output_ids), captured_bytes=cap.nbytes, timings={"wait_s": t0 - ex.asked, "capture_s": capture_s})
-        self.links.submit(_LinkJob(ex, cap, result, capture_s))
+        self.links.submit(LinkJob(ex, cap, result, capture_s))
 
-    def _export_written(self, job: "_LinkJob") -> None:
+    def capture(self, req, path: str, snapshot_id: str, base_position: int = 0):
+        """``req``'s record (what snapshot_req refuses, refused here), then its rows after ``base_position``, its
+        recurrent state and the record copied to host memory (``hsnap_io.export.CapturedRequest``): what the link
+        writer writes while the request decodes on (or is released)."""
+        from hsnap_io.export import capture_request
+
+        from .req.record import req_record
+
+        record, swa_start = req_record(req, path=path)
+        s = self.sched
+        return capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                               req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
+                               identity=dataclasses.replace(self.identity(), snapshot_id=snapshot_id), base_position=base_position)
+
+    def _export_written(self, job: "LinkJob") -> None:
         """A plain export the writer finished (scheduler thread): release the held request, or give it back."""
         ex, req = job.ex, job.ex.req
         if job.error is not None:
@@ -561,7 +431,7 @@ class HsnapScheduler:
         result = dict(job.result, bytes=int(info.file_length), payload_bytes=int(info.payload_bytes))
         t_written = time.monotonic()
         if not ex.keep_running:
-            self._release_exported(req, result)
+            self.release_exported(req, result)
             self.checkpoints.pop(ex.rid, None)  # its checkpoints end with it (its last link was committed before)
         self.exports += 1
         t_done = time.monotonic()
@@ -569,12 +439,12 @@ class HsnapScheduler:
                                  release_s=t_done - t_written, pause_to_durable_s=t_written - ex.asked, total_s=t_done - ex.asked)
         self._done(ex, result=result)
 
-    def _export(self, ex: _Export, req, where: str) -> None:
+    def _export(self, ex: Export, req, where: str) -> None:
         t0 = time.monotonic()
         try:
             info = self._write(ex.path, req, base=ex.base, pages=ex.drain.pages if ex.drain is not None else None)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
-            err = _error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
+            err = error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
         else:
             err = None
         t_written = time.monotonic()
@@ -586,7 +456,7 @@ class HsnapScheduler:
                 self._done(ex, error=err)
                 return
         else:
-            self._release_exported(req, info)
+            self.release_exported(req, info)
             self.checkpoints.pop(ex.rid, None)  # its checkpoints end with it (its last link was committed before)
         self.exports += 1
         t_done = time.monotonic()
@@ -605,7 +475,8 @@ class HsnapScheduler:
 
         from hsnap_io.tp import export_request_tp
 
-        from .req import req_record, snapshot_req
+        from .req import snapshot_req
+        from .req.record import req_record
 
         s = self.sched
         pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
@@ -638,7 +509,7 @@ class HsnapScheduler:
         return {"path": str(path), "bytes": int(agreed.payloads[0] or 0), "committed_positions": int(req.kv.kv_committed_len),
                 "snapshot_id": sid, "tp_size": self.tp_size}
 
-    def _release_exported(self, req, info: dict) -> None:
+    def release_exported(self, req, info: dict) -> None:
         """The snapshot is durable: end the request the way SGLang ends a finished one (the tree cache's own
         release path: the radix tree keeps what it can key and frees only what the request owns), and close the
         client's stream with a finish reason that says where the snapshot is."""
@@ -656,7 +527,7 @@ class HsnapScheduler:
         req.time_stats.set_completion_time()
         s.output_streamer.stream_output([req], req.return_logprob)
 
-    def _done(self, ex: _Export, *, result=None, error=None) -> None:
+    def _done(self, ex: Export, *, result=None, error=None) -> None:
         if ex.migration is not None:
             migration.round_done(self, ex, result, error)
             return
@@ -664,7 +535,7 @@ class HsnapScheduler:
             self._link_done(ex, result, error)
             return
         if ex.drain is None:
-            self._answer(ex.op, ok=error is None, result=result, error=error)
+            self.answer(ex.op, ok=error is None, result=result, error=error)
             return
         d = ex.drain
         d.items[ex.rid] = {"rid": ex.rid, "path": ex.path, "ok": error is None, "result": result, "error": error}
@@ -677,7 +548,7 @@ class HsnapScheduler:
                     d.pages.close()  # its markers: every member is committed (or refused) by now
                 except Exception:  # noqa: BLE001 - a marker left behind expires (its lease); the drain is done
                     logger.exception("hsnap drain %s: closing the page store session", d.op.dir)
-            self._answer(d.op, ok=all(i["ok"] for i in items), items=items, result=result)
+            self.answer(d.op, ok=all(i["ok"] for i in items), items=items, result=result)
 
     # ------------------------------------------------------------------ drain
 
@@ -689,9 +560,9 @@ class HsnapScheduler:
         for req in [*s.running_batch.reqs, *self.parked.values(), *([s.chunked_req] if s.chunked_req is not None else []),
                     *(s.last_batch.reqs if s.last_batch is not None and s.last_batch.forward_mode.is_extend() else []),
                     *[r for b, _ in getattr(s, "result_queue", ()) for r in b.reqs], *s.waiting_queue]:
-            if not req.finished() and req.rid not in rids and not self._busy(req.rid):
+            if not req.finished() and req.rid not in rids and not self.busy(req.rid):
                 rids.append(req.rid)
-        drain = _Drain(msg, [])
+        drain = Drain(msg, [])
         try:
             if msg.dedup and self.tp_size > 1:
                 raise HsnapError(msg.dir, "dedup", Phrase("a TP 1 server (a dedup drain of a TP set is not supported)"), f"TP {self.tp_size}")
@@ -703,20 +574,20 @@ class HsnapScheduler:
 
                 drain.pages = page_store(store_for(msg.dir).join(msg.dir, "pages"), page_size=msg.page_size or DEDUP_PAGE_SIZE)
             for rid in rids:
-                drain.members.append(_Export(rid, drain_path(msg.dir, rid, self.tp_size), False, time.monotonic(), drain=drain))
+                drain.members.append(Export(rid, drain_path(msg.dir, rid, self.tp_size), False, time.monotonic(), drain=drain))
             for m in drain.members:
                 self._check_target(m.path)
         except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
             if drain.pages is not None:
                 guarded("closing a drain's page store", drain.pages.close)
             err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "drain", msg.dir)
-            self._answer(msg, ok=False, error=_error_of(err))
+            self.answer(msg, ok=False, error=error_of(err))
             return None
         if not drain.members:
-            self._answer(msg, ok=True, items=[], result={"dir": msg.dir, "requests": 0})
+            self.answer(msg, ok=True, items=[], result={"dir": msg.dir, "requests": 0})
             return None
         for m in drain.members:
-            self._drop_links(m.rid)
+            self.drop_links(m.rid)
         self.pending.extend(drain.members)
         return None
 
@@ -733,28 +604,28 @@ class HsnapScheduler:
                 ck = self.checkpoints.pop(msg.rid, None)  # a link on its way is still written (it may hold the request parked)
                 if ck is None:
                     raise UnknownRequestError(None, "rid", Phrase("a request checkpointed in this server"), msg.rid)
-                self._answer(msg, ok=True, result=dict(_checkpoint_state(ck), rid=msg.rid, stopped=True))
+                self.answer(msg, ok=True, result=dict(_checkpoint_state(ck), rid=msg.rid, stopped=True))
                 return None
             where, req = self.locate(msg.rid)
             if where is None:
                 raise self.absent(msg.rid)
             if self.tp_size > 1:
                 raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (checkpoints of a TP set are not supported)"), f"TP {self.tp_size}")
-            if self._busy(msg.rid):
+            if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)
                 self.links.wait(msg.rid)
-                self._collect_links()
+                self.collect_links()
             confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))
-            ck = _Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
+            ck = Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
             path, base = ck.links.next_link()
             self._check_target(path)
         except HsnapError as e:
-            self._answer(msg, ok=False, error=_error_of(e))
+            self.answer(msg, ok=False, error=error_of(e))
             return None
-        self._drop_links(msg.rid)
+        self.drop_links(msg.rid)
         self.checkpoints[msg.rid] = ck
-        self.pending.append(_Export(msg.rid, path, True, time.monotonic(), op=msg, req=req, found_in=where, checkpoint=ck, base=base))
+        self.pending.append(Export(msg.rid, path, True, time.monotonic(), op=msg, req=req, found_in=where, checkpoint=ck, base=base))
         return None
 
     def _queue_due_links(self) -> None:
@@ -777,28 +648,19 @@ class HsnapScheduler:
                     continue
                 ck.waiting = False
                 path, base = ck.links.next_link()
-                self.pending.append(_Export(rid, path, True, time.monotonic(), req=req, found_in=where, checkpoint=ck, base=base))
+                self.pending.append(Export(rid, path, True, time.monotonic(), req=req, found_in=where, checkpoint=ck, base=base))
 
-    def _capture_link(self, ex: _Export, req, where: str) -> None:
+    def _capture_link(self, ex: Export, req, where: str) -> None:
         """At the committed boundary: the link's rows after the base, the recurrent state and the record, copied to
         host memory (the only part the decode waits for); the link writer thread writes and commits it."""
         import uuid
 
-        from hsnap_io.export import capture_request
-
-        from .req import req_record
-
         t0 = time.monotonic()
         ck = ex.checkpoint or ex.migration  # whose links: both keep the last committed one (held) and its position
         try:
-            record, swa_start = req_record(req, path=ex.path)
-            s = self.sched
-            cap = capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                                  req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
-                                  identity=dataclasses.replace(self.identity(), snapshot_id=uuid.uuid4().hex),
-                                  base_position=ck.base_position if ex.base is not None else 0)
+            cap = self.capture(req, ex.path, uuid.uuid4().hex, ck.base_position if ex.base is not None else 0)
         except HsnapError as e:
-            err = _error_of(e)
+            err = error_of(e)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
             logger.exception("hsnap checkpoint link of %s failed", ex.rid)
             err = error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}"))
@@ -812,13 +674,13 @@ class HsnapScheduler:
             return
         capture_s = time.monotonic() - t0
         result = dict(rid=ex.rid, keep_running=True, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
-                      output_tokens=len(req.output_ids), committed_positions=int(record.state_position),
+                      output_tokens=len(req.output_ids), committed_positions=int(cap.record.state_position),
                       snapshot_id=cap.identity.snapshot_id, tp_size=1, path=str(ex.path), captured_bytes=cap.nbytes,
                       timings={"wait_s": t0 - ex.asked, "write_s": capture_s})
         held = ck.held if ex.base is not None and ck.held is not None and ck.held.path == ex.base else ex.base
-        self.links.submit(_LinkJob(ex, cap, result, capture_s, base=held))
+        self.links.submit(LinkJob(ex, cap, result, capture_s, base=held))
 
-    def _collect_links(self) -> None:
+    def collect_links(self) -> None:
         """The links the writer finished: bookkept and answered here, on the scheduler thread."""
         for job in self.links.collect():
             ex = job.ex
@@ -838,7 +700,7 @@ class HsnapScheduler:
                                      pause_to_durable_s=time.monotonic() - ex.asked)
             self._done(ex, result=result)
 
-    def _link_done(self, ex: _Export, result, error) -> None:
+    def _link_done(self, ex: Export, result, error) -> None:
         ck = ex.checkpoint
         if error is None:
             ck.links.committed(ex.path, int(result["output_tokens"]), ex.base)
@@ -850,7 +712,7 @@ class HsnapScheduler:
             logger.error("hsnap checkpoint of %s stopped: %s", ex.rid, error.get("message"))
             del self.checkpoints[ex.rid]
         if ex.op is not None:
-            self._answer(ex.op, ok=error is None, result=result, error=error)
+            self.answer(ex.op, ok=error is None, result=result, error=error)
 
     # ------------------------------------------------------------------ resume
 
@@ -865,23 +727,18 @@ class HsnapScheduler:
             confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
             from .req import resume_req
 
-            grammar_backend = getattr(s.grammar_manager, "grammar_backend", None)
             req = resume_req(
                 msg.path,
                 req_to_token_pool=s.req_to_token_pool,
                 token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
                 identity=self.identity(),
-                tokenizer=s.tokenizer,
-                grammar_backend=grammar_backend,
-                loaded_lora_ids=_loaded_lora_ids(s),
                 tree_cache=s.tree_cache,
                 rank=self.tp_rank if self.tp_size > 1 else None,
                 http_worker_ipc=msg.http_worker_ipc,
-                req_kwargs=_req_kwargs(s),
                 expect_rid=msg.rid,
-                vocab_size=s.model_config.vocab_size,
                 commit=agreement.commit if self.tp_size > 1 else None,
                 room=_Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None,
+                **self.resume_context(),
             )
         except HsnapError as e:
             err = e
@@ -894,13 +751,13 @@ class HsnapScheduler:
         elif self.tp_size > 1 and err is None and agreement.error is not None:
             err = agreement.error
         if err is not None:
-            self._answer(msg, ok=False, error=_error_of(err))
+            self.answer(msg, ok=False, error=error_of(err))
             return None
         t_restored = time.monotonic()
         self.admit([req], resumed=True)
         self.resumes += 1
         restored = req.hsnap_restored
-        self._answer(msg, ok=True, result={
+        self.answer(msg, ok=True, result={
             "rid": req.rid, "path": msg.path, "snapshot_id": restored.snapshot_id, "committed_positions": int(restored.state_position),
             "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
             "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
@@ -952,7 +809,7 @@ class HsnapScheduler:
             return _Outcome(error, [payload])
         import torch.distributed as dist
 
-        mine = {"payload": payload, "error": None if error is None else _error_of(error)}
+        mine = {"payload": payload, "error": None if error is None else error_of(error)}
         data = json.dumps(mine, default=str).encode()
         if len(data) > _ERROR_BYTES - 4:
             mine["error"] = {k: mine["error"][k] for k in ("type", "status", "message", "field")} if mine["error"] else None
@@ -1023,7 +880,7 @@ class HsnapScheduler:
             result["where"] = self.locate(msg.rid)[0]
         else:
             result["forwards_by_rid"] = dict(self.forwards)
-        self._answer(msg, ok=True, result=result)
+        self.answer(msg, ok=True, result=result)
         return None
 
     def checks(self) -> dict:
@@ -1077,7 +934,8 @@ class _Room:
     def fits(self, source) -> None:
         """``check_target``'s refusals, with the radix cache's evictable slots counted as free."""
         from hsnap_format import CapacityError
-        from hsnap_io.restore import check_compatible, check_target
+        from hsnap_io.checks import check_compatible
+        from hsnap_io.restore import check_target
 
         if source.resharded:  # checked by the re-sharded restore itself
             return check_target(source, self.view, self.identity)
@@ -1110,23 +968,7 @@ class _Room:
         ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
 
 
-class RemoteRankError(HsnapError):
-    """Another TP rank refused; ``remote`` is its error (:func:`error_dict`), which the HTTP answer carries."""
-
-    def __init__(self, rank: int, remote: dict) -> None:
-        self.rank, self.remote = rank, dict(remote, tp_rank=rank)
-        super().__init__(remote.get("path"), f"tp rank {rank}: {remote.get('field') or remote.get('type')}",
-                         detail=f"{remote.get('type')}: {remote.get('message')}")
-
-    def __reduce__(self):
-        return (type(self), (self.rank, self.remote))
-
-
 _ECHOES = ("RankFailedError", "RemoteRankError")
-
-
-def _error_of(e: BaseException) -> dict:
-    return dict(e.remote) if isinstance(e, RemoteRankError) else error_dict(e)
 
 
 @dataclasses.dataclass
@@ -1168,7 +1010,7 @@ def _file_name(rid: str) -> str:
     return rid if _SAFE_NAME.fullmatch(rid) else f"rid-{xxhash.xxh3_64_hexdigest(rid.encode())}"
 
 
-def _checkpoint_state(ck: _Checkpointing) -> dict:
+def _checkpoint_state(ck: Checkpointing) -> dict:
     links = ck.links
     return {"dir": links.directory, "every": links.every, "last": links.last, "last_output_tokens": links.last_output,
             "links": ck.written, "write_s": ck.write_s, "writer_s": ck.writer_s, "merged": ck.merged}
@@ -1214,19 +1056,6 @@ def _private_tokens(req, page_size: int) -> int:
     return int(kv_private_tokens(req.kv, page_size))
 
 
-def _loaded_lora_ids(sched) -> set[str]:
-    registry = getattr(getattr(getattr(sched, "tp_worker", None), "model_runner", None), "lora_manager", None)
-    loras = getattr(registry, "loras", None) or {}
-    return set(loras)
-
-
-def _req_kwargs(sched) -> dict:
-    kw = {}
-    if getattr(sched.metrics_reporter, "enable_metrics", False):
-        kw["metrics_collector"] = sched.metrics_collector
-    return kw
-
-
 def _anchor_detokenizer(req, offset: int) -> None:
     """A fresh detokenizer (the target's) learns a request at its first output message: ``decode_ids`` from
     ``send_decode_id_offset`` on, the first ``read_offset - surr_offset`` of them as context only.  Give it the last
@@ -1243,4 +1072,4 @@ def _anchor_detokenizer(req, offset: int) -> None:
     req.decoded_text = ""
 
 
-__all__ = ["HsnapScheduler", "install", "after_ingest", "around_process_batch_result", "drain_path", "RemoteRankError"]
+__all__ = ["HsnapScheduler", "install", "after_ingest", "around_process_batch_result", "drain_path"]

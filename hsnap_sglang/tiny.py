@@ -1,7 +1,7 @@
 """A tiny random-weight hybrid model directory that SGLang and transformers both load, built locally (no hub).
 
 ``build_model_dir(path)`` writes ``config.json`` + ``model.safetensors`` (transformers' ``from_config`` with a
-fixed seed; the tiny geometry of :func:`hsnap_io.demo.model.tiny_config`: 4 layers, GDN + full attention every
+fixed seed; the tiny geometry of :func:`tiny_config`: 4 layers, GDN + full attention every
 2nd layer, with a 40960-token context; Qwen3-Next and Qwen3.5-MoE with a small MoE, Qwen3.5 dense; both Qwen3.5
 with their constant-initialised parameters perturbed) + ``generation_config.json`` + a byte-level BPE tokenizer trained here with
 ``tokenizers`` on a fixed, generated corpus (``tokenizer.json``, ``tokenizer_config.json``) + ``hsnap_tiny.json``
@@ -21,8 +21,9 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ARCHS", "RECIPE_FILE", "SPECIAL_TOKENS", "build_model_dir", "build_tokenizer", "corpus", "load_reference_model"]
+__all__ = ["ARCHS", "RECIPE_FILE", "SPECIAL_TOKENS", "build_model_dir", "build_tokenizer", "corpus", "load_reference_model", "tiny_config"]
 
 ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 RECIPE_FILE = "hsnap_tiny.json"
@@ -46,6 +47,50 @@ _WORDS = (
     "is are was were be has have had do does did can could will would should may might must not and or but so "
     "one two three four five six seven eight nine ten first second last next every each some many few more"
 ).split()
+
+
+# The tiny configuration (see shared/research/continuation-on-cpu.md).  linear_key_head_dim (16) differs from
+# linear_value_head_dim (32) so that the Dk / Dv axes of the recurrent state cannot be confused silently.
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    full_attention_interval=2,
+    max_position_embeddings=512,
+)
+_TINY_MOE: dict[str, Any] = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+)
+
+
+def tiny_config(arch: str = "qwen3_5", *, attn_implementation: str = "eager", **overrides: Any):
+    """The tiny transformers config for ``arch`` (``"qwen3_5"`` or ``"qwen3_next"``)."""
+    kw = dict(_TINY_COMMON)
+    if arch == "qwen3_5":
+        from transformers.models.qwen3_5 import Qwen3_5TextConfig as cfg_cls
+    elif arch == "qwen3_next":
+        from transformers.models.qwen3_next import Qwen3NextConfig as cfg_cls
+
+        kw.update(_TINY_MOE)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected 'qwen3_5' or 'qwen3_next'")
+    kw.update(overrides)
+    cfg = cfg_cls(**kw)
+    # Pin the attention implementation: the same kernels must run in the reference and in a resumed process.
+    cfg._attn_implementation = attn_implementation
+    return cfg
 
 
 def corpus(seed: int = 0, sentences: int = 3000) -> list[str]:
@@ -83,8 +128,6 @@ def _moe_config(**overrides):
 
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
-    from hsnap_io.demo.model import tiny_config
-
     dense, moe = tiny_config("qwen3_5", **overrides).to_dict(), tiny_config("qwen3_next")
     accepted = set(inspect.signature(Qwen3_5MoeTextConfig.__init__).parameters)
     kw = {k: v for k, v in dense.items() if k in accepted}
@@ -95,8 +138,6 @@ def _moe_config(**overrides):
 
 
 def _config(arch: str):
-    from hsnap_io.demo.model import tiny_config
-
     if arch == "qwen3_5_moe":
         cfg = _moe_config(max_position_embeddings=MAX_POSITIONS)
     else:

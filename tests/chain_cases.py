@@ -1,4 +1,4 @@
-"""Shared cases for snapshot chains (issue 20 item 1) on SGLang's real pool classes: one
+"""Shared cases for snapshot chains on SGLang's real pool classes: one
 request that keeps decoding — its attention rows grow, its recurrent state is rewritten
 every step, its sliding window slides — exported as a plain snapshot and then as deltas.
 
@@ -11,7 +11,7 @@ import torch
 
 import hsnap_format as hf
 import io_cases as ic
-import sglang_pools as sp
+from hsnap_testing import pools as sp
 
 PROMPT = 20
 N_TOKENS = 45  # the request's slots; a link at position P exports the first P
@@ -55,8 +55,8 @@ def step(ps, req, i: int, swa_from: int, swa_to: int) -> None:
     ``swa_from .. swa_to - 1`` freed, as SGLang's eviction does)."""
     if ps.has_mamba:
         gen = torch.Generator().manual_seed(1000 + i)
-        for _, buf in sp._mamba_buffers(ps):
-            buf[:, req.mamba_pool_idx] = sp._random_like((buf.shape[0], *buf.shape[2:]), buf.dtype, gen)
+        for _, buf in sp.mamba_buffers(ps):
+            buf[:, req.mamba_pool_idx] = sp.random_like((buf.shape[0], *buf.shape[2:]), buf.dtype, gen)
     if ps.has_swa and swa_to > swa_from:
         ps.token_to_kv_pool_allocator.free_swa_segment(req.token_indices[swa_from:swa_to], start_pos=swa_from)
 

@@ -1,6 +1,6 @@
-"""Suite-wide fixtures. ``s3server``: one real SeaweedFS per test run (tests/seaweed.py),
-started on free loopback ports only when an object-store test asks for it, killed by
-its pid at the end."""
+"""Suite-wide fixtures and order. ``s3server``: one real SeaweedFS per test process (tests/seaweed.py; each
+pytest-xdist worker has its own), started on free loopback ports only when an object-store test asks for it,
+killed by its pid at the end."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_modifyitems(items):
+    """The files that start real SGLang servers (marked ``engine``) first, each file's tests kept together: the
+    workers of ``--dist loadfile`` (pyproject's addopts) take whole files in this order, longest first, so that no
+    long file starts while the other worker runs out of work."""
+    servers = {item.path for item in items if item.get_closest_marker("engine")}
+    items.sort(key=lambda item: item.path not in servers)
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +35,9 @@ def s3server(tmp_path_factory):
         pytest.skip(f"SeaweedFS could not start here: {e}")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def bucket(s3server):
+    """A fresh bucket of the run's SeaweedFS: each test its own."""
+    return s3server.make_bucket()

@@ -170,7 +170,7 @@ __all__ = ["Parts", "split", "check64", "root_digest", "pack_preamble", "pack_tr
 
 
 # ---------------------------------------------------------------------------------------
-# Re-signing arbitrary bytes (scripts/mutate.py): a mutant keeps whatever structure its
+# Re-signing arbitrary bytes (python -m mutation): a mutant keeps whatever structure its
 # bytes have, and only the integrity fields are made honest again, so it reaches the
 # structural and semantic checks behind them.
 

@@ -27,7 +27,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import _fs, gc  # noqa: E402
+from hsnap_format import localfs  # noqa: E402
+from hsnap_format.stores import gc  # noqa: E402
 from hsnap_format.reference import state_arrays  # noqa: E402
 from hsnap_format.spec import MANIFEST_NAME, PENDING_MARKER  # noqa: E402
 
@@ -113,7 +114,7 @@ def fork_trial(fn, *args, kill_at: int = 0, kill_after: float | None = None, tim
         code = 0
         try:
             os.close(r)
-            _fs.phase_hook = _hook(w, kill_at)
+            localfs.phase_hook = _hook(w, kill_at)
             fn(*args)
         except BaseException:  # noqa: BLE001
             import traceback
@@ -308,7 +309,7 @@ def _gloo_rank(rank: int, port: int, path: str, kill: tuple[int, str, int] | Non
                 if seen[0] == kill[2]:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-        _fs.phase_hook = hook
+        localfs.phase_hook = hook
     result = {"rank": rank}
     try:
         export_request_tp(path, identity=identity(tp_size=2, tp_rank=rank, snapshot_id="tp-crash", created_at=FIXED_TIME), record=record(),
@@ -330,9 +331,9 @@ def _gloo_driver(out_dir: str, scenarios: list[int]) -> None:
 
     torch.set_num_threads(1)
     import io_cases  # noqa: F401  (SGLang imported once, here)
-    import sglang_pools
+    from hsnap_testing import pools
 
-    sglang_pools.import_sglang()
+    pools.import_sglang()
     trials = []
     for i in scenarios:
         kill = GLOO_SCENARIOS[i]

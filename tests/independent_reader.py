@@ -42,7 +42,6 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import numpy as np

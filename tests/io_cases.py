@@ -3,7 +3,8 @@
 Also runnable as a child process (``python tests/io_cases.py restore SPEC.json``):
 restores snapshots into fresh pools of another capacity with other slots in use,
 and writes the restored request rows as .npy files (allow_pickle=False) for the
-parent test to compare byte for byte.
+parent test to compare byte for byte; ``resume SPEC.json`` does the same through
+``hsnap_sglang.req.resume_req`` and writes the live ``Req``'s classified view too.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 
-# (kind, page_size): the configurations the IO issue names
+# (kind, page_size): every pool kind, at page 1 and paged
 CASES = [
     ("mha", 1),
     ("mha", 16),
@@ -105,18 +106,19 @@ def rows_as_bytes(rows: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _into_target(restore, item: dict, **kw):
+    """``restore`` (restore_request / resume_req) of ``item["path"]`` into a fresh :func:`target`."""
+    ps = target(item["kind"], item["page"])
+    return ps, restore(item["path"], req_to_token_pool=ps.req_to_token_pool,
+                       token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator, identity=identity(), **kw)
+
+
 def _child_restore(spec_path: str) -> None:
     from hsnap_io import restore_request
 
     spec = json.load(open(spec_path))
     for item in spec["items"]:
-        ps = target(item["kind"], item["page"])
-        res = restore_request(
-            item["path"],
-            req_to_token_pool=ps.req_to_token_pool,
-            token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
-            identity=identity(),
-        )
+        ps, res = _into_target(restore_request, item)
         rec = sp.RequestRecord(res.req_pool_idx, res.token_indices, res.mamba_pool_idx, res.state_position, 0)
         out_dir = item["out"]
         os.makedirs(out_dir, exist_ok=True)
@@ -128,6 +130,23 @@ def _child_restore(spec_path: str) -> None:
         )
 
 
+def _child_resume(spec_path: str) -> None:
+    from hsnap_sglang.req import resume_req
+    from hsnap_testing import reqs
+
+    spec = json.load(open(spec_path))
+    out = {}
+    for item in spec["items"]:
+        ps, req = _into_target(resume_req, item, tokenizer=reqs.tokenizer())
+        rows = rows_as_bytes(reqs.req_rows(ps, req))
+        out[item["path"]] = {
+            "view": reqs.jsonable_view(req),
+            "rows": {k: v.tobytes().hex() for k, v in rows.items()},
+            "mamba_needs_clear": req.kv.mamba_needs_clear,
+            "pid": os.getpid(),
+        }
+    json.dump(out, open(spec["out"], "w"))
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "restore":
-        _child_restore(sys.argv[2])
+    {"restore": _child_restore, "resume": _child_resume}[sys.argv[1]](sys.argv[2])

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import reshard_pools as rp  # noqa: E402
+from hsnap_testing import tp_pools as rp  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 from hsnap_io.tp import restore_request_tp  # noqa: E402
 

@@ -75,13 +75,13 @@ class Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + timeout
-        from hsnap_format import remote
+        from hsnap_format.stores.s3 import client as s3client, options as s3options
 
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}: {self.log_tail()}")
             try:
-                c = remote.client(remote.StorageOptions.of(self.options(timeout=2.0, connect_timeout=1.0, retries=0)))
+                c = s3client.client(s3options.StorageOptions.of(self.options(timeout=2.0, connect_timeout=1.0, retries=0)))
                 if not any(b["Name"] == "hsnap-probe" for b in c.list_buckets().get("Buckets", [])):
                     c.create_bucket(Bucket="hsnap-probe")
                 c.put_object(Bucket="hsnap-probe", Key="probe", Body=b"ok")  # volumes assigned, filer up
@@ -120,8 +120,8 @@ class Server:
         self.start()
 
     def make_bucket(self, name: str | None = None) -> str:
-        from hsnap_format import remote
+        from hsnap_format.stores.s3 import client as s3client, options as s3options
 
         name = name or "b" + secrets.token_hex(6)
-        remote.client(remote.StorageOptions.of(self.options())).create_bucket(Bucket=name)
+        s3client.client(s3options.StorageOptions.of(self.options())).create_bucket(Bucket=name)
         return name

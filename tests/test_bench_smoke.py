@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from hsnap_io._sglang_env import sglang_available  # noqa: E402
+from hsnap_io.sglang_env import sglang_available  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sglang_available(), reason="SGLang pools not installed")
 

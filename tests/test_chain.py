@@ -1,4 +1,4 @@
-"""Snapshot chains on SGLang's real pools (issue 20 item 1): a request exported as a
+"""Snapshot chains on SGLang's real pools: a request exported as a
 plain snapshot and two deltas restores like one snapshot, compacts into the file a
 direct export writes, and every hostile chain is refused typed with the target pools
 untouched."""
@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 import chain_cases as cc  # noqa: E402
 import io_cases as ic  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_format.chain import compact, open_chain  # noqa: E402
@@ -50,7 +50,7 @@ def _refused(path, ps, exc_type, **kw):
 
 
 @pytest.mark.parametrize("kind,page", KINDS, ids=[f"{k}-p{p}" for k, p in KINDS])
-def test_item1_chain_restores_and_compacts_like_a_direct_export(kind, page, tmp_path):
+def test_chain_restores_and_compacts_like_a_direct_export(kind, page, tmp_path):
     ps, req = cc.source(kind, page)
     paths = cc.export_chain(ps, req, kind, tmp_path)
     direct = str(tmp_path / "direct.hsnap")
@@ -74,7 +74,7 @@ def test_item1_chain_restores_and_compacts_like_a_direct_export(kind, page, tmp_
 
 
 @pytest.mark.parametrize("verify", [True, "during", False])
-def test_item1_chain_restore_every_verify_mode(verify, tmp_path):
+def test_chain_restore_every_verify_mode(verify, tmp_path):
     kind = "swa_mamba"  # full and window rows, a window row of the base skipped, the recurrent state from the head
     ps, req = cc.source(kind)
     paths = cc.export_chain(ps, req, kind, tmp_path)
@@ -85,7 +85,7 @@ def test_item1_chain_restore_every_verify_mode(verify, tmp_path):
     assert cc.same_rows(cc.restored_rows(t1, a), cc.restored_rows(t2, b))
 
 
-def test_item1_delta_export_reads_and_writes_only_the_new_rows(tmp_path):
+def test_delta_export_reads_and_writes_only_the_new_rows(tmp_path):
     ps, req = cc.source("hybrid_linear")
     full = cc.export(ps, req, tmp_path / "full.hsnap", cc.POSITIONS[1], snapshot_id="full")
     base = cc.export(ps, req, tmp_path / "base.hsnap", cc.POSITIONS[0], snapshot_id="b")
@@ -98,7 +98,7 @@ def test_item1_delta_export_reads_and_writes_only_the_new_rows(tmp_path):
     assert delta.payload_bytes < full.payload_bytes and base.payload_bytes < full.payload_bytes
 
 
-def test_item1_chain_over_an_object_store(s3server, tmp_path):
+def test_chain_over_an_object_store(s3server, tmp_path):
     """The chain's links found beside each other under one prefix, through the same seam."""
     opts = s3server.options()
     bucket = s3server.make_bucket()
@@ -132,29 +132,29 @@ def _export_refused(tmp_path, exc_type, field, pos=cc.POSITIONS[1], **kw):
     return info.value
 
 
-def test_item1_delta_export_refuses_a_base_of_another_identity(tmp_path):
+def test_delta_export_refuses_a_base_of_another_identity(tmp_path):
     _export_refused(tmp_path, hf.ChainError, "identity.weights_version", ident=ic.identity(snapshot_id="d", weights_version="w2"))
 
 
-def test_item1_delta_export_refuses_a_base_beyond_its_position(tmp_path):
+def test_delta_export_refuses_a_base_beyond_its_position(tmp_path):
     _export_refused(tmp_path, hf.ChainError, "request.state_position", pos=cc.POSITIONS[0] - 1)
 
 
-def test_item1_delta_export_refuses_a_base_of_another_request(tmp_path):
+def test_delta_export_refuses_a_base_of_another_request(tmp_path):
     _export_refused(tmp_path, hf.ChainError, "request.rid", rec=cc.record(cc.POSITIONS[1], rid="req-2"))
 
 
-def test_item1_delta_export_refuses_another_prompt(tmp_path):
+def test_delta_export_refuses_another_prompt(tmp_path):
     _export_refused(tmp_path, hf.ChainError, "request.prompt", rec=cc.record(cc.POSITIONS[1], prompt=cc.PROMPT + 1))
 
 
-def test_item1_delta_export_refuses_another_output_prefix(tmp_path):
+def test_delta_export_refuses_another_output_prefix(tmp_path):
     rec = cc.record(cc.POSITIONS[1])
     rec.output_ids = rec.output_ids + 1  # same counts, other tokens
     _export_refused(tmp_path, hf.ChainError, "request.output_ids", rec=rec)
 
 
-def test_item1_delta_export_refuses_a_base_not_beside_it(tmp_path):
+def test_delta_export_refuses_a_base_not_beside_it(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     ps, req = cc.source("hybrid_linear")
     cc.export(ps, req, tmp_path / "elsewhere" / "base.hsnap", cc.POSITIONS[0], snapshot_id="b")
@@ -173,14 +173,14 @@ def chain3(tmp_path):
     return ps, req, cc.export_chain(ps, req, kind, tmp_path), tmp_path
 
 
-def test_item1_hostile_chain_missing_link(chain3):
+def test_hostile_chain_missing_link(chain3):
     ps, req, paths, _ = chain3
     os.unlink(paths[0])
     err = _refused(paths[-1], ic.target("swa_mamba", 1), hf.ChainError)
     assert err.field == "base.name" and "missing" in str(err) and "link-0.hsnap" in str(err) and err.path == paths[1]
 
 
-def test_item1_hostile_chain_base_that_does_not_match_its_digest(chain3):
+def test_hostile_chain_base_that_does_not_match_its_digest(chain3):
     ps, req, paths, tmp = chain3
     os.unlink(paths[0])  # another snapshot of the same request (other bytes in its rows) under the base's name
     ps2, req2 = cc.source("swa_mamba", seed=2)
@@ -204,7 +204,7 @@ def _write_link(path, base_snap_path, *, pos, base=None, ident=None, swa_start=0
     hf.write_snapshot(path, identity=ident, geometry=geom, record=rec or cc.record(pos), state=state, swa_start=swa_start, base=ref)
 
 
-def test_item1_hostile_chain_base_of_another_request(chain3):
+def test_hostile_chain_base_of_another_request(chain3):
     ps, req, paths, tmp = chain3
     os.unlink(paths[-1])
     _write_link(paths[-1], paths[1], pos=cc.POSITIONS[2], rec=cc.record(cc.POSITIONS[2], rid="someone-else"), swa_start=cc.SWA_STARTS[2])
@@ -212,7 +212,7 @@ def test_item1_hostile_chain_base_of_another_request(chain3):
     assert err.field.startswith("request.rid") and "someone-else" in str(err)
 
 
-def test_item1_hostile_chain_base_of_another_identity(chain3):
+def test_hostile_chain_base_of_another_identity(chain3):
     import dataclasses
 
     ps, req, paths, tmp = chain3
@@ -224,7 +224,7 @@ def test_item1_hostile_chain_base_of_another_identity(chain3):
     assert err.field.startswith("identity.weights_version")
 
 
-def test_item1_hostile_chain_cycle(chain3):
+def test_hostile_chain_cycle(chain3):
     ps, req, paths, tmp = chain3
     a, b = str(tmp / "a.hsnap"), str(tmp / "b.hsnap")
     # b names a.hsnap (a digest made up: a does not exist yet), a binds b: following a leads back to a
@@ -241,7 +241,7 @@ def test_item1_hostile_chain_cycle(chain3):
 
 
 @pytest.mark.parametrize("shift,label", [(-2, "overlapping rows"), (2, "short rows: a gap")])
-def test_item1_hostile_chain_rows_that_do_not_follow_the_base(chain3, shift, label):
+def test_hostile_chain_rows_that_do_not_follow_the_base(chain3, shift, label):
     """A delta whose rows start before (overlap) or after (gap) its base's position: a
     valid file alone, refused when the chain is read (the base's position is not the one named)."""
     ps, req, paths, tmp = chain3
@@ -258,7 +258,7 @@ def test_item1_hostile_chain_rows_that_do_not_follow_the_base(chain3, shift, lab
     assert err.field == "base.state_position" and err.found == cc.POSITIONS[1], label
 
 
-def test_item1_hostile_chain_deeper_than_the_limit(chain3, tmp_path):
+def test_hostile_chain_deeper_than_the_limit(chain3, tmp_path):
     from hsnap_format.chain import chain_below
 
     ps, req, paths, tmp = chain3
@@ -272,7 +272,7 @@ def test_item1_hostile_chain_deeper_than_the_limit(chain3, tmp_path):
     assert err.field == "base.depth"
 
 
-def test_item1_hostile_chain_base_position_beyond_its_own(chain3):
+def test_hostile_chain_base_position_beyond_its_own(chain3):
     import craft
 
     ps, req, paths, tmp = chain3
@@ -282,7 +282,7 @@ def test_item1_hostile_chain_base_position_beyond_its_own(chain3):
     assert err.field == "base.state_position"
 
 
-def test_item1_hostile_chain_flipped_byte_in_a_link_below(chain3):
+def test_hostile_chain_flipped_byte_in_a_link_below(chain3):
     """verify=True checks every link before allocating: a damaged base row is refused with
     the pools untouched; with verify='during' it is caught while uploading and rolled back."""
     ps, req, paths, tmp = chain3
@@ -300,7 +300,7 @@ def test_item1_hostile_chain_flipped_byte_in_a_link_below(chain3):
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
 
 
-def test_item1_hostile_chain_output_that_is_not_its_base_continuation(chain3):
+def test_hostile_chain_output_that_is_not_its_base_continuation(chain3):
     """Caught when the chain is verified (the output ids are section bytes), before allocating."""
     ps, req, paths, tmp = chain3
     rec = cc.record(cc.POSITIONS[2])
@@ -311,7 +311,7 @@ def test_item1_hostile_chain_output_that_is_not_its_base_continuation(chain3):
     assert err.field == "request.output_ids"
 
 
-def test_item1_resharding_a_chain_is_refused_typed(tmp_path):
+def test_resharding_a_chain_is_refused_typed(tmp_path):
     """Re-sharding reads a set's rank files as plain snapshots: a chain is refused by name
     (compact it first), the pools untouched."""
     from hsnap_io import reshard
@@ -332,7 +332,7 @@ def test_item1_resharding_a_chain_is_refused_typed(tmp_path):
 # ----------------------------------------------------------------------------- TP 2 over gloo
 
 
-def test_item1_tp2_chain_export_restore_and_compact(tmp_path):
+def test_tp2_chain_export_restore_and_compact(tmp_path):
     """Two ranks export a plain set and two delta sets (each rank's delta binding its base
     set's rank file), restore the head on two fresh ranks, and compact it: the rows equal a
     direct restore and the compacted set is byte-identical to a direct export."""

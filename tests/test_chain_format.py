@@ -1,4 +1,4 @@
-"""Snapshot chains at the format level (issue 20 item 1; spec 5.9, 7.5, format 1.2): the
+"""Snapshot chains at the format level (spec 5.9, 7.5, format 1.2): the
 chain vectors, the compatibility policy (an older reader refuses a delta by name), the
 header rules of ``base``, hostile chains — each refused with the same class and field by
 ``hsnap_format`` and by the independent reader written from the spec alone — the CLI,
@@ -57,7 +57,7 @@ def _cli(*argv) -> tuple[int, str, str]:
 # ----------------------------------------------------------------------------- the vectors
 
 
-def test_item1_chain_vectors_read_as_one_snapshot_by_both_readers(tmp_path):
+def test_chain_vectors_read_as_one_snapshot_by_both_readers(tmp_path):
     """Both readers follow the links; the head's sections the independent reader assembles
     from the spec (7.5) are the sections of the reference's compaction."""
     cases = [(VEC / "chain-delta-2.hsnap", None)] + [(VEC / "chain-tp2-delta-2", r) for r in range(2)]
@@ -76,7 +76,7 @@ def test_item1_chain_vectors_read_as_one_snapshot_by_both_readers(tmp_path):
             assert np.array_equal(s["values"], ind.sections[s["name"]]), s["name"]
 
 
-def test_item1_chain_vector_links_decode_to_their_descriptions_by_the_spec_alone():
+def test_chain_vector_links_decode_to_their_descriptions_by_the_spec_alone():
     """Each link of chain.json / chain-tp2.json, read by the independent reader: header
     (``base`` included) and every section's values as described (spec 12)."""
     for name in ("chain", "chain-tp2"):
@@ -91,7 +91,7 @@ def test_item1_chain_vector_links_decode_to_their_descriptions_by_the_spec_alone
                     assert s["name"] == d["name"] and s["values"].reshape(-1).astype(float).tolist() == d["values"], (path, d["name"])
 
 
-def test_item1_chain_vector_values_follow_the_described_timeline():
+def test_chain_vector_values_follow_the_described_timeline():
     """Global K of layer L at position t, dim d is L + t/2 + d/4: the chain's head holds
     positions 0..7 of layer 1 and, from swa_start 2 on, of window layer 3 (a base row skipped)."""
     ind = ir.read_chain(VEC / "chain-delta-2.hsnap")
@@ -102,7 +102,7 @@ def test_item1_chain_vector_values_follow_the_described_timeline():
     assert ind.sections["mamba.2.temporal"].tolist() == [[[4.5]]]  # the head's (link 2): 0.5 + 2 + 2
 
 
-def test_item1_compaction_is_the_plain_write_at_the_head(tmp_path):
+def test_compaction_is_the_plain_write_at_the_head(tmp_path):
     """R-7.5-3: the compacted file is what the writer writes for the head's identity,
     geometry, record, swa_start and optional features with the assembled sections."""
     ind = ir.read_chain(VEC / "chain-delta-2.hsnap")
@@ -115,7 +115,7 @@ def test_item1_compaction_is_the_plain_write_at_the_head(tmp_path):
     assert (tmp_path / "c.hsnap").read_bytes() == (tmp_path / "plain.hsnap").read_bytes()
 
 
-def test_item1_compaction_of_a_tp2_chain_is_a_plain_set(tmp_path):
+def test_compaction_of_a_tp2_chain_is_a_plain_set(tmp_path):
     links, nbytes = compact_path(VEC / "chain-tp2-delta-2", tmp_path / "set")
     assert links == 3
     with hf.open(tmp_path / "set") as s:
@@ -129,7 +129,7 @@ def test_item1_compaction_of_a_tp2_chain_is_a_plain_set(tmp_path):
         assert all(np.array_equal(s["values"], ind.sections[s["name"]]) for s in got.sections)
 
 
-def test_item1_compaction_never_overwrites_and_leaves_nothing_on_a_bad_byte(chain, tmp_path):
+def test_compaction_never_overwrites_and_leaves_nothing_on_a_bad_byte(chain, tmp_path):
     (chain / "taken.hsnap").write_bytes(b"mine")
     rc, _, err = _cli("compact", chain / "chain-delta-2.hsnap", "-o", chain / "taken.hsnap")
     assert rc == 1 and "SnapshotExistsError" in err and (chain / "taken.hsnap").read_bytes() == b"mine"
@@ -148,7 +148,7 @@ def test_item1_compaction_never_overwrites_and_leaves_nothing_on_a_bad_byte(chai
 
 
 @pytest.mark.parametrize("name", ["chain-delta-1.hsnap", "chain-delta-2.hsnap", "chain-tp2-delta-1/rank-0.hsnap", "chain-tp2-delta-2/rank-1.hsnap"])
-def test_item1_a_one_one_reader_refuses_a_delta_by_name(name, monkeypatch):
+def test_a_one_one_reader_refuses_a_delta_by_name(name, monkeypatch):
     """Spec 9: ``delta`` is a required feature of minor 2; a reader that knows only the 1.1
     features refuses a delta at open step 14 (UnsupportedFeatureError naming the field) —
     the reference with its feature table cut to 1.1's, and the spec-only reader likewise —
@@ -169,7 +169,7 @@ def test_item1_a_one_one_reader_refuses_a_delta_by_name(name, monkeypatch):
         ir.read_snapshot(VEC / plain)
 
 
-def test_item1_chain_vectors_preamble_minor_and_features():
+def test_chain_vectors_preamble_minor_and_features():
     for name in SINGLE:
         with hf.open(VEC / name) as s:
             assert s.version == ((1, 0) if name == "chain-base.hsnap" else (1, 2))
@@ -233,19 +233,19 @@ BASE_RULES = [
 
 
 @pytest.mark.parametrize("label,edit,field", BASE_RULES, ids=[r[0] for r in BASE_RULES])
-def test_item1_both_readers_refuse_a_malformed_base(label, edit, field, tmp_path):
+def test_both_readers_refuse_a_malformed_base(label, edit, field, tmp_path):
     data = craft.mutate_header((VEC / "chain-delta-2.hsnap").read_bytes(), edit)
     ref, ind = _both_open(data, tmp_path)
     assert ref == ("MalformedHeaderError", field), (label, ref)
     assert ind[0] == "MalformedHeaderError" and ind[1] == field, (label, ind)
 
 
-def test_item1_both_readers_accept_unknown_keys_inside_base_and_a_depth_at_the_limit(tmp_path):
+def test_both_readers_accept_unknown_keys_inside_base_and_a_depth_at_the_limit(tmp_path):
     data = craft.mutate_header((VEC / "chain-delta-2.hsnap").read_bytes(), lambda h: h["base"].update(zz=1, depth=1024))
     assert _both_open(data, tmp_path) == ((None, None), (None, None))
 
 
-def test_item1_a_delta_whose_rows_do_not_follow_its_base_position_is_refused_at_open(tmp_path):
+def test_a_delta_whose_rows_do_not_follow_its_base_position_is_refused_at_open(tmp_path):
     """Spec 5.4 with B: the table must hold the rows after base.state_position (step 20)."""
     data = craft.mutate_header((VEC / "chain-delta-2.hsnap").read_bytes(), _set(("base", "state_position"), 4))
     ref, ind = _both_open(data, tmp_path)
@@ -300,14 +300,14 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("label,damage,kind,field", HOSTILE, ids=[h[0] for h in HOSTILE])
-def test_item1_hostile_chains_are_refused_alike_by_both_readers(label, damage, kind, field, chain):
+def test_hostile_chains_are_refused_alike_by_both_readers(label, damage, kind, field, chain):
     damage(chain)
     ref, ind = _both_chain(chain / "chain-delta-2.hsnap")
     assert ref[0] == ind[0] == kind, (label, ref, ind)
     assert ref[1].startswith(field) and ind[1].startswith(field.split(" ")[0]), (label, ref, ind)
 
 
-def test_item1_a_two_link_cycle_is_refused_before_it_loops(chain):
+def test_a_two_link_cycle_is_refused_before_it_loops(chain):
     """delta-1 names delta-2 (made up digest), delta-2 binds that delta-1: from delta-2 the
     walk comes back to delta-2's own name (step 2), not round and round."""
     _edit(chain / "chain-delta-1.hsnap", _set(("base", "name"), "chain-delta-2.hsnap"))
@@ -320,7 +320,7 @@ def test_item1_a_two_link_cycle_is_refused_before_it_loops(chain):
     assert ref_err == ("ChainError", "base.name") and ind_err == ("ChainError", "base.name")
 
 
-def test_item1_a_chain_deeper_than_the_readers_limit(chain):
+def test_a_chain_deeper_than_the_readers_limit(chain):
     from hsnap_format.chain import chain_below
 
     with hf.open(chain / "chain-delta-2.hsnap") as head, pytest.raises(hf.ChainError) as e:
@@ -331,7 +331,7 @@ def test_item1_a_chain_deeper_than_the_readers_limit(chain):
     assert e2.value.kind == "ChainError" and e2.value.field == "base.depth"
 
 
-def test_item1_hostile_tp2_chain_missing_rank_of_the_base_set(tp_chain):
+def test_hostile_tp2_chain_missing_rank_of_the_base_set(tp_chain):
     os.unlink(tp_chain / "chain-tp2-delta-1" / "rank-1.hsnap")
     ref, ind = _both_chain(tp_chain / "chain-tp2-delta-2", rank=1)
     assert ref[0] == ind[0] == "MalformedManifestError"  # the base set's manifest names it (10.2)
@@ -342,7 +342,7 @@ def test_item1_hostile_tp2_chain_missing_rank_of_the_base_set(tp_chain):
 # ----------------------------------------------------------------------------- the CLI
 
 
-def test_item1_cli_info_and_verify_show_the_links(chain):
+def test_cli_info_and_verify_show_the_links(chain):
     rc, out, err = _cli("info", chain / "chain-delta-2.hsnap")
     assert rc == 0, err
     assert "delta of chain-delta-1.hsnap at position 5" in out and "chain: 3 links to position 8" in out
@@ -358,7 +358,7 @@ def test_item1_cli_info_and_verify_show_the_links(chain):
     assert rc == 0 and "with 2 links of its chain" in out
 
 
-def test_item1_cli_verify_fails_a_broken_chain_the_file_alone_would_pass(chain):
+def test_cli_verify_fails_a_broken_chain_the_file_alone_would_pass(chain):
     os.unlink(chain / "chain-base.hsnap")
     with hf.open(chain / "chain-delta-2.hsnap") as head:
         head.verify()  # the file itself is intact
@@ -369,7 +369,7 @@ def test_item1_cli_verify_fails_a_broken_chain_the_file_alone_would_pass(chain):
     assert rc == 1 and "ChainError" in err and "missing" in err and "delta of chain-delta-1.hsnap" in out
 
 
-def test_item1_cli_info_of_a_tp2_chain(tp_chain):
+def test_cli_info_of_a_tp2_chain(tp_chain):
     rc, out, err = _cli("info", tp_chain / "chain-tp2-delta-2")
     assert rc == 0, err
     assert "chain (rank 0): 3 links to position 5" in out and "chain (rank 1): 3 links to position 5" in out

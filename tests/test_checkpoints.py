@@ -1,5 +1,5 @@
-"""Periodic checkpoints of a running request (issue 20 item 3), at the library level: a live SGLang ``Req`` in real
-SGLang pools (tests/sglang_pools.py) decodes step by step, a :class:`hsnap_format.checkpoints.Checkpoints` writes a
+"""Periodic checkpoints of a running request, at the library level: a live SGLang ``Req`` in real
+SGLang pools (hsnap_testing/pools.py) decodes step by step, a :class:`hsnap_format.checkpoints.Checkpoints` writes a
 link every M output tokens (plain, then deltas of the link before), the "process" stops at a random step; the newest
 committed link resumes into fresh pools exactly as the request was at that link."""
 
@@ -15,12 +15,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import io_cases  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import sglang_reqs as sr  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import reqs as sr  # noqa: E402
 
 from hsnap_format import HsnapError, open_chain  # noqa: E402
 from hsnap_format.checkpoints import Checkpoints, choose_links, highest_seq, link_name, newest_links, parse_link  # noqa: E402
 from hsnap_sglang import req as hs  # noqa: E402
+from hsnap_sglang.req.record import req_record  # noqa: E402
 
 
 def _pools():
@@ -33,14 +34,14 @@ def _decode_step(ps, req, rng: random.Random) -> None:
     """One decode step as a scheduler leaves it at a committed boundary: the last output token's KV row written
     into a new slot, the Mamba slot overwritten, a new output token sampled (with its logprob)."""
     n = req.kv.kv_committed_len
-    slot = sp._alloc_tokens(ps, 1).to(torch.int64)
+    slot = sp.alloc_tokens(ps, 1).to(torch.int64)
     ps.req_to_token_pool.write((req.kv.req_pool_idx, slice(n, n + 1)), slot.to(torch.int32))
-    sp._fill_request(ps, sp.RequestRecord(req.kv.req_pool_idx, slot, int(req.kv.mamba_pool_idx), 1, rng.randrange(1 << 30)))
+    sp.fill_request(ps, sp.RequestRecord(req.kv.req_pool_idx, slot, int(req.kv.mamba_pool_idx), 1, rng.randrange(1 << 30)))
     req.kv.kv_committed_len = req.kv.kv_allocated_len = n + 1
     token = rng.randrange(sr.vocab_size())
     req.output_ids.append(token)
     if req.return_logprob:
-        req.logprob.output_token_logprobs_val.append(sr._f32(-rng.random()))
+        req.logprob.output_token_logprobs_val.append(sr.f32(-rng.random()))
         req.logprob.output_token_logprobs_idx.append(token)
 
 
@@ -53,7 +54,7 @@ CASE = dict(params=dict(max_new_tokens=400, temperature=0.0, ignore_eos=True), r
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_item3_checkpoint_chain_resumes_the_newest_link_exactly(tmp_path, seed):
+def test_checkpoint_chain_resumes_the_newest_link_exactly(tmp_path, seed):
     """Every M tokens a link (base = the link before; a fresh plain link after ``rebase_every``); stopped at a random
     step, mid-way between links, with a dead writer's temporary of the next link beside them: the newest committed
     link is the highest number; it opens as a chain down to the plain link, verifies, and resumes into fresh pools
@@ -94,7 +95,7 @@ def test_item3_checkpoint_chain_resumes_the_newest_link_exactly(tmp_path, seed):
         assert torch.equal(resumed[name], value), name
 
 
-def test_item3_checkpoint_numbers_continue_after_existing_links_and_refuse_bad_settings(tmp_path):
+def test_checkpoint_numbers_continue_after_existing_links_and_refuse_bad_settings(tmp_path):
     """A checkpointer started where links of its name exist (a request resumed after a crash, checkpointed again into
     the same directory) numbers after the highest — never overwriting — and starts with a plain link; other names and
     temporaries do not count; typed refusals for a bad interval or name."""
@@ -149,7 +150,7 @@ def _sse_server(info: dict, events: list[dict]):
     (True, (8, 3), ("rld!", [4])),
     (False, (3, 1), ("lo world!", [2, 3, 4])),  # it had read less: the part it missed comes first
 ])
-def test_item3_client_resume_continues_the_clients_cut_stream(incremental, seen, expected):
+def test_client_resume_continues_the_clients_cut_stream(incremental, seen, expected):
     """``client.resume(..., seen=(chars, ids))``: on_chunk gets exactly what lies beyond what the client had, from
     /generate-shaped events carrying the text so far (or, incremental, deltas after the snapshot's part)."""
     from hsnap_sglang import client
@@ -171,7 +172,7 @@ def test_item3_client_resume_continues_the_clients_cut_stream(incremental, seen,
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_item3_captured_link_is_the_direct_export_at_capture_time_whatever_decodes_after(tmp_path, seed):
+def test_captured_link_is_the_direct_export_at_capture_time_whatever_decodes_after(tmp_path, seed):
     """The checkpoint writer's split (hsnap_io.export.capture_request at the boundary, write_captured later, off the
     decode path): the rows after the base, the recurrent state and the record are host copies, so decode steps taken
     between capture and write (the Mamba slot overwritten, new rows) change nothing: each link is byte-identical to
@@ -188,7 +189,7 @@ def test_item3_captured_link_is_the_direct_export_at_capture_time_whatever_decod
     for k in range(4):
         ident = dataclasses.replace(io_cases.identity(), snapshot_id=f"{k:032x}", created_at="2026-01-01T00:00:00.000000Z")
         direct, path = tmp_path / f"d{k}.hsnap", tmp_path / f"req.ck{k + 1:06d}.hsnap"
-        record, swa_start = hs.req_record(req, path=str(path))
+        record, swa_start = req_record(req, path=str(path))
         hs.snapshot_req(str(direct), req, identity=ident, base=None if base is None else str(tmp_path / f"d{k - 1}.hsnap"), **pools)
         cap = capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=record, identity=ident, swa_start=swa_start,
                               base_position=base_position, **pools)
@@ -206,7 +207,7 @@ def test_item3_captured_link_is_the_direct_export_at_capture_time_whatever_decod
             assert dataclasses.replace(by_path.ref, name=link.ref.name) == link.ref and link.ref.depth == k + 1
         base, base_position, last_rows = link, record.state_position, (rows, outputs)
     with pytest.raises(HsnapError):  # a capture whose rows do not start at the base's position is refused by name
-        cap = capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=hs.req_record(req)[0], identity=io_cases.identity(),
+        cap = capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=req_record(req)[0], identity=io_cases.identity(),
                               base_position=base_position - 1, **pools)
         write_captured(str(tmp_path / "bad.hsnap"), cap, base=base)
     assert not os.path.exists(tmp_path / "bad.hsnap")

@@ -1,4 +1,4 @@
-"""The ``hsnap`` command line from a new user's chair (issue 14): Ctrl-C, values a
+"""The ``hsnap`` command line from a new user's chair: Ctrl-C, values a
 diff prints, verify naming every failure, ``info`` that reads well, a pointer to
 ``hsnap gc`` for leftovers, and ``hsnap export`` round-tripping every golden
 vector's sections through numpy (.npy) and safetensors."""
@@ -72,7 +72,7 @@ SLOW = {
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signals as on Linux")
 @pytest.mark.parametrize("command", sorted(SLOW))
-def test_item4_ctrl_c_is_exit_130_and_one_line(command):
+def test_ctrl_c_is_exit_130_and_one_line(command):
     """SIGINT in the middle of a long command: no traceback (it was 26 lines), exit 130."""
     child = textwrap.dedent("""
         import sys, time
@@ -95,7 +95,7 @@ def test_item4_ctrl_c_is_exit_130_and_one_line(command):
     assert err == "hsnap: interrupted\n"
 
 
-def test_item5_diff_prints_values_that_differ_differently(tmp_path, capsys):
+def test_diff_prints_values_that_differ_differently(tmp_path, capsys):
     """-0.6261478 vs -0.62614775 printed as -0.626148 twice: now the shortest digits that
     tell float32 values apart, their ulp distance and their bits."""
     def one_ulp(state):
@@ -112,7 +112,7 @@ def test_item5_diff_prints_values_that_differ_differently(tmp_path, capsys):
     assert "first difference" not in line and "[1, 0, 1]" in line
 
 
-def test_item7_verify_names_every_failing_section(tmp_path, capsys):
+def test_verify_names_every_failing_section(tmp_path, capsys):
     bad = tmp_path / "bad.hsnap"
     shutil.copy(VEC / "hybrid.hsnap", bad)
     for name in ("attn.1.k", "mamba.2.temporal"):
@@ -129,7 +129,7 @@ def test_item7_verify_names_every_failing_section(tmp_path, capsys):
     assert out["ok"] is False and out["field"] == out["errors"][0]["field"]  # the first, at the top level as before
 
 
-def test_item11_info_reads_well(tmp_path, capsys):
+def test_info_reads_well(tmp_path, capsys):
     path = _write(tmp_path / "x.hsnap", commit="")
     assert hsnap(["info", path]) == 0
     out = capsys.readouterr().out
@@ -145,7 +145,7 @@ def test_item11_info_reads_well(tmp_path, capsys):
     assert "--json      the whole summary as JSON" in capsys.readouterr().out
 
 
-def test_item11_a_leftover_points_to_gc(tmp_path, capsys):
+def test_a_leftover_points_to_gc(tmp_path, capsys):
     leftover = tmp_path / ".x.hsnap.hsnap-tmp-123-abcd"
     leftover.write_bytes(bytes(4096))
     assert hsnap(["info", str(leftover)]) == 1

@@ -156,7 +156,7 @@ def test_compact_to_an_object_store_withdraws_an_output_whose_proof_fails(paged_
     """An object store's upload publishes at completion: the output is proved there, and one
     whose proof fails is removed again (by its ETag) — nothing stays under the key; an honest
     chain compacts to the same bytes as on disk."""
-    from hsnap_format.storage import store_for
+    from hsnap_format.stores import store_for
 
     opts = s3server.options()
     url = f"s3://{s3server.make_bucket()}/c.hsnap"

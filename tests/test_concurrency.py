@@ -1,7 +1,7 @@
 """Concurrency: threads exporting and restoring different requests on ONE set of
 SGLang pools at once, and two processes restoring from one snapshot file.
 
-What hsnap promises (hsnap_io.restore.pool_lock): a restore's allocate / upload /
+What hsnap promises (hsnap_io.slots.pool_lock): a restore's allocate / upload /
 rollback step holds a lock hsnap owns per pool set (keyed by the
 req_to_token_pool), because SGLang's allocators are not thread-safe and a
 rollback puts back the allocators' whole earlier state; opening, identity and
@@ -34,9 +34,10 @@ from io_cases import identity, record, rows_as_bytes, source  # noqa: E402
 
 import crash_child as cc  # noqa: E402
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import export_request, restore_request, transfer  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
+from hsnap_io import slots  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KIND = "hybrid_linear"
@@ -67,14 +68,14 @@ def _as_request(res) -> sp.RequestRecord:
 
 
 def _free(ps, res) -> None:
-    with restore_mod.pool_lock(ps.req_to_token_pool):  # the caller's allocator calls go under hsnap's lock
+    with slots.pool_lock(ps.req_to_token_pool):  # the caller's allocator calls go under hsnap's lock
         sp.free_request(ps, _as_request(res))
 
 
 def _free_sets(ps) -> dict:
     a = ps.token_to_kv_pool_allocator
-    pages = set(sp._as_list(a.free_pages)) | set(sp._as_list(getattr(a, "release_pages", None)) or [])
-    return {"rows": set(ps.req_to_token_pool.free_slots), "tokens": pages, "mamba": set(sp._as_list(ps.mamba_allocator.free_slots))}
+    pages = set(sp.as_list(a.free_pages)) | set(sp.as_list(getattr(a, "release_pages", None)) or [])
+    return {"rows": set(ps.req_to_token_pool.free_slots), "tokens": pages, "mamba": set(sp.as_list(ps.mamba_allocator.free_slots))}
 
 
 def _check_no_cross_talk(ps, requests) -> None:
@@ -120,28 +121,29 @@ def test_threads_export_and_restore_on_one_pool_set(pool_set, tmp_path, monkeypa
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
     tally = collections.Counter()
+
+    def run(barrier, results, name, fn):
+        barrier.wait()
+        try:
+            results[name] = fn()
+        except BaseException as e:  # noqa: BLE001
+            results[name] = e
+
     for rnd in range(ROUNDS):
         jobs = []  # (name, fn)
         for i, req in enumerate(sources):
-            jobs.append((f"export-{i}", lambda i=i, req=req: ("export", i, _export(ps, req, str(tmp_path / f"r{rnd}-{i}.hsnap")))))
+            jobs.append((f"export-{i}", lambda i=i, req=req, rnd=rnd: ("export", i, _export(ps, req, str(tmp_path / f"r{rnd}-{i}.hsnap")))))
         for i in range(len(sources)):
             j = (i + rnd) % len(sources)
             jobs.append((f"restore-{i}", lambda j=j: ("restore", j, _restore(ps, refs[j]))))
+        same = rnd % len(sources)
         for k in range(SAME_FILE):  # more readers of one file at once
-            jobs.append((f"same-{k}", lambda: ("restore", rnd % len(sources), _restore(ps, refs[rnd % len(sources)]))))
+            jobs.append((f"same-{k}", lambda j=same: ("restore", j, _restore(ps, refs[j]))))
         for k in range(FAILERS):
             jobs.append((f"fail-{k}", lambda k=k: ("restore", k, _restore(ps, refs[k]))))
         barrier = threading.Barrier(len(jobs), timeout=60)
         results: dict[str, object] = {}
-
-        def run(name, fn):
-            barrier.wait()
-            try:
-                results[name] = fn()
-            except BaseException as e:  # noqa: BLE001
-                results[name] = e
-
-        threads = [threading.Thread(target=run, args=job, name=job[0]) for job in jobs]
+        threads = [threading.Thread(target=run, args=(barrier, results, *job), name=job[0]) for job in jobs]
         for t in threads:
             t.start()
         for t in threads:

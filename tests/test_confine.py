@@ -121,13 +121,13 @@ def _scheduler_side(answers: list):
     """What migration.on_migrate / on_follow use of the scheduler's plug-in state (no SGLang)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(locate=lambda rid: (None, None), tp_size=1, _busy=lambda rid: False, migrations={}, follows={}, arrived={},
+    return SimpleNamespace(locate=lambda rid: (None, None), tp_size=1, busy=lambda rid: False, migrations={}, follows={}, arrived={},
                            checkpoints={}, sched=SimpleNamespace(req_to_token_pool=None, token_to_kv_pool_allocator=None),
-                           identity=lambda: None, _answer=lambda msg, **kw: answers.append(kw))
+                           identity=lambda: None, answer=lambda msg, **kw: answers.append(kw))
 
 
 @pytest.mark.parametrize("handler", ["on_migrate", "on_follow"])
-def test_scheduler_side_rechecks_a_container_outside_the_root_and_writes_nothing_there(tmp_path, monkeypatch, handler):
+def test_scheduler_rechecks_a_container_outside_the_root_and_writes_nothing_there(tmp_path, monkeypatch, handler):
     from types import SimpleNamespace
 
     from hsnap_sglang import migration

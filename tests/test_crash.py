@@ -22,8 +22,8 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs
-from hsnap_format import gc as hgc
+from hsnap_format import localfs
+from hsnap_format.stores import gc as hgc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SINGLE_SEEDS = (0, 1, 2, 3)
@@ -109,6 +109,18 @@ class _Boom(Exception):
     pass
 
 
+def _raise_at(n: int):
+    """A phase hook that raises _Boom at the n-th phase it sees."""
+    seen = [0]
+
+    def hook(phase):
+        seen[0] += 1
+        if seen[0] == n:
+            raise _Boom(phase)
+
+    return hook
+
+
 @pytest.fixture(scope="module")
 def pools():
     pytest.importorskip("torch")
@@ -121,7 +133,7 @@ def test_export_failing_at_every_phase_leaves_source_untouched(pools, tmp_path):
     """The same kill points, with the hook raising in this process: after each,
     the source pools are byte-identical (free lists and every buffer), and the
     directory holds nothing or the complete snapshot, never a temporary."""
-    import sglang_pools as sp
+    from hsnap_testing import pools as sp
     from io_cases import identity, record
 
     from hsnap_io import export_request
@@ -130,28 +142,21 @@ def test_export_failing_at_every_phase_leaves_source_untouched(pools, tmp_path):
     kw = dict(req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
               req_pool_idx=req.req_pool_idx, record=record(), identity=identity(created_at=cc.FIXED_TIME))
     seq = []
-    _fs.phase_hook = seq.append
+    localfs.phase_hook = seq.append
     try:
         export_request(str(tmp_path / "golden.hsnap"), **kw)
     finally:
-        _fs.phase_hook = None
+        localfs.phase_hook = None
     before = sp.pool_state_fingerprint(ps)
     for n in range(1, len(seq) + 1):
         d = tmp_path / f"raise-{n}"
         d.mkdir()
-        count = [0]
-
-        def hook(phase):
-            count[0] += 1
-            if count[0] == n:
-                raise _Boom(phase)
-
-        _fs.phase_hook = hook
+        localfs.phase_hook = _raise_at(n)
         try:
             with pytest.raises(_Boom):
                 export_request(str(d / "req.hsnap"), **kw)
         finally:
-            _fs.phase_hook = None
+            localfs.phase_hook = None
         assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == [], seq[n - 1]
         left = os.listdir(d)
         if n > seq.index("before-rename") + 1:  # raised after the rename: the snapshot is complete

@@ -1,4 +1,4 @@
-"""``hsnap export`` as an attacker or a careless user would drive it (issue 18 item 12):
+"""``hsnap export`` as an attacker or a careless user would drive it:
 ``--all`` is all or nothing, never follows a symlink inside the output directory,
 never replaces or writes into the input snapshot (``--force`` or not), refuses an
 output name of another kind, and public parameters that take record classes refuse a
@@ -56,7 +56,7 @@ def _err(capsys) -> str:
     return err
 
 
-def test_item12_export_all_failure_leaves_nothing(tmp_path, capsys):
+def test_export_all_failure_leaves_nothing(tmp_path, capsys):
     """A section failing its digest after four good ones: no .npy, no directory, no
     staging directory is left; an existing output directory is exactly as it was."""
     bad = tmp_path / "src" / "bad.hsnap"
@@ -82,7 +82,7 @@ def test_item12_export_all_failure_leaves_nothing(tmp_path, capsys):
     assert _tree(work) == before
 
 
-def test_item12_export_all_into_an_existing_directory(tmp_path, capsys):
+def test_export_all_into_an_existing_directory(tmp_path, capsys):
     """An existing directory takes the export beside what it holds; a name it would
     replace is refused before anything is written, unless --force."""
     src = str(VEC / "two-rank")
@@ -107,7 +107,7 @@ def test_item12_export_all_into_an_existing_directory(tmp_path, capsys):
     assert _tree(tmp_path) == before  # replaced with the same bytes again
 
 
-def test_item12_export_all_never_follows_a_symlink_in_the_output(tmp_path, capsys):
+def test_export_all_never_follows_a_symlink_in_the_output(tmp_path, capsys):
     """A ``rank-N`` symlink planted in the output directory is refused (--force too) and
     nothing is written where it points; with --force a file symlink is replaced as a
     name, never written through."""
@@ -139,7 +139,7 @@ def test_item12_export_all_never_follows_a_symlink_in_the_output(tmp_path, capsy
         assert load_npy_as(str(single / "attn.1.k.npy"), "bfloat16").tobytes() == snap.read("attn.1.k").tobytes()
 
 
-def test_item12_force_never_replaces_or_writes_into_the_input(tmp_path, capsys):
+def test_force_never_replaces_or_writes_into_the_input(tmp_path, capsys):
     """The input snapshot (a file or a directory, named directly or through a symlink) and
     anything inside it are never an output, with --force or without."""
     one = tmp_path / "snap.npy"  # a snapshot file whose name an export could take
@@ -179,7 +179,7 @@ def test_item12_force_never_replaces_or_writes_into_the_input(tmp_path, capsys):
     assert sorted(os.listdir(parent)) == ["rank-1"]
 
 
-def test_item12_output_name_of_another_kind_is_refused_typed(tmp_path, capsys, monkeypatch):
+def test_output_name_of_another_kind_is_refused_typed(tmp_path, capsys, monkeypatch):
     """``-o out.pt`` makes no directory: one section goes to .npy; --all to a directory
     (no extension, or a trailing /) or a .safetensors file."""
     monkeypatch.chdir(tmp_path)
@@ -213,7 +213,7 @@ def _small_geometry() -> hf.Geometry:
     )
 
 
-def test_item12_writer_refuses_record_classes_given_as_dicts(tmp_path):
+def test_writer_refuses_record_classes_given_as_dicts(tmp_path):
     geom = _small_geometry()
     ident = ref.identity(snapshot_id="dict")
     rec = ref.record(state_position=4, outputs=1, seed=1)
@@ -232,11 +232,11 @@ def test_item12_writer_refuses_record_classes_given_as_dicts(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_item12_sharding_given_as_a_dict_is_refused_typed(tmp_path):
+def test_sharding_given_as_a_dict_is_refused_typed(tmp_path):
     """``export_request``/``restore_request(sharding=dict)`` (the header form): a typed
     refusal naming the parameter and hsnap_format.records.Sharding; pools untouched."""
     pytest.importorskip("sglang")
-    import reshard_pools as rp
+    from hsnap_testing import tp_pools as rp
     from hsnap_io import export_request, reshard, restore_request
 
     m = rp.MODELS[sorted(rp.MODELS)[0]]

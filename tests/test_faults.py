@@ -22,10 +22,10 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs
+from hsnap_format import localfs
 
 pytest.importorskip("torch")
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from io_cases import identity, record, source, target  # noqa: E402
 
 from hsnap_io import export_request, restore_request  # noqa: E402
@@ -109,16 +109,16 @@ def _failing_renameat2(code):
 
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC, errno.EROFS])
 def test_export_rename_fails(src, tmp_path, monkeypatch, code):
-    if _fs._renameat2 is None:
+    if localfs._renameat2 is None:
         pytest.skip("no renameat2 here")
-    monkeypatch.setattr(_fs, "_renameat2", _failing_renameat2(code))
+    monkeypatch.setattr(localfs, "_renameat2", _failing_renameat2(code))
     err, left = _export_fails(src, tmp_path, "rename")
     assert left == []
 
 
 def test_export_rename_fallback_link_fails(src, tmp_path, monkeypatch):
     """Without renameat2 (other OS / filesystem) the file is published by link+unlink."""
-    monkeypatch.setattr(_fs, "_renameat2", None)
+    monkeypatch.setattr(localfs, "_renameat2", None)
     monkeypatch.setattr(os, "link", _nth(os.link, 1, EIO))
     err, left = _export_fails(src, tmp_path, "rename")
     assert left == []
@@ -138,7 +138,7 @@ def test_export_phase_hook_raising_oserror_is_typed(src, tmp_path, monkeypatch, 
         if p == phase:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_fs, "phase_hook", hook)
+    monkeypatch.setattr(localfs, "phase_hook", hook)
     _, left = _export_fails(src, tmp_path, "")
     assert left == []
 
@@ -180,15 +180,15 @@ def test_set_commit_faults(tmp_path, monkeypatch, fault):
     elif fault == "staging fsync":
         monkeypatch.setattr(os, "fsync", _nth(os.fsync, 1, EIO, match=_is_dir_fd))
     elif fault == "dir rename":
-        if _fs._renameat2 is None:
+        if localfs._renameat2 is None:
             pytest.skip("no renameat2 here")
-        real, calls = _fs._renameat2, [0]
+        real, calls = localfs._renameat2, [0]
 
         def second_fails(*a):
             calls[0] += 1
             return _failing_renameat2(errno.EIO)(*a) if calls[0] == 2 else real(*a)
 
-        monkeypatch.setattr(_fs, "_renameat2", second_fails)
+        monkeypatch.setattr(localfs, "_renameat2", second_fails)
     else:  # after the directory rename: the name is given back
         monkeypatch.setattr(os, "fsync", _nth(os.fsync, 2, EIO, match=_is_dir_fd))
     with pytest.raises(hf.HsnapError):
@@ -310,7 +310,7 @@ def _restore_fails(path, exc=hf.HsnapIOError, **kw):
 def test_restore_read_error_during_verify(snap_path, monkeypatch, which):
     """An I/O error while restore reads the payload (its verify pass and what it uploads:
     first, middle, last read): typed, target untouched. Every read is a pread, so a real
-    one is an OSError too. (Counted on a restore that succeeds: since issue 21 the default
+    one is an OSError too. (Counted on a restore that succeeds: the default
     verify reads a small payload once, into a staging buffer, before allocating.)"""
     real = os.preadv
     calls = [0]
@@ -334,7 +334,7 @@ def test_restore_read_error_during_verify(snap_path, monkeypatch, which):
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", failing)
-    # the state sections are verified as they land (issue 15): a read failing there is an
+    # the state sections are verified as they land: a read failing there is an
     # upload failure, rolled back byte for byte with exact_rollback
     err = _restore_fails(snap_path, exact_rollback=True)
     assert seen[0] == n and "Input/output error" in str(err)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hsnap_format as hf
-from hsnap_format import _fs, canonical, reference
+from hsnap_format import canonical, localfs, reference
 from hsnap_format.errors import (
     DigestMismatchError,
     HsnapError,
@@ -470,7 +470,7 @@ def test_nothing_under_final_name_before_commit(tmp_path, monkeypatch):
     def hook(phase):
         seen.append((phase, final.exists()))
 
-    monkeypatch.setattr(_fs, "phase_hook", hook)
+    monkeypatch.setattr(localfs, "phase_hook", hook)
     w, state = make_writer(final)
     for spec in w.pending_state_sections():
         w.write_section(spec.name, state[spec.name])

@@ -12,7 +12,7 @@ import pytest
 import crash_child as cc
 import hsnap_format as hf
 from hsnap_format.tools import cli
-from hsnap_format import gc as hgc
+from hsnap_format.stores import gc as hgc
 
 
 def _dead_pid() -> int:
@@ -39,16 +39,16 @@ def _tmp(d, final, pid, rand="0a1b2c3d"):
 
 def _pending(path, data=b"", age=0.0):
     """A temporary file as a writer leaves it: the unfinished-write mark, then data."""
-    from hsnap_format import _fs
+    from hsnap_format import localfs
 
-    return _touch(path, _fs.pending_preamble("test") + data, age)
+    return _touch(path, localfs.pending_preamble("test") + data, age)
 
 
 def _staging(path):
     """A staging directory as a writer makes it (with its marker)."""
-    from hsnap_format import _fs
+    from hsnap_format import localfs
 
-    _fs.make_staging_dir(str(path))
+    localfs.make_staging_dir(str(path))
     return path
 
 
@@ -64,11 +64,11 @@ def _actions(items):
 
 
 def test_names_are_parsed_as_the_writers_make_them(tmp_path):
-    from hsnap_format import _fs
+    from hsnap_format import localfs
 
-    t = os.path.basename(_fs.temp_name(str(tmp_path / "a.hsnap-tmp-1-deadbeef")))  # a final name that looks like one
+    t = os.path.basename(localfs.temp_name(str(tmp_path / "a.hsnap-tmp-1-deadbeef")))  # a final name that looks like one
     assert hgc.parse_name(t) == ("file", "a.hsnap-tmp-1-deadbeef", os.getpid())
-    s = os.path.basename(_fs.staging_name(str(tmp_path / "snap")))
+    s = os.path.basename(localfs.staging_name(str(tmp_path / "snap")))
     assert hgc.parse_name(s) == ("staging", "snap", os.getpid())
     assert hgc.parse_name(".snap.hsnap-staging-00000000-0000-4000-8000-000000000002") == ("staging", "snap", None)
     assert hgc.parse_name(".snap.hsnap-staging-tp-snap") == ("staging", "snap", None)

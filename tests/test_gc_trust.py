@@ -1,4 +1,4 @@
-"""Issue 18 items 2(a) and 13 (local directories): ``hsnap gc`` never removes a committed
+"""Local directories: ``hsnap gc`` never removes a committed
 snapshot, wherever it sits; writers refuse to commit inside a staging directory; gc
 killed at any step finishes on the next run; names near NAME_MAX work or are refused
 typed up front."""
@@ -17,9 +17,9 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs
+from hsnap_format import localfs
 from hsnap_format.tools import cli
-from hsnap_format import gc as hgc
+from hsnap_format.stores import gc as hgc
 from hsnap_format.spec import MAGIC, PENDING_MARKER
 
 
@@ -35,7 +35,7 @@ def _dead_pid() -> int:
 def _pending(path, data=b""):
     path = str(path)
     with open(path, "wb") as f:
-        f.write(_fs.pending_preamble("test") + data)
+        f.write(localfs.pending_preamble("test") + data)
     return path
 
 
@@ -51,7 +51,7 @@ def _committed(path, seed=0) -> bytes:
 
 def _dead_staging(d, name="x"):
     st = d / f".{name}.hsnap-staging-{_dead_pid()}-0a1b2c3d"
-    _fs.make_staging_dir(str(st))
+    localfs.make_staging_dir(str(st))
     return st
 
 
@@ -65,11 +65,11 @@ def _tree(root) -> dict[str, bytes | None]:
     return out
 
 
-# ------------------------------------------------------------------ item 2(a): the writers
+# ------------------------------------------------------------------ the writers
 
 
-def test_item2a_writer_refuses_to_commit_inside_a_dead_writers_staging_directory(tmp_path):
-    """The exact scenario of the issue: ``D/.x.hsnap-staging-<deadpid>-<hex>/keep.hsnap``.
+def test_writer_refuses_to_commit_inside_a_dead_writers_staging_directory(tmp_path):
+    """The scenario first reported: ``D/.x.hsnap-staging-<deadpid>-<hex>/keep.hsnap``.
     Before: committed (then ``hsnap gc D --remove`` deleted it). Now: refused, typed,
     naming the staging directory, and nothing is created inside it."""
     st = _dead_staging(tmp_path)
@@ -89,7 +89,7 @@ def test_item2a_writer_refuses_to_commit_inside_a_dead_writers_staging_directory
     bare = tmp_path / f".y.hsnap-staging-{_dead_pid()}-0a1b2c3d"
     bare.mkdir()
     marked = tmp_path / "plain"
-    _fs.make_staging_dir(str(marked))
+    localfs.make_staging_dir(str(marked))
     for d in (bare, marked):
         with pytest.raises(hf.ReservedNameError, match="staging directory"):
             hf.write_snapshot(d / "keep.hsnap", identity=ident, geometry=geom, record=rec, state=state)
@@ -104,7 +104,7 @@ def test_item2a_writer_refuses_to_commit_inside_a_dead_writers_staging_directory
         s.verify()
 
 
-def test_item2a_hsnap_cp_refuses_a_destination_inside_a_staging_directory(tmp_path, capsys):
+def test_hsnap_cp_refuses_a_destination_inside_a_staging_directory(tmp_path, capsys):
     cc.write_single(str(tmp_path / "a.hsnap"))
     st = _dead_staging(tmp_path)
     assert cli.main(["cp", str(tmp_path / "a.hsnap"), str(st / "keep.hsnap")]) != 0
@@ -112,7 +112,7 @@ def test_item2a_hsnap_cp_refuses_a_destination_inside_a_staging_directory(tmp_pa
     assert os.listdir(st) == [PENDING_MARKER]
 
 
-def test_item2a_tp_export_refuses_a_path_inside_a_staging_directory(tmp_path):
+def test_tp_export_refuses_a_path_inside_a_staging_directory(tmp_path):
     """Rank 0 refuses before the staging directory is made (a one-rank gloo group: the
     refusal comes before any pool is touched)."""
     torch = pytest.importorskip("torch")
@@ -137,7 +137,7 @@ def test_item2a_tp_export_refuses_a_path_inside_a_staging_directory(tmp_path):
     del torch
 
 
-def test_item2a_a_directory_made_a_staging_directory_after_the_check(tmp_path):
+def test_a_directory_made_a_staging_directory_after_the_check(tmp_path):
     """The race: the check passes at creation, then a directory above becomes a staging
     directory. The writer checks again before its rename and refuses (its temporary is
     removed); a file committed before that is kept by gc (it starts with the magic)."""
@@ -164,7 +164,7 @@ def test_item2a_a_directory_made_a_staging_directory_after_the_check(tmp_path):
     assert open(st / "keep.hsnap", "rb").read() == data
 
 
-def test_item2a_a_writers_abort_removes_only_its_own_files(tmp_path):
+def test_a_writers_abort_removes_only_its_own_files(tmp_path):
     """A set writer's abort (and the TP rank 0's cleanup, the same function) removes its
     own files one by one; a snapshot someone placed in its staging directory stays, with
     the marker and the directory (before: ``shutil.rmtree`` took it)."""
@@ -186,23 +186,23 @@ def test_a_set_whose_parent_fsync_fails_is_given_back_whole(tmp_path, monkeypatc
     for r in range(2):
         ident, geom, rec, state = cc.tiny(tp_size=2, tp_rank=r, snapshot_id="s")
         hf.write_snapshot(w.rank_path(r), identity=ident, geometry=geom, record=rec, state=state)
-    real = _fs.fsync_dir
+    real = localfs.fsync_dir
 
     def fsync_dir(path):
         if os.path.abspath(path) == str(tmp_path):
             raise OSError(5, "Input/output error")
         real(path)
 
-    monkeypatch.setattr(_fs, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(localfs, "fsync_dir", fsync_dir)
     with pytest.raises(hf.HsnapIOError, match="fsync directory"):
         w.commit(tp_size=2)
     assert os.listdir(tmp_path) == []
 
 
-# ------------------------------------------------------------------ item 2(a): gc
+# ------------------------------------------------------------------ gc
 
 
-def test_item2a_gc_keeps_a_committed_snapshot_inside_a_dead_writers_staging_directory(tmp_path):
+def test_gc_keeps_a_committed_snapshot_inside_a_dead_writers_staging_directory(tmp_path):
     """Before: ``hsnap gc D --remove`` removed the whole marked staging directory, a
     committed snapshot inside included. Now every file is proved on its own: the
     unfinished ones go, the snapshot (any name, a rank file too) and the marker and
@@ -234,7 +234,7 @@ def test_gc_keeps_a_committed_set_inside_a_staging_directory(tmp_path):
     assert _tree(st / "set") == before and PENDING_MARKER in os.listdir(st)
 
 
-def test_item2a_gc_lists_each_file_with_its_size_before_removing(tmp_path, capsys):
+def test_gc_lists_each_file_with_its_size_before_removing(tmp_path, capsys):
     st = _dead_staging(tmp_path)
     a = _pending(st / "rank-0.hsnap", bytes(1000))
     b = _pending(st / f".rank-1.hsnap.hsnap-tmp-{_dead_pid()}-0a1b2c3d", bytes(20))
@@ -282,7 +282,7 @@ def test_item2a_gc_lists_each_file_with_its_size_before_removing(tmp_path, capsy
     assert out.index(f"removing {c}  {n} bytes") < out.index(f"removed      {c}  {n} bytes"), out
 
 
-def test_item2a_mixed_directories_never_lose_a_committed_snapshot(tmp_path):
+def test_mixed_directories_never_lose_a_committed_snapshot(tmp_path):
     """Random mixes of what writers leave, what users place and what attackers forge,
     under every name form gc looks at: after ``gc --remove --older-than 0`` (twice), every
     file that starts with the magic and every committed set is there, byte for byte, and
@@ -302,8 +302,8 @@ def test_item2a_mixed_directories_never_lose_a_committed_snapshot(tmp_path):
             pid = rng.choice(dead + [os.getpid(), 1])
             if form == "tmpfile":
                 p = d / f".f{k}.hsnap.hsnap-tmp-{pid}-0a1b2c3d"
-                rng.choice([lambda: p.write_bytes(golden), lambda: _pending(p, bytes(rng.randint(0, 99))), lambda: p.write_bytes(b""),
-                            lambda: p.write_bytes(b"user data")])()
+                rng.choice([lambda p: p.write_bytes(golden), lambda p: _pending(p, bytes(rng.randint(0, 99))), lambda p: p.write_bytes(b""),
+                            lambda p: p.write_bytes(b"user data")])(p)
                 continue
             if form == "plain":
                 p = d / f"plain{k}"
@@ -350,7 +350,7 @@ def test_item2a_mixed_directories_never_lose_a_committed_snapshot(tmp_path):
     assert tally["kept complete"] > 50 and tally["removed"] > 50, tally
 
 
-# ------------------------------------------------------------------ item 13: gc killed half way
+# ------------------------------------------------------------------ gc killed half way
 
 
 def _gc_killed_after(directory: str, n: int) -> bool:
@@ -397,7 +397,7 @@ def _half_removed_scene(d, complete_rank: bool):
 
 
 @pytest.mark.parametrize("complete_rank", [False, True])
-def test_item13_gc_killed_at_every_step_finishes_on_the_next_run(tmp_path, complete_rank):
+def test_gc_killed_at_every_step_finishes_on_the_next_run(tmp_path, complete_rank):
     """Before: the marker was unlinked in directory order, and a gc killed before the
     other files were gone left a directory without a marker that no later run would ever
     remove. Now the marker goes last and a taken name records gc's own pid: at every kill
@@ -426,7 +426,7 @@ def test_item13_gc_killed_at_every_step_finishes_on_the_next_run(tmp_path, compl
     assert n > 10  # every unlink, the renames and the rmdir were kill points
 
 
-# ------------------------------------------------------------------ item 13: names near NAME_MAX
+# ------------------------------------------------------------------ names near NAME_MAX
 
 
 def _name(nbytes: int, suffix: str = ".hsnap") -> str:
@@ -436,7 +436,7 @@ def _name(nbytes: int, suffix: str = ".hsnap") -> str:
 
 
 @pytest.mark.parametrize("nbytes", [200, 219, 220, 221, 224, 230, 250, 255])
-def test_item13_writers_and_gc_with_names_near_name_max(tmp_path, nbytes):
+def test_writers_and_gc_with_names_near_name_max(tmp_path, nbytes):
     """A final name leaves room for the longest temporary's suffix (35 bytes under a
     255-byte NAME_MAX): up to 220 bytes it commits, and gc removes its leftovers; above it
     is refused up front, typed, with the limit named (before: ENAMETOOLONG from the
@@ -464,7 +464,7 @@ def test_item13_writers_and_gc_with_names_near_name_max(tmp_path, nbytes):
     tmp_name = "." + _name(full - 1 - len(".hsnap-tmp-1-0a1b2c3d"), "") + ".hsnap-tmp-1-0a1b2c3d"
     stg_name = "." + _name(full - 1 - len(".hsnap-staging-t"), "") + ".hsnap-staging-t"
     _pending(d / tmp_name, bytes(7))
-    _fs.make_staging_dir(str(d / stg_name))
+    localfs.make_staging_dir(str(d / stg_name))
     _pending(d / stg_name / "rank-0.hsnap")
     items = hgc.collect(d, remove=True, older_than=0)
     assert [i.action for i in items] == ["removed", "removed"], items

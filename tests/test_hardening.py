@@ -1,6 +1,6 @@
-"""Regressions for the trust defects of issue 10 (format side: gc, verify, read paths,
-descriptors, diff, writer inputs, error text). Each test names its item; each failed
-on the code before the fix."""
+"""Regressions for trust defects on the format side (gc, verify, read paths,
+descriptors, diff, writer inputs, error text). Each test failed on the code before
+the fix."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import gc as pygc
 import json
 import os
 import shutil
-import signal
 import threading
 import time
 
@@ -17,9 +16,9 @@ import pytest
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs
+from hsnap_format import localfs
 from hsnap_format.tools import cli
-from hsnap_format import gc as hgc
+from hsnap_format.stores import gc as hgc
 from hsnap_format.tools.diff import CORRUPT, diff_snapshots
 from hsnap_format.tools.stats import section_stats
 
@@ -66,11 +65,11 @@ def _flip_in_place(path, offset):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-# ------------------------------------------------------------------ item 1: gc never deletes a committed snapshot
+# ------------------------------------------------------------------ gc never deletes a committed snapshot
 
 
 @pytest.mark.parametrize("name", [".a.hsnap.hsnap-tmp-{pid}-0a1b2c3d", ".a.hsnap-staging-{pid}-0a1b2c3d", "x.hsnap-tmp-1", ".hsnap-pending"])
-def test_item1_writers_refuse_leftover_names_as_final_names(tmp_path, name):
+def test_writers_refuse_leftover_names_as_final_names(tmp_path, name):
     final = tmp_path / name.format(pid=_dead_pid())
     ident, geom, rec, state = cc.tiny()
     with pytest.raises(hf.ReservedNameError, match="final name"):
@@ -80,7 +79,7 @@ def test_item1_writers_refuse_leftover_names_as_final_names(tmp_path, name):
     assert os.listdir(tmp_path) == []
 
 
-def test_item1_a_committed_file_renamed_into_a_dead_writers_temporary_name_survives(tmp_path):
+def test_a_committed_file_renamed_into_a_dead_writers_temporary_name_survives(tmp_path):
     golden = _single(tmp_path / "g.hsnap")
     data = open(golden, "rb").read()
     victim = tmp_path / f".a.hsnap.hsnap-tmp-{_dead_pid()}-0a1b2c3d"
@@ -91,7 +90,7 @@ def test_item1_a_committed_file_renamed_into_a_dead_writers_temporary_name_survi
     assert open(victim, "rb").read() == data
 
 
-def test_item1_a_committed_set_renamed_into_a_dead_writers_staging_name_survives(tmp_path):
+def test_a_committed_set_renamed_into_a_dead_writers_staging_name_survives(tmp_path):
     cc.write_set(str(tmp_path / "set"))
     victim = tmp_path / f".set.hsnap-staging-{_dead_pid()}-0a1b2c3d"
     os.rename(tmp_path / "set", victim)
@@ -102,22 +101,22 @@ def test_item1_a_committed_set_renamed_into_a_dead_writers_staging_name_survives
         s.verify()
 
 
-def test_item1_a_user_directory_with_a_staging_like_name_is_not_emptied(tmp_path):
+def test_a_user_directory_with_a_staging_like_name_is_not_emptied(tmp_path):
     runs = tmp_path / f".runs.hsnap-staging-{_dead_pid()}-0a1b2c3d"
     runs.mkdir()
-    for name, seed in (("a.hsnap", 0), ("b.hsnap", 1)):  # moved in: writers refuse such a directory (issue 18 item 2)
+    for name, seed in (("a.hsnap", 0), ("b.hsnap", 1)):  # moved in: writers refuse such a directory
         os.rename(_single(tmp_path / name, seed), runs / name)
     [item] = hgc.collect(tmp_path, remove=True, older_than=0)
     assert item.action == "kept" and "marker" in item.reason, item
     assert sorted(os.listdir(runs)) == ["a.hsnap", "b.hsnap"]
 
 
-def test_item1_a_snapshot_swapped_in_between_scan_and_removal_is_handed_back(tmp_path):
+def test_a_snapshot_swapped_in_between_scan_and_removal_is_handed_back(tmp_path):
     """Scan proves a real leftover; before removal a committed set takes its name (an
     ext4 inode number may even be reused): gc re-proves what it holds and gives it back."""
     cc.write_set(str(tmp_path / "set"))
     stg = tmp_path / f".s.hsnap-staging-{_dead_pid()}-0a1b2c3d"
-    _fs.make_staging_dir(str(stg))
+    localfs.make_staging_dir(str(stg))
     [item] = hgc.scan(tmp_path)
     assert item.removable
     shutil.rmtree(stg)
@@ -129,7 +128,7 @@ def test_item1_a_snapshot_swapped_in_between_scan_and_removal_is_handed_back(tmp
     # the same for a single file
     g = _single(tmp_path / "g.hsnap")
     tmp = tmp_path / f".a.hsnap.hsnap-tmp-{_dead_pid()}-0a1b2c3d"
-    tmp.write_bytes(_fs.pending_preamble("x") + b"data")
+    tmp.write_bytes(localfs.pending_preamble("x") + b"data")
     [item] = [i for i in hgc.scan(tmp_path) if i.kind == hgc.FILE]
     os.unlink(tmp)
     os.rename(g, tmp)
@@ -139,7 +138,7 @@ def test_item1_a_snapshot_swapped_in_between_scan_and_removal_is_handed_back(tmp
         s.verify()
 
 
-def test_item1_real_leftovers_of_dead_writers_are_still_removed(tmp_path):
+def test_real_leftovers_of_dead_writers_are_still_removed(tmp_path):
     """The positive side: what a killed writer really leaves is proved and removed —
     also when it was killed in the commit's long fsync (the magic is written after it)."""
     _, seq, _, _ = cc.fork_trial(cc.write_single, str(tmp_path / "probe.hsnap"))
@@ -156,7 +155,7 @@ def test_item1_real_leftovers_of_dead_writers_are_still_removed(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_item1_set_commit_keeps_a_marker_or_a_manifest_at_every_instant(tmp_path, monkeypatch):
+def test_set_commit_keeps_a_marker_or_a_manifest_at_every_instant(tmp_path, monkeypatch):
     seen = []
 
     def hook(phase):
@@ -165,16 +164,16 @@ def test_item1_set_commit_keeps_a_marker_or_a_manifest_at_every_instant(tmp_path
             names = set(os.listdir(tmp_path / st[0]))
             seen.append((phase, hf.spec.PENDING_MARKER in names, "manifest.json" in names))
 
-    monkeypatch.setattr(_fs, "phase_hook", hook)
+    monkeypatch.setattr(localfs, "phase_hook", hook)
     cc.write_set(str(tmp_path / "set"))
     assert seen and all(marker or manifest for _, marker, manifest in seen), seen
     assert sorted(os.listdir(tmp_path / "set")) == ["manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
 
 
-# ------------------------------------------------------------------ item 2: verify reads and hashes every time
+# ------------------------------------------------------------------ verify reads and hashes every time
 
 
-def test_item2_verify_again_after_an_in_place_change_fails(tmp_path):
+def test_verify_again_after_an_in_place_change_fails(tmp_path):
     p = _single(tmp_path / "a.hsnap")
     with hf.open(p) as snap:
         snap.verify()
@@ -193,7 +192,7 @@ def test_item2_verify_again_after_an_in_place_change_fails(tmp_path):
         assert [e is not None for _, e in snap.iter_verify()].count(True) == 2
 
 
-# ------------------------------------------------------------------ item 4: unreadable directory or manifest
+# ------------------------------------------------------------------ unreadable directory or manifest
 
 
 def _as_nobody(fn) -> dict:
@@ -220,7 +219,7 @@ def _as_nobody(fn) -> dict:
     return json.loads(data)
 
 
-def test_item4_unreadable_directory_or_manifest_is_a_typed_error(capsys):
+def test_unreadable_directory_or_manifest_is_a_typed_error(capsys):
     import tempfile
     from pathlib import Path
 
@@ -260,7 +259,7 @@ def test_item4_unreadable_directory_or_manifest_is_a_typed_error(capsys):
                    "manifest": "HsnapIOError", "manifest-info": 1, "manifest-verify": 1, "manifest-viewer": "HsnapIOError"}, res
 
 
-# ------------------------------------------------------------------ item 6: no SIGBUS through the public read paths
+# ------------------------------------------------------------------ no SIGBUS through the public read paths
 
 
 def _truncate_under(path, fn, verified_first=False):
@@ -281,7 +280,7 @@ def _truncate_under(path, fn, verified_first=False):
 
 
 @pytest.mark.parametrize("path_name", ["read", "read_nov", "record", "record_nov", "array_verify", "stats", "section_bytes", "iter_chunks", "verify"])
-def test_item6_reads_of_a_truncated_file_are_typed_not_sigbus(tmp_path, path_name):
+def test_reads_of_a_truncated_file_are_typed_not_sigbus(tmp_path, path_name):
     calls = {
         "read": lambda s, f: s.read(f),
         "read_nov": lambda s, f: s.read(f, verify=False),
@@ -299,7 +298,7 @@ def test_item6_reads_of_a_truncated_file_are_typed_not_sigbus(tmp_path, path_nam
         assert (code, sig) == (7, None), (path_name, verified_first, code, sig)
 
 
-def test_item6_diff_and_cli_of_a_truncated_file_are_typed(tmp_path):
+def test_diff_and_cli_of_a_truncated_file_are_typed(tmp_path):
     a = _single(tmp_path / "a.hsnap")
     b = _single(tmp_path / "b.hsnap")
 
@@ -316,15 +315,15 @@ def test_item6_diff_and_cli_of_a_truncated_file_are_typed(tmp_path):
     assert cli.main(["diff", a, b]) == 2  # b is truncated now: refused at open
 
 
-def test_item6_mapped_views_say_so():
+def test_mapped_views_say_so():
     for fn in (hf.Snapshot.array, hf.Snapshot.raw):
         assert "SIGBUS" in fn.__doc__
 
 
-# ------------------------------------------------------------------ item 7: a file shrinking while open runs
+# ------------------------------------------------------------------ a file shrinking while open runs
 
 
-def test_item7_a_file_shrinking_during_open_gives_typed_errors(tmp_path):
+def test_a_file_shrinking_during_open_gives_typed_errors(tmp_path):
     p = _single(tmp_path / "a.hsnap")
     data = open(p, "rb").read()
     stop = threading.Event()
@@ -361,14 +360,14 @@ def test_item7_a_file_shrinking_during_open_gives_typed_errors(tmp_path):
     assert outcomes["typed"] > 0, outcomes
 
 
-# ------------------------------------------------------------------ item 8: descriptors
+# ------------------------------------------------------------------ descriptors
 
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_item8_unclosed_snapshots_do_not_leak_descriptors(tmp_path):
+def test_unclosed_snapshots_do_not_leak_descriptors(tmp_path):
     p = _single(tmp_path / "a.hsnap")
     pygc.collect()
     before = _fds()
@@ -378,7 +377,7 @@ def test_item8_unclosed_snapshots_do_not_leak_descriptors(tmp_path):
     assert _fds() - before <= 2
 
 
-def test_item8_one_descriptor_per_open_rank(tmp_path):
+def test_one_descriptor_per_open_rank(tmp_path):
     cc.write_set(str(tmp_path / "set"))
     before = _fds()
     with hf.open(tmp_path / "set") as s:
@@ -388,10 +387,10 @@ def test_item8_one_descriptor_per_open_rank(tmp_path):
     assert _fds() == before
 
 
-# ------------------------------------------------------------------ item 13: diff verifies both sides
+# ------------------------------------------------------------------ diff verifies both sides
 
 
-def test_item13_diff_reports_a_side_that_fails_its_digests(tmp_path, capsys):
+def test_diff_reports_a_side_that_fails_its_digests(tmp_path, capsys):
     a = _single(tmp_path / "a.hsnap")
     b = _single(tmp_path / "b.hsnap")
     with hf.open(b) as s:
@@ -440,7 +439,7 @@ def test_low_record_refuses_values_int32_or_tuples_would_change(field, value):
 
 
 def test_low_set_writer_never_replaces_an_empty_directory_without_noreplace(tmp_path, monkeypatch):
-    monkeypatch.setattr(_fs, "_renameat2", None)  # a filesystem without RENAME_NOREPLACE
+    monkeypatch.setattr(localfs, "_renameat2", None)  # a filesystem without RENAME_NOREPLACE
     w = hf.SetWriter(tmp_path / "set")
     for r in range(2):
         ident, geom, rec, state = cc.tiny(tp_size=2, tp_rank=r, snapshot_id="s")
@@ -463,7 +462,7 @@ def test_low_set_writer_removes_its_staging_after_a_failed_commit(tmp_path, monk
         if phase == "manifest-written":
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_fs, "phase_hook", full)
+    monkeypatch.setattr(localfs, "phase_hook", full)
     with pytest.raises(hf.HsnapIOError):
         w.commit(tp_size=2)
     assert os.listdir(tmp_path) == []
@@ -491,8 +490,8 @@ def test_low_error_text_quotes_strings_and_stays_on_one_line():
     assert escape("\\x1b") == "\\\\x1b" and escape("\x1b") == "\\x1b" and escape("é") == "é"
 
 
-def test_item1_a_temporary_file_is_named_an_unfinished_write_by_the_reader(tmp_path):
+def test_a_temporary_file_is_named_an_unfinished_write_by_the_reader(tmp_path):
     t = tmp_path / f".a.hsnap.hsnap-tmp-{os.getpid()}-0a1b2c3d"
-    t.write_bytes(_fs.pending_preamble("x") + bytes(4096))
+    t.write_bytes(localfs.pending_preamble("x") + bytes(4096))
     with pytest.raises(hf.BadMagicError, match="unfinished write.*hsnap gc"):
         hf.open(t)

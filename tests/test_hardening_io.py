@@ -1,5 +1,5 @@
-"""Restore-path hardening, issue 10 items 9-12 (and the CUDA engine items of issue 15
-that share item 9's cause). Real SGLang pools on CPU; every restore is checked byte
+"""Restore-path hardening: float8 storage, zero positions, any target page size, paged
+SWA (and the CUDA engine's byte moves, which share the float8 cause). Real SGLang pools on CPU; every restore is checked byte
 for byte against the source rows, every refusal against the pool fingerprint.
 
   9   float8 pools stored natively: restore into fragmented slots, the rollback, and
@@ -22,10 +22,9 @@ torch = pytest.importorskip("torch")
 from io_cases import identity, record  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import UnsupportedPoolError, export_request, restore_request  # noqa: E402
-from hsnap_io import restore as restore_mod  # noqa: E402
-from hsnap_io import statecheck, transfer  # noqa: E402
+from hsnap_io import checks, slots, statecheck, transfer  # noqa: E402
 from hsnap_io.adapters import TORCH_DTYPES  # noqa: E402
 
 N = 45
@@ -130,11 +129,11 @@ def _flaky_upload(monkeypatch, fail_at=4):
     return calls
 
 
-# ------------------------------------------------------------------ item 9: float8 storage
+# ------------------------------------------------------------------ float8 storage
 
 
 @pytest.mark.parametrize("exact_rollback", [False, True])
-def test_item9_fp8_native_restore_into_fragmented_slots(tmp_path, exact_rollback):
+def test_fp8_native_restore_into_fragmented_slots(tmp_path, exact_rollback):
     src, req = _source("mha_fp8_native", 1)
     assert all(b.dtype == torch.float8_e4m3fn for b in src.kv_pool.k_buffer)
     path = _export(src, req, str(tmp_path / "fp8.hsnap"))
@@ -144,7 +143,7 @@ def test_item9_fp8_native_restore_into_fragmented_slots(tmp_path, exact_rollback
     _assert_restored(src, req, tgt, res)
 
 
-def test_item9_fp8_native_failed_restore_with_exact_rollback_leaves_pools_identical(tmp_path, monkeypatch):
+def test_fp8_native_failed_restore_with_exact_rollback_leaves_pools_identical(tmp_path, monkeypatch):
     src, req = _source("mha_fp8_native", 1)
     path = _export(src, req, str(tmp_path / "fp8.hsnap"))
     tgt = _target("mha_fp8_native", 1, fragmented=True)
@@ -153,7 +152,7 @@ def test_item9_fp8_native_failed_restore_with_exact_rollback_leaves_pools_identi
     assert calls["n"] == 4 and "Input/output error" in str(err)
 
 
-def test_item9_rollback_puts_allocations_back_even_when_a_row_restore_fails(tmp_path, monkeypatch):
+def test_rollback_puts_allocations_back_even_when_a_row_restore_fails(tmp_path, monkeypatch):
     """A byte restore that fails must not stop the rest of the rollback: free lists,
     request rows, req_generation and mappings come back; a typed error names the part
     that could not be put back."""
@@ -180,7 +179,7 @@ def test_item9_rollback_puts_allocations_back_even_when_a_row_restore_fails(tmp_
     assert isinstance(info.value.__cause__, OSError)  # the failure that started the rollback
 
 
-def test_item9_any_upload_failure_is_a_typed_error_naming_the_section(tmp_path, monkeypatch):
+def test_any_upload_failure_is_a_typed_error_naming_the_section(tmp_path, monkeypatch):
     """Whatever fails inside the upload (a missing torch kernel was one), the caller gets
     an HsnapError naming the section, and every allocation is given back."""
     src, req = _source("hybrid_linear", 1)
@@ -196,12 +195,12 @@ def test_item9_any_upload_failure_is_a_typed_error_naming_the_section(tmp_path, 
         return real(self, buffer, rows, src_)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", no_kernel)
-    err = _refused(path, tgt, restore_mod.UploadError, exact_rollback=True)
+    err = _refused(path, tgt, slots.UploadError, exact_rollback=True)
     assert err.field == "sections[attn.1.k]" and "NotImplementedError" in str(err)
 
 
 @pytest.mark.parametrize("src_kind,tgt_kind", [("mha_fp8", "mha_fp8_native"), ("mha_fp8_native", "mha_fp8")])
-def test_item9_fp8_stored_as_uint8_and_native_fp8_restore_into_each_other(tmp_path, src_kind, tgt_kind):
+def test_fp8_stored_as_uint8_and_native_fp8_restore_into_each_other(tmp_path, src_kind, tgt_kind):
     src, req = _source(src_kind, 1)
     path = _export(src, req, str(tmp_path / "fp8.hsnap"))
     with hf.open(path) as snap:
@@ -212,7 +211,7 @@ def test_item9_fp8_stored_as_uint8_and_native_fp8_restore_into_each_other(tmp_pa
 
 
 @pytest.mark.parametrize("tgt_kind", ["mha_fp8", "mha_fp8_native"])
-def test_item9_another_fp8_format_is_still_refused(tmp_path, tgt_kind):
+def test_another_fp8_format_is_still_refused(tmp_path, tgt_kind):
     src, req = _source("mha_fp8", 1)
     path = _export(src, req, str(tmp_path / "e4m3.hsnap"))
     tgt = _target(tgt_kind, 1, dtype=torch.float8_e5m2)
@@ -232,11 +231,11 @@ def test_item9_another_fp8_format_is_still_refused(tmp_path, tgt_kind):
         (("bfloat16", "bfloat16"), ("bfloat16", "uint8"), True),
     ],
 )
-def test_item9_storage_rule_is_same_format_or_its_byte_view(target, snap, differs):
+def test_storage_rule_is_same_format_or_its_byte_view(target, snap, differs):
     base = hf.AttentionGeometry(kind="mha", layers=(0,), heads=1, k_head_dim=8, v_head_dim=8, dtype="bfloat16", storage_dtype="bfloat16")
     t = dataclasses.replace(base, dtype=target[0], storage_dtype=target[1])
     s = dataclasses.replace(base, dtype=snap[0], storage_dtype=snap[1])
-    assert restore_mod._storage_differs(t, s) is differs
+    assert checks.storage_differs(t, s) is differs
 
 
 def _random_bytes(shape, dtype, gen):
@@ -255,7 +254,7 @@ _LAYOUTS = [
 
 
 @pytest.mark.parametrize("dtype", list(TORCH_DTYPES), ids=lambda d: str(d).split(".")[-1])
-def test_item9_host_engine_moves_every_dtype_bytewise(tmp_path, dtype):
+def test_host_engine_moves_every_dtype_bytewise(tmp_path, dtype):
     """No element type can miss a gather/scatter kernel: every dtype hsnap names goes
     out of and into fragmented rows (numpy source and file source) byte-exact."""
     gen = torch.Generator().manual_seed(3)
@@ -265,7 +264,7 @@ def test_item9_host_engine_moves_every_dtype_bytewise(tmp_path, dtype):
         base = _random_bytes(shape, dtype, gen)
         buf = layout(base)
         out = bytearray()
-        transfer.HostEngine(staging_bytes=64).export_section(buf, rows, lambda d, first, last: out.extend(bytes(d)))
+        transfer.HostEngine(staging_bytes=64).export_section(buf, rows, lambda d, first, last: out.extend(bytes(d)))  # noqa: B023 (runs within the call)
         assert bytes(out) == _raw(buf[rows]).numpy().tobytes(), shape
         blob = _raw(_random_bytes((len(rows), *buf.shape[1:]), dtype, gen)).numpy().tobytes()
         for how in ("numpy", "file"):
@@ -286,12 +285,12 @@ def test_item9_host_engine_moves_every_dtype_bytewise(tmp_path, dtype):
             assert torch.equal(_raw(tgt[others]), keep), (how, shape)  # other rows untouched
 
 
-# ------------------------------------------------------------------ item 10: zero positions
+# ------------------------------------------------------------------ zero positions
 
 
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("kind", sp.KINDS + sp.EXTRA_KINDS)
-def test_item10_zero_committed_positions_export_and_restore(tmp_path, kind, page):
+def test_zero_committed_positions_export_and_restore(tmp_path, kind, page):
     src, req = _source(kind, page, n=0)
     path = _export(src, req, str(tmp_path / "zero.hsnap"), n=0)
     with hf.open(path) as snap:
@@ -306,7 +305,7 @@ def test_item10_zero_committed_positions_export_and_restore(tmp_path, kind, page
     _assert_restored(src, req, tgt, res, n=0)
 
 
-# ------------------------------------------------------------------ item 11: any target page size
+# ------------------------------------------------------------------ any target page size
 
 PAGE_CASES = [
     ("mha", 16, 1),
@@ -323,7 +322,7 @@ PAGE_CASES = [
 
 @pytest.mark.parametrize("fragmented", [False, True], ids=["contiguous", "fragmented"])
 @pytest.mark.parametrize("kind,src_page,tgt_page", PAGE_CASES, ids=[f"{k}-{a}to{b}" for k, a, b in PAGE_CASES])
-def test_item11_per_token_sections_restore_into_any_page_size(tmp_path, kind, src_page, tgt_page, fragmented):
+def test_per_token_sections_restore_into_any_page_size(tmp_path, kind, src_page, tgt_page, fragmented):
     src, req = _source(kind, src_page, evict=16)
     path = _export(src, req, str(tmp_path / "p.hsnap"))
     tgt = _target(kind, tgt_page, fragmented=fragmented)
@@ -335,7 +334,7 @@ def test_item11_per_token_sections_restore_into_any_page_size(tmp_path, kind, sr
 
 
 @pytest.mark.parametrize("kind,src_page,tgt_page", [("mha", 16, 64), ("swa", 1, 16), ("swa_mamba", 16, 16)])
-def test_item11_12_failed_paged_restore_rolls_back_exactly(tmp_path, monkeypatch, kind, src_page, tgt_page):
+def test_failed_paged_restore_rolls_back_exactly(tmp_path, monkeypatch, kind, src_page, tgt_page):
     """Paged allocation (alloc_extend, SWA pages freed below swa_start) is rolled back
     exactly too: pages, both SWA sides, the full->SWA mapping, every byte."""
     src, req = _source(kind, src_page, evict=20)
@@ -346,7 +345,7 @@ def test_item11_12_failed_paged_restore_rolls_back_exactly(tmp_path, monkeypatch
     assert calls["n"] == 4
 
 
-def test_item11_capacity_counts_pages_of_the_target(tmp_path):
+def test_capacity_counts_pages_of_the_target(tmp_path):
     src, req = _source("mha", 64)  # 45 tokens: one page of 64 in the source
     path = _export(src, req, str(tmp_path / "p64.hsnap"))
     fits = sp.build("mha", size=128, page_size=16, seed=9)
@@ -358,14 +357,14 @@ def test_item11_capacity_counts_pages_of_the_target(tmp_path):
     assert "token slots: need 48, free 32" in str(err)
 
 
-# ------------------------------------------------------------------ item 12: paged SWA
+# ------------------------------------------------------------------ paged SWA
 
 
 @pytest.mark.parametrize(
     "kind,src_page,tgt_page,evict",
     [("swa", 16, 16, 16), ("swa_mamba", 16, 16, 32), ("swa", 16, 1, 16), ("swa", 1, 16, 20), ("swa_mamba", 1, 16, 8)],
 )
-def test_item12_paged_swa_snapshots_restore(tmp_path, kind, src_page, tgt_page, evict):
+def test_paged_swa_snapshots_restore(tmp_path, kind, src_page, tgt_page, evict):
     """SGLang 0.5.23 pages SWA on CPU (alloc_extend, free_swa_segment), so hsnap restores
     paged SWA: SWA slots for every position from swa_start, freed in whole target pages
     below it."""
@@ -383,7 +382,7 @@ def test_item12_paged_swa_snapshots_restore(tmp_path, kind, src_page, tgt_page, 
     _assert_restored(src, req, tgt, res)
 
 
-def test_item12_swa_pool_without_a_slot_mapping_is_refused_before_writing(tmp_path):
+def test_swa_pool_without_a_slot_mapping_is_refused_before_writing(tmp_path):
     """A per-request SWA ring has no full->SWA mapping: its rows cannot be exported,
     so nothing may be written (a snapshot nobody can restore)."""
     src, req = _source("swa", 1)
@@ -394,7 +393,7 @@ def test_item12_swa_pool_without_a_slot_mapping_is_refused_before_writing(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-# ------------------------------------------------------------------ CUDA engine, on CPU (issue 15)
+# ------------------------------------------------------------------ CUDA engine, on CPU
 
 
 @pytest.mark.parametrize(

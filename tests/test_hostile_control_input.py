@@ -10,7 +10,7 @@ import pytest
 
 import hsnap_format as hf
 from hsnap_format.controljson import loads_bounded, read_control
-from hsnap_format.storage import store_for
+from hsnap_format.stores import store_for
 
 HOSTILE_FILES = {
     "deep-8000": b"[" * 8000,
@@ -70,7 +70,7 @@ def _source_and_target(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["deep-8000", "not-utf8", "huge"])
-def test_migration_source_caught_up_on_a_hostile_refused_json_is_a_typed_migration_error(tmp_path, name):
+def test_source_caught_up_on_a_hostile_refused_json_is_a_typed_migration_error(tmp_path, name):
     from hsnap_io.migrate import REFUSED_NAME, MigrationError
 
     src, _ = _source_and_target(tmp_path)
@@ -81,7 +81,7 @@ def test_migration_source_caught_up_on_a_hostile_refused_json_is_a_typed_migrati
 
 
 @pytest.mark.parametrize("name", ["deep-8000", "not-utf8", "huge"])
-def test_migration_target_step_on_a_hostile_abandoned_json_is_a_typed_migration_error(tmp_path, name):
+def test_target_step_on_a_hostile_abandoned_json_is_a_typed_migration_error(tmp_path, name):
     from hsnap_io.migrate import ABANDONED_NAME, MigrationError
 
     src, tgt = _source_and_target(tmp_path)
@@ -108,7 +108,7 @@ def test_error_answers_echo_a_capped_part_of_what_they_name():
 
 
 def test_error_answers_never_name_the_object_store_endpoint():
-    from hsnap_format.remote import RemoteIOError
+    from hsnap_format.stores.s3.client import RemoteIOError
     from hsnap_sglang.errors import error_dict
 
     d = error_dict(RemoteIOError("s3://bucket/a.hsnap", "get at http://10.1.2.3:8333/store", OSError(5, "SlowDown (HTTP 503)")))
@@ -138,7 +138,7 @@ def test_scheduler_handler_that_raises_answers_its_message_typed_and_returns():
 def test_hook_body_that_raises_is_logged_and_gives_its_default():
     from hsnap_sglang.containment import guarded
 
-    assert guarded("counting forwards", lambda: [][1], default=[]) == []
+    assert guarded("counting forwards", lambda: [][1], default=[]) == []  # noqa: PLE0643 (the hook body must raise)
     assert guarded("counting forwards", lambda x: x + 1, 1) == 2
 
 
@@ -175,7 +175,7 @@ def test_server_plugin_reads_no_test_seam_from_its_environment():
 
     import hsnap_sglang
 
-    for path in Path(hsnap_sglang.__file__).parent.glob("*.py"):
+    for path in Path(hsnap_sglang.__file__).parent.rglob("*.py"):
         for name in re.findall(r"""environ(?:\.get)?\(?\[?\s*["']([A-Z0-9_]+)["']""", path.read_text()):
             assert "TEST" not in name, (path.name, name)
 

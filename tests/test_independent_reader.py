@@ -530,7 +530,7 @@ def test_sharding_description_refused(label, edit, field):
 
 def test_undescribed_kinds_are_allowed():
     """Spec 5.7: a null kind is "not described", not an error; an absent one is (5.6, R-5.6-4:
-    the three keys are required, issue 18 item 10)."""
+    the three keys are required)."""
     ir.parse_snapshot(_rank1(lambda sh: sh.update(conv=None, temporal=None)), "x")
     with pytest.raises(ir.HsnapSpecError) as e:
         ir.parse_snapshot(_rank1(lambda sh: sh.clear()), "x")

@@ -15,8 +15,7 @@ import xxhash  # noqa: E402
 from io_cases import export_from, identity, record, source, target  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-from hsnap_format.spec import PREAMBLE  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import NumericsWarning, UnsupportedPoolError, restore_request, view_pools  # noqa: E402
 from hsnap_io import transfer  # noqa: E402
 
@@ -65,7 +64,7 @@ def test_wrong_layout_is_refused(snap_path):
 
 
 def test_other_head_count_is_refused_whatever_the_page_size(tmp_path):
-    # the page size is no geometry difference (spec 5.2; tests/test_hardening_io.py item 11)
+    # the page size is no geometry difference (spec 5.2; tests/test_hardening_io.py, any target page size)
     p = str(tmp_path / "mha16.hsnap")
     _export(p, "mha", 16)
     other = sp.build("mha", size=1024, page_size=64, seed=9, head_num=4)
@@ -93,7 +92,7 @@ def test_corrupted_section_is_refused_before_any_allocation(snap_path, tmp_path)
         b = f.read(1)
         f.seek(sec.offset + sec.length // 2)
         f.write(bytes([b[0] ^ 0x10]))
-    # verified as it lands in the slots (issue 15): the allocations are given back; the
+    # verified as it lands in the slots: the allocations are given back; the
     # freed slots' old bytes too with exact_rollback (tests/test_perf_restore.py: without)
     err = _restore_refused(str(p), target(KIND, 1), hf.DigestMismatchError, exact_rollback=True)
     assert sec.name in str(err)

@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 from io_cases import CASES, case_id, export_from, record, rows_as_bytes, source  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

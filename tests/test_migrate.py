@@ -1,8 +1,8 @@
-"""Live migration of a request between two processes (issue 20 item 4): the source pre-copies
+"""Live migration of a request between two processes: the source pre-copies
 a plain snapshot and deltas while it decodes, stops, writes the last delta; the target applies
 each link as it arrives into its own SGLang pools and decodes on (hsnap_io.migrate).
 
-The two-process test runs the tiny hybrid model through real SGLang pools (hsnap_io.demo.migration);
+The two-process test runs the tiny hybrid model through real SGLang pools (hsnap_testing.migration);
 the others drive MigrationSource / MigrationTarget directly on SGLang's pool classes."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 import chain_cases as cc  # noqa: E402
 import io_cases as ic  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child(role: str, spec_path, result, wait: bool = True):
-    cmd = [sys.executable, "-m", "hsnap_io.demo.migration", role, "--spec", str(spec_path), "--result", str(result)]
+    cmd = [sys.executable, "-m", "hsnap_testing.migration", role, "--spec", str(spec_path), "--result", str(result)]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if wait:
         _wait(p, role)
@@ -48,7 +48,7 @@ def _wait(p, role: str) -> None:
     assert p.returncode == 0, f"{role} child failed:\n{err[-3000:]}"
 
 
-def test_item4_live_migration_between_two_processes_continues_exactly_under_a_grammar(tmp_path):
+def test_live_migration_between_two_processes_continues_exactly_under_a_grammar(tmp_path):
     """Source and target are two processes with their own SGLang pools; the request is
     grammar-constrained (xgrammar through SGLang's backend; the target re-derives the matcher
     from the record). Tokens and logprobs equal the uninterrupted run's, bit for bit."""
@@ -124,7 +124,7 @@ def _same_as_direct(target_ps, got, direct_path) -> bool:
 
 
 @pytest.mark.parametrize("kind,page", [("hybrid_linear", 1), ("mha", 16)], ids=["hybrid_linear-p1", "mha-p16"])
-def test_item4_target_applies_each_link_into_the_same_request(kind, page, tmp_path):
+def test_target_applies_each_link_into_the_same_request(kind, page, tmp_path):
     """Each delta's rows land in slots allocated after the request's (paged: SGLang's alloc_extend
     after the last slot), its state over the request's Mamba slot; the result is the request a
     plain restore at the last position gives."""
@@ -156,7 +156,7 @@ def _refused(tgt: MigrationTarget, ps, path, exc_type):
     return info.value
 
 
-def test_item4_delta_whose_base_is_not_the_applied_link_is_refused_pools_identical(tmp_path):
+def test_delta_whose_base_is_not_the_applied_link_is_refused_pools_identical(tmp_path):
     ps, req = cc.source("hybrid_linear")
     links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
     other = _migrate(*cc.source("hybrid_linear"), "hybrid_linear", tmp_path / "b")  # the same request, another migration
@@ -175,7 +175,7 @@ def test_item4_delta_whose_base_is_not_the_applied_link_is_refused_pools_identic
     assert _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")
 
 
-def test_item4_delta_with_changed_bytes_is_refused_pools_identical(tmp_path):
+def test_delta_with_changed_bytes_is_refused_pools_identical(tmp_path):
     ps, req = cc.source("hybrid_linear")
     links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
     t = ic.target("hybrid_linear", 1)
@@ -193,7 +193,7 @@ def test_item4_delta_with_changed_bytes_is_refused_pools_identical(tmp_path):
     assert tgt.request.state_position == cc.POSITIONS[1]
 
 
-def test_item4_target_too_small_for_a_delta_is_refused_pools_identical(tmp_path):
+def test_target_too_small_for_a_delta_is_refused_pools_identical(tmp_path):
     ps, req = cc.source("hybrid_linear")
     links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
     t = sp.build("hybrid_linear", size=32, page_size=1, seed=9)  # room for the base (24 rows), not for all deltas
@@ -204,7 +204,7 @@ def test_item4_target_too_small_for_a_delta_is_refused_pools_identical(tmp_path)
     assert "token slots" in str(e)
 
 
-def test_item4_final_apply_reads_only_the_last_link(tmp_path):
+def test_final_apply_reads_only_the_last_link(tmp_path):
     """The downtime path: with every earlier link's bytes changed in place after it was applied,
     the last delta still applies (it reads, hashes and uploads only itself) and the request is
     exact; had it read any earlier byte, the digest would refuse it."""
@@ -224,7 +224,7 @@ def test_item4_final_apply_reads_only_the_last_link(tmp_path):
     assert _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")
 
 
-def test_item4_migration_through_an_object_store(s3server, tmp_path):
+def test_migration_through_an_object_store(s3server, tmp_path):
     """The same migration with the links under an s3:// prefix (SeaweedFS): the storage seam
     is the transport; the target reads each link with ranged GETs, hashed as they land."""
     opts = s3server.options()
@@ -245,7 +245,7 @@ def test_item4_migration_through_an_object_store(s3server, tmp_path):
     assert _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")
 
 
-def test_item4_delta_changed_during_its_upload_is_rolled_back(tmp_path, monkeypatch):
+def test_delta_changed_during_its_upload_is_rolled_back(tmp_path, monkeypatch):
     """A link whose bytes change after it was checked (a writer over the same file): the upload
     hashes what lands, refuses at the last section, and gives back the link's slots, the
     request's row and its Mamba slot (overwritten by then) — exactly, with exact_rollback."""
@@ -261,7 +261,7 @@ def test_item4_delta_changed_during_its_upload_is_rolled_back(tmp_path, monkeypa
     original = open(links[1], "rb").read()
     import hsnap_io.migrate as mig
 
-    upload = mig._upload_piece
+    upload = mig.upload_piece
 
     def change_then_upload(engine, b, rows, piece, check):  # a writer over the file while it is uploaded
         if b.name == last.name:
@@ -270,7 +270,7 @@ def test_item4_delta_changed_during_its_upload_is_rolled_back(tmp_path, monkeypa
                 f.write(bytes([original[last.offset] ^ 0x01]))
         return upload(engine, b, rows, piece, check)
 
-    monkeypatch.setattr(mig, "_upload_piece", change_then_upload)
+    monkeypatch.setattr(mig, "upload_piece", change_then_upload)
     e = _refused(tgt, t, links[1], hf.DigestMismatchError)
     assert last.name in e.field
     monkeypatch.undo()
@@ -281,7 +281,7 @@ def test_item4_delta_changed_during_its_upload_is_rolled_back(tmp_path, monkeypa
     assert _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")
 
 
-def test_item4_bench_migrate_runs_and_writes_its_table(tmp_path):
+def test_bench_migrate_runs_and_writes_its_table(tmp_path):
     """bench/migrate.py end to end at one small length (its figures are not asserted: speed
     belongs in bench/); the first token after every method equals the source's own."""
     out = tmp_path / "MIGRATE.md"
@@ -297,7 +297,7 @@ def test_item4_bench_migrate_runs_and_writes_its_table(tmp_path):
     assert raw["methods"]["live"]["rows"] == 4 < raw["methods"]["stop"]["rows"]  # only the tail on the downtime path
 
 
-def test_item4_follow_without_links_is_a_typed_timeout_and_a_stopped_source_writes_no_more(tmp_path):
+def test_follow_without_links_is_a_typed_timeout_and_a_stopped_source_writes_no_more(tmp_path):
     from hsnap_io.migrate import MigrationError
 
     t = ic.target("hybrid_linear", 1)
@@ -318,7 +318,7 @@ def test_item4_follow_without_links_is_a_typed_timeout_and_a_stopped_source_writ
     assert [(a.final, a.rows) for a in applied] == [(True, cc.POSITIONS[0])]
 
 
-def test_item4_accept_hook_refusal_leaves_pools_identical_and_the_link_still_applies(tmp_path):
+def test_accept_hook_refusal_leaves_pools_identical_and_the_link_still_applies(tmp_path):
     """``apply(accept=...)``: the caller's own check (a scheduler's: can this request run here?) runs after every
     check of the link and before anything is allocated; what it raises refuses the link like the checks do."""
     ps, req = cc.source("hybrid_linear")
@@ -345,7 +345,7 @@ def test_item4_accept_hook_refusal_leaves_pools_identical_and_the_link_still_app
     assert tgt.request.state_position == cc.POSITIONS[-1]
 
 
-def test_item4_abandoned_migration_is_a_typed_error_for_the_follower_and_release_gives_every_slot_back(tmp_path):
+def test_abandoned_migration_is_typed_for_the_follower_and_release_frees_every_slot(tmp_path):
     """A source that gives up (``MigrationSource.abandon``) says why in ``abandoned.json``; the following target's
     ``step`` raises MigrationError naming it; ``release`` gives back what was applied: the pools' free counts are
     as before the first link."""
@@ -371,7 +371,7 @@ def test_item4_abandoned_migration_is_a_typed_error_for_the_follower_and_release
             t.req_to_token_pool.available_size()) == free
 
 
-def test_item4_target_refusal_stops_the_source_with_the_targets_reason(tmp_path):
+def test_target_refusal_stops_the_source_with_the_targets_reason(tmp_path):
     """``MigrationTarget.refuse`` puts refused.json (the target's typed reason): the source's ``caught_up`` raises
     MigrationError saying it, instead of waiting for an ``.applied`` marker that never comes."""
     from hsnap_io.migrate import REFUSED_NAME, MigrationError
@@ -392,8 +392,8 @@ def test_item4_target_refusal_stops_the_source_with_the_targets_reason(tmp_path)
     assert info.value.path.endswith(REFUSED_NAME) and "refused by the target: CapacityError" in str(info.value)
 
 
-def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path, monkeypatch):
-    """Found by ``scripts/mutate.py --target migrate``: step() applied the link into the pools,
+def test_step_whose_applied_marker_cannot_be_put_still_returns_the_applied_link(tmp_path, monkeypatch):
+    """Found by ``python -m mutation --target migrate``: step() applied the link into the pools,
     then failed to put its ``.applied`` marker and raised a typed error — a "refusal" with the
     link already in the pools, its slots held by a request the caller believes refused. The link
     is applied: step returns it — silently when the name is taken (a directory here; another
@@ -402,7 +402,8 @@ def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied
     request a plain restore gives."""
     import errno
 
-    from hsnap_format.storage import LocalStore
+    from hsnap_format import stores
+    from hsnap_format.stores.wrappers import FaultStore
 
     ps, req = cc.source("hybrid_linear")
     links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
@@ -411,14 +412,12 @@ def test_item4_step_whose_applied_marker_cannot_be_put_still_returns_the_applied
     t = ic.target("hybrid_linear", 1)
     tgt = _target(t)
     assert tgt.step(tmp_path / "a").state_position == cc.POSITIONS[0]
-    put = LocalStore.put_bytes
 
-    def read_only(self, path, data):
-        if path.endswith(APPLIED_SUFFIX):
+    def read_only(operation, path):
+        if operation == "put_bytes" and path.endswith(APPLIED_SUFFIX):
             raise hf.HsnapIOError(path, "write", OSError(errno.EROFS, "Read-only file system"))
-        return put(self, path, data)
 
-    monkeypatch.setattr(LocalStore, "put_bytes", read_only)
+    monkeypatch.setattr(stores, "LOCAL", FaultStore(stores.LOCAL, read_only))
     with pytest.warns(RuntimeWarning, match=r"link-0001\.hsnap\.applied: not put"):
         applied = tgt.step(tmp_path / "a")
     assert applied.state_position == cc.POSITIONS[1] and tgt.request.state_position == cc.POSITIONS[1]

@@ -1,10 +1,10 @@
-"""Live migration across TP sizes (issue 20 item 4, "works across TP sizes: the re-sharding
+"""Live migration across TP sizes ("works across TP sizes: the re-sharding
 path"): a source at TP N writes each link as a TP set (``MigrationSource(sharding=, group=)``),
 every target rank at TP M != N follows the same container with its own ``MigrationTarget``
 (``sharding=`` its description) and applies each link re-sharded — the first as a
 re-sharded restore, each delta incrementally: this rank's heads of the new rows only, into
 new slots after the request's, and its share of the whole recurrent state over the
-request's Mamba slot. Real SGLang pools of each rank (tests/reshard_pools.py); the source
+request's Mamba slot. Real SGLang pools of each rank (hsnap_testing/tp_pools.py); the source
 ranks are in-process TP sets (``tp_migrate_cases.write_set``), or two forked processes over
 gloo writing through ``MigrationSource(group=)``."""
 
@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 import chain_cases as cc  # noqa: E402
 import hsnap_format as hf  # noqa: E402
-import reshard_pools as rp  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import tp_pools as rp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 import tp_migrate_cases as tc  # noqa: E402
 from hsnap_io import reshard, restore_request  # noqa: E402
 from hsnap_io.migrate import FINAL_NAME, LINK_NAME, MigrationSource, MigrationTarget  # noqa: E402
@@ -50,7 +50,7 @@ def _direct(path, tp: int, rank: int) -> dict[str, bytes]:
 
 
 def _fingerprint(ps):
-    return sp.pool_state_fingerprint(rp.pool_set(ps))
+    return sp.pool_state_fingerprint(ps.pools)
 
 
 def _refused(tgt, ps, path, exc_type, **kw):
@@ -78,7 +78,7 @@ def _state_bytes(ps) -> int:
 # ----------------------------------------------------------------------------- TP 1 -> TP 2
 
 
-def test_item4_tp1_to_tp2_live_migration_each_target_rank_equals_a_direct_reshard(tmp_path):
+def test_tp1_to_tp2_live_migration_each_target_rank_equals_a_direct_reshard(tmp_path):
     """A TP 1 source pre-copies two rounds and stops; both ranks of a TP 2 target apply every
     link as it is committed. After the final link each rank's request slots hold exactly the
     bytes of a direct re-sharded restore of a plain TP 1 snapshot at the final position (and
@@ -130,7 +130,7 @@ def _tp2_migration(root, rows, states, name: str = "mig", seed: int = 30):
     return ranks, links
 
 
-def test_item4_tp2_to_tp1_hostile_deltas_are_refused_pools_identical_and_the_final_link_reads_only_itself(tmp_path, monkeypatch):
+def test_tp2_to_tp1_hostile_deltas_refused_and_the_final_link_reads_only_itself(tmp_path, monkeypatch):
     """Every refusal of a delta set comes before anything is allocated, typed, and leaves the
     pools byte-identical and the migration where it was: source ranks that disagree
     (InconsistentSetError), a source rank this target rank needs missing, a delta of another
@@ -236,7 +236,7 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def test_item4_tp2_to_tp1_live_migration_from_two_source_processes(tmp_path):
+def test_tp2_to_tp1_live_migration_from_two_source_processes(tmp_path):
     """Two source processes (a TP 2 gloo group, forked) migrate their shards with
     ``MigrationSource(group=)``: each link one TP set, committed by the group. A TP 1 target
     follows the container while they write and applies each link re-sharded; after the
@@ -280,7 +280,7 @@ def test_item4_tp2_to_tp1_live_migration_from_two_source_processes(tmp_path):
 # ----------------------------------------------------------------------------- TP 2 -> TP 2: set links at the same TP size
 
 
-def test_item4_tp2_set_links_followed_by_each_rank_of_a_tp2_target_end_at_the_final_set(tmp_path):
+def test_tp2_set_links_followed_by_each_rank_of_a_tp2_target_end_at_the_final_set(tmp_path):
     """Links written as TP sets at the target's own TP size: each target rank applies its own
     rank file of every set as is (no description needed), and ``follow`` ends at the final
     set (an applied link names the set, not its rank file)."""

@@ -1,24 +1,18 @@
-"""The compaction target of the mutation run (tests/mutate_compact.py), small enough for CI:
+"""The compaction target of the mutation run (mutation/compact.py), small enough for CI:
 hostile chains and paged files (re-signed: every digest honest) compacted with
 ``compact_path``; every output compared with the restore of the same head into SGLang's
-pools. The full run is ``scripts/mutate.py --target compact --mutants 5000 --jobs 2``."""
+pools. The full run is ``python -m mutation --target compact --mutants 5000 --jobs 2``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-import mutate_targets as mt  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("hsnap_mutate", ROOT / "scripts" / "mutate.py")
-mutate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mutate)
+from mutation import run as runner  # noqa: E402
+from mutation import targets as mt  # noqa: E402
 
 SEED = 20260110
 MUTANTS = 60
@@ -51,7 +45,7 @@ def _paged(ops, *, resign=True, mutated=3, scenario="refs", **over):
 def test_mutation_run_compact_has_no_failures(compact_seeds, tmp_path):
     """Raw and re-signed mutants of chains and paged chains: refused typed with nothing left
     under the output's name, or compacted into what the restore of the same head holds."""
-    tally = mutate.run_target("compact", MUTANTS, SEED, seeds_dir=compact_seeds.dir, jobs=0, timeout=60, scratch=str(tmp_path))
+    tally = runner.run_target("compact", MUTANTS, SEED, seeds_dir=compact_seeds.dir, jobs=0, timeout=60, scratch=str(tmp_path))
     assert tally.n == MUTANTS
     assert tally.failed == 0, tally.totals_line() + "\n" + json.dumps([{k: f.get(k) for k in ("i", "cls", "reason", "error")} for f in tally.failures])
     assert tally.by_variant["raw"]["typed"] > 0 and tally.by_variant["re-signed"]["typed"] > 0
@@ -66,8 +60,8 @@ def test_compact_oracle_catches_a_laundered_chain(compact_seeds, tmp_path, monke
     from hsnap_format import pages as pg
 
     ex = _examiner(compact_seeds, tmp_path)
-    base_refs = mt._header(compact_seeds.inputs["hl-pg/link-0000.hsnap"])["pages"]["refs"]
-    desc = _paged(mt._json_set(("pages", "refs", 0), list(base_refs[-1])))
+    base_refs = mt.header_of(compact_seeds.inputs["hl-pg/link-0000.hsnap"])["pages"]["refs"]
+    desc = _paged(mt.json_set(("pages", "refs", 0), list(base_refs[-1])))
     r = ex.examine(desc)
     assert (r["cls"], r["error"]) == ("typed", "DigestMismatchError") and r["field"] == "pages.refs[] (key of page N)", r
     honest = dict(desc, ops=[], chain=dict(desc["chain"], scenario="none"))

@@ -1,37 +1,37 @@
-"""The mutation run of issue 10 (scripts/mutate.py), small enough for CI, and the
+"""The mutation run (the ``mutation`` package), small enough for CI, and the
 regressions it produced.
 
-``test_mutation_core_has_no_failures`` runs the script's core in this process on a
+``test_mutation_core_has_no_failures`` runs the format target in this process on a
 fixed seed; the full run (50,000 mutants, worker processes with time and memory
-limits) is ``.venv/bin/python scripts/mutate.py --mutants 50000 --seed 1 --jobs 2``.
+limits) is ``.venv/bin/python -m mutation --mutants 50000 --seed 1 --jobs 2``.
 The other tests show that the harness can fail (it reports a planted untyped
 exception, a planted acceptance, a hang and a dead worker), and pin what the runs
-found: ``test_item3_*`` is item 3 of the issue (309-400 digit integer literals raised
-an untyped OverflowError out of the canonical parser); ``test_found_*`` are files the
+found: the huge-literal tests (309-400 digit integer literals raised an untyped
+OverflowError out of the canonical parser); ``test_found_*`` are files the
 reader accepted although the spec refuses them (accepted-but-changed in the run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 import craft
 import hsnap_format
-from hsnap_format import canonical, cli
+from hsnap_format import canonical
 from hsnap_format.errors import MalformedHeaderError, MalformedManifestError
+from hsnap_format.tools import cli
+from mutation import format_target as mutate
+from mutation import run as runner
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
-_spec = importlib.util.spec_from_file_location("hsnap_mutate", ROOT / "scripts" / "mutate.py")
-mutate = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(mutate)
 
 SEED = 20260110
 MUTANTS = 1000  # about 4 s on one core; the full run is 50,000
@@ -59,7 +59,7 @@ def _failures(tally) -> str:
 
 
 def test_mutation_core_has_no_failures(tmp_path):
-    tally = mutate.run(MUTANTS, SEED, jobs=0, timeout=20, cli_every=10, scratch=str(tmp_path))
+    tally = runner.run(MUTANTS, SEED, jobs=0, timeout=20, cli_every=10, scratch=str(tmp_path))
     assert tally.n == MUTANTS
     assert tally.failed == 0, tally.totals_line() + "\n" + _failures(tally)
     # the run covers what it claims to: every operator, target and variant ...
@@ -165,7 +165,7 @@ def test_model_refuses_a_file_whose_meaning_differs_from_its_decoding(tmp_path, 
 
 def test_pool_reports_a_hang_and_a_dead_worker(tmp_path, monkeypatch):
     monkeypatch.setenv("HSNAP_MUTATE_INJECT", "2:hang,5:crash")
-    tally = mutate.run(8, SEED, jobs=1, timeout=2, mem_gib=2, cli_every=0, scratch=str(tmp_path))
+    tally = runner.run(8, SEED, jobs=1, timeout=2, mem_gib=2, cli_every=0, scratch=str(tmp_path))
     assert tally.n == 8
     assert tally.total["hang"] == 1 and tally.total["untyped"] == 1, tally.totals_line()
     by_i = {f["i"]: f for f in tally.failures}
@@ -173,14 +173,14 @@ def test_pool_reports_a_hang_and_a_dead_worker(tmp_path, monkeypatch):
     assert tally.total["typed"] + tally.total["accepted-unchanged"] + tally.total["accepted-valid"] == 6
 
 
-# -------------------------------------------------------------- item 3: huge literals
+# -------------------------------------------------------------- huge literals
 
 HUGE = ["1" + "0" * 308 + "1", "9" * 309, "9" * 400, "-" + "9" * 350, "-" + "9" * 400]
 OUT_OF_RANGE = HUGE + ["1" + "0" * 400, "1e400", "-1e400", "1.7976931348623159e+308", "1" + "0" * 400 + ".5"]
 
 
 @pytest.mark.parametrize("literal", OUT_OF_RANGE, ids=lambda s: f"{s[:6]}..{len(s)}")
-def test_item3_canonical_refuses_out_of_range_literals_typed(literal):
+def test_canonical_refuses_out_of_range_literals_typed(literal):
     for text in (literal, f"[{literal}]", '{"a":' + literal + "}"):
         with pytest.raises(canonical.CanonicalError, match="range|digits|characters"):
             canonical.loads(text.encode())
@@ -188,7 +188,7 @@ def test_item3_canonical_refuses_out_of_range_literals_typed(literal):
 
 @pytest.mark.parametrize("text", ["-0", "-0.0", "1.0", "1E5", "1e5", "01", "0.10", "1" + "0" * 308, "9007199254740993",
                                   "[1e400]", "1e-400", "NaN", "-Infinity"])
-def test_item3_non_canonical_numbers_stay_refused(text):
+def test_non_canonical_numbers_stay_refused(text):
     with pytest.raises(canonical.CanonicalError):
         canonical.loads(text.encode())
 
@@ -196,7 +196,7 @@ def test_item3_non_canonical_numbers_stay_refused(text):
 @pytest.mark.parametrize("text,value", [("0", 0), ("-9007199254740991", -(2**53 - 1)), ("100000000000000000000", 1e20),
                                         ("1e+21", 1e21), ("5e-324", 5e-324), ("1.7976931348623157e+308", 1.7976931348623157e308),
                                         ("0.00001", 1e-5)])
-def test_item3_canonical_numbers_still_decode(text, value):
+def test_canonical_numbers_still_decode(text, value):
     assert canonical.loads(text.encode()) == value
 
 
@@ -209,7 +209,7 @@ def _with_literal(data: bytes, path, literal: str) -> bytes:
 @pytest.mark.parametrize("path", [["request", "state_position"], ["sections", 0, "offset"], ["identity", "tp_size"],
                                   ["request", "sampling", "temperature"], ["geometry", "attention", "layers", 0]])
 @pytest.mark.parametrize("literal", HUGE[:2] + HUGE[3:4], ids=lambda s: f"{len(s)}chars")
-def test_item3_header_with_huge_integer_is_a_typed_refusal(tmp_path, path, literal):
+def test_header_with_huge_integer_is_a_typed_refusal(tmp_path, path, literal):
     p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "hybrid.hsnap").read_bytes(), path, literal))
     with pytest.raises(MalformedHeaderError, match="double range") as e:
         hsnap_format.open(p)
@@ -217,7 +217,7 @@ def test_item3_header_with_huge_integer_is_a_typed_refusal(tmp_path, path, liter
 
 
 @pytest.mark.parametrize("key", ["state_position", "tp_size"])
-def test_item3_manifest_with_huge_integer_is_a_typed_refusal(tmp_path, key):
+def test_manifest_with_huge_integer_is_a_typed_refusal(tmp_path, key):
     d = tmp_path / "set"
     d.mkdir()
     for name in ("rank-0.hsnap", "rank-1.hsnap"):
@@ -229,7 +229,7 @@ def test_item3_manifest_with_huge_integer_is_a_typed_refusal(tmp_path, key):
 
 
 @pytest.mark.parametrize("command", ["info", "verify"])
-def test_item3_cli_says_one_line_without_traceback(tmp_path, command):
+def test_cli_says_one_line_without_traceback(tmp_path, command):
     p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "attention-only.hsnap").read_bytes(), ["request", "state_position"], "9" * 309))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -239,7 +239,7 @@ def test_item3_cli_says_one_line_without_traceback(tmp_path, command):
     assert len(lines) == 1 and "MalformedHeaderError" in lines[0] and "Traceback" not in err.getvalue(), err.getvalue()
 
 
-def test_item3_mutants_of_the_run_with_huge_literals_are_typed(inputs, ctx):
+def test_mutants_of_the_run_with_huge_literals_are_typed(inputs, ctx):
     """The run's own operator (j_number with the 307-600 digit literals) over every target."""
     n = 0
     for target in inputs[0]:
@@ -253,7 +253,7 @@ def test_item3_mutants_of_the_run_with_huge_literals_are_typed(inputs, ctx):
     assert n > 100
 
 
-def test_item3_viewer_refuses_with_one_line(tmp_path):
+def test_viewer_refuses_with_one_line(tmp_path):
     app = pytest.importorskip("hsnap_view.app")
     p = craft.write(tmp_path / "huge.hsnap", _with_literal((VEC / "mla-fp8.hsnap").read_bytes(), ["request", "prompt_tokens"], "-" + "9" * 320))
     err = io.StringIO()
@@ -299,16 +299,16 @@ def test_found_stop_string_over_4096_characters_is_refused(tmp_path):
     assert e.value.field.startswith("request.stop.stop_strings")
 
 
-# ============================================== the other targets (issue 18, "Done when")
+# ============================================== the other targets
 #
-# scripts/mutate.py --target reshard|resume|retract|gc|gc-url (tests/mutate_targets.py):
+# python -m mutation --target reshard|resume|retract|gc|gc-url (mutation/targets.py):
 # re-signed and raw mutants through re-sharded restores across TP sizes, resume_req and
 # load_retracted on SGLang's own pools, and hsnap gc on mixed directories and prefixes.
-# The full run is ``scripts/mutate.py --target new --mutants 5000 --url-mutants 1000 --jobs 2``;
+# The full run is ``python -m mutation --target new --mutants 5000 --url-mutants 1000 --jobs 2``;
 # here a bounded run of each on the small seeds, in this process, and the oracles shown
 # to catch planted faults (so a run of zeros means something).
 
-import mutate_targets as mt  # noqa: E402
+from mutation import targets as mt  # noqa: E402
 
 TARGET_MUTANTS = {"reshard": 240, "resume": 200, "retract": 160, "gc": 160, "gc-url": 30}
 
@@ -339,7 +339,7 @@ def _target_failures(tally) -> str:
 
 def _bounded_run(target, seeds, tmp_path, **kw):
     n = TARGET_MUTANTS[target]
-    tally = mutate.run_target(target, n, SEED, seeds_dir=seeds.dir, jobs=0, timeout=30, scratch=str(tmp_path), **kw)
+    tally = runner.run_target(target, n, SEED, seeds_dir=seeds.dir, jobs=0, timeout=30, scratch=str(tmp_path), **kw)
     assert tally.n == n
     assert tally.failed == 0, tally.totals_line() + "\n" + _target_failures(tally)
     return tally
@@ -356,7 +356,7 @@ def test_mutation_run_through_sglang_pools_has_no_failures(target, target_seeds,
     # semantic checks, and some are accepted (the oracle ran on them)
     assert tally.by_variant["raw"]["typed"] > 0 and tally.by_variant["re-signed"]["typed"] > 0
     assert tally.by_variant["re-signed"]["accepted"] > 0
-    focused = set(mt.generator(seeds).focused(mutate.random.Random(0), *([sorted(seeds.meta["sets"])[1]] if target == "reshard" else [])))
+    focused = set(mt.generator(seeds).focused(random.Random(0), *([sorted(seeds.meta["sets"])[1]] if target == "reshard" else [])))
     assert focused - {"manifest", "rewrite"} <= set(tally.by_operator), sorted(focused - set(tally.by_operator))
 
 
@@ -441,9 +441,9 @@ def test_reshard_oracle_catches_ranks_that_disagree(target_seeds, tmp_path):
     tgt = ex._pools("swa", 1, 0)
     assert tgt.reset()
     files = mt.build(desc, seeds.inputs, seeds.groups)
-    sharding = reshard.describe(mt._swa_tp_model(), 1, 0)
+    sharding = reshard.describe(mt.swa_tp_model(), 1, 0)
     res = restore_request(mt.write_files(str(tmp_path / "w"), files), req_to_token_pool=tgt.rtp, token_to_kv_pool_allocator=tgt.alloc,
-                          identity=mt._reshard_identity(1, 0), sharding=sharding)
+                          identity=mt.reshard_identity(1, 0), sharding=sharding)
     assert mt.judge_reshard(files, desc, tgt, sharding, res)["cls"] == "accepted"
     other = mt.build(dict(desc, ops=[{"op": "j.set", "path": ["request", "rid"], "value": "another"}]), seeds.inputs, seeds.groups)
     r = mt.judge_reshard(other, desc, tgt, sharding, res)
@@ -524,7 +524,7 @@ def test_resume_oracle_catches_a_req_a_fresh_request_could_not_be(target_seeds, 
 def test_gc_oracle_catches_a_removed_committed_snapshot(target_seeds, tmp_path):
     """gc.collect followed by the removal of one committed snapshot is reported, even when
     gc itself said nothing."""
-    from hsnap_format import gc
+    from hsnap_format.stores import gc
 
     seeds = target_seeds("gc")
     ex = mt.examiner(seeds, str(tmp_path / "x"), cli_every=0)
@@ -556,14 +556,14 @@ def test_pool_copy_puts_back_every_byte_and_notices_a_change(target_seeds, tmp_p
     assert tgt.reset() and mt.free_counts(tgt.rtp, tgt.alloc) == tgt.baseline_free
 
 
-# ------------------------------------------- live migration and chains (issue 20, tests/mutate_migrate.py)
+# ------------------------------------------- live migration and chains (mutation/migrate.py)
 #
-# scripts/mutate.py --target migrate|chain: hostile links fed to a MigrationTarget after k correct
+# python -m mutation --target migrate|chain: hostile links fed to a MigrationTarget after k correct
 # ones (apply / step / follow) and chains (plain, checkpoint directories, TP-2 sets) restored with a
 # link anywhere mutated, into SGLang's pools with sentinel-filled free rows; the full run is
-# ``scripts/mutate.py --target migrate,chain --mutants 3000 --jobs 2``.
+# ``python -m mutation --target migrate,chain --mutants 3000 --jobs 2``.
 
-import mutate_migrate as mm  # noqa: E402
+from mutation import migrate as mm  # noqa: E402
 
 MIGRATE_MUTANTS = {"migrate": 60, "chain": 60}
 
@@ -592,7 +592,7 @@ def test_mutation_run_migrate_and_chain_have_no_failures(target, migrate_seeds, 
     (migrate: then the correct links apply and the request ends byte-equal to the source's,
     and release gives every slot back), or accepted holding exactly what the accepted file says."""
     n = MIGRATE_MUTANTS[target]
-    tally = mutate.run_target(target, n, SEED, seeds_dir=migrate_seeds(target).dir, jobs=0, timeout=30, scratch=str(tmp_path))
+    tally = runner.run_target(target, n, SEED, seeds_dir=migrate_seeds(target).dir, jobs=0, timeout=30, scratch=str(tmp_path))
     assert tally.n == n
     assert tally.failed == 0, tally.totals_line() + "\n" + _target_failures(tally)
     assert tally.by_variant["raw"]["typed"] > 0 and tally.by_variant["re-signed"]["typed"] > 0
@@ -605,11 +605,11 @@ def _mig(seeds, target, k, scenario="swap", mode="apply", **extra):
 
 
 def test_migrate_hostile_links_are_refused_and_the_migration_goes_on(migrate_seeds, tmp_path):
-    """Each hostile next link the issue names, through apply, step and follow: typed, pools and
+    """Each kind of hostile next link, through apply, step and follow: typed, pools and
     free lists as before, and the correct links still apply to a request byte-equal to the source's."""
     seeds = migrate_seeds("migrate")
     ex = _examiner(seeds, tmp_path)
-    rebased = {"resign": True, "ops": mm._rebase_ops(seeds.inputs["hl/link-0001.hsnap"], "link-0001.hsnap")}
+    rebased = {"resign": True, "ops": mm.rebase_ops(seeds.inputs["hl/link-0001.hsnap"], "link-0001.hsnap")}
     cases = [
         ("hl-fork/final.hsnap", 3, "swap", {}, "ChainError"),  # a final whose output ids do not extend the applied link's
         ("hl/link-0001.hsnap", 2, "swap", {}, "DigestMismatchError"),  # the same link twice

@@ -1,4 +1,4 @@
-"""Pages stored once (issue 20 item 2; spec 5.10, 5.11, 7.6, 8.2; format 1.3): page keys are
+"""Pages stored once (spec 5.10, 5.11, 7.6, 8.2; format 1.3): page keys are
 SGLang's own page hash chain under a namespace, snapshots of requests that share a prefix
 store its pages once, every hostile page or reference is refused typed, and ``hsnap gc
 --pages`` never drops a page a committed snapshot needs — also with writers racing it, on a
@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import craft  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import pages as pg  # noqa: E402
+from hsnap_format import layout, pages as pg  # noqa: E402
 from hsnap_format.chain import compact, open_chain  # noqa: E402
 from hsnap_format.records import AttentionGeometry, MambaGeometry  # noqa: E402
-from hsnap_format.storage import store_for  # noqa: E402
+from hsnap_format.stores import store_for  # noqa: E402
 
 S = 4  # page size of these tests
 PROMPT = 6
@@ -108,7 +108,7 @@ SYSTEM = list(range(1000, 1000 + 3 * S + 1))  # a system prompt: 3 full pages an
 # ----------------------------------------------------------------------------- keys and namespaces
 
 
-def test_item2_page_keys_are_sglangs_own_get_hash_str():
+def test_page_keys_are_sglangs_own_get_hash_str():
     """The pure chain (spec 5.10) equals SGLang 0.5.23's get_hash_str — HiCache's storage keys
     — and hsnap_io asks SGLang itself; ids up to 2**31 - 1, several page sizes."""
     sglang_utils = pytest.importorskip("sglang.srt.mem_cache.utils")
@@ -145,22 +145,22 @@ NAMESPACE_CHANGES = [
 
 
 @pytest.mark.parametrize("field,change", NAMESPACE_CHANGES, ids=[c[0] for c in NAMESPACE_CHANGES])
-def test_item2_namespace_id_changes_with_every_field(field, change):
+def test_namespace_id_changes_with_every_field(field, change):
     """A key can never match a page of other weights, another engine, shard, layout or page
     size: each of them changes the namespace id that names every page object (spec 5.10)."""
     import dataclasses
 
     geom = geometry()
-    base = pg.namespace_id(pg.namespace(identity(), geom, S))
+    base = layout.namespace_id(layout.namespace(identity(), geom, S))
     ident = identity(**change.get("ident", {}))
     att = dataclasses.replace(geom.attention, **change.get("att", {}))
-    other = pg.namespace_id(pg.namespace(ident, dataclasses.replace(geom, attention=att), change.get("page_size", S)))
+    other = layout.namespace_id(layout.namespace(ident, dataclasses.replace(geom, attention=att), change.get("page_size", S)))
     assert other != base
     # informational fields are not in it: the same pages for every snapshot of a request
-    assert pg.namespace_id(pg.namespace(identity(snapshot_id="x", created_at="y", device="z"), geom, S)) == base
+    assert layout.namespace_id(layout.namespace(identity(snapshot_id="x", created_at="y", device="z"), geom, S)) == base
 
 
-def test_item2_namespace_holds_the_sharding_description():
+def test_namespace_holds_the_sharding_description():
     from hsnap_format.records import ShardAxis, Sharding
 
     import dataclasses
@@ -168,14 +168,14 @@ def test_item2_namespace_holds_the_sharding_description():
     geom = geometry()
     a = dataclasses.replace(geom, sharding=Sharding(attention=ShardAxis(1, 4, ((0, 2, 1),))))
     b = dataclasses.replace(geom, sharding=Sharding(attention=ShardAxis(1, 4, ((2, 2, 1),))))
-    ids = {pg.namespace_id(pg.namespace(identity(tp_size=2), g, S)) for g in (geom, a, b)}
+    ids = {layout.namespace_id(layout.namespace(identity(tp_size=2), g, S)) for g in (geom, a, b)}
     assert len(ids) == 3
 
 
 # ----------------------------------------------------------------------------- stored once
 
 
-def test_item2_snapshots_sharing_a_prefix_store_its_pages_once(tmp_path):
+def test_snapshots_sharing_a_prefix_store_its_pages_once(tmp_path):
     """Five requests after one system prompt of 3 full pages: its pages are put once and
     reused four times; each snapshot compacts into the file a plain write of it makes."""
     toks = [tokens_for(SYSTEM, 3 * S + 1 + 2 * S + i, seed=i) for i in range(5)]  # 5 or 6 full pages each
@@ -197,7 +197,7 @@ def test_item2_snapshots_sharing_a_prefix_store_its_pages_once(tmp_path):
         assert (tmp_path / f"c{i}.hsnap").read_bytes() == (tmp_path / f"plain{i}.hsnap").read_bytes()
 
 
-def test_item2_other_weights_or_shard_never_reuse_a_page(tmp_path):
+def test_other_weights_or_shard_never_reuse_a_page(tmp_path):
     t = tokens_for(SYSTEM, 3 * S + 1 + S, seed=1)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
@@ -209,7 +209,7 @@ def test_item2_other_weights_or_shard_never_reuse_a_page(tmp_path):
     assert len({n.split("-")[1] for n in names}) == 4  # the same four keys (SGLang's, no namespace in them)
 
 
-def test_item2_same_key_other_bytes_is_another_object(tmp_path):
+def test_same_key_other_bytes_is_another_object(tmp_path):
     """KV of the same tokens that differs in its bytes (another batch) is stored as another
     object: every snapshot restores exactly its own bytes (spec 5.10, question 30)."""
     t = tokens_for(SYSTEM, 3 * S + 1, seed=2)
@@ -263,7 +263,7 @@ def paged(tmp_path):
     return tmp_path
 
 
-def test_item2_older_readers_refuse_a_paged_file_and_snapshot_readers_a_page(paged, monkeypatch):
+def test_older_readers_refuse_a_paged_file_and_snapshot_readers_a_page(paged, monkeypatch):
     """Compatibility (spec 9): a 1.2 reader refuses a file that references pages by name; a
     page object is not a snapshot for any snapshot reader (7.1 step 13)."""
     from hsnap_format import reader
@@ -300,7 +300,7 @@ PAGE_MUTATIONS = [
     ("extra top key", lambda h: h.pop("page"), hf.MalformedHeaderError, "header"),
     ("namespace key", lambda h: h["namespace"].update(extra=1), hf.MalformedHeaderError, "namespace"),
     ("namespace type", lambda h: h["namespace"]["attention"].update(heads="2"), hf.MalformedHeaderError, "namespace.attention.heads"),
-    # found by scripts/mutate.py --seed 6 (the independent reader had let it through to the digest)
+    # found by python -m mutation --seed 6 (the independent reader had let it through to the digest)
     ("engine key", lambda h: h["namespace"]["engine"].update(extra="x"), hf.MalformedHeaderError, "namespace.engine"),
     ("tokens length", lambda h: h["page"]["tokens"].pop(), hf.MalformedHeaderError, "page.tokens"),
     ("negative token", lambda h: h["page"]["tokens"].__setitem__(0, -1), hf.MalformedHeaderError, "page.tokens"),
@@ -310,7 +310,7 @@ PAGE_MUTATIONS = [
     ("tokens, key kept", lambda h: h["page"]["tokens"].__setitem__(0, 7), hf.DigestMismatchError, "page.key"),
     ("key", lambda h: h["page"].update(key="f" * 64), hf.DigestMismatchError, "page.key"),
     ("plan", lambda h: h["sections"][0].update(name="attn.2.k"), hf.MalformedHeaderError, "sections[0]"),
-    # found by scripts/mutate.py --mutants 20000 --seed 1: a page requiring a snapshot's feature was accepted,
+    # found by python -m mutation --mutants 20000 --seed 1: a page requiring a snapshot's feature was accepted,
     # and the independent reader let a malformed namespace.sharding through to the namespace id
     ("a snapshot's required feature", lambda h: h["features"].update(required=["sampler-rng-state"]),
      hf.UnsupportedFeatureError, "header.features.required"),
@@ -325,7 +325,7 @@ PAGE_MUTATIONS = [
 
 
 @pytest.mark.parametrize("label,fn,exc,field", PAGE_MUTATIONS, ids=[m[0] for m in PAGE_MUTATIONS])
-def test_item2_hostile_page_objects_refused_at_open(paged, label, fn, exc, field):
+def test_hostile_page_objects_refused_at_open(paged, label, fn, exc, field):
     """Re-signed page objects (every digest honest again) reach the page rules of spec 5.11
     (R-5.11-1): each refused typed, naming the field."""
     page = first_page(paged / "pages")
@@ -350,7 +350,7 @@ HEADER_MUTATIONS = [
 
 
 @pytest.mark.parametrize("label,fn,field", HEADER_MUTATIONS, ids=[m[0] for m in HEADER_MUTATIONS])
-def test_item2_paged_header_rules(paged, label, fn, field):
+def test_paged_header_rules(paged, label, fn, field):
     """R-5.10-1..3: a re-signed paged file with a broken ``pages`` is refused at open."""
     bad = craft.write(paged / "bad.hsnap", craft.mutate_header((paged / "a.hsnap").read_bytes(), lambda h: (fn(h), None)[1]))
     with pytest.raises(hf.MalformedHeaderError) as e:
@@ -374,7 +374,7 @@ def _resign_ref(snapshot: Path, index: int, page_bytes: bytes, store: Path) -> P
     return store / name
 
 
-def test_item2_hostile_references_refused_before_anything_is_used(paged):
+def test_hostile_references_refused_before_anything_is_used(paged):
     """R-7.6-1/2: a missing page, a page whose bytes are not the ones named, a page of another
     page number, key or tokens (re-signed, every digest honest) — each refused typed by the
     chain's checks, which a restore runs before allocating (tests/test_pagestore_io.py)."""
@@ -418,7 +418,7 @@ def test_item2_hostile_references_refused_before_anything_is_used(paged):
     assert e.value.field == "page.namespace_id"
 
 
-def test_item2_a_reference_to_another_index_is_a_page_error(paged):
+def test_a_reference_to_another_index_is_a_page_error(paged):
     """check_page's own comparisons (R-7.6-2): a page object that opens and has the root digest
     named, but another page number, or other tokens than the request's, is a PageError naming
     the field. (A re-signed page cannot reach them with the key named — SHA-256 binds the key
@@ -479,7 +479,7 @@ def _paged_local_then_put(where_, tmp_path, names_tokens):
     return local
 
 
-def test_item2_gc_sweeps_only_unreferenced_pages(where, tmp_path):
+def test_gc_sweeps_only_unreferenced_pages(where, tmp_path):
     d, opts = where
     toks = {f"r{i}.hsnap": tokens_for(SYSTEM, 3 * S + 1 + S * (i + 1), seed=10 + i) for i in range(3)}
     local = _paged_local_then_put(where, tmp_path, list(toks.items()))
@@ -503,7 +503,7 @@ def test_item2_gc_sweeps_only_unreferenced_pages(where, tmp_path):
     assert not any(e.path.endswith(".sweep") for e in store.list(store.join(store.join(d, "pages"), "refs")))
 
 
-def test_item2_gc_keeps_pages_a_live_writer_protects(tmp_path):
+def test_gc_keeps_pages_a_live_writer_protects(tmp_path):
     t = tokens_for(SYSTEM, 3 * S + 1, seed=20)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
@@ -514,7 +514,7 @@ def test_item2_gc_keeps_pages_a_live_writer_protects(tmp_path):
     assert len([v for v in rep.items if v.action == "removed"]) == 3
 
 
-def test_item2_gc_ignores_a_stale_marker_of_a_writer_that_died(tmp_path):
+def test_gc_ignores_a_stale_marker_of_a_writer_that_died(tmp_path):
     t = tokens_for(SYSTEM, 3 * S + 1, seed=21)
     store = pg.PageStore(tmp_path / "pages")
     write(tmp_path / "a.hsnap", store, t, "a")  # never closed: its marker stays, as a killed writer's
@@ -528,7 +528,7 @@ def test_item2_gc_ignores_a_stale_marker_of_a_writer_that_died(tmp_path):
     assert len([v for v in rep.items if v.action == "removed"]) == 3
 
 
-def test_item2_gc_refuses_to_sweep_when_a_snapshot_cannot_be_read(tmp_path):
+def test_gc_refuses_to_sweep_when_a_snapshot_cannot_be_read(tmp_path):
     t = tokens_for(SYSTEM, 3 * S + 1, seed=22)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
@@ -546,7 +546,7 @@ def test_item2_gc_refuses_to_sweep_when_a_snapshot_cannot_be_read(tmp_path):
     assert not rep.refused and page_files(tmp_path / "pages") == []
 
 
-def test_item2_gc_proves_each_page_by_its_content(tmp_path):
+def test_gc_proves_each_page_by_its_content(tmp_path):
     t = tokens_for(SYSTEM, 3 * S + 1, seed=23)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
@@ -563,7 +563,7 @@ def test_item2_gc_proves_each_page_by_its_content(tmp_path):
     assert fake.exists() and wrong.exists() and all(by[n].action == "removed" for n in names)
 
 
-def test_item2_gc_removes_only_the_version_it_listed(tmp_path, monkeypatch):
+def test_gc_removes_only_the_version_it_listed(tmp_path, monkeypatch):
     t = tokens_for(SYSTEM, 3 * S + 1, seed=24)
     with pg.PageStore(tmp_path / "pages") as store:
         write(tmp_path / "a.hsnap", store, t, "a")
@@ -631,7 +631,7 @@ def _interleave(tmp_path, monkeypatch, *, writer_waits: bool) -> tuple[list, pg.
     return missing, store.stats
 
 
-def test_item2_gc_protocol_closes_the_reuse_race(tmp_path, monkeypatch):
+def test_gc_protocol_closes_the_reuse_race(tmp_path, monkeypatch):
     """With spec 8.2's step 2 the writer waits for the sweep, then finds the pages gc removed
     missing and puts them again: its committed snapshot has every page. The same interleaving
     without step 2 loses them — the race this protocol exists for (the test can fail)."""
@@ -698,12 +698,12 @@ def _race(d, opts, tmp_path, rounds: int, writers: int = 2) -> dict:
     return counts
 
 
-def test_item2_gc_never_drops_a_needed_page_under_concurrent_writers(tmp_path):
+def test_gc_never_drops_a_needed_page_under_concurrent_writers(tmp_path):
     counts = _race(str(tmp_path / "run"), None, tmp_path, rounds=60)
     assert counts["snapshots"] == 120 and counts["sweeps"] > 5 and counts["removed"] > 0  # gc did remove garbage meanwhile
 
 
-def test_item2_gc_never_drops_a_needed_page_under_concurrent_writers_s3(s3server, tmp_path):
+def test_gc_never_drops_a_needed_page_under_concurrent_writers_s3(s3server, tmp_path):
     d = f"s3://{s3server.make_bucket()}/run"
     counts = _race(d, s3server.options(), tmp_path, rounds=15)
     assert counts["snapshots"] == 30 and counts["sweeps"] > 1
@@ -712,12 +712,12 @@ def test_item2_gc_never_drops_a_needed_page_under_concurrent_writers_s3(s3server
 # ----------------------------------------------------------------------------- the storage seam under concurrency
 
 
-def test_item2_a_listing_skips_an_entry_removed_meanwhile(tmp_path, monkeypatch):
+def test_a_listing_skips_an_entry_removed_meanwhile(tmp_path, monkeypatch):
     """A file removed (or renamed) between the directory read and its stat is not in the
     listing — it was reported as the whole directory missing, which gc read as "no markers"
     and "no snapshots" and so removed pages a committed snapshot needed (found by the race
     test above)."""
-    from hsnap_format.storage import LOCAL
+    from hsnap_format.stores import LOCAL
 
     for n in ("a", "b", "c"):
         (tmp_path / n).write_bytes(n.encode())
@@ -755,10 +755,10 @@ def test_item2_a_listing_skips_an_entry_removed_meanwhile(tmp_path, monkeypatch)
     assert pg._list_quiet(LOCAL, str(tmp_path / "missing")) == []
 
 
-def test_item2_put_bytes_of_a_name_taken_meanwhile_is_snapshot_exists(tmp_path, monkeypatch):
+def test_put_bytes_of_a_name_taken_meanwhile_is_snapshot_exists(tmp_path, monkeypatch):
     """Two writers putting the same page: the one that loses gets SnapshotExistsError (and
     verifies the winner's page), not an HsnapIOError that failed its export."""
-    from hsnap_format.storage import LOCAL
+    from hsnap_format.stores import LOCAL
 
     target = tmp_path / "p"
     real = os.path.lexists
@@ -780,7 +780,7 @@ def test_item2_put_bytes_of_a_name_taken_meanwhile_is_snapshot_exists(tmp_path, 
 VEC = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 
 
-def test_item2_page_vectors_read_the_same_by_both_readers(tmp_path):
+def test_page_vectors_read_the_same_by_both_readers(tmp_path):
     """spec/vectors/pages.json: two snapshots sharing a prefix, three page objects (pages 0
     and 1 shared). hsnap_format and the independent reader (spec alone) assemble the same
     sections, which are the whole sections the description gives as input."""
@@ -805,7 +805,7 @@ def test_item2_page_vectors_read_the_same_by_both_readers(tmp_path):
     assert refs["paged-a.hsnap"] == refs["paged-b.hsnap"][:2] and len(refs["paged-b.hsnap"]) == 3
 
 
-def test_item2_page_vectors_and_the_one_two_rules(monkeypatch):
+def test_page_vectors_and_the_one_two_rules(monkeypatch):
     """Spec 9: a 1.2 reader refuses a file that references pages by name (a required feature
     it does not know) — the independent reader with 1.2's features, and the reference."""
     import independent_reader as ir
@@ -824,7 +824,7 @@ def test_item2_page_vectors_and_the_one_two_rules(monkeypatch):
 
 
 @pytest.mark.parametrize("label,fn,exc,field", PAGE_MUTATIONS, ids=[m[0] for m in PAGE_MUTATIONS])
-def test_item2_hostile_page_objects_same_verdict_from_the_spec_alone(tmp_path, label, fn, exc, field):
+def test_hostile_page_objects_same_verdict_from_the_spec_alone(tmp_path, label, fn, exc, field):
     """Each hostile page object of the table above: the independent reader refuses it with
     the same class (spec 5.11)."""
     import independent_reader as ir
@@ -836,7 +836,7 @@ def test_item2_hostile_page_objects_same_verdict_from_the_spec_alone(tmp_path, l
     assert e.value.kind == exc.__name__, e.value
 
 
-def test_item2_hsnap_gc_pages_command(tmp_path):
+def test_hsnap_gc_pages_command(tmp_path):
     """``hsnap gc DIR --pages [--remove] [--json]``: lists, then removes, each unreferenced
     page with its size; exit 3 and nothing removed when a committed snapshot cannot be read."""
     import contextlib
@@ -868,8 +868,8 @@ def test_item2_hsnap_gc_pages_command(tmp_path):
     assert rc == 0 and out.count("removing ") == 1 and len(page_files(tmp_path / "pages")) == 4
 
 
-def test_item2_mutation_run_seed6_manifest_checked_in_the_specs_order(tmp_path):
-    """Found by ``scripts/mutate.py --mutants 10000 --seed 6`` (run after adding the page
+def test_mutation_run_seed6_manifest_checked_in_the_specs_order(tmp_path):
+    """Found by ``python -m mutation --mutants 10000 --seed 6`` (run after adding the page
     vectors): a manifest without ``tp_size`` whose version has another major is refused by
     both readers as UnsupportedVersionError (spec 10.2: version is checked before tp_size);
     the independent reader had checked every key's presence first."""
@@ -1049,7 +1049,7 @@ def test_unknown_keys_of_the_attention_axis_stay_out_of_the_namespace(paged):
     def edit(nid_of):
         def fn(h):
             h["geometry"]["sharding"] = {"attention": {**axis, "zz": 1}, "conv": None, "temporal": None}
-            h["pages"]["namespace_id"] = pg.namespace_id({**ns, "sharding": nid_of})
+            h["pages"]["namespace_id"] = layout.namespace_id({**ns, "sharding": nid_of})
         return craft.mutate_header((paged / "a.hsnap").read_bytes(), lambda h: (fn(h), None)[1])
 
     good = craft.write(paged / "good.hsnap", edit(axis))
@@ -1085,7 +1085,7 @@ def test_a_negative_token_id_in_a_paged_position_has_no_key_for_either_reader(pa
     assert (e2.value.kind, e2.value.field) == ("DigestMismatchError", "pages.refs[0] (key of page 0)")
 
 
-def test_pages_with_zero_full_pages_is_read_as_a_file_that_holds_all_its_rows_by_both_readers(tmp_path):
+def test_zero_full_pages_reads_as_a_file_holding_all_its_rows_in_both_readers(tmp_path):
     """Spec 5.10: a writer writes ``pages`` only when a full page fits, but a file whose ``pages`` has ``count`` 0
     (an empty ``refs``) is not refused: it holds all its rows (G = 0), names no page object, and both readers open,
     verify and read it as one snapshot."""
@@ -1094,7 +1094,7 @@ def test_pages_with_zero_full_pages_is_read_as_a_file_that_holds_all_its_rows_by
     t = tokens_for([], PROMPT + 2, seed=9)  # positions 0..6: no full page of 8
     write_plain(tmp_path / "plain.hsnap", t, "z")
     with hf.open(tmp_path / "plain.hsnap") as snap:
-        nid = pg.namespace_id(pg.namespace(snap.identity, snap.geometry, 8))
+        nid = layout.namespace_id(layout.namespace(snap.identity, snap.geometry, 8))
 
     def fn(h):
         h["features"]["required"] = sorted(h["features"]["required"] + ["pages"])

@@ -1,4 +1,4 @@
-"""Pages stored once, from and into SGLang's real pools (issue 20 item 2; spec 5.10, 7.6):
+"""Pages stored once, from and into SGLang's real pools (spec 5.10, 7.6):
 a snapshot whose full pages live in a page store restores exactly like a plain export and
 compacts into its bytes, for every pool kind, alone or as a chain of deltas; requests that
 share a prefix (SGLang's radix cache: the same slots) store its pages once; every hostile
@@ -7,7 +7,6 @@ directory and on SeaweedFS."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -19,8 +18,7 @@ pytest.importorskip("torch")
 import chain_cases as cc  # noqa: E402
 import craft  # noqa: E402
 import io_cases as ic  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import torch  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_format import pages as pg  # noqa: E402
@@ -54,7 +52,7 @@ def _refused(path, ps, exc_type, **kw):
 
 
 @pytest.mark.parametrize("kind,page", KINDS, ids=[f"{k}-p{p}" for k, p in KINDS])
-def test_item2_paged_export_restores_and_compacts_like_a_plain_export(kind, page, tmp_path):
+def test_paged_export_restores_and_compacts_like_a_plain_export(kind, page, tmp_path):
     ps, req = cc.source(kind, page)
     pos = cc.POSITIONS[-1]
     with page_store(tmp_path / "pages", page_size=PAGE) as store:
@@ -78,7 +76,7 @@ def test_item2_paged_export_restores_and_compacts_like_a_plain_export(kind, page
 
 
 @pytest.mark.parametrize("verify", [True, "during", False])
-def test_item2_paged_restore_every_verify_mode(verify, tmp_path):
+def test_paged_restore_every_verify_mode(verify, tmp_path):
     kind = "swa_mamba"
     ps, req = cc.source(kind)
     with page_store(tmp_path / "pages", page_size=PAGE) as store:
@@ -90,7 +88,7 @@ def test_item2_paged_restore_every_verify_mode(verify, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["mha", "swa_mamba", "mla"])
-def test_item2_deltas_and_pages_compose(kind, tmp_path):
+def test_deltas_and_pages_compose(kind, tmp_path):
     """A chain whose links all store their new full pages once (spec 7.6 with 7.5): a delta
     with rows before its first page, pages, rows after its last; restores and compacts like
     a direct export at the head's position."""
@@ -138,7 +136,7 @@ def _record(i: int, prefix_tokens: np.ndarray, length: int) -> hf.RequestRecord:
                             sampling={"temperature": 0.0}, max_new_tokens=64, streamed_tokens=len(ids) - prompt)
 
 
-def test_item2_requests_sharing_a_prefix_store_its_pages_once_from_the_pools(tmp_path):
+def test_requests_sharing_a_prefix_store_its_pages_once_from_the_pools(tmp_path):
     """A drain of 6 requests behind one 40-token system prompt (5 pages of 8): its pages are
     put once; bytes written are far below the sum of single snapshots; each restores exactly."""
     kind, n, prefix, length = "hybrid_linear", 6, 40, 60
@@ -168,7 +166,7 @@ def test_item2_requests_sharing_a_prefix_store_its_pages_once_from_the_pools(tmp
     assert cc.same_rows(cc.restored_rows(t1, a), cc.restored_rows(t2, b))
 
 
-def test_item2_a_named_page_store_is_a_session_of_one_export(tmp_path):
+def test_a_named_page_store_is_a_session_of_one_export(tmp_path):
     """``pages="pages"``: the page directory beside the file, its marker gone after commit."""
     kind = "mha"
     ps, req = cc.source(kind)
@@ -183,7 +181,7 @@ def test_item2_a_named_page_store_is_a_session_of_one_export(tmp_path):
     assert not (tmp_path / "b.hsnap").exists()
 
 
-def test_item2_export_refuses_a_taken_name_before_putting_any_page(tmp_path):
+def test_export_refuses_a_taken_name_before_putting_any_page(tmp_path):
     kind = "mha"
     ps, req = cc.source(kind)
     (tmp_path / "a.hsnap").write_bytes(b"taken")
@@ -206,7 +204,7 @@ def paged_file(tmp_path):
     return tmp_path, refs, kind
 
 
-def test_item2_missing_page_refused_before_allocating(paged_file):
+def test_missing_page_refused_before_allocating(paged_file):
     d, refs, kind = paged_file
     refs[2].unlink()
     for verify in (True, "during", False):
@@ -214,7 +212,7 @@ def test_item2_missing_page_refused_before_allocating(paged_file):
         assert e.field == "pages.refs[2]" and "missing" in str(e)
 
 
-def test_item2_page_whose_bytes_do_not_match_refused_before_allocating(paged_file):
+def test_page_whose_bytes_do_not_match_refused_before_allocating(paged_file):
     """A flipped section byte: verify=True hashes every page before allocating."""
     d, refs, kind = paged_file
     data = bytearray(refs[1].read_bytes())
@@ -228,7 +226,7 @@ def test_item2_page_whose_bytes_do_not_match_refused_before_allocating(paged_fil
     assert e.path == str(refs[1])
 
 
-def test_item2_page_of_another_namespace_or_page_refused_before_allocating(paged_file):
+def test_page_of_another_namespace_or_page_refused_before_allocating(paged_file):
     d, refs, kind = paged_file
     saved = refs[0].read_bytes()
     shutil.copy(refs[3], refs[0])  # another page's object under page 0's name
@@ -244,7 +242,7 @@ def test_item2_page_of_another_namespace_or_page_refused_before_allocating(paged
     refs[0].write_bytes(saved)
 
 
-def test_item2_references_whose_keys_are_not_the_tokens_refused_before_allocating(paged_file):
+def test_references_whose_keys_are_not_the_tokens_refused_before_allocating(paged_file):
     """A re-signed snapshot whose first reference names page 1's object (a real page, the
     right namespace): its key is not the chain over the file's tokens (R-7.6-1)."""
     d, refs, kind = paged_file
@@ -260,7 +258,7 @@ def test_item2_references_whose_keys_are_not_the_tokens_refused_before_allocatin
     assert e.field == "pages.refs[0] (key of page 0)"
 
 
-def test_item2_resharding_a_set_that_references_pages_is_refused(tmp_path):
+def test_resharding_a_set_that_references_pages_is_refused(tmp_path):
     """Its rows are split between rank files and page objects: compact first."""
     from hsnap_format.manifest import SetWriter
     from hsnap_io.reshard import TPModel, describe
@@ -287,7 +285,7 @@ def test_item2_resharding_a_set_that_references_pages_is_refused(tmp_path):
 # ----------------------------------------------------------------------------- an object store
 
 
-def test_item2_pages_stored_once_under_an_s3_prefix(s3server, tmp_path):
+def test_pages_stored_once_under_an_s3_prefix(s3server, tmp_path):
     opts = s3server.options()
     run = f"s3://{s3server.make_bucket()}/run"
     kind = "hybrid_linear"
@@ -308,7 +306,7 @@ def test_item2_pages_stored_once_under_an_s3_prefix(s3server, tmp_path):
     b = _restore(tmp_path / "plain2.hsnap", t2)
     assert cc.same_rows(cc.restored_rows(t1, a), cc.restored_rows(t2, b))
     # a missing page under the prefix: refused before allocating
-    from hsnap_format.storage import store_for
+    from hsnap_format.stores import store_for
 
     s = store_for(run, opts)
     with open_chain(f"{run}/r2.hsnap", storage_options=opts) as chain:
@@ -318,10 +316,10 @@ def test_item2_pages_stored_once_under_an_s3_prefix(s3server, tmp_path):
     assert "missing" in str(e)
 
 
-def test_item2_a_live_req_snapshotted_with_pages_resumes_like_a_plain_one(tmp_path):
+def test_a_live_req_snapshotted_with_pages_resumes_like_a_plain_one(tmp_path):
     """The engine's drain path: ``snapshot_req(..., pages=store)`` of a live SGLang Req, then
     ``resume_req`` in other pools — the same rows and Req as from a plain snapshot."""
-    import sglang_reqs as sr
+    from hsnap_testing import reqs as sr
     from hsnap_sglang import req as hs
 
     ps = sp.build("hybrid_linear", size=512, page_size=1)

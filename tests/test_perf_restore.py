@@ -1,4 +1,4 @@
-"""Restore hashes what it uploads; export starts writeback early (issue 15).
+"""Restore hashes what it uploads; export starts writeback early.
 
 What changed in behaviour, and what did not:
 * the state sections are hashed as they land in the slots, in both verify modes: a file
@@ -24,8 +24,9 @@ pytest.importorskip("torch")
 from io_cases import export_from, identity, source, target  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-from hsnap_format import writer  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+import hsnap_format.source  # noqa: E402
+from hsnap_format import localfs  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 
@@ -134,12 +135,12 @@ def test_verified_restore_uploads_the_same_bytes(snap_path):
 
 
 def test_export_that_fsyncs_writes_back_early_and_writes_the_same_bytes(tmp_path, monkeypatch):
-    if writer._sync_file_range is None:
+    if localfs.sync_file_range is None:
         pytest.skip("no sync_file_range on this platform")
     calls = []
-    real = writer._sync_file_range
-    monkeypatch.setattr(writer, "_sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)) or real(fd, off, n, flags))
-    monkeypatch.setattr(writer, "WRITEBACK_BYTES", 4096)  # the small test request spans several ranges
+    real = localfs.sync_file_range
+    monkeypatch.setattr(localfs, "sync_file_range", lambda fd, off, n, flags: calls.append((off, n, flags)) or real(fd, off, n, flags))
+    monkeypatch.setattr(hsnap_format.source, "WRITEBACK_BYTES", 4096)  # the small test request spans several ranges
     ps, req = source(KIND, 1)
     ident = identity(created_at="2026-01-01T00:00:00Z")
     from hsnap_io import export_request

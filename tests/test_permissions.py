@@ -16,7 +16,7 @@ import xxhash
 
 import crash_child as cc
 import hsnap_format as hf
-from hsnap_format import _fs
+from hsnap_format import localfs
 from hsnap_format.manifest import decode_manifest
 
 
@@ -58,7 +58,7 @@ def test_files_are_private_by_default_whatever_the_umask(tmp_path, mask, monkeyp
             [tmp] = [n for n in os.listdir(tmp_path) if ".hsnap-tmp-" in n]
             seen["tmp"] = _mode(tmp_path / tmp)
 
-    monkeypatch.setattr(_fs, "phase_hook", hook)
+    monkeypatch.setattr(localfs, "phase_hook", hook)
     with umask(mask):
         _write(tmp_path / "req.hsnap")
     assert seen["tmp"] == 0o600
@@ -171,7 +171,7 @@ def test_symlinks_inside_a_snapshot_directory_are_refused(committed_set, tmp_pat
 def test_a_symlink_given_as_the_path_is_not_followed(committed_set, tmp_path):
     """hf.open refuses a link given as the path itself (e.g. "latest"), as Snapshot() does
     (O_NOFOLLOW) and as links inside a snapshot directory are refused (spec 7.1 step 1,
-    R-7.1-2; issue 18 item 10); the target, by its own path, opens."""
+    R-7.1-2); the target, by its own path, opens."""
     _write(tmp_path / "req.hsnap")
     os.symlink(tmp_path / "req.hsnap", tmp_path / "latest.hsnap")
     os.symlink(committed_set, tmp_path / "latest")
@@ -267,40 +267,39 @@ def test_a_directory_name_taken_while_staging_raises_snapshot_exists(tmp_path):
 
 
 def _race_threads(tmp_path, phase, make, trials):
-    """Two writers of one final name, released together at ``phase``: exactly one wins."""
-    outcomes = []
-    for t in range(trials):
-        final = tmp_path / f"race-{t}"
-        barrier = threading.Barrier(2, timeout=20)
+    """Two writers of one final name, released together at ``phase``: exactly one wins. The winners, by trial."""
+    return [_race_once(tmp_path / f"race-{t}", phase, make) for t in range(trials)]
 
-        def hook(p):
-            if p == phase:
-                barrier.wait()
 
-        results = [None, None]
+def _race_once(final, phase, make) -> int:
+    barrier = threading.Barrier(2, timeout=20)
 
-        def run(i):
-            try:
-                results[i] = ("won", make(final, seed=i))
-            except hf.SnapshotExistsError as e:
-                results[i] = ("lost", e)
-            except BaseException as e:  # noqa: BLE001
-                results[i] = ("error", e)
+    def hook(p):
+        if p == phase:
+            barrier.wait()
 
-        _fs.phase_hook = hook
+    results = [None, None]
+
+    def run(i):
         try:
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-            for th in threads:
-                th.start()
-            for th in threads:
-                th.join(30)
-        finally:
-            _fs.phase_hook = None
-        kinds = sorted(r[0] for r in results)
-        assert kinds == ["lost", "won"], results
-        winner = [i for i, r in enumerate(results) if r[0] == "won"][0]
-        outcomes.append(winner)
-    return outcomes
+            results[i] = ("won", make(final, seed=i))
+        except hf.SnapshotExistsError as e:
+            results[i] = ("lost", e)
+        except BaseException as e:  # noqa: BLE001
+            results[i] = ("error", e)
+
+    localfs.phase_hook = hook
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        localfs.phase_hook = None
+    kinds = sorted(r[0] for r in results)
+    assert kinds == ["lost", "won"], results
+    return [i for i, r in enumerate(results) if r[0] == "won"][0]
 
 
 def test_two_threads_racing_for_one_file_name(tmp_path):
@@ -352,12 +351,12 @@ def test_two_processes_racing_for_one_name(tmp_path):
             if pid == 0:
                 code = 1
                 try:
-                    def hook(p):
+                    def hook(p, ready_w=ready_w, go_r=go_r):  # this trial's pipes
                         if p == "before-rename":
                             os.write(ready_w, b"r")
                             os.read(go_r, 1)
 
-                    _fs.phase_hook = hook
+                    localfs.phase_hook = hook
                     try:
                         _write(final, seed=seed)
                         code = 0

@@ -1,13 +1,13 @@
-"""Issue 21 items 1 and 3: restores that read the payload once, with every guarantee kept.
+"""Restores that read the payload once, with every guarantee kept.
 
-Item 3 (local file, default ``verify=True``): a payload up to ``restore.ONE_READ_BYTES``
+A local file (default ``verify=True``): a payload up to ``restore.ONE_READ_BYTES``
 is read once, into a reused staging buffer, each section hashed and the padding checked
 as it lands, before anything is allocated; the upload copies from that buffer. So the
 file is read once, and what reaches the pools is what was hashed even if the file
 changes afterwards. Larger payloads take the two-pass path (verify, then read and hash
 again while uploading).
 
-Item 1 (object store, real SeaweedFS): the ranged GETs run ahead of the hashing and the
+An object store (a real SeaweedFS): the ranged GETs run ahead of the hashing and the
 scatter — into the staging buffer (a payload under the bound) or into a bounded ring of
 read-ahead buffers (``ReadAhead``: ``parallel`` x ``chunk_bytes``) — with the ETag
 pinned, a refusal or a dead server leaving the pools byte-identical, no GET thread
@@ -31,7 +31,7 @@ pytest.importorskip("torch")
 from io_cases import export_from, identity, rows_as_bytes, source, target  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 
@@ -99,10 +99,10 @@ def _flip(path, offset):
         os.close(fd)
 
 
-# ------------------------------------------------------------------ item 3: local, verify=True
+# ------------------------------------------------------------------ local, verify=True
 
 
-def test_item3_default_verify_reads_the_payload_once(snap_path, expected, monkeypatch):
+def test_default_verify_reads_the_payload_once(snap_path, expected, monkeypatch):
     size = os.path.getsize(snap_path)
     with hf.open(snap_path) as s:
         records = sum(x.length for x in s.sections if not x.is_state)
@@ -114,7 +114,7 @@ def test_item3_default_verify_reads_the_payload_once(snap_path, expected, monkey
     assert size // 2 < total[0] <= size + records, (total[0], size)
 
 
-def test_item3_over_the_bound_two_passes_still_right(snap_path, expected, monkeypatch):
+def test_over_the_bound_two_passes_still_right(snap_path, expected, monkeypatch):
     monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)  # the bound stated in restore.py, here below the payload
     size = os.path.getsize(snap_path)
     total = _count_reads(monkeypatch, snap_path)
@@ -124,7 +124,7 @@ def test_item3_over_the_bound_two_passes_still_right(snap_path, expected, monkey
     assert total[0] > size  # verified, then read and hashed again while uploading
 
 
-def test_item3_file_changed_after_the_verify_pass_never_reaches_the_pools(snap_path, expected, tmp_path, monkeypatch):
+def test_file_changed_after_the_verify_pass_never_reaches_the_pools(snap_path, expected, tmp_path, monkeypatch):
     """The file changes in place after the one read (between the verify pass and the
     allocation): the upload copies the bytes that were hashed, so the pools hold the
     snapshot's bytes, never the changed ones."""
@@ -146,7 +146,7 @@ def test_item3_file_changed_after_the_verify_pass_never_reaches_the_pools(snap_p
         hf.open(p).verify()
 
 
-def test_item3_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_path):
+def test_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_path):
     p = str(tmp_path / "bad.hsnap")
     shutil.copy(snap_path, p)
     with hf.open(p) as s:
@@ -165,7 +165,7 @@ def test_item3_corrupt_file_refused_before_allocation_pools_identical(snap_path,
         assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
 
 
-def test_item3_staging_buffer_is_reused(snap_path, expected):
+def test_staging_buffer_is_reused(snap_path, expected):
     ps = target(KIND, 1)
     got = _restore(snap_path, ps)
     kept = restore_mod._Staged._kept
@@ -176,20 +176,16 @@ def test_item3_staging_buffer_is_reused(snap_path, expected):
     assert _same_rows(_rows(ps, got), expected)
 
 
-# ------------------------------------------------------------------ item 1: object store
+# ------------------------------------------------------------------ object store
 
-from hsnap_format import remote  # noqa: E402  (botocore only when a client is made: s3server skips without it)
-
-
-@pytest.fixture
-def bucket(s3server):
-    return s3server.make_bucket()
+from hsnap_format import reader  # noqa: E402
+from hsnap_format.stores.s3 import client as s3client, options as s3options, ranges as s3ranges  # noqa: E402  (botocore only when a client is made: s3server skips without it)
 
 
 @pytest.fixture(autouse=True)
 def _no_hook():
     yield
-    remote.fault_hook = None
+    s3client.fault_hook = None
 
 
 @pytest.fixture(params=["staged", "read-ahead"])
@@ -203,7 +199,7 @@ def path_kind(request, monkeypatch):
 
 def _upload(s3server, bucket, snap_path) -> str:
     url = f"s3://{bucket}/o.hsnap"
-    remote.put_bytes(url, open(snap_path, "rb").read(), remote.StorageOptions.of(s3server.options()))
+    s3client.put_bytes(url, open(snap_path, "rb").read(), s3options.StorageOptions.of(s3server.options()))
     return url
 
 
@@ -214,21 +210,25 @@ def _gets_threads() -> list[str]:
 CHUNK = 2048  # many GETs (the test snapshot is ~44 KiB)
 
 
-def test_item1_url_restore_downloads_ahead_while_hashing(s3server, bucket, snap_path, expected, path_kind, monkeypatch):
+def test_url_restore_downloads_ahead_while_hashing(s3server, bucket, snap_path, expected, path_kind, monkeypatch):
     """The second GET after the restore's check is held until the first piece has been
     hashed: a pipeline that hashes only after its downloads would never release it (it
     gives up after 20 s and the overlap is reported missing)."""
     url = _upload(s3server, bucket, snap_path)
     hashed, seen, overlap = threading.Event(), [], []
-    real = remote.xxhash.xxh3_128
+    real = s3ranges.xxhash.xxh3_128
 
     class Hasher:
         def __init__(self, *a):
             self.h = real(*a)
 
         def update(self, b):
-            hashed.set()
+            if seen:  # after the restore's check (an open's trailer is hashed too)
+                hashed.set()
             self.h.update(b)
+
+        def digest(self):
+            return self.h.digest()
 
         def hexdigest(self):
             return self.h.hexdigest()
@@ -241,20 +241,22 @@ def test_item1_url_restore_downloads_ahead_while_hashing(s3server, bucket, snap_
             if len(seen) == 3:  # the second GET after the check
                 overlap.append(hashed.wait(20))
 
-    monkeypatch.setattr(remote, "xxhash", types.SimpleNamespace(xxh3_128=Hasher, xxh3_128_hexdigest=remote.xxhash.xxh3_128_hexdigest))
-    remote.fault_hook = hook
+    counted = types.SimpleNamespace(**{**{k: getattr(s3ranges.xxhash, k) for k in dir(s3ranges.xxhash) if k.startswith("xxh")}, "xxh3_128": Hasher})
+    for hashing in (s3ranges, reader):  # a section's ranged GETs hash in s3ranges, a staged window stream in reader
+        monkeypatch.setattr(hashing, "xxhash", counted)
+    s3client.fault_hook = hook
     ps = target(KIND, 1)
     got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=2))
-    remote.fault_hook = None
+    s3client.fault_hook = None
     assert overlap == [True]
     assert _same_rows(_rows(ps, got), expected)
     assert _gets_threads() == []
 
 
-def test_item1_in_flight_gets_bounded(s3server, bucket, snap_path, expected, path_kind, monkeypatch):
+def test_in_flight_gets_bounded(s3server, bucket, snap_path, expected, path_kind, monkeypatch):
     url = _upload(s3server, bucket, snap_path)
     lock, now, peak, count = threading.Lock(), [0], [0], [0]
-    real = remote.RangeReader._get
+    real = s3ranges.RangeReader._get
 
     def counted(self, offset, out):
         with lock:
@@ -267,15 +269,15 @@ def test_item1_in_flight_gets_bounded(s3server, bucket, snap_path, expected, pat
             with lock:
                 now[0] -= 1
 
-    monkeypatch.setattr(remote.RangeReader, "_get", counted)
+    monkeypatch.setattr(s3ranges.RangeReader, "_get", counted)
     held = []
-    real_fill = remote.ReadAhead._fill
+    real_fill = s3ranges.ReadAhead._fill
 
     def fill(self):
         real_fill(self)
         held.append(len(self._held))
 
-    monkeypatch.setattr(remote.ReadAhead, "_fill", fill)
+    monkeypatch.setattr(s3ranges.ReadAhead, "_fill", fill)
     ps = target(KIND, 1)
     got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3))
     assert _same_rows(_rows(ps, got), expected)
@@ -299,19 +301,19 @@ def _interrupted(s3server, bucket, snap_path, act, err, **opts):
 
     ps = target(KIND, 1)
     before = sp.pool_state_fingerprint(ps)
-    remote.fault_hook = hook
+    s3client.fault_hook = hook
     try:
         with pytest.raises(err) as e:
             _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3, **opts))
     finally:
-        remote.fault_hook = None
+        s3client.fault_hook = None
     assert len(seen) >= 4
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # byte-identical
     assert _gets_threads() == []  # every GET waited for, the pool shut down
     return e.value
 
 
-def test_item1_ctrl_c_mid_download_pools_identical_no_thread_left(s3server, bucket, snap_path, path_kind):
+def test_ctrl_c_mid_download_pools_identical_no_thread_left(s3server, bucket, snap_path, path_kind):
     import _thread
 
     def interrupt():
@@ -323,9 +325,9 @@ def test_item1_ctrl_c_mid_download_pools_identical_no_thread_left(s3server, buck
 # last: kills the shared server and starts it again on the same directory and ports
 
 
-def test_item1_pipelined_restore_server_killed_mid_download_pools_identical(s3server, bucket, snap_path, path_kind):
+def test_pipelined_restore_server_killed_mid_download_pools_identical(s3server, bucket, snap_path, path_kind):
     try:
-        e = _interrupted(s3server, bucket, snap_path, s3server.kill, remote.RemoteIOError, retries=0)
+        e = _interrupted(s3server, bucket, snap_path, s3server.kill, s3client.RemoteIOError, retries=0)
         assert isinstance(e, hf.HsnapIOError)
     finally:
         s3server.start()

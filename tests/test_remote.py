@@ -15,16 +15,11 @@ import pytest
 pytest.importorskip("botocore")
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import remote  # noqa: E402
+from hsnap_format.stores.s3 import S3Store, client as s3client, gc as s3gc, options as s3options  # noqa: E402
 from hsnap_format.reference import state_arrays  # noqa: E402
 from crash_child import tiny  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture
-def bucket(s3server):
-    return s3server.make_bucket()
 
 
 @pytest.fixture
@@ -35,11 +30,11 @@ def opts(s3server):
 @pytest.fixture(autouse=True)
 def _no_hook():
     yield
-    remote.fault_hook = None
+    s3client.fault_hook = None
 
 
 def _client(opts):
-    return remote.client(remote.StorageOptions.of(opts))
+    return s3client.client(s3options.StorageOptions.of(opts))
 
 
 def _uploads(opts, bucket):
@@ -47,7 +42,7 @@ def _uploads(opts, bucket):
 
 
 def _visible(opts, bucket, key) -> bool:
-    return remote._exists(f"s3://{bucket}/{key}", remote.StorageOptions.of(opts))
+    return s3client.exists(f"s3://{bucket}/{key}", s3options.StorageOptions.of(opts))
 
 
 def big(pos: int, seed: int = 0, **kw):
@@ -59,7 +54,7 @@ def big(pos: int, seed: int = 0, **kw):
 
 
 def write_remote(url, opts, ident, geom, rec, state):
-    with remote.RemoteSnapshotWriter(url, storage_options=opts, identity=ident, geometry=geom, record=rec) as w:
+    with S3Store(opts).writer(url, identity=ident, geometry=geom, record=rec) as w:
         for spec in w.pending_state_sections():
             w.write_section(spec.name, state[spec.name])
         return w.commit()
@@ -91,7 +86,7 @@ def test_open_is_two_round_trips_and_reads_verify(big_local, bucket, opts):
     p = _hsnap(opts, "cp", big_local, f"s3://{bucket}/big.hsnap")
     assert p.returncode == 0, p.stderr
     with hf.open(f"s3://{bucket}/big.hsnap", storage_options=opts) as snap, hf.open(big_local) as local:
-        assert snap.open_requests <= 2
+        assert snap.source.requests <= 2
         assert snap.header == local.header and snap.root_digest == local.root_digest
         for s in local.sections[:3] + local.sections[-3:]:
             assert np.array_equal(snap.read(s.name).view(np.uint8), local.read(s.name).view(np.uint8))
@@ -181,7 +176,7 @@ def test_object_invisible_until_completion_and_failed_export_leaves_nothing(buck
             seen["visible"] = _visible(opts, bucket, "v.hsnap")
             seen["uploads"] = len(_uploads(opts, bucket))
 
-    remote.fault_hook = hook
+    s3client.fault_hook = hook
     write_remote(url, dict(opts, part_bytes=5 << 20), ident, geom, rec, state)
     assert seen == {"visible": False, "uploads": 1}
     assert _visible(opts, bucket, "v.hsnap") and _uploads(opts, bucket) == []
@@ -190,18 +185,18 @@ def test_object_invisible_until_completion_and_failed_export_leaves_nothing(buck
         if op == "part":
             raise OSError(5, "injected")
 
-    remote.fault_hook = fail
+    s3client.fault_hook = fail
     with pytest.raises(OSError):
         write_remote(f"s3://{bucket}/w.hsnap", dict(opts, part_bytes=5 << 20), ident, geom, rec, state)
-    remote.fault_hook = None
+    s3client.fault_hook = None
     assert not _visible(opts, bucket, "w.hsnap") and _uploads(opts, bucket) == []  # the writer aborted its upload
-    with pytest.raises(remote.RemoteNotFoundError):
+    with pytest.raises(s3client.RemoteNotFoundError):
         hf.open(f"s3://{bucket}/w.hsnap", storage_options=opts)
 
 
 def test_unfinished_set_is_collected_committed_ones_never(bucket, opts):
     def write_set(prefix, commit):
-        w = remote.RemoteSetWriter(f"s3://{bucket}/{prefix}", storage_options=opts)
+        w = S3Store(opts).set_writer(f"s3://{bucket}/{prefix}")
         for r in range(2):
             ident, geom, rec, state = tiny(1, tp_size=2, tp_rank=r, snapshot_id=prefix)
             with w.rank_writer(r, identity=ident, geometry=geom, record=rec) as rw:
@@ -217,11 +212,11 @@ def test_unfinished_set_is_collected_committed_ones_never(bucket, opts):
     # a lone completed object named like a rank: not proved unfinished, kept
     _client(opts).put_object(Bucket=bucket, Key="lone/rank-0.hsnap", Body=b"x")
     with hf.open(f"s3://{bucket}/done", storage_options=opts) as s:
-        assert isinstance(s, remote.RemoteSnapshotSet) and sorted(s.ranks) == [0, 1]
+        assert isinstance(s, hf.SnapshotSet) and sorted(s.ranks) == [0, 1]
         s.verify()
     with pytest.raises(hf.MalformedManifestError):
         hf.open(f"s3://{bucket}/half/", storage_options=opts)
-    items = remote.collect_url(f"s3://{bucket}/", remove=True, older_than=0, storage_options=opts)
+    items = s3gc.collect_url(f"s3://{bucket}/", remove=True, older_than=0, storage_options=opts)
     acts = {i.path: (i.kind, i.action) for i in items}
     # half's rank 0 is complete (the magic at byte 0): not proved unfinished, so it stays,
     # and the marker with it (its proof); nothing of the committed set is even listed
@@ -233,7 +228,7 @@ def test_unfinished_set_is_collected_committed_ones_never(bucket, opts):
 
 
 def test_manifest_with_a_missing_rank_object(bucket, opts):
-    w = remote.RemoteSetWriter(f"s3://{bucket}/s", storage_options=opts)
+    w = S3Store(opts).set_writer(f"s3://{bucket}/s")
     for r in range(2):
         ident, geom, rec, state = tiny(2, tp_size=2, tp_rank=r, snapshot_id="s")
         write_remote(w.rank_path(r), opts, ident, geom, rec, state)
@@ -247,20 +242,20 @@ def test_manifest_with_a_missing_rank_object(bucket, opts):
 
 
 def test_missing_bucket_and_key_are_typed(opts):
-    with pytest.raises(remote.RemoteNotFoundError, match="bucket"):
+    with pytest.raises(s3client.RemoteNotFoundError, match="bucket"):
         hf.open("s3://no-such-bucket-hsnap/x.hsnap", storage_options=opts)
     ident, geom, rec, state = tiny(0)
-    with pytest.raises(remote.RemoteNotFoundError):
+    with pytest.raises(s3client.RemoteNotFoundError):
         write_remote("s3://no-such-bucket-hsnap/x.hsnap", opts, ident, geom, rec, state)
 
 
 def test_wrong_credentials_typed_without_the_secret(bucket, opts):
     bad = dict(opts, secret="WRONG-" + "s3cr3t" * 6)
-    with pytest.raises(remote.RemoteAuthError) as e:
+    with pytest.raises(s3client.RemoteAuthError) as e:
         hf.open(f"s3://{bucket}/x.hsnap", storage_options=bad)
-    assert "s3cr3t" not in str(e.value) and opts["secret"] not in str(e.value) and bad["key"] not in repr(remote.StorageOptions.of(bad))
+    assert "s3cr3t" not in str(e.value) and opts["secret"] not in str(e.value) and bad["key"] not in repr(s3options.StorageOptions.of(bad))
     ident, geom, rec, state = tiny(0)
-    with pytest.raises(remote.RemoteAuthError) as e:
+    with pytest.raises(s3client.RemoteAuthError) as e:
         write_remote(f"s3://{bucket}/x.hsnap", bad, ident, geom, rec, state)
     assert "s3cr3t" not in str(e.value)
     with pytest.raises(hf.UnsupportedFeatureError) as e:
@@ -276,9 +271,9 @@ def test_replaced_or_truncated_object_is_refused(bucket, opts, tmp_path):
     data = c.get_object(Bucket=bucket, Key="r.hsnap")["Body"].read()
     snap = hf.open(url, storage_options=dict(opts, chunk_bytes=1 << 16, first_read=4096))
     c.put_object(Bucket=bucket, Key="r.hsnap", Body=data[:-100])  # truncated in place, after open
-    with pytest.raises(remote.ObjectChangedError):
+    with pytest.raises(s3client.ObjectChangedError):
         snap.verify()
-    with pytest.raises(remote.ObjectChangedError):
+    with pytest.raises(s3client.ObjectChangedError):
         snap.check_unchanged()
     snap.close()
     with pytest.raises(hf.TruncatedError):  # a fresh open sees the short object
@@ -313,7 +308,7 @@ def _restore(io_cases, ps, url, opts, **kw):
 
 @pytest.mark.parametrize("kind", ["hybrid_linear", "swa_mamba"])
 def test_export_restore_round_trip_through_the_store(pools, kind, bucket, opts, tmp_path):
-    import sglang_pools as sp
+    from hsnap_testing import pools as sp
 
     ps, req = pools.source(kind, 1)
     url = f"s3://{bucket}/{kind}.hsnap"
@@ -343,7 +338,7 @@ def test_export_restore_round_trip_through_the_store(pools, kind, bucket, opts, 
 
 
 def _faulty_restore(pools, bucket, opts, s3server, act, err, **kw):
-    import sglang_pools as sp
+    from hsnap_testing import pools as sp
 
     ps, req = pools.source("hybrid_linear", 1)
     url = f"s3://{bucket}/f.hsnap"
@@ -360,11 +355,11 @@ def _faulty_restore(pools, bucket, opts, s3server, act, err, **kw):
             if len(gets) == 3:  # mid-download: a section already in the slots
                 act(url)
 
-    remote.fault_hook = hook
+    s3client.fault_hook = hook
     with pytest.raises(err) as e:
         # small reads: many GETs, so the fault lands between two of them, mid-upload
         _restore(pools, tgt, url, dict(opts, first_read=4096, chunk_bytes=4096, parallel=1, **kw), exact_rollback=True)
-    remote.fault_hook = None
+    s3client.fault_hook = None
     assert len(gets) >= 3
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(tgt)) == []
     return e.value
@@ -377,7 +372,7 @@ def test_object_overwritten_during_restore_is_refused_pools_identical(pools, buc
         body[-200] ^= 1
         c.put_object(Bucket=bucket, Key="f.hsnap", Body=bytes(body))  # replaced under the reader
 
-    _faulty_restore(pools, bucket, opts, s3server, overwrite, remote.ObjectChangedError)
+    _faulty_restore(pools, bucket, opts, s3server, overwrite, s3client.ObjectChangedError)
 
 
 def test_slow_server_times_out_typed_pools_identical(pools, bucket, opts, s3server):
@@ -388,7 +383,7 @@ def test_slow_server_times_out_typed_pools_identical(pools, bucket, opts, s3serv
         t.append(time.monotonic())
 
     try:
-        e = _faulty_restore(pools, bucket, opts, s3server, stop, remote.RemoteTimeoutError, timeout=1.0, retries=0)
+        e = _faulty_restore(pools, bucket, opts, s3server, stop, s3client.RemoteTimeoutError, timeout=1.0, retries=0)
     finally:
         s3server.signal(signal.SIGCONT)
     assert isinstance(e, hf.HsnapIOError) and "1 s per attempt" in str(e)
@@ -401,7 +396,7 @@ def test_slow_server_times_out_typed_pools_identical(pools, bucket, opts, s3serv
 def test_server_killed_mid_download_typed_pools_identical(pools, bucket, opts, s3server):
     try:
         e = _faulty_restore(pools, bucket, opts, s3server, lambda url: s3server.kill(), hf.HsnapIOError, retries=0)
-        assert isinstance(e, remote.RemoteIOError)
+        assert isinstance(e, s3client.RemoteIOError)
     finally:
         s3server.start()
 
@@ -416,15 +411,15 @@ def test_server_killed_mid_upload_nothing_visible_gc_cleans(bucket, opts, s3serv
             if len(parts) == 2:
                 s3server.kill()
 
-    remote.fault_hook = kill_at_second_part
+    s3client.fault_hook = kill_at_second_part
     try:
-        with pytest.raises(remote.RemoteIOError):
+        with pytest.raises(s3client.RemoteIOError):
             write_remote(f"s3://{bucket}/k.hsnap", dict(opts, part_bytes=5 << 20, parallel=1, retries=0), ident, geom, rec, state)
     finally:
-        remote.fault_hook = None
+        s3client.fault_hook = None
         s3server.start()
     assert not _visible(opts, bucket, "k.hsnap")
-    with pytest.raises(remote.RemoteNotFoundError):
+    with pytest.raises(s3client.RemoteNotFoundError):
         hf.open(f"s3://{bucket}/k.hsnap", storage_options=opts)
     assert len(_uploads(opts, bucket)) == 1  # the dead writer's upload, uncommitted
     p = _hsnap(opts, "gc", f"s3://{bucket}/", "--json")  # young: listed, kept

@@ -1,7 +1,7 @@
-"""Issue 18, the object-store side: gc by URL proves every object it removes (item 2b)
-and reports what stale uploads hold (13); a store that never answers gives a typed,
-bounded timeout everywhere (7); messages name the endpoint, a port that is not S3 says
-so, an empty AWS_ENDPOINT_URL is unset (14). Against a real SeaweedFS (tests/seaweed.py)
+"""The object-store side: gc by URL proves every object it removes
+and reports what stale uploads hold; a store that never answers gives a typed,
+bounded timeout everywhere; messages name the endpoint, a port that is not S3 says
+so, an empty AWS_ENDPOINT_URL is unset. Against a real SeaweedFS (tests/seaweed.py)
 and real hung / non-S3 servers on loopback. No S3 mocks."""
 
 from __future__ import annotations
@@ -25,18 +25,13 @@ import pytest
 pytest.importorskip("botocore")
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format import remote  # noqa: E402
+from hsnap_format.stores.s3 import S3Store, client as s3client, gc as s3gc, options as s3options, upload as s3upload  # noqa: E402
 from hsnap_format.spec import MAGIC, PENDING_MAGIC, PENDING_MARKER, PENDING_MARKER_TEXT  # noqa: E402
 from hsnap_format.reference import state_arrays  # noqa: E402
 from crash_child import tiny  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-@pytest.fixture
-def bucket(s3server):
-    return s3server.make_bucket()
 
 
 @pytest.fixture
@@ -47,11 +42,11 @@ def opts(s3server):
 @pytest.fixture(autouse=True)
 def _no_hook():
     yield
-    remote.fault_hook = None
+    s3client.fault_hook = None
 
 
 def _client(opts):
-    return remote.client(remote.StorageOptions.of(opts))
+    return s3client.client(s3options.StorageOptions.of(opts))
 
 
 def _keys(opts, bucket, prefix=""):
@@ -71,7 +66,7 @@ def big(pos: int, seed: int = 0, **kw):
 
 
 def write_remote(url, opts, ident, geom, rec, state):
-    with remote.RemoteSnapshotWriter(url, storage_options=opts, identity=ident, geometry=geom, record=rec) as w:
+    with S3Store(opts).writer(url, identity=ident, geometry=geom, record=rec) as w:
         for spec in w.pending_state_sections():
             w.write_section(spec.name, state[spec.name])
         return w.commit()
@@ -103,24 +98,24 @@ def _env(opts) -> dict:
             "AWS_REGION": "us-east-1"}
 
 
-# ------------------------------------------------------------------ item 2b: gc by URL
+# ------------------------------------------------------------------ gc by URL
 
 # A two-rank export into s3://BUCKET/PREFIX, SIGKILLed (no clean-up: a crash) at the
 # second part upload of rank KILL_RANK; the earlier ranks are complete objects by then.
 _KILLED_EXPORT = r"""
 import json, os, signal, sys
 sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-from hsnap_format import remote
+from hsnap_format.stores.s3 import S3Store, client as s3client
 from test_remote_trust import big, write_remote
 opts, prefix, kill_rank = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-w = remote.RemoteSetWriter(prefix, storage_options=opts)
+w = S3Store(opts).set_writer(prefix)
 parts = []
 def hook(op, url, offset, length):
     if op == "part" and url == w.rank_path(kill_rank):
         parts.append(offset)
         if len(parts) == 2:  # the first part of this rank is in the store, the writer dies
             os.kill(os.getpid(), signal.SIGKILL)
-remote.fault_hook = hook
+s3client.fault_hook = hook
 for r in range(2):
     ident, geom, rec, state = big(12000, seed=r, tp_size=2, tp_rank=r, snapshot_id="killed")
     write_remote(w.rank_path(r), opts, ident, geom, rec, state)
@@ -136,7 +131,7 @@ def _killed_export(opts, url, kill_rank):
 
 
 @pytest.mark.parametrize("kill_rank", [1, 0])
-def test_item2b_url_gc_keeps_a_committed_snapshot_under_a_killed_set_prefix(bucket, opts, kill_rank):
+def test_url_gc_keeps_a_committed_snapshot_under_a_killed_set_prefix(bucket, opts, kill_rank):
     """The tester's case: a committed, verified setp/keep.hsnap under a prefix into which a
     two-rank export was killed; gc --remove --older-than 0 keeps it, removes only what it
     proves unfinished, and names each removal with its size before making it."""
@@ -145,7 +140,7 @@ def test_item2b_url_gc_keeps_a_committed_snapshot_under_a_killed_set_prefix(buck
     keep_bytes = write_remote(keep, opts, ident, geom, rec, state).file_length
     with hf.open(keep, storage_options=opts) as s:
         s.verify()
-        keep_etag = s.etag
+        keep_etag = s.source.etag
     _killed_export(opts, f"s3://{bucket}/setp", kill_rank)
     assert f"setp/{PENDING_MARKER}" in _keys(opts, bucket) and len(_uploads(opts, bucket)) == 1
 
@@ -158,7 +153,7 @@ def test_item2b_url_gc_keeps_a_committed_snapshot_under_a_killed_set_prefix(buck
     report = {i["path"]: i for i in json.loads(p.stdout)["leftovers"]}
     upload = next(i for i in report.values() if i["kind"] == "upload")
     assert upload["final"] == f"s3://{bucket}/setp/rank-{kill_rank}.hsnap" and upload["action"] == "removed"
-    assert upload["bytes"] == 5 << 20  # the one part the killed writer got into the store (item 13: not "0 bytes")
+    assert upload["bytes"] == 5 << 20  # the one part the killed writer got into the store (not "0 bytes")
     assert report[keep]["action"] == "kept" and "complete snapshot" in report[keep]["reason"]
     marker = report[f"s3://{bucket}/setp/{PENDING_MARKER}"]
     if kill_rank == 1:  # rank 0 was complete: not proved unfinished, it stays, and the marker (its proof) with it
@@ -176,10 +171,10 @@ def test_item2b_url_gc_keeps_a_committed_snapshot_under_a_killed_set_prefix(buck
     assert announced == removed and len(removed) == (1 if kill_rank == 1 else 2)
     with hf.open(keep, storage_options=opts) as s:
         s.verify()
-        assert s.etag == keep_etag
+        assert s.source.etag == keep_etag
 
 
-def test_item2b_url_gc_proves_each_temporary_by_its_bytes_and_deletes_only_the_version_proved(bucket, opts):
+def test_url_gc_proves_each_temporary_by_its_bytes_and_deletes_only_that_version(bucket, opts):
     """Objects under a temporary's name: removed only with the unfinished-write mark at
     byte 0 (or empty); one replaced by a committed snapshot between the proof and the
     delete is refused by the store (If-Match on the ETag), not deleted."""
@@ -199,7 +194,7 @@ def test_item2b_url_gc_proves_each_temporary_by_its_bytes_and_deletes_only_the_v
         if path.endswith("/.e.hsnap.hsnap-tmp-4-0a1b2c3d"):
             c.put_object(Bucket=bucket, Key="d/.e.hsnap.hsnap-tmp-4-0a1b2c3d", Body=committed)
 
-    items = {i.path.rpartition("/")[2]: i for i in remote.collect_url(f"s3://{bucket}/d", remove=True, older_than=0,
+    items = {i.path.rpartition("/")[2]: i for i in s3gc.collect_url(f"s3://{bucket}/d", remove=True, older_than=0,
                                                                      storage_options=opts, announce=swap)}
     acts = {n: (i.kind, i.action, i.bytes) for n, i in items.items()}
     assert acts == {".a.hsnap.hsnap-tmp-1-0a1b2c3d": ("file", "removed", 4096), ".b.hsnap.hsnap-tmp-2-0a1b2c3d": ("file", "kept", len(committed)),
@@ -212,21 +207,21 @@ def test_item2b_url_gc_proves_each_temporary_by_its_bytes_and_deletes_only_the_v
     assert c.get_object(Bucket=bucket, Key="d/.e.hsnap.hsnap-tmp-4-0a1b2c3d")["Body"].read() == committed
 
 
-def test_item2b_writers_refuse_a_key_inside_an_unfinished_set_prefix(bucket, opts):
+def test_writers_refuse_a_key_inside_an_unfinished_set_prefix(bucket, opts):
     """A prefix holding an unfinished set's marker is gc's to look at: a writer does not
     commit a snapshot into it, and a second set writer does not take it over."""
     marker = f"s3://{bucket}/setp/{PENDING_MARKER}"
-    remote.put_bytes(marker, PENDING_MARKER_TEXT, remote.StorageOptions.of(opts))
+    s3client.put_bytes(marker, PENDING_MARKER_TEXT, s3options.StorageOptions.of(opts))
     ident, geom, rec, state = tiny(13)
     with pytest.raises(hf.ReservedNameError, match="unfinished"):
         write_remote(f"s3://{bucket}/setp/keep.hsnap", opts, ident, geom, rec, state)
     with pytest.raises(hf.ReservedNameError, match="unfinished"):
-        remote.RemoteSetWriter(f"s3://{bucket}/setp", storage_options=opts)
+        S3Store(opts).set_writer(f"s3://{bucket}/setp")
     assert _keys(opts, bucket) == [f"setp/{PENDING_MARKER}"] and _uploads(opts, bucket) == []
     write_remote(f"s3://{bucket}/other/keep.hsnap", opts, ident, geom, rec, state)  # elsewhere: fine
 
 
-def test_item2b_a_failed_set_copy_never_deletes_an_object_it_did_not_write(bucket, opts, tmp_path):
+def test_a_failed_set_copy_never_deletes_an_object_it_did_not_write(bucket, opts, tmp_path):
     """hsnap cp of a set onto a prefix where rank-0.hsnap is someone's committed object:
     refused, and the clean-up removes only what the copy itself committed."""
     src = str(tmp_path / "set")
@@ -244,12 +239,12 @@ def test_item2b_a_failed_set_copy_never_deletes_an_object_it_did_not_write(bucke
         assert s.record().rid == rec.rid
 
 
-# ------------------------------------------------------------------ item 13 (URL): what a stale upload holds
+# ------------------------------------------------------------------ what a stale upload holds
 
 
-def test_item13_url_gc_reports_the_bytes_a_stale_upload_holds(bucket, opts):
-    o = remote.StorageOptions.of(dict(opts, parallel=1))
-    up = remote.MultipartUpload(f"s3://{bucket}/stale.hsnap", o)
+def test_url_gc_reports_the_bytes_a_stale_upload_holds(bucket, opts):
+    o = s3options.StorageOptions.of(dict(opts, parallel=1))
+    up = s3upload.MultipartUpload(f"s3://{bucket}/stale.hsnap", o)
     up.submit(1, bytes(5 << 20))
     up.submit(2, bytes(3 << 20))
     for f in up._futures.values():
@@ -259,12 +254,12 @@ def test_item13_url_gc_reports_the_bytes_a_stale_upload_holds(bucket, opts):
     assert p.returncode == 0, p.stderr
     line = next(x for x in p.stdout.splitlines() if "stale.hsnap?uploadId=" in x)
     assert f"{8 << 20} bytes" in line and line.startswith("kept")  # young: listed, kept
-    items = remote.collect_url(f"s3://{bucket}/", remove=True, older_than=0, storage_options=opts)
+    items = s3gc.collect_url(f"s3://{bucket}/", remove=True, older_than=0, storage_options=opts)
     assert [(i.kind, i.bytes, i.action) for i in items] == [("upload", 8 << 20, "removed")]
     assert _uploads(opts, bucket) == []
 
 
-# ------------------------------------------------------------------ item 7: a store that accepts and never answers
+# ------------------------------------------------------------------ a store that accepts and never answers
 
 
 class HungStore:
@@ -325,7 +320,7 @@ HUNG_ENV = {"AWS_ACCESS_KEY_ID": "dummy", "AWS_SECRET_ACCESS_KEY": "dummy-secret
 @pytest.mark.parametrize("argv, rc", [(["info", "s3://b/x.hsnap"], 1), (["verify", "s3://b/x.hsnap"], 1),
                                       (["cp", "s3://b/x.hsnap", os.devnull + "/x"], 1), (["gc", "s3://b/x.hsnap"], 2)],
                          ids=["info", "verify", "cp", "gc"])
-def test_item7_hung_store_info_verify_typed_timeout_within_the_bound(hung, argv, rc):
+def test_hung_store_info_verify_typed_timeout_within_the_bound(hung, argv, rc):
     env = dict(HUNG_ENV, AWS_ENDPOINT_URL=hung.endpoint)
     started = time.monotonic()
     p = _hsnap(env, *argv)
@@ -336,7 +331,7 @@ def test_item7_hung_store_info_verify_typed_timeout_within_the_bound(hung, argv,
     assert "dummy-secret" not in p.stderr
     assert hung.requests == 2  # HSNAP_S3_RETRIES=1: the first attempt and one retry, not one more
     with _environ(env):
-        bound = remote.StorageOptions().request_bound_s
+        bound = s3options.StorageOptions().request_bound_s
     assert bound == 2 * (1 + 1) + 1 and waited <= 2 * bound  # the documented bound for a reading command
 
 
@@ -351,16 +346,16 @@ def _environ(env):
         os.environ.update(saved)
 
 
-def test_item7_hung_store_restore_typed_timeout_pools_identical(hung):
+def test_hung_store_restore_typed_timeout_pools_identical(hung):
     pytest.importorskip("torch")
     import io_cases
-    import sglang_pools as sp
+    from hsnap_testing import pools as sp
     from hsnap_io import restore_request
 
     tgt = io_cases.target("hybrid_linear", 1)
     before = sp.pool_state_fingerprint(tgt)
     o = {"endpoint_url": hung.endpoint, "key": "dummy", "secret": "dummy-secret-never-shown", "timeout": 1, "connect_timeout": 1, "retries": 0}
-    with pytest.raises(remote.RemoteTimeoutError) as e:
+    with pytest.raises(s3client.RemoteTimeoutError) as e:
         restore_request("s3://b/x.hsnap", req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.token_to_kv_pool_allocator,
                         identity=io_cases.identity(), storage_options=o)
     assert hung.endpoint in str(e.value) and "dummy-secret" not in str(e.value)
@@ -368,7 +363,7 @@ def test_item7_hung_store_restore_typed_timeout_pools_identical(hung):
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(tgt)) == []
 
 
-async def test_item7_hung_store_viewer_says_it_waits_then_shows_the_typed_error(hung, monkeypatch):
+async def test_hung_store_viewer_says_it_waits_then_shows_the_typed_error(hung, monkeypatch):
     pytest.importorskip("textual")
     from textual.widgets import Static
 
@@ -392,15 +387,15 @@ async def test_item7_hung_store_viewer_says_it_waits_then_shows_the_typed_error(
         assert isinstance(app.screen, ErrorScreen)
         shown = str(app.screen.query_one("#error-text", Static).content)
         assert "RemoteTimeoutError" in shown and hung.endpoint in shown and "may be intact" in shown
-        assert app.error is not None and isinstance(app.error[1], remote.RemoteTimeoutError)
+        assert app.error is not None and isinstance(app.error[1], s3client.RemoteTimeoutError)
         await pilot.press("q")
 
 
-# ------------------------------------------------------------------ item 14: endpoint, non-S3 ports, empty AWS_ENDPOINT_URL
+# ------------------------------------------------------------------ endpoint, non-S3 ports, empty AWS_ENDPOINT_URL
 
 
-def test_item14_messages_name_the_endpoint_never_the_credentials(bucket, opts, s3server):
-    with pytest.raises(remote.RemoteNotFoundError) as e:
+def test_messages_name_the_endpoint_never_the_credentials(bucket, opts, s3server):
+    with pytest.raises(s3client.RemoteNotFoundError) as e:
         hf.open(f"s3://{bucket}/missing.hsnap", storage_options=opts)
     msg = str(e.value)
     assert s3server.endpoint in msg and "no such object" in msg and opts["secret"] not in msg and opts["key"] not in msg
@@ -465,16 +460,16 @@ def not_s3(request):
     sock.close()
 
 
-def test_item14_a_port_that_is_not_s3_says_so_not_no_such_object(not_s3):
+def test_a_port_that_is_not_s3_says_so_not_no_such_object(not_s3):
     o = {"endpoint_url": not_s3, "key": "dummy", "secret": "dummy", "retries": 0, "timeout": 5}
-    with pytest.raises(remote.NotS3EndpointError, match="not an S3 endpoint") as e:
+    with pytest.raises(s3client.NotS3EndpointError, match="not an S3 endpoint") as e:
         hf.open("s3://b/x.hsnap", storage_options=o)
-    assert not isinstance(e.value, remote.RemoteNotFoundError) and not_s3 in str(e.value)
+    assert not isinstance(e.value, s3client.RemoteNotFoundError) and not_s3 in str(e.value)
     ident, geom, rec, state = tiny(15)
-    with pytest.raises(remote.NotS3EndpointError):  # the writer's HEAD bucket, whose 404 has no body to tell
+    with pytest.raises(s3client.NotS3EndpointError):  # the writer's HEAD bucket, whose 404 has no body to tell
         write_remote("s3://b/x.hsnap", o, ident, geom, rec, state)
-    with pytest.raises(remote.NotS3EndpointError):
-        remote.collect_url("s3://b/", storage_options=o)
+    with pytest.raises(s3client.NotS3EndpointError):
+        s3gc.collect_url("s3://b/", storage_options=o)
 
 
 @pytest.fixture
@@ -488,10 +483,10 @@ def no_aws(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
-def test_item14_empty_aws_endpoint_url_counts_as_unset_as_in_botocore(no_aws, monkeypatch):
+def test_empty_aws_endpoint_url_counts_as_unset_as_in_botocore(no_aws, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", "")
-    assert remote.resolve_endpoint(remote.StorageOptions()) == (None, "AWS")
-    with pytest.raises(remote.RemoteAuthError, match="no usable credentials") as e:  # signed before sending: no request made
+    assert s3options.resolve_endpoint(s3options.StorageOptions()) == (None, "AWS")
+    with pytest.raises(s3client.RemoteAuthError, match="no usable credentials") as e:  # signed before sending: no request made
         hf.open("s3://b/x.hsnap")
     assert "https://s3.amazonaws.com" in str(e.value)
     p = _hsnap({}, "info", "s3://b/x.hsnap")
@@ -501,16 +496,16 @@ def test_item14_empty_aws_endpoint_url_counts_as_unset_as_in_botocore(no_aws, mo
 @pytest.mark.parametrize("var, value", [("AWS_ENDPOINT_URL", "localhost:9000"), ("AWS_ENDPOINT_URL_S3", "ftp://x"),
                                         ("HSNAP_S3_TIMEOUT", "soon"), ("HSNAP_S3_TIMEOUT", "0"), ("HSNAP_S3_RETRIES", "1.5"),
                                         ("HSNAP_S3_CONNECT_TIMEOUT", "inf")])
-def test_item14_a_bad_endpoint_or_timeout_variable_is_refused_by_name(no_aws, monkeypatch, var, value):
+def test_a_bad_endpoint_or_timeout_variable_is_refused_by_name(no_aws, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     p = _hsnap({}, "info", "s3://b/x.hsnap")
     assert p.returncode == 1 and p.stderr.count("\n") == 1, p.stderr
     assert "UnsupportedFeatureError" in p.stderr and var in p.stderr
 
 
-def test_item14_timeouts_from_storage_options_and_the_documented_bound():
-    o = remote.StorageOptions.of({"timeout": 2, "connect_timeout": 0.5, "retries": 3})
+def test_timeouts_from_storage_options_and_the_documented_bound():
+    o = s3options.StorageOptions.of({"timeout": 2, "connect_timeout": 0.5, "retries": 3})
     assert (o.timeout, o.connect_timeout, o.retries, o.attempts) == (2.0, 0.5, 3, 4)
     assert o.request_bound_s == 4 * 2.5 + (1 + 2 + 4)  # botocore's standard back-off: at most 2**(i-1) s before retry i
     with pytest.raises(hf.UnsupportedFeatureError, match="storage_options retries"):
-        remote.StorageOptions.of({"retries": -1})
+        s3options.StorageOptions.of({"retries": -1})

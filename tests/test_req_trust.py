@@ -1,4 +1,4 @@
-"""Issue 18 items 4, 5, 6, 8 and 17: the SGLang ``Req`` resume paths (``resume_req``,
+"""The SGLang ``Req`` resume paths (``resume_req``,
 ``load_retracted``) hold like the core restore.
 
 Hostile records are written by the project's own writer (``export_request`` with an
@@ -19,13 +19,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import io_cases  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import sglang_reqs as sr  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-import hsnap_format.reader as hf_reader  # noqa: E402
+from hsnap_format import localfs  # noqa: E402
 from hsnap_io import export_request  # noqa: E402
 from hsnap_sglang import req as hs  # noqa: E402
+from hsnap_sglang.req import bind, fields  # noqa: E402
+from hsnap_sglang.req.record import UnsupportedRequestError, req_record  # noqa: E402
 
 KINDS = ["swa_mamba", "hybrid_linear"]  # SWA slots + a separate Mamba pool; Mamba in the KV pool
 
@@ -41,7 +43,7 @@ def _source(kind="swa_mamba", seed=1, pool_seed=3, **case_over):
 def _write(ps, req, path, edit=None):
     """``req`` as snapshot_req writes it, the record edited by ``edit(record)`` first:
     written by the project's writer, so every digest and check of the file is honest."""
-    record, swa_start = hs.req_record(req, path=path)
+    record, swa_start = req_record(req, path=path)
     if edit is not None:
         edit(record)
     export_request(path, req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
@@ -103,10 +105,10 @@ def _set_sampling(name, value, encoded=False):
     return edit
 
 
-# --------------------------------------------------------------------------- item 4
+# --------------------------------------------------------------------------- malformed extras leak no slots
 
 
-ITEM4_EXTRAS = [
+MALFORMED_KV_EXTRAS = [
     ("sglang.ReqKvInfo.component_evicted_seqlens", '{"NOPE":1}'),
     ("sglang.ReqKvInfo.component_evicted_seqlens", "[1,2]"),
     ("sglang.ReqKvInfo.component_evicted_seqlens", '{"SWA":"x"}'),
@@ -115,9 +117,9 @@ ITEM4_EXTRAS = [
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("key,value", ITEM4_EXTRAS, ids=[f"{k.rsplit('.', 1)[1]}={v}" for k, v in ITEM4_EXTRAS])
-def test_item4_resume_req_malformed_extra_leaks_no_slots(tmp_path, kind, key, value):
-    """The issue's exact values, three tries each: typed refusal, nothing allocated (rows,
+@pytest.mark.parametrize("key,value", MALFORMED_KV_EXTRAS, ids=[f"{k.rsplit('.', 1)[1]}={v}" for k, v in MALFORMED_KV_EXTRAS])
+def test_resume_req_malformed_extra_leaks_no_slots(tmp_path, kind, key, value):
+    """The reported malformed values, three tries each: typed refusal, nothing allocated (rows,
     token, SWA and Mamba slots, every byte of the pools as before)."""
     ps, req = _source(kind)
     path = _write(ps, req, tmp_path / "r.hsnap", _set_extra(key, value))
@@ -160,8 +162,8 @@ def scheduler_context():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("key,value", ITEM4_EXTRAS, ids=[f"{k.rsplit('.', 1)[1]}={v}" for k, v in ITEM4_EXTRAS])
-def test_item4_load_retracted_malformed_extra_leaks_no_slots(tmp_path, scheduler_context, kind, key, value):
+@pytest.mark.parametrize("key,value", MALFORMED_KV_EXTRAS, ids=[f"{k.rsplit('.', 1)[1]}={v}" for k, v in MALFORMED_KV_EXTRAS])
+def test_load_retracted_malformed_extra_leaks_no_slots(tmp_path, scheduler_context, kind, key, value):
     from hsnap_sglang.retract import load_retracted
 
     ps, req, path = _retracted(kind, tmp_path, _set_extra(key, value))
@@ -189,13 +191,13 @@ def _fail_after(monkeypatch, obj, name):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_item4_failure_after_allocation_gives_every_allocation_back(tmp_path, monkeypatch, kind):
+def test_failure_after_allocation_gives_every_allocation_back(tmp_path, monkeypatch, kind):
     """Binding the Req to the restored slots fails after the upload: every allocation comes
     back (and, with exact_rollback, every byte), the error is typed and names the step."""
     ps, req = _source(kind)
     path = _write(ps, req, tmp_path / "r.hsnap")
     target = io_cases.target(kind, 1)
-    _fail_after(monkeypatch, hs, "bind_restored")
+    _fail_after(monkeypatch, bind, "bind_restored")
     err = _assert_refused_untouched(target, lambda: _resume(target, path, exact_rollback=True), field="bind", tries=2)
     assert type(err).__name__ == "UploadError" and "every allocation was given back" in str(err)
     counts = free_counts(target)  # without exact_rollback: every allocation back, free slots' bytes not restored
@@ -204,7 +206,7 @@ def test_item4_failure_after_allocation_gives_every_allocation_back(tmp_path, mo
     assert free_counts(target) == counts
 
 
-def test_item4_ping_pong_failure_after_allocation_gives_the_track_slots_back(tmp_path, monkeypatch):
+def test_ping_pong_failure_after_allocation_gives_the_track_slots_back(tmp_path, monkeypatch):
     """On a target with Mamba ping-pong track buffers the track slots are taken after the
     restore: a failure there gives back the restore's slots and the track slots."""
     from test_sglang_req import _ping_pong_target
@@ -223,9 +225,9 @@ def test_item4_ping_pong_failure_after_allocation_gives_the_track_slots_back(tmp
     assert target.req_to_token_pool.mamba_allocator.available_size() == counts["mamba slots"]
 
 
-def test_item4_bind_failure_after_a_resharded_restore_gives_every_allocation_back(tmp_path):
+def test_bind_failure_after_a_resharded_restore_gives_every_allocation_back(tmp_path):
     """The re-sharded path (TP 2 set into TP 1 pools) runs bind inside the same rollback."""
-    import reshard_pools as rp
+    from hsnap_testing import tp_pools as rp
 
     from hsnap_io import reshard
     from hsnap_io.adapters import view_pools
@@ -254,11 +256,11 @@ def test_item4_bind_failure_after_a_resharded_restore_gives_every_allocation_bac
     assert {b.name: rp.as_bytes(b.buffer) for b in view_pools(ps.rtp, ps.alloc).bindings} == free
 
 
-# --------------------------------------------------------------------------- item 5
+# --------------------------------------------------------------------------- malformed extras and sampling: typed before the pools
 
 DEEP = "[" * 400_000 + "]" * 400_000
 
-ITEM5_EXTRAS = [
+MALFORMED_EXTRAS = [
     # (key, stored value, why)
     ("sglang.ReqKvInfo.component_evicted_seqlens", DEEP, "400k-deep JSON"),
     ("sglang.ReqKvInfo.component_evicted_seqlens", "{not json", "JSONDecodeError"),
@@ -293,8 +295,8 @@ ITEM5_EXTRAS = [
 ]
 
 
-@pytest.mark.parametrize("key,value,why", ITEM5_EXTRAS, ids=[w for *_, w in ITEM5_EXTRAS])
-def test_item5_resume_req_malformed_extras_are_typed_before_the_pools(tmp_path, key, value, why):
+@pytest.mark.parametrize("key,value,why", MALFORMED_EXTRAS, ids=[w for *_, w in MALFORMED_EXTRAS])
+def test_resume_req_malformed_extras_are_typed_before_the_pools(tmp_path, key, value, why):
     ps, req = _source("swa_mamba", detok=True)
     path = _write(ps, req, tmp_path / "r.hsnap", _set_extra(key, value))
     target = io_cases.target("swa_mamba", 1)
@@ -302,7 +304,7 @@ def test_item5_resume_req_malformed_extras_are_typed_before_the_pools(tmp_path, 
     assert str(path) in str(err)
 
 
-ITEM5_SAMPLING = [
+MALFORMED_SAMPLING = [
     (_set_sampling("__json__", 5), "request.sampling.__json__"),
     (_set_sampling("__json__", ["not_a_field"]), "request.sampling.__json__"),
     (_set_sampling("logit_bias", DEEP), "request.sampling.logit_bias"),  # a JSON text of 400k-deep brackets
@@ -315,22 +317,22 @@ ITEM5_SAMPLING = [
 ]
 
 
-@pytest.mark.parametrize("edit,field", ITEM5_SAMPLING, ids=[f"{i}-{f.rsplit('.', 1)[1]}" for i, (_, f) in enumerate(ITEM5_SAMPLING)])
-def test_item5_resume_req_malformed_sampling_is_typed_before_the_pools(tmp_path, edit, field):
+@pytest.mark.parametrize("edit,field", MALFORMED_SAMPLING, ids=[f"{i}-{f.rsplit('.', 1)[1]}" for i, (_, f) in enumerate(MALFORMED_SAMPLING)])
+def test_resume_req_malformed_sampling_is_typed_before_the_pools(tmp_path, edit, field):
     ps, req = _source("hybrid_linear")
     path = _write(ps, req, tmp_path / "r.hsnap", edit)
     target = io_cases.target("hybrid_linear", 1)
     _assert_refused_untouched(target, lambda: _resume(target, path), field=field, error=hf.MalformedHeaderError, tries=1)
 
 
-# --------------------------------------------------------------------------- item 6
+# --------------------------------------------------------------------------- the file opened once
 
 
 def _rename_after_first_open(monkeypatch, path, replacement):
     """Count the opens of ``path``; right after the first, rename ``replacement`` over it
     (deterministically, where the old code read the record and opened again)."""
     opens = []
-    original = hf_reader._open_regular
+    original = localfs.open_regular
 
     def counting(p, *a, **kw):
         out = original(p, *a, **kw)
@@ -340,11 +342,11 @@ def _rename_after_first_open(monkeypatch, path, replacement):
                 os.replace(replacement, path)
         return out
 
-    monkeypatch.setattr(hf_reader, "_open_regular", counting)
+    monkeypatch.setattr(localfs, "open_regular", counting)
     return opens
 
 
-def test_item6_resume_req_opens_the_file_once(tmp_path, monkeypatch):
+def test_resume_req_opens_the_file_once(tmp_path, monkeypatch):
     """File B (another request, other KV) is renamed over the path right after the first
     open: the resumed Req holds A's tokens and A's KV, from one open."""
     ps_a, req_a = _source("swa_mamba", seed=1, pool_seed=3)
@@ -365,7 +367,7 @@ def test_item6_resume_req_opens_the_file_once(tmp_path, monkeypatch):
         assert now.record().rid == req_b.rid
 
 
-def test_item6_load_retracted_opens_the_file_once(tmp_path, monkeypatch, scheduler_context):
+def test_load_retracted_opens_the_file_once(tmp_path, monkeypatch, scheduler_context):
     """B is the same request retracted from pools with other KV bytes: the old code checked
     A's record, then uploaded B's state."""
     from hsnap_sglang.retract import load_retracted
@@ -392,9 +394,9 @@ def test_item6_load_retracted_opens_the_file_once(tmp_path, monkeypatch, schedul
         assert rows[f"{part}.L{layer}"].tobytes() == state_a[k], k
 
 
-def test_item6_resharded_restore_opens_the_set_once(tmp_path, monkeypatch):
+def test_resharded_restore_opens_the_set_once(tmp_path, monkeypatch):
     """The re-sharded path read the manifest from one open and restored from a second."""
-    import reshard_pools as rp
+    from hsnap_testing import tp_pools as rp
 
     from hsnap_format import manifest as hf_manifest
     from hsnap_io import reshard, restore_request
@@ -416,7 +418,7 @@ def test_item6_resharded_restore_opens_the_set_once(tmp_path, monkeypatch):
     assert len(opened) == 1
 
 
-# --------------------------------------------------------------------------- item 8
+# --------------------------------------------------------------------------- what a fresh request is refused
 
 
 def _set_output_id(value):
@@ -433,7 +435,7 @@ def _set_prompt_id(value):
     return edit
 
 
-ITEM8 = [
+FRESH_REQUEST_REFUSALS = [
     ("max_new_tokens=-5", _set_sampling("max_new_tokens", -5), ("request.sampling.max_new_tokens", "request.stop.max_new_tokens")),
     ("temperature=-1", _set_sampling("temperature", -1.0), "request.sampling.temperature"),
     ("top_p=0", _set_sampling("top_p", 0.0), "request.sampling.top_p"),
@@ -456,8 +458,8 @@ ITEM8 = [
 ]
 
 
-@pytest.mark.parametrize("edit,field", [c[1:] for c in ITEM8], ids=[c[0] for c in ITEM8])
-def test_item8_resume_req_refuses_what_a_fresh_request_is_refused(tmp_path, edit, field):
+@pytest.mark.parametrize("edit,field", [c[1:] for c in FRESH_REQUEST_REFUSALS], ids=[c[0] for c in FRESH_REQUEST_REFUSALS])
+def test_resume_req_refuses_what_a_fresh_request_is_refused(tmp_path, edit, field):
     ps, req = _source("hybrid_linear", return_logprob=True, top_logprobs_num=3)
     path = _write(ps, req, tmp_path / "r.hsnap", edit)
     n_out = len(req.output_ids)
@@ -467,7 +469,7 @@ def test_item8_resume_req_refuses_what_a_fresh_request_is_refused(tmp_path, edit
     assert err.field in tuple(f.replace("[-1]", f"[{n_out - 1}]") for f in fields), str(err)
 
 
-def test_item8_the_rules_are_sglangs_own(tmp_path):
+def test_the_rules_are_sglangs_own(tmp_path):
     """Control: the values refused above are refused by SGLang for a fresh request too, and
     the unedited file resumes (the refusals come from the edit, not from the case)."""
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -483,7 +485,7 @@ def test_item8_the_rules_are_sglangs_own(tmp_path):
     assert list(got.output_ids) == list(req.output_ids)
 
 
-def test_item8_a_top_logprob_id_past_the_vocabulary_is_refused(tmp_path):
+def test_a_top_logprob_id_past_the_vocabulary_is_refused(tmp_path):
     ps, req = _source("hybrid_linear", return_logprob=True, top_logprobs_num=3)
 
     def edit(record):
@@ -495,7 +497,7 @@ def test_item8_a_top_logprob_id_past_the_vocabulary_is_refused(tmp_path):
     assert err.field == "request.top_logprob_ids[0][1]"
 
 
-def test_item8_a_carried_vocab_size_other_than_the_targets_is_refused(tmp_path):
+def test_a_carried_vocab_size_other_than_the_targets_is_refused(tmp_path):
     """A fresh Req gets the target model's vocabulary size (SGLang's scheduler passes
     model_config.vocab_size): a record carrying another one — 2**31-1 with ids all below
     it — is refused before the pools; the true size resumes."""
@@ -513,7 +515,7 @@ def test_item8_a_carried_vocab_size_other_than_the_targets_is_refused(tmp_path):
     assert _resume(target, good, vocab_size=sr.vocab_size()).vocab_size == sr.vocab_size()
 
 
-def test_item8_stop_strings_without_a_tokenizer_are_refused_before_the_pools(tmp_path):
+def test_stop_strings_without_a_tokenizer_are_refused_before_the_pools(tmp_path):
     ps, req = _source("hybrid_linear", params={"max_new_tokens": 40, "stop": ["</answer>"]})
     path = _write(ps, req, tmp_path / "r.hsnap")
     target = io_cases.target("hybrid_linear", 1)
@@ -521,11 +523,11 @@ def test_item8_stop_strings_without_a_tokenizer_are_refused_before_the_pools(tmp
     assert err.field == "resume_req(tokenizer=...)" and "stop_strs" in str(err)
 
 
-# --------------------------------------------------------------------------- item 17
+# --------------------------------------------------------------------------- ids past int32, PD and stream fields
 
 
 @pytest.mark.parametrize("where,value", [("output", 2**31 + 7), ("output", 2**64 + 1), ("prompt", 2**31), ("top", 2**31 + 1)])
-def test_item17_token_id_past_int32_is_named_with_path_and_field(tmp_path, where, value):
+def test_token_id_past_int32_is_named_with_path_and_field(tmp_path, where, value):
     """The range check runs before any cast: the id is reported as itself, with the file
     and the field, and nothing is written."""
     ps, req = _source("hybrid_linear", return_logprob=True, top_logprobs_num=3)
@@ -539,7 +541,7 @@ def test_item17_token_id_past_int32_is_named_with_path_and_field(tmp_path, where
     else:
         req.logprob.output_top_logprobs_idx[0][2] = value
     path = tmp_path / "r.hsnap"
-    with pytest.raises(hs.UnsupportedRequestError) as e:
+    with pytest.raises(UnsupportedRequestError) as e:
         hs.snapshot_req(path, req, req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator,
                         identity=io_cases.identity())
     assert (e.value.path, e.value.field, e.value.found) == (str(path), field, value)
@@ -554,7 +556,7 @@ def _envelope():
                                      "actions": [{"action_id": "a", "action_type": "pin", "action_version": "1", "payload": {"n": [1, 2]}}]})
 
 
-def test_item17_pd_rebootstrap_fields_and_kv_hints_are_carried(tmp_path):
+def test_pd_rebootstrap_fields_and_kv_hints_are_carried(tmp_path):
     """bootstrap_host/port/room and disagg_prefill_dp_rank re-bootstrap a retracted decoding
     request on a PD decode server (Req.build_rebootstrap_payload); kv_hints are client-given
     like routing_key and cache_salt: a resumed request keeps them all."""
@@ -567,10 +569,10 @@ def test_item17_pd_rebootstrap_fields_and_kv_hints_are_carried(tmp_path):
     assert got.build_rebootstrap_payload() == req.build_rebootstrap_payload()
     assert got.kv_hints == req.kv_hints and type(got.kv_hints) is type(req.kv_hints)
     for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "disagg_prefill_dp_rank", "kv_hints", "routing_key", "cache_salt"):
-        assert hs.TABLES["Req"][name].disposition == hs.CARRIED, name
+        assert fields.TABLES["Req"][name].disposition == fields.CARRIED, name
 
 
-def test_item17_http_worker_ipc_is_caller_supplied_and_required_with_several_workers(tmp_path):
+def test_http_worker_ipc_is_caller_supplied_and_required_with_several_workers(tmp_path):
     """The source's worker names a socket of the source server; the target's own worker is
     given at resume, and a server with several tokenizer workers (which routes each stream
     by it) refuses to guess."""
@@ -581,7 +583,7 @@ def test_item17_http_worker_ipc_is_caller_supplied_and_required_with_several_wor
     req.http_worker_ipc = "ipc:///tmp/source-worker-3"
     path = _write(ps, req, tmp_path / "r.hsnap")
     target = io_cases.target("hybrid_linear", 1)
-    assert hs.TABLES["Req"]["http_worker_ipc"].disposition == hs.REDERIVED
+    assert fields.TABLES["Req"]["http_worker_ipc"].disposition == fields.REDERIVED
     with use_context(create_context(ServerArgs(model_path="dummy", tokenizer_worker_num=2), role="scheduler")):
         err = _assert_refused_untouched(target, lambda: _resume(target, path), field="Req.http_worker_ipc", tries=1)
         assert "http_worker_ipc" in str(err) and "2 tokenizer workers" in str(err)
@@ -593,13 +595,13 @@ def test_item17_http_worker_ipc_is_caller_supplied_and_required_with_several_wor
     assert single.http_worker_ipc is None
 
 
-def test_item17_field_table_classifies_the_pd_and_stream_fields():
-    rows = {name: hs.TABLES["Req"][name] for name in ("http_worker_ipc", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+def test_field_table_classifies_the_pd_and_stream_fields():
+    rows = {name: fields.TABLES["Req"][name] for name in ("http_worker_ipc", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                                                       "disagg_prefill_dp_rank", "kv_hints", "routing_key", "cache_salt")}
-    assert rows.pop("http_worker_ipc").disposition == hs.REDERIVED
-    assert {n: f.disposition for n, f in rows.items()} == {n: hs.CARRIED for n in rows}
+    assert rows.pop("http_worker_ipc").disposition == fields.REDERIVED
+    assert {n: f.disposition for n, f in rows.items()} == {n: fields.CARRIED for n in rows}
     text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "sglang.md"), encoding="utf-8").read()
-    assert "`http_worker_ipc` is **given by the target**" in text.split(hs.DOC_BEGIN)[0]  # explained outside the generated table
+    assert "`http_worker_ipc` is **given by the target**" in text.split(fields.DOC_BEGIN)[0]  # explained outside the generated table
 
 
 # --------------------------------------------------------------------------- the restored SWA bookkeeping

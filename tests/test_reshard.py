@@ -1,22 +1,19 @@
-"""Restore across TP sizes (issue 12): the 1.1 sharding description derived from SGLang's
+"""Restore across TP sizes: the 1.1 sharding description derived from SGLang's
 own sharding code matches SGLang's pools at TP 1, 2 and 4, and every pair of TP sizes
 restores byte for byte into pools built the way SGLang holds each rank, on four
 geometries (Qwen3.5-35B-A3B per rank, GQA kv >= tp, MLA, Mamba2 n_groups 1 < tp)."""
 
 from __future__ import annotations
 
-import os
 
-import numpy as np
 import pytest
-import torch
 
 import hsnap_format as hf
 from hsnap_format.records import Sharding
 from hsnap_io import reshard, restore_request
 from hsnap_io.adapters import view_pools
 
-import reshard_pools as rp
+from hsnap_testing import tp_pools as rp
 
 PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (4, 1), (1, 4)]
 
@@ -127,8 +124,8 @@ def test_every_pair_byte_for_byte(sets, name, src, dst):
             want = rp.shard_of(m, dst, r, sec, state[sec])
             assert rp.as_bytes(t) == rp.as_bytes(want), (name, src, dst, r, sec)
         assert res.state_position == rp.N_TOKENS and list(res.record.output_ids) == [7, 8, 9]
-        # every source section a target section depends on is read once, whole (hashed:
-        # issue 18 item 3); replicas are read from one source only
+        # every source section a target section depends on is read once, whole
+        # (hashed); replicas are read from one source only
         with hf.open_snapshot(path) as s:
             plans = reshard.build_plans(s, view_pools(ps.rtp, ps.alloc), reshard.describe(m.tp, dst, r), path)
             assert res.source_bytes_read == sum(s.ranks[k].section(p.name).length for p in plans for k in p.sources)

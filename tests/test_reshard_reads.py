@@ -1,11 +1,11 @@
-"""How a re-sharded restore reads and where it assembles (issue 21 item 2).
+"""How a re-sharded restore reads and where it assembles.
 
 Each source section a target section depends on is read whole (its digest covers every
 byte) in 2 MiB pieces, the rows it needs sliced out of each piece straight into the
 slots when they are one run — as the plain restore preads into them, hashed as it lands
 — with no host buffer of a section's size; ``verify=True`` verifies every such section
 before allocating first, as the plain path does. Real SGLang pools
-(tests/reshard_pools.py); speed is measured by bench/reshard.py, never here.
+(hsnap_testing/tp_pools.py); speed is measured by bench/reshard.py, never here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import hsnap_format as hf
 from hsnap_io import reshard, restore_request
 from hsnap_io.adapters import view_pools
 
-import reshard_pools as rp
-import sglang_pools as sp
+from hsnap_testing import tp_pools as rp
+from hsnap_testing import pools as sp
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def _depended_on(path, m, tp, rank, ps) -> dict[tuple[str, str], int]:
 
 @pytest.mark.parametrize("name,src,dst", [("qwen35", 2, 1), ("gqa", 1, 2), ("qwen35", 4, 2), ("mamba2", 1, 4)])
 @pytest.mark.parametrize("verify,passes", [(True, 2), ("during", 1), (False, 1)])
-def test_item2_each_depended_on_source_section_is_read_whole_once_per_pass(sets, states, monkeypatch, name, src, dst, verify, passes):
+def test_each_depended_on_source_section_is_read_whole_once_per_pass(sets, states, monkeypatch, name, src, dst, verify, passes):
     """Every source section a target section depends on is read whole — once while it is
     assembled, and once more before allocating with verify=True (as the plain path) —
     and no other state section is read; the bytes are right."""
@@ -97,7 +97,7 @@ def test_item2_each_depended_on_source_section_is_read_whole_once_per_pass(sets,
 
 
 @pytest.mark.parametrize("verify", [True, "during", False])
-def test_item2_sections_are_assembled_in_the_slots_without_a_section_sized_buffer(tmp_path, monkeypatch, verify):
+def test_sections_are_assembled_in_the_slots_without_a_section_sized_buffer(tmp_path, monkeypatch, verify):
     """1 -> 2 with attention sections of 10 MiB per target rank: the restore's host memory
     (numpy and bytes allocations, tracemalloc) stays under one target section — the rows
     go from each 2 MiB piece straight into the slots — and every byte is right."""
@@ -130,7 +130,7 @@ def _fragment(ps) -> None:
 @pytest.mark.parametrize("fragmented", [False, True], ids=["one-run", "fragmented"])
 @pytest.mark.parametrize("verify", [True, "during", False])
 @pytest.mark.parametrize("name,src,dst", [("qwen35", 2, 1), ("gqa", 1, 2), ("swa", 2, 4), ("mla", 2, 1), ("mamba2", 4, 2)])
-def test_item2_one_run_and_fragmented_slots_get_the_same_bytes(sets, states, name, src, dst, verify, fragmented):
+def test_one_run_and_fragmented_slots_get_the_same_bytes(sets, states, name, src, dst, verify, fragmented):
     """Straight into the slots when they are one run, through one scratch buffer otherwise
     (checked before it is uploaded) — byte for byte the source shards either way."""
     m = rp.MODELS[name]
@@ -144,7 +144,7 @@ def test_item2_one_run_and_fragmented_slots_get_the_same_bytes(sets, states, nam
         _assert_restored(ps, res, m, dst, r, states[name])
 
 
-def test_item2_during_mismatch_in_the_slots_is_rolled_back(sets, tmp_path):
+def test_during_mismatch_in_the_slots_is_rolled_back(sets, tmp_path):
     """verify="during" hashes a section as it lands in the slots; a corrupt source section
     is refused and, with exact_rollback, the pools are byte-identical."""
     import shutil
@@ -159,7 +159,7 @@ def test_item2_during_mismatch_in_the_slots_is_rolled_back(sets, tmp_path):
     data[off + 3] ^= 0x01
     f.write_bytes(bytes(data))
     ps = rp.build(m, 1, 0, seed=5)
-    before = sp.pool_state_fingerprint(rp.pool_set(ps))
+    before = sp.pool_state_fingerprint(ps.pools)
     with pytest.raises(hf.DigestMismatchError, match=r"rank-1\.hsnap: sections\['attn\.3\.k'\]\.digest"):
         _restore(path, m, 1, 0, ps=ps, verify="during", exact_rollback=True)
-    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(rp.pool_set(ps))) == []
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps.pools)) == []

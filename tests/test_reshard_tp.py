@@ -1,4 +1,4 @@
-"""Re-sharding on gloo (issue 12): a TP 1 snapshot set restored by a TP 2 group of CPU
+"""Re-sharding on gloo: a TP 1 snapshot set restored by a TP 2 group of CPU
 processes, each rank restoring its own shard with ``restore_request_tp``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 
-import reshard_pools as rp
+from hsnap_testing import tp_pools as rp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -1,11 +1,12 @@
-"""Re-sharding holds like the plain restore (issue 18 items 1, 3, 9, 11 and the TP-set rules
-of item 10, spec 5.8).
+"""Re-sharding holds like the plain restore: hostile sets refused before allocating, a
+source changed in place between verify and upload, a rank of another model, errors that
+name file and field, and the TP-set rules of spec 5.8.
 
 Every hostile set here is written by the project's own writer (``export_request`` per rank
 into a ``SetWriter``), so each rank file is self-consistent and signed and the manifest binds
 it: the refusals come from the set rules, not from an integrity check. Real SGLang pools
-(``tests/reshard_pools.py``); every refusal is checked against the pools' fingerprint
-(``sglang_pools.pool_state_fingerprint``: free lists, mappings, every buffer byte).
+(``hsnap_testing/tp_pools.py``); every refusal is checked against the pools' fingerprint
+(``hsnap_testing.pools.pool_state_fingerprint``: free lists, mappings, every buffer byte).
 """
 
 from __future__ import annotations
@@ -22,12 +23,11 @@ import torch
 import hsnap_format as hf
 from hsnap_format.records import ShardAxis, Sharding
 from hsnap_io import reshard, restore_request
-from hsnap_io import restore as restore_mod
 from hsnap_io.adapters import view_pools
 
 import craft
-import reshard_pools as rp
-import sglang_pools as sp
+from hsnap_testing import tp_pools as rp
+from hsnap_testing import pools as sp
 
 SENTINEL = 0xA5
 
@@ -48,11 +48,11 @@ def _restore(path, m, tp, rank, ps=None, identity="target", **kw):
 def _refused(path, m, tp, rank, exc, match, **kw):
     """The restore is refused with ``exc`` (typed), and the target pools are exactly as before."""
     ps = rp.build(m, tp, rank, seed=5)
-    before = sp.pool_state_fingerprint(rp.pool_set(ps))
+    before = sp.pool_state_fingerprint(ps.pools)
     with pytest.raises(exc, match=match) as info:
         _restore(path, m, tp, rank, ps=ps, **kw)
     assert isinstance(info.value, hf.HsnapError)
-    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(rp.pool_set(ps))) == []
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps.pools)) == []
     return info.value
 
 
@@ -61,10 +61,10 @@ def _sentinel(ps) -> None:
         b.buffer.view(-1).view(torch.uint8).fill_(SENTINEL)
 
 
-# ----------------------------------------------------------------------------- item 1
+# ----------------------------------------------------------------------------- hostile sets refused before allocating
 
 
-def test_item1_swa_rank_without_swa_rows_is_refused_before_allocation(tmp_path, states):
+def test_swa_rank_without_swa_rows_is_refused_before_allocation(tmp_path, states):
     """Rank 1 says swa_start == state_position (no SWA rows) while rank 0 holds rows: head 1
     of every swa.* row would have come from an uninitialised buffer. Refused typed, naming
     rank 1's file, the field, rank 0's value and rank 1's."""
@@ -78,7 +78,7 @@ def test_item1_swa_rank_without_swa_rows_is_refused_before_allocation(tmp_path, 
     assert "<memory>" not in str(err) and "None" not in str(err)
 
 
-def test_item1_records_that_disagree_across_ranks_are_refused(tmp_path, states):
+def test_records_that_disagree_across_ranks_are_refused(tmp_path, states):
     m = rp.MODELS["gqa"]
     other = dataclasses.replace(rp.record(), output_ids=np.array([7, 8, 10], dtype=np.int32))
     path = rp.export_set(m, 2, states["gqa"], tmp_path / "rec", overrides={1: {"record": other}})
@@ -88,7 +88,7 @@ def test_item1_records_that_disagree_across_ranks_are_refused(tmp_path, states):
     _refused(path, m, 4, 3, reshard.InconsistentSetError, r"rank-1\.hsnap: request\.stop\.max_new_tokens: expected 16 .*found 17")
 
 
-def test_item1_runs_that_do_not_tile_a_target_section_are_refused_before_allocation(sets_qwen35, monkeypatch):
+def test_runs_that_do_not_tile_a_target_section_are_refused_before_allocation(sets_qwen35, monkeypatch):
     """The coverage proof stands on its own: a plan that leaves a gap (here: its last run
     dropped) is refused before anything is allocated, whatever produced it."""
     real = reshard.plan
@@ -97,7 +97,7 @@ def test_item1_runs_that_do_not_tile_a_target_section_are_refused_before_allocat
     _refused(sets_qwen35, m, 1, 0, reshard.ReshardError, r"geometry\.sharding\.\w+.* for sections\[.*expected runs tiling")
 
 
-def test_item1_bytes_assembled_short_of_a_section_are_refused_and_rolled_back(sets_qwen35, monkeypatch):
+def test_bytes_assembled_short_of_a_section_are_refused_and_rolled_back(sets_qwen35, monkeypatch):
     """The second guard: with the tiling proof switched off and a run dropped, the byte count
     of the assembled section disagrees; refused before that section is uploaded, every
     allocation given back (and, exact_rollback, every byte)."""
@@ -110,7 +110,7 @@ def test_item1_bytes_assembled_short_of_a_section_are_refused_and_rolled_back(se
 
 @pytest.mark.parametrize("name,src,dst", [("swa", 2, 1), ("swa", 1, 2), ("qwen35", 2, 1), ("qwen35", 4, 2),
                                           ("mamba2", 1, 4), ("mamba2", 4, 1), ("mla", 2, 1), ("gqa", 2, 4)])
-def test_item1_sentinel_every_uploaded_byte_came_from_a_source_section(tmp_path, states, name, src, dst):
+def test_sentinel_every_uploaded_byte_came_from_a_source_section(tmp_path, states, name, src, dst):
     """Target pools filled with a sentinel byte; after the re-sharded restore every restored
     row is the source bytes it came from (no byte from nowhere), and every other row still
     holds the sentinel (nothing written beside the request's slots)."""
@@ -138,7 +138,7 @@ def test_item1_sentinel_every_uploaded_byte_came_from_a_source_section(tmp_path,
             assert bool((raw == SENTINEL).all()), (name, r, b.name, "a byte written outside the request's slots")
 
 
-# ----------------------------------------------------------------------------- item 3
+# ----------------------------------------------------------------------------- a source changed between verify and upload
 
 
 @pytest.fixture
@@ -166,7 +166,7 @@ def _rewrite_in_place(path, section, rank_file="rank-1.hsnap"):
 def _race_at_lock(monkeypatch, path, section, rank_file="rank-1.hsnap"):
     """Rewrite ``section`` when the restore takes the pool lock: after every check and
     verification, before anything is allocated or uploaded."""
-    real = restore_mod.pool_lock
+    real = reshard.pool_lock
     done = []
 
     @contextlib.contextmanager
@@ -177,16 +177,16 @@ def _race_at_lock(monkeypatch, path, section, rank_file="rank-1.hsnap"):
         with real(pool):
             yield
 
-    monkeypatch.setattr(restore_mod, "pool_lock", racing)
+    monkeypatch.setattr(reshard, "pool_lock", racing)
     return done
 
 
 @pytest.mark.parametrize("section,exact", [("mamba.0.conv.0", False), ("attn.3.v", True), ("mamba.2.temporal", True)])
-def test_item3_source_changed_in_place_between_verify_and_upload_is_refused(sets_qwen35, monkeypatch, section, exact):
+def test_source_changed_in_place_between_verify_and_upload_is_refused(sets_qwen35, monkeypatch, section, exact):
     """2 -> 1: a section of rank 1 changes after it was verified. What is uploaded is hashed
     again on its way: DigestMismatchError naming the file and section, every allocation
-    given back. As on the plain path, the section is hashed as it lands in the slots (issue
-    21 item 2): with exact_rollback the pools are byte-identical; without it only the
+    given back. As on the plain path, the section is hashed as it lands in the slots: with
+    exact_rollback the pools are byte-identical; without it only the
     written free slots' bytes may differ — free lists and mappings are exactly as before."""
     done = _race_at_lock(monkeypatch, sets_qwen35, section)
     match = rf"rank-1\.hsnap: sections\['{section}'\]\.digest"
@@ -195,15 +195,15 @@ def test_item3_source_changed_in_place_between_verify_and_upload_is_refused(sets
     else:
         m = rp.MODELS["qwen35"]
         ps = rp.build(m, 1, 0, seed=5)
-        before = sp.pool_state_fingerprint(rp.pool_set(ps))
+        before = sp.pool_state_fingerprint(ps.pools)
         with pytest.raises(hf.DigestMismatchError, match=match):
             _restore(sets_qwen35, m, 1, 0, ps=ps)
-        assert all(d.startswith("buffers.") for d in sp.diff_fingerprints(before, sp.pool_state_fingerprint(rp.pool_set(ps))))
+        assert all(d.startswith("buffers.") for d in sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps.pools)))
     assert done == [section]
 
 
 @pytest.mark.parametrize("verify", [True, "during"])
-def test_item3_one_to_two_source_changed_in_place_is_refused(tmp_path, states, monkeypatch, verify):
+def test_one_to_two_source_changed_in_place_is_refused(tmp_path, states, monkeypatch, verify):
     """1 -> 2: target rank 1 needs only the second half of rank 0's heads; the change is
     in the half it does not upload, and is still refused (the digest covers the section)."""
     m = rp.MODELS["gqa"]
@@ -213,7 +213,7 @@ def test_item3_one_to_two_source_changed_in_place_is_refused(tmp_path, states, m
              exact_rollback=True)
 
 
-def test_item3_record_changed_after_verify_is_refused(sets_qwen35, monkeypatch):
+def test_record_changed_after_verify_is_refused(sets_qwen35, monkeypatch):
     """The record returned is the record hashed: a change of rank 0's output ids just before
     the record is read is refused, before anything is allocated."""
     real = hf.Snapshot.record
@@ -227,18 +227,18 @@ def test_item3_record_changed_after_verify_is_refused(sets_qwen35, monkeypatch):
     _refused(sets_qwen35, rp.MODELS["qwen35"], 1, 0, hf.DigestMismatchError, r"rank-0\.hsnap: sections\['request\.output_ids'\]")
 
 
-def test_item3_restore_without_a_race_is_unchanged(sets_qwen35, states):
+def test_restore_without_a_race_is_unchanged(sets_qwen35, states):
     m = rp.MODELS["qwen35"]
     ps, res = _restore(sets_qwen35, m, 1, 0)
     for sec, got in rp.restored_rows(ps, res).items():
         assert rp.as_bytes(got) == rp.as_bytes(states["qwen35"][sec]), sec
 
 
-# ----------------------------------------------------------------------------- item 9
+# ----------------------------------------------------------------------------- a rank of another model
 
 
 @pytest.mark.parametrize("field,other", [("model_id", "other/model"), ("weights_version", "w2")])
-def test_item9_rank_of_another_model_or_weights_is_refused(tmp_path, states, field, other):
+def test_rank_of_another_model_or_weights_is_refused(tmp_path, states, field, other):
     m = rp.MODELS["gqa"]
     stranger = dataclasses.replace(rp.identity(2, 1), **{field: other})
     path = rp.export_set(m, 2, states["gqa"], tmp_path / field, overrides={1: {"identity": stranger}})
@@ -249,10 +249,10 @@ def test_item9_rank_of_another_model_or_weights_is_refused(tmp_path, states, fie
     _refused(path, m, 1, 0, reshard.InconsistentSetError, rf"rank-1\.hsnap: identity\.{field}: expected .*found '{other}'", identity=None)
 
 
-# ----------------------------------------------------------------------------- item 11
+# ----------------------------------------------------------------------------- errors name file, field, expected, found
 
 
-def test_item11_reshard_errors_name_file_field_expected_found(tmp_path, states):
+def test_reshard_errors_name_file_field_expected_found(tmp_path, states):
     with pytest.raises(reshard.ReshardError) as info:
         reshard.describe(reshard.TPModel(kv_heads=3), 2, 0)
     text = str(info.value)
@@ -277,7 +277,7 @@ def _with_parts(desc: Sharding, parts) -> Sharding:
     return dataclasses.replace(desc, attention=ShardAxis(a.axis, a.global_size, tuple(parts)))
 
 
-def test_item10_set_replicas_must_match_the_ranks_holding_each_element(tmp_path, states):
+def test_set_replicas_must_match_the_ranks_holding_each_element(tmp_path, states):
     m = rp.MODELS["gqa"]
     d1 = reshard.describe(m.tp, 2, 1)  # heads 2..3, replicas 1
     liar = {1: {"sharding": _with_parts(d1, [(2, 2, 2)])}}  # says 2 ranks hold heads 2..3: only it does
@@ -289,7 +289,7 @@ def test_item10_set_replicas_must_match_the_ranks_holding_each_element(tmp_path,
     _refused(path, m, 1, 0, reshard.InconsistentSetError, r"rank-1\.hsnap: .*parts\[0\]\.replicas: expected at most tp_size 2, found 3")
 
 
-def test_item10_set_must_hold_every_global_element(tmp_path, states):
+def test_set_must_hold_every_global_element(tmp_path, states):
     """Global 5 heads, ranks hold 0..1 and 2..3: head 4 is nobody's. The target needs only
     heads 0..3 and still is refused: the set breaks the rule."""
     m = rp.MODELS["gqa"]
@@ -300,14 +300,14 @@ def test_item10_set_must_hold_every_global_element(tmp_path, states):
              sharding=target)
 
 
-def test_item10_target_replicas_at_most_its_tp_size(tmp_path, states):
+def test_target_replicas_at_most_its_tp_size(tmp_path, states):
     m = rp.MODELS["gqa"]
     path = rp.export_set(m, 2, states["gqa"], tmp_path / "t")
     target = Sharding(attention=ShardAxis(1, 4, ((0, 4, 2),)))
     _refused(path, m, 1, 0, reshard.ReshardError, r"parts\[0\]\.replicas \(target\): expected at most tp_size 1, found 2", sharding=target)
 
 
-def test_item10_four_entry_part_is_refused_typed_at_open(tmp_path, states):
+def test_four_entry_part_is_refused_typed_at_open(tmp_path, states):
     """Spec 5.7: a part is exactly ``[offset, length, replicas]``; a fourth entry is a
     MalformedHeaderError naming the part (the file is re-signed: only the rule refuses it)."""
     m = rp.MODELS["gqa"]
@@ -325,7 +325,7 @@ def test_item10_four_entry_part_is_refused_typed_at_open(tmp_path, states):
     _refused(path, m, 1, 0, hf.MalformedHeaderError, r"rank-1\.hsnap: geometry\.sharding\.attention\.parts\[0\]: expected \[offset")
 
 
-def test_item10_agreeing_set_with_replicas_restores(tmp_path, states):
+def test_agreeing_set_with_replicas_restores(tmp_path, states):
     """The rules accept what SGLang's own split writes: MLA (every rank holds the latent),
     Mamba2 n_groups 1 (B and C on every rank), GQA with fewer heads than ranks."""
     for name in ("mla", "mamba2", "qwen35"):

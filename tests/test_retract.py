@@ -20,11 +20,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import io_cases  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import sglang_reqs as sr  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_io._sglang_env import import_sglang  # noqa: E402
+from hsnap_io.sglang_env import import_sglang  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ["mha", "mla", "swa_mamba", "hybrid_linear"]
@@ -79,7 +79,7 @@ def _readmit_like_sglang(ps, req):
     Mamba slot from req_to_token_pool.alloc, seqlen-1 token slots; then load_kv_cache."""
     n = req.seqlen - 1
     ps.req_to_token_pool.alloc([req])
-    idx = sp._alloc_tokens(ps, n).to(torch.int64)
+    idx = sp.alloc_tokens(ps, n).to(torch.int64)
     ps.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, n)), idx.to(torch.int32))
     req.kv.kv_committed_len = req.kv.kv_allocated_len = n
     req.is_retracted = False
@@ -141,7 +141,7 @@ def test_retract_to_disk_beside_sglang_in_memory_retraction(tmp_path, kind):
             n_layers, n_conv = len(mem_ps.geom["mamba_layer_ids"]), len(mem_ps.mamba_pool.mamba_cache.conv)
             assert sorted({(s.kind, s.layer) for s in mamba}) == sorted((s.kind, s.layer) for s in mamba)  # no duplicates
             assert len(mamba) == n_layers * (n_conv + 1)
-            one_slot = sum(buf[:, :1].numel() * buf.element_size() for _, buf in sp._mamba_buffers(mem_ps))
+            one_slot = sum(buf[:, :1].numel() * buf.element_size() for _, buf in sp.mamba_buffers(mem_ps))
             assert sum(s.length for s in mamba) == one_slot
             assert snap.record().extra["sglang.Req.retraction_count"] == 1
 
@@ -189,7 +189,7 @@ def test_retracted_requests_resume_in_a_fresh_process(tmp_path):
         items.append({"kind": kind, "page": 1, "path": path})
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"items": items, "out": str(out)}))
-    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sglang_reqs.py"), "resume", str(spec)], check=True, timeout=300)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
     got = json.loads(out.read_text())
     for path, rows in expected.items():
         assert got[path]["pid"] != os.getpid()
@@ -199,7 +199,7 @@ def test_retracted_requests_resume_in_a_fresh_process(tmp_path):
 
 def test_a_refused_retraction_writes_nothing_and_frees_nothing(tmp_path):
     from hsnap_sglang.retract import retract_to_disk
-    from hsnap_sglang.req import UnsupportedRequestError
+    from hsnap_sglang.req.record import UnsupportedRequestError
 
     ps, req, tc = _pool_and_req("swa_mamba")
     req.custom_logit_processor = '{"callable": "x"}'

@@ -1,4 +1,4 @@
-"""The real-SGLang pool fixtures (tests/sglang_pools.py) behave as documented."""
+"""The real-SGLang pool kit (hsnap_testing/pools.py) behaves as documented."""
 
 from __future__ import annotations
 
@@ -8,17 +8,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hsnap_io._sglang_env import SGLangUnavailableError, import_sglang  # noqa: E402
+from hsnap_io.sglang_env import SGLangUnavailableError, import_sglang  # noqa: E402
 
 try:
     import_sglang()
 except SGLangUnavailableError as exc:  # pragma: no cover - depends on the venv
     pytest.skip(f"SGLang not importable: {exc}", allow_module_level=True)
 
-try:
-    from tests import sglang_pools as sp
-except ImportError:  # tests/ itself on sys.path (rootdir-prepend import mode)
-    import sglang_pools as sp  # type: ignore[no-redef]
+from hsnap_testing import pools as sp  # noqa: E402
 
 PAGES = (1, 16)
 CASES = [(k, p) for k in sp.KINDS for p in PAGES] + [("mha", 64), ("hybrid_linear", 64)]
@@ -49,7 +46,7 @@ def test_import_sglang_is_idempotent_and_cpu_safe():
 
 
 def test_torchvision_placeholder_raises_on_use():
-    from hsnap_io import _sglang_env as env
+    from hsnap_io import sglang_env as env
 
     if not env.torchvision_placeholder_active():
         pytest.skip("a real torchvision is usable here")

@@ -1,4 +1,4 @@
-"""hsnap_sglang.req: a live SGLang Req in, a live SGLang Req out (issue 11).
+"""hsnap_sglang.req: a live SGLang Req in, a live SGLang Req out.
 
 Real components only: SGLang's Req constructor, SamplingParams.normalize with a real
 tokenizer, SGLang's pool classes and allocators on device='cpu', SGLang's own
@@ -19,11 +19,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import io_cases  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import sglang_reqs as sr  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_sglang import req as hs  # noqa: E402
+from hsnap_sglang.req import fields  # noqa: E402
+from hsnap_sglang.req.record import UnsupportedRequestError  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SGLang's XGrammarGrammar passes a GrammarMatcher argument xgrammar 0.2.7 deprecates
@@ -60,12 +62,12 @@ def test_every_attribute_is_classified_and_every_row_exists(tmp_path):
     ps, decoding = _source(detok=True)  # the detokenizer attributes appear once it has run
     _snapshot(ps, decoding, tmp_path / "r.hsnap")
     resumed = _resume(io_cases.target("hybrid_linear", 1), tmp_path / "r.hsnap")
-    seen: dict[str, set] = {cls: set() for cls in hs.TABLES}
+    seen: dict[str, set] = {cls: set() for cls in fields.TABLES}
     for req in (fresh, decoding, resumed):
-        assert hs.unclassified(req) == []
-        for cls, attrs in hs.sglang_attributes(req).items():
+        assert fields.unclassified(req) == []
+        for cls, attrs in fields.sglang_attributes(req).items():
             seen[cls] |= set(attrs)
-    stale = [f"{cls}.{k}" for cls, table in hs.TABLES.items() for k in table if k not in seen[cls]]
+    stale = [f"{cls}.{k}" for cls, table in fields.TABLES.items() for k in table if k not in seen[cls]]
     assert stale == []
 
 
@@ -74,8 +76,8 @@ def test_an_unclassified_attribute_is_refused_before_writing(tmp_path):
     ps, req = _source()
     before = sp.pool_state_fingerprint(ps)
     req.new_state_from_a_future_sglang = 1
-    assert hs.unclassified(req) == ["Req.new_state_from_a_future_sglang"]
-    with pytest.raises(hs.UnsupportedRequestError) as e:
+    assert fields.unclassified(req) == ["Req.new_state_from_a_future_sglang"]
+    with pytest.raises(UnsupportedRequestError) as e:
         _snapshot(ps, req, tmp_path / "r.hsnap")
     assert e.value.field == "Req.new_state_from_a_future_sglang"
     assert os.listdir(tmp_path) == []
@@ -84,8 +86,8 @@ def test_an_unclassified_attribute_is_refused_before_writing(tmp_path):
 
 def test_docs_table_is_generated_from_the_code():
     text = open(os.path.join(ROOT, "docs", "sglang.md"), encoding="utf-8").read()
-    begin, end = text.index(hs.DOC_BEGIN), text.index(hs.DOC_END) + len(hs.DOC_END) + 1
-    assert text[begin:end] == hs.render_table(), "run: python -m hsnap_sglang.req --docs"
+    begin, end = text.index(fields.DOC_BEGIN), text.index(fields.DOC_END) + len(fields.DOC_END) + 1
+    assert text[begin:end] == fields.render_table(), "run: python -m hsnap_sglang.req --docs"
 
 
 # --------------------------------------------------------------------------- refusals
@@ -124,7 +126,7 @@ def test_refused_at_snapshot_nothing_written_pools_unchanged(tmp_path, mutate, f
     ps, req = _source()
     mutate(req)
     before = sp.pool_state_fingerprint(ps)
-    with pytest.raises(hs.UnsupportedRequestError) as e:
+    with pytest.raises(UnsupportedRequestError) as e:
         _snapshot(ps, req, tmp_path / "r.hsnap")
     assert isinstance(e.value, hf.HsnapError)
     assert e.value.field == field and field in str(e.value)
@@ -137,7 +139,7 @@ def _lora_source():
     params = sr.sampling_params(max_new_tokens=16)
     req = sr.new_req("lora-req", [5, 6, 7], params, lora_id="adapter-a")
     ps.req_to_token_pool.alloc([req])
-    idx = sp._alloc_tokens(ps, 3).to(torch.int64)
+    idx = sp.alloc_tokens(ps, 3).to(torch.int64)
     ps.req_to_token_pool.write((req.kv.req_pool_idx, slice(0, 3)), idx.to(torch.int32))
     req.kv.kv_committed_len = req.kv.kv_allocated_len = 3
     req.output_ids.append(9)
@@ -239,7 +241,7 @@ def test_fresh_process_round_trips_of_random_reqs(tmp_path):
     spec = tmp_path / "spec.json"
     out = tmp_path / "out.json"
     spec.write_text(json.dumps({"items": items, "out": str(out)}))
-    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sglang_reqs.py"), "resume", str(spec)], check=True, timeout=300)
+    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
     got = json.loads(out.read_text())
     assert {g["pid"] for g in got.values()} != {os.getpid()}
     stops, inf_bias = set(), False
@@ -335,13 +337,13 @@ def test_grammar_resume_refuses_output_the_grammar_rejects(tmp_path):
 
 def _ping_pong_target(mamba_size: int):
     """Hybrid pools built with enable_mamba_extra_buffer (radix-tracking ping-pong slots)."""
-    from hsnap_io._sglang_env import import_sglang
+    from hsnap_io.sglang_env import import_sglang
 
     sg = import_sglang()
-    g = sp._geom("hybrid_linear", 1024, {})
+    g = sp.geometry("hybrid_linear", 1024, {})
     rtp = sg.memory_pool.HybridReqToTokenPool(
         size=g["max_reqs"], mamba_size=mamba_size, mamba_spec_state_size=mamba_size, max_context_len=1024,
-        device="cpu", enable_memory_saver=False, cache_params=sp._cache_params(sg, g, g["mamba_layer_ids"]),
+        device="cpu", enable_memory_saver=False, cache_params=sp.cache_params(sg, g, g["mamba_layer_ids"]),
         mamba_layer_ids=list(g["mamba_layer_ids"]), enable_mamba_extra_buffer=True,
     )
     kv = sg.memory_pool.HybridLinearKVPool(

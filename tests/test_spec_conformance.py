@@ -1,4 +1,4 @@
-"""The spec (spec/hsnap-v1.md) and the reference reader say the same thing (issue 18 item 10).
+"""The spec (spec/hsnap-v1.md) and the reference reader say the same thing.
 
 Each disagreement an implementer found by reading only the spec gets a test that runs the
 same input through ``hsnap_format`` (the library and ``hsnap verify``) and through
@@ -99,7 +99,7 @@ def _edit(data: bytes, fn) -> bytes:
     "where,key",
     [(("request", "stop"), "stop_strings"), (("request", "stop"), "stop_token_ids"), (("geometry", "attention"), "swa_layers")],
 )
-def test_item10_absent_stop_strings_stop_token_ids_swa_layers_mean_empty(tmp_path, where, key):
+def test_absent_stop_strings_stop_token_ids_swa_layers_mean_empty(tmp_path, where, key):
     """Spec 5.3/5.6 (R-5-3): an absent key with a default means the default, here ``[]``. The
     reference reader refused them ("found ()": its defaults were Python tuples, not the JSON
     value the spec names); the spec-only reader accepts them."""
@@ -123,7 +123,7 @@ def test_item10_absent_stop_strings_stop_token_ids_swa_layers_mean_empty(tmp_pat
         assert cli.main(["info", os.fspath(path)]) == 0  # consumers of the header see the default
 
 
-def test_item10_every_absent_default_reaches_hsnap_info(tmp_path):
+def test_every_absent_default_reaches_hsnap_info(tmp_path):
     """The same class elsewhere: every key that has a default, absent at once, is read as its
     default — ``hsnap info`` used to die with a KeyError on an absent ``identity.device``."""
 
@@ -169,13 +169,13 @@ def _stop_strings(strings):
         (["x" * spec.MAX_STOP_STRING_LENGTH], False),
         (["停" * spec.MAX_STOP_STRING_LENGTH], False),  # code points, not UTF-8 bytes (12,288 here)
         (["a"] * spec.MAX_STOP_STRINGS, False),
-        (["x" * 5000], True),  # the issue's case
+        (["x" * 5000], True),  # the case first reported
         (["ok", "x" * (spec.MAX_STOP_STRING_LENGTH + 1)], True),
         (["a"] * (spec.MAX_STOP_STRINGS + 1), True),
     ],
     ids=["4096", "4096-cjk", "1024-strings", "5000", "4097-second", "1025-strings"],
 )
-def test_item10_stop_string_limits_are_the_spec_limits(tmp_path, strings, refused):
+def test_stop_string_limits_are_the_spec_limits(tmp_path, strings, refused):
     """Spec 5.3 (R-5-1): at most 1,024 stop strings of at most 4,096 code points each — the
     numbers the code uses (``hsnap_format.spec``); the spec used to say "no limit"."""
     path = _write(tmp_path, "stop.hsnap", _edit(_vector("hybrid.hsnap"), _stop_strings(strings)))
@@ -186,7 +186,7 @@ def test_item10_stop_string_limits_are_the_spec_limits(tmp_path, strings, refuse
         assert ref[1] == ind[1] and ref[1].startswith("request.stop.stop_strings")
 
 
-def test_item10_stop_string_limits_are_stated_in_the_spec():
+def test_stop_string_limits_are_stated_in_the_spec():
     text = SPEC.read_text(encoding="utf-8")
     stop = text[text.index("`stop`: `max_new_tokens`") :][:600]
     assert f"≤ {spec.MAX_STOP_STRINGS:,} strings" in stop
@@ -195,7 +195,7 @@ def test_item10_stop_string_limits_are_stated_in_the_spec():
     assert not re.search(r"stop_strings`[^.]*no limit", text)  # what 1.1 said before
 
 
-def test_item10_writer_refuses_a_stop_string_over_the_limit(tmp_path):
+def test_writer_refuses_a_stop_string_over_the_limit(tmp_path):
     """R-8-1: what a reader refuses is never written."""
     with hf.open(VECTORS / "attention-only.hsnap") as snap:
         ident, geom, rec = snap.identity, snap.geometry, snap.record()
@@ -225,7 +225,7 @@ def _bad_section_then_bad_padding() -> tuple[bytes, int, str]:
     return bytes(data), pad, first["name"]
 
 
-def test_item10_verify_reports_padding_before_an_earlier_bad_section(tmp_path):
+def test_verify_reports_padding_before_an_earlier_bad_section(tmp_path):
     """Spec 7.2 (R-7.2-3): the padding first, also when a section earlier in the file is bad,
     for ``verify()``, ``hsnap verify --first`` and ``hsnap verify`` (which lists both).
     ``hsnap verify`` reported the section first."""
@@ -242,13 +242,13 @@ def test_item10_verify_reports_padding_before_an_earlier_bad_section(tmp_path):
         assert [e.field for e in snap.verify_failures()] == [padding, f"sections[{name!r}].digest"]
 
 
-def test_item10_verify_order_of_an_object_store_snapshot(s3server, tmp_path):
+def test_verify_order_of_an_object_store_snapshot(s3server, tmp_path):
     """The same order when the snapshot is read by ranged GETs (one streaming pass)."""
-    from hsnap_format import remote
+    from hsnap_format.stores.s3 import client as s3client, options as s3options
 
     data, pad, name = _bad_section_then_bad_padding()
     bucket, opts = s3server.make_bucket(), s3server.options()
-    remote.client(remote.StorageOptions.of(opts)).put_object(Bucket=bucket, Key="two-defects.hsnap", Body=data)
+    s3client.client(s3options.StorageOptions.of(opts)).put_object(Bucket=bucket, Key="two-defects.hsnap", Body=data)
     with hf.open(f"s3://{bucket}/two-defects.hsnap", storage_options=opts) as snap:
         with pytest.raises(hf.DigestMismatchError, match=f"padding at byte {pad}"):
             snap.verify()
@@ -260,7 +260,7 @@ def test_item10_verify_order_of_an_object_store_snapshot(s3server, tmp_path):
 
 
 @pytest.mark.parametrize("key", ["attention", "conv", "temporal"])
-def test_item10_sharding_missing_key_is_refused_by_name(tmp_path, key):
+def test_sharding_missing_key_is_refused_by_name(tmp_path, key):
     """Spec 5.6 (R-5.6-4): ``geometry.sharding`` holds all three keys, each an AXIS or null.
     The reference refused a missing one; the spec-only reader read it as null."""
 
@@ -272,7 +272,7 @@ def test_item10_sharding_missing_key_is_refused_by_name(tmp_path, key):
     assert _reference(path)[1] == _independent(path)[1] == f"geometry.sharding.{key}"
 
 
-def test_item10_sharding_null_key_means_not_described(tmp_path):
+def test_sharding_null_key_means_not_described(tmp_path):
     """Null (not absence) is how a writer says "not described": accepted by both."""
 
     def null(h):
@@ -292,7 +292,7 @@ def two_rank(tmp_path):
     return d
 
 
-def test_item10_symlinked_rank_path_is_not_followed(two_rank, tmp_path):
+def test_symlinked_rank_path_is_not_followed(two_rank, tmp_path):
     """Spec 7.1 step 1 (R-7.1-2): a symbolic link as the last component of the given path is
     not followed — a rank file (``HsnapIOError``, as the spec said and ``Snapshot()`` did) and a
     directory alike; ``hf.open`` and ``hsnap verify`` followed it. Inside a set it is
@@ -308,7 +308,7 @@ def test_item10_symlinked_rank_path_is_not_followed(two_rank, tmp_path):
 
 
 @pytest.mark.parametrize("trailing", ["", "/"])
-def test_item10_symlinked_set_directory_is_not_followed(two_rank, tmp_path, trailing):
+def test_symlinked_set_directory_is_not_followed(two_rank, tmp_path, trailing):
     link = tmp_path / "latest"
     os.symlink(two_rank, link)
     path = os.fspath(link) + trailing
@@ -343,8 +343,8 @@ def _kind_a_list(h):
      (_storage_itemsize, "geometry.attention.storage_dtype"), (_kind_a_list, r"sections\[.*\]\.kind")],
     ids=["swa_start-on-mha", "dtype-an-object", "storage_dtype-itemsize", "section-kind-a-list"],
 )
-def test_item10_independent_reader_agrees_where_it_was_off(tmp_path, edit, field):
-    """Found by running mutants through both readers in both directions (scripts/mutate.py's
+def test_independent_reader_agrees_where_it_was_off(tmp_path, edit, field):
+    """Found by running mutants through both readers in both directions (the mutation run's
     new ``spec-disagrees`` class): the spec-only reader accepted a non-zero ``swa_start`` on an
     ``mha`` file and a ``storage_dtype`` of another itemsize (5.6 refuses both), and crashed
     (TypeError) on a dtype or section kind that is an object or a list."""
@@ -354,7 +354,7 @@ def test_item10_independent_reader_agrees_where_it_was_off(tmp_path, edit, field
     assert re.fullmatch(field, ind[1]) and re.fullmatch(field, ref[1]), (ref, ind)
 
 
-def test_item10_del_in_an_object_key_is_raw_as_in_a_string_value(tmp_path):
+def test_del_in_an_object_key_is_raw_as_in_a_string_value(tmp_path):
     """Spec 4: keys are strings, escaped as ``JSON.stringify`` escapes them — DEL (0x7f) raw.
     The reference encoder wrote (and so its reader required) ``\\u007f`` in keys only; the
     spec-only reader, like any JCS implementation, requires DEL raw everywhere."""
@@ -366,12 +366,12 @@ def test_item10_del_in_an_object_key_is_raw_as_in_a_string_value(tmp_path):
     assert _agree(_write(tmp_path, "escaped.hsnap", escaped)) == "MalformedHeaderError"
 
 
-def test_item10_independent_reader_header_limit_is_one_mib(tmp_path):
+def test_independent_reader_header_limit_is_one_mib(tmp_path):
     """7.1 step 8: ``header_length`` ≤ 1 MiB (the spec-only reader allowed 4 MiB): a header one
     byte over, canonical and honest otherwise (an unknown top-level key pads it)."""
     vector, pad = _vector("attention-only.hsnap"), 1 << 20
     for _ in range(3):  # the offsets' digits grow with the data offset: converge on the length
-        data = _edit(vector, lambda h: h.update(zz="x" * pad))
+        data = _edit(vector, lambda h: h.update(zz="x" * pad))  # noqa: B023 (runs within the call)
         pad += spec.MAX_HEADER_BYTES + 1 - craft.split(data).header_length
     assert craft.split(data).header_length == spec.MAX_HEADER_BYTES + 1
     path = _write(tmp_path, "big-header.hsnap", data)
@@ -379,20 +379,12 @@ def test_item10_independent_reader_header_limit_is_one_mib(tmp_path):
     assert _reference(path)[1].endswith("header_length") and _independent(path)[1] == "header_length"
 
 
-def _mutate_module():
-    import importlib.util
-
-    spec_ = importlib.util.spec_from_file_location("hsnap_mutate_item10", ROOT / "scripts" / "mutate.py")
-    mod = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(mod)
-    return mod
-
-
-def test_item10_mutation_run_flags_a_refusal_the_spec_reader_does_not_share(tmp_path):
-    """scripts/mutate.py's ``spec-disagrees`` class: a typed refusal is a failure when the
+def test_mutation_run_flags_a_refusal_the_spec_reader_does_not_share(tmp_path):
+    """The mutation run's ``spec-disagrees`` class: a typed refusal is a failure when the
     spec-only reader accepts the file, or refuses it at open with another class (7.1's order
     is normative); the same class of a refusal both share stays ``typed``."""
-    mutate = _mutate_module()
+    from mutation import format_target as mutate
+
     ctx = mutate.Context(str(tmp_path / "scratch"), cli_every=0)
     valid = os.fspath(VECTORS / "hybrid.hsnap")
     refused = {"cls": "typed", "stage": "open", "error": "MalformedHeaderError", "field": "request.stop.stop_strings"}
@@ -436,7 +428,7 @@ def _checklist(text: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"^\| (R-[\d.-]+) \| ([\d.]+) \|", table, flags=re.M)}
 
 
-def test_item10_every_must_has_a_rule_id_and_a_checklist_row():
+def test_every_must_has_a_rule_id_and_a_checklist_row():
     """Section 13.1 lists every MUST / MUST NOT of the spec: each MUST in the text is followed,
     in its paragraph, list item or table row and before the next MUST, by its own bracketed
     rule id; every id is defined once, in the section its middle part names, and has exactly
@@ -468,11 +460,11 @@ def test_item10_every_must_has_a_rule_id_and_a_checklist_row():
     assert len(defined) >= 30  # the test itself found the rules (a broken parser finds none)
 
 
-def test_item10_rule_ids_cited_in_code_and_tests_exist():
+def test_rule_ids_cited_in_code_and_tests_exist():
     """A comment or test citing ``R-x-n`` names a rule of the spec (no stale citations)."""
     defined = set(_DEFINED.findall(SPEC.read_text(encoding="utf-8")))
     cited = {}
-    for top in ("hsnap_format", "hsnap_io", "tests", "scripts", "viewer"):
+    for top in ("hsnap_format", "hsnap_io", "tests", "mutation", "viewer"):
         for p in (ROOT / top).rglob("*.py"):
             for rid in _RULE.findall(p.read_text(encoding="utf-8", errors="replace")):
                 cited.setdefault(rid, p.relative_to(ROOT).as_posix())

@@ -1,6 +1,6 @@
-"""One storage seam (issue 20, Design): local files and ``s3://`` objects behind one small
-interface (:mod:`hsnap_format.storage`). No call site tells a URL from a path by itself,
-``manifest.py`` and ``remote.py`` no longer import each other, and the primitives a chain,
+"""One storage seam: local files and ``s3://`` objects behind one small
+interface (:mod:`hsnap_format.stores`). No call site tells a URL from a path by itself,
+the format classes import no store, and the primitives a chain,
 a page store and gc build on keep the same promises on a disk and on a real SeaweedFS."""
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 import hsnap_format as hf
-from hsnap_format.storage import LOCAL, Entry, LocalStore, S3Store, Store, store_for
+from hsnap_format.source import Entry, Store
+from hsnap_format.stores import LOCAL, store_for
+from hsnap_format.stores.local import LocalStore
+from hsnap_format.stores.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,27 +33,28 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-def test_design_manifest_and_remote_no_longer_import_each_other():
-    manifest = _imports(ROOT / "hsnap_format" / "manifest.py")
-    assert not {m for m in manifest if m.endswith("remote")}, manifest
-    assert ".manifest" in _imports(ROOT / "hsnap_format" / "remote.py")  # one direction only: a remote set is a set
+def test_design_format_classes_import_no_store():
+    """Snapshots, writers and sets take a byte source or sink; the stores import them, never the reverse."""
+    for name in ("reader", "writer", "manifest", "source", "layout", "records", "spec", "errors", "canonical", "localfs"):
+        imports = _imports(ROOT / "hsnap_format" / f"{name}.py")
+        assert not {m for m in imports if "stores" in m or m.endswith("remote")}, (name, imports)
+    assert "...manifest" in _imports(ROOT / "hsnap_format" / "stores" / "s3" / "__init__.py")  # a remote set is a set
 
 
 def test_design_no_call_site_tells_a_url_from_a_path_by_itself():
     """Every place that tested ``is_url`` (or ``"://" in path``) asks the seam: only
-    storage.py decides, and remote.py parses its own endpoint URLs."""
+    the stores package decides (and parses its own endpoint URLs)."""
     found = []
     for top in ("hsnap_format", "hsnap_io", "viewer"):  # (hsnap_sglang, being written now, is its author's to route)
         for p in (ROOT / top).rglob("*.py"):
             rel = p.relative_to(ROOT).as_posix()
-            if rel in ("hsnap_format/storage.py",):
+            if rel.startswith("hsnap_format/stores/"):
                 continue
             text = p.read_text(encoding="utf-8")
             if re.search(r"\bis_url\b", text):
                 found.append(f"{rel}: is_url")
             for m in re.finditer(r'["\']://["\'] in (\w+)', text):
-                if not (rel == "hsnap_format/remote.py" and m.group(1) == "value"):  # an endpoint, not a snapshot path
-                    found.append(f"{rel}: '://' in {m.group(1)}")
+                found.append(f"{rel}: '://' in {m.group(1)}")
     assert not found, found
 
 
@@ -61,7 +65,7 @@ def test_design_stores_declare_the_protocol_and_store_for_picks_by_the_path():
     assert isinstance(store_for("s3://bucket/key"), S3Store)
     assert store_for("s3://bucket/key").split("s3://bucket/run/link-2.hsnap") == ("s3://bucket/run", "link-2.hsnap")
     assert LOCAL.split("/x/run/set/") == ("/x/run", "set") and LOCAL.join("/x/run", "a") == "/x/run/a"
-    assert hf.open_snapshot is hf.manifest.open_snapshot  # one opener, re-exported
+    assert hf.open_snapshot is hf.stores.open_snapshot  # one opener, re-exported
 
 
 # ----------------------------------------------------------------------------- the primitives
@@ -132,3 +136,47 @@ def test_design_snapshots_open_write_and_copy_through_the_seam(s3server, tmp_pat
         assert (tmp_path / "set" / name).read_bytes() == (vec / "two-rank" / name).read_bytes()
     with store_for(f"{url}/set", opts).open(f"{url}/set") as s:
         assert isinstance(s, hf.SnapshotSet) and s.manifest.tp_size == 2
+
+
+def test_design_a_memory_store_reads_writes_and_sets_through_sources_and_sinks():
+    """The format classes need nothing of a file: the memory store's sources and sinks carry a
+    snapshot and a set through the same writers and readers, and the same refusals."""
+    from hsnap_format.stores import memory
+
+    memory.clear()
+    vec = ROOT / "spec" / "vectors"
+    with hf.open(str(vec / "two-rank")) as src:
+        store = store_for("memory://t/set")
+        assert isinstance(store, Store) and not store.local
+        sw = store.set_writer("memory://t/set")
+        for r, snap in src.ranks.items():
+            with sw.rank_writer(r, identity=snap.identity, geometry=snap.geometry, record=snap.record(), swa_start=snap.swa_start,
+                                features_optional=snap.header["features"]["optional"]) as w:
+                for s in w.pending_state_sections():
+                    w.write_section(s.name, snap.read(s.name))
+                w.commit()
+        sw.commit(tp_size=len(src.ranks))
+        with hf.open("memory://t/set") as got:
+            assert isinstance(got, hf.SnapshotSet) and got.manifest == src.manifest
+            got.verify()
+            for r, snap in src.ranks.items():
+                assert got.ranks[r].root_digest == snap.root_digest
+                for s in snap.sections:
+                    assert bytes(got.ranks[r].raw(s.name)) == bytes(snap.raw(s.name))
+        with pytest.raises(hf.SnapshotExistsError):
+            store.writer("memory://t/set/rank-0.hsnap", identity=src.ranks[0].identity, geometry=src.ranks[0].geometry,
+                         record=src.ranks[0].record())
+    assert [e.path for e in store.list("memory://t/set")] == ["memory://t/set/manifest.json", "memory://t/set/rank-0.hsnap",
+                                                              "memory://t/set/rank-1.hsnap"]
+    memory.clear()
+
+
+@pytest.mark.parametrize("version", ["", None])
+def test_object_store_refuses_a_remove_without_a_version(version):
+    """A listing or read without an ETag gives the version "": removing it would be a delete without If-Match, which
+    removes whatever object is there now; the store refuses before any request is made (no endpoint here answers)."""
+    from hsnap_format.stores.s3.client import RemoteIOError
+
+    store = S3Store({"endpoint_url": "http://127.0.0.1:9", "attempts": 1})
+    with pytest.raises(RemoteIOError, match="conditional"):
+        store.remove("s3://bucket/prefix/leftover.tmp", version=version)

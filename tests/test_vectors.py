@@ -125,7 +125,7 @@ def test_decodes_to_its_description(label, path, desc):
             assert list(rec.rng_state) == values["request.rng_state"]
 
 
-def test_hybrid_vector_covers_what_the_issue_asks():
+def test_vectors_cover_the_hybrid_mla_fp8_and_mha_cases():
     d = load("hybrid")
     g, r = d["geometry"], d["request"]
     assert len(g["attention"]["layers"]) == 2 and len(g["mamba"]["layers"]) == 2

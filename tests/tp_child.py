@@ -11,7 +11,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hsnap_format as hf  # noqa: E402
-import sglang_pools as sp  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
 from io_cases import identity, record, rows_as_bytes, source, target  # noqa: E402
 from hsnap_io.tp import export_request_tp, restore_request_tp  # noqa: E402
 
@@ -27,7 +27,7 @@ def main() -> None:
             def boom(phase):
                 if phase == "chunk":
                     raise OSError(28, "No space left on device")
-            hf._fs.phase_hook = boom  # type: ignore[attr-defined]
+            hf.localfs.phase_hook = boom  # type: ignore[attr-defined]
         try:
             export_request_tp(path, identity=ident, record=record(), req_to_token_pool=ps.req_to_token_pool,
                               token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator, req_pool_idx=req.req_pool_idx)

@@ -1,10 +1,10 @@
-"""A request decoding at TP N, each rank in its own SGLang pools (``reshard_pools``), for the
-live migrations across TP sizes (issue 20 item 4; tests/test_migrate_tp.py).
+"""A request decoding at TP N, each rank in its own SGLang pools (``hsnap_testing.tp_pools``), for the
+live migrations across TP sizes (tests/test_migrate_tp.py).
 
 The global state of the request grows as it decodes: its attention rows up to position
 ``POSITIONS[i]`` are the first rows of one global tensor per section, and its recurrent
 state is rewritten every round (``rounds(m)[i]``). Each rank holds its shard of both
-(``reshard_pools.shard_of``), in slots SGLang's own allocators gave it (with other slots
+(``hsnap_testing.tp_pools.shard_of``), in slots SGLang's own allocators gave it (with other slots
 taken in between: a request's slots are never one run).
 
 Also runnable as one rank of a TP source group over gloo (forked by the test, or
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hsnap_format as hf  # noqa: E402
-import reshard_pools as rp  # noqa: E402
+from hsnap_testing import tp_pools as rp  # noqa: E402
 from hsnap_io import export_request, reshard  # noqa: E402
 from hsnap_io.adapters import view_pools  # noqa: E402
 
@@ -61,7 +61,7 @@ class Rank:
     """Rank ``rank`` of a TP ``tp`` source: its pools and the request in them."""
 
     def __init__(self, tp: int, rank: int, rows: dict, m=MODEL, seed: int = 30) -> None:
-        from hsnap_io._sglang_env import import_sglang
+        from hsnap_io.sglang_env import import_sglang
 
         self.m, self.tp, self.rank, self.rows = m, tp, rank, rows
         self.ps = rp.build(m, tp, rank, size=SIZE, seed=seed + rank)

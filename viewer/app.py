@@ -29,8 +29,9 @@ from textual.screen import Screen
 from .commands import SectionCommands
 from .compat import Reference, load_reference
 from hsnap_format.errors import HsnapError
-from hsnap_format.remote import StorageOptions, endpoint_shown
-from hsnap_format.storage import store_for
+from hsnap_format.stores.s3.client import endpoint_shown
+from hsnap_format.stores.s3.options import StorageOptions
+from hsnap_format.stores import store_for
 from hsnap_format.tools.viewmodel import leftover_hint
 
 from .model import Document, display_name, try_open

@@ -13,12 +13,12 @@ import sys
 import numpy as np
 
 from .. import MAJOR, MINOR, __version__, open_snapshot
-from ..chain import chain_below, compact_path
+from ..chain import Chain, chain_below, compact_path
 from ..errors import HsnapError
 from ..manifest import SnapshotSet
 from ..pages import collect_pages
 from ..spec import DTYPES
-from ..storage import store_for
+from ..stores import store_for
 from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
 
 
@@ -73,7 +73,7 @@ def _chains(snap, path: str):
     """(rank, Chain or the HsnapError that refused it) for every rank file that is a delta
     (spec 7.5): its links, opened and checked, through the store that holds ``path``."""
     store = store_for(path)
-    out = []
+    out: list[tuple[int | None, Chain | HsnapError]] = []
     for r, s in (snap.ranks.items() if isinstance(snap, SnapshotSet) else [(None, snap)]):
         if s.base is None and s.pages is None:  # a delta, or a file whose pages are in a page store (7.6)
             continue
@@ -182,8 +182,8 @@ def cmd_verify(args) -> int:
             out.update(_failure(failures[0]))  # the first failure at the top level, as before
         print(json.dumps(out))
     elif failures:
-        for e in failures:
-            print(f"FAILED {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
+        for failure in failures:
+            print(f"FAILED {type(failure).__name__}: {escape(str(failure))}{_hint(failure)}", file=sys.stderr)
         if len(failures) > 1:
             print(f"FAILED {escape(args.path)}: {len(failures)} problems", file=sys.stderr)
     else:

@@ -15,9 +15,9 @@ import sys
 
 from ..errors import HsnapError, MalformedHeaderError, Phrase
 from ..manifest import SnapshotSet
-from ..reader import Snapshot
+from ..reader import Snapshot, stream
 from ..spec import HEADER_OFFSET, TRAILER
-from ..storage import open_snapshot, store_for
+from ..stores import open_snapshot, store_for
 from .viewmodel import escape
 
 WINDOW = 32 << 20  # bytes read (and held) at a time
@@ -27,8 +27,6 @@ def copy_snapshot(snap: Snapshot, dst: str, options=None, committed: list | None
     """Copy one rank file/object to ``dst``, verifying while copying. Returns the bytes
     copied; ``committed`` gets ``(dst, ETag)`` once an object is visible (what a set's
     abort may delete: only what this copy made)."""
-    from .. import remote  # the window stream (remote.stream): a file's preads or an object's ranged GETs
-
     sink = store_for(dst, options).sink(dst)
     try:
         result: dict = {}
@@ -39,7 +37,7 @@ def copy_snapshot(snap: Snapshot, dst: str, options=None, committed: list | None
                 head["header"] = bytes(data[HEADER_OFFSET : HEADER_OFFSET + snap.preamble.header_length])
             sink.write(offset, data)
 
-        errors = [e for _, e in remote.stream(snap, WINDOW, 0, snap.file_length, each=each, result=result) if e is not None]
+        errors = [e for _, e in stream(snap, WINDOW, 0, snap.file_length, each=each, result=result) if e is not None]
         if result.get("padding") is not None:
             errors.append(result["padding"])
         if errors:

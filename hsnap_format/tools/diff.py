@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -212,12 +213,15 @@ def compare_pair(pair: SectionPair, *, atol: float = 0.0, rtol: float = 0.0, **k
     a, b = pair.a, pair.b
     if a is None or b is None:
         only = b if a is None else a
+        assert only is not None  # a pair names a section of A, of B or of both
         return SectionDiff(pair.rank, pair.name, ONLY_B if a is None else ONLY_A,
-                           dtype_a=a and a.dtype, dtype_b=b and b.dtype,
-                           shape_a=a and a.shape, shape_b=b and b.shape, elements=math.prod(only.shape))
-    common = dict(dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape, elements=math.prod(a.shape))
+                           dtype_a=None if a is None else a.dtype, dtype_b=None if b is None else b.dtype,
+                           shape_a=None if a is None else a.shape, shape_b=None if b is None else b.shape,
+                           elements=math.prod(only.shape))
+    diff = partial(SectionDiff, pair.rank, pair.name, dtype_a=a.dtype, dtype_b=b.dtype, shape_a=a.shape, shape_b=b.shape,
+                   elements=math.prod(a.shape))
     if a.shape != b.shape:
-        return SectionDiff(pair.rank, pair.name, SHAPE_MISMATCH, **common)
+        return diff(SHAPE_MISMATCH)
     chunk_elements = kw.pop("chunk_elements", CHUNK_ELEMENTS)
     cancelled = kw.get("cancelled")
     # Read with pread and verify both sides while comparing: values of a file that fails
@@ -233,13 +237,11 @@ def compare_pair(pair: SectionPair, *, atol: float = 0.0, rtol: float = 0.0, **k
     r = compare_chunks(verified(pair.snap_a, a, "A"), verified(pair.snap_b, b, "B"), DTYPES[a.dtype], DTYPES[b.dtype],
                        atol=atol, rtol=rtol, **kw)
     if corrupt:
-        return SectionDiff(pair.rank, pair.name, CORRUPT, **common, corrupt="+".join(side for side, _ in corrupt))
+        return diff(CORRUPT, corrupt="+".join(side for side, _ in corrupt))
     status = DIFFER if r.count_differ or a.dtype != b.dtype else EQUAL
     first = None if r.first_index is None else tuple(int(i) for i in np.unravel_index(r.first_index, a.shape))
-    return SectionDiff(
-        pair.rank, pair.name, status, **common, count_differ=r.count_differ,
-        max_abs_diff=r.max_abs_diff, max_rel_diff=r.max_rel_diff, first_diff=first, first_a=r.first_a, first_b=r.first_b,
-    )
+    return diff(status, count_differ=r.count_differ, max_abs_diff=r.max_abs_diff, max_rel_diff=r.max_rel_diff,
+                first_diff=first, first_a=r.first_a, first_b=r.first_b)
 
 
 def iter_section_diffs(a, b, *, atol: float = 0.0, rtol: float = 0.0, **kw) -> Iterator[SectionDiff]:

@@ -27,11 +27,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .. import _fs
+from .. import localfs
 from ..errors import DigestMismatchError, HsnapError, HsnapIOError, Phrase, SnapshotExistsError
 from ..manifest import SnapshotSet
 from ..reader import SectionInfo, Snapshot
-from ..storage import store_for
+from ..stores import store_for
 from ..spec import DTYPES
 
 CHUNK_ELEMENTS = 1 << 20
@@ -141,10 +141,10 @@ class _InputGuard:
     output that is one of them, or lies inside the input, is refused, --force or not."""
 
     def __init__(self, *snaps: Snapshot | SnapshotSet | None) -> None:
-        snaps = tuple(s for s in snaps if s is not None)
-        self.path = snaps[-1].path  # the snapshot as opened (a directory rather than its rank file)
+        given = [s for s in snaps if s is not None]
+        self.path = given[-1].path  # the snapshot as opened (a directory rather than its rank file)
         self.ids: set[tuple[int, int]] = set()
-        paths = [p for snap in snaps for p in [snap.path] + [s.path for s in ranks_of(snap).values()]]
+        paths = [p for snap in given for p in [snap.path] + [s.path for s in ranks_of(snap).values()]]
         for p in paths:
             if store_for(p).local:  # an object-store input has no local inode
                 try:
@@ -200,7 +200,7 @@ class _Output:
             if self.force:
                 os.replace(self.tmp, self.path)
             else:
-                _fs.rename_noreplace(self.tmp, self.path)
+                localfs.rename_noreplace(self.tmp, self.path)
         except OSError as e:
             self.drop()
             raise HsnapIOError(self.path, "rename", e) from None
@@ -276,7 +276,7 @@ def export_safetensors(snap: Snapshot | SnapshotSet, path: str, *, force: bool =
             if SAFETENSORS_DTYPES[info.dtype] is None:
                 meta[f"hsnap.dtype.{key}"] = f"{info.dtype} {list(info.shape)} (bytes)"
             offset += n
-            plan.append((r, s, info, key))
+            plan.append((r, s, info, key, st))
     first = ranks[min(ranks)]
     meta.update({"hsnap.model_id": first.identity.model_id, "hsnap.snapshot_id": first.identity.snapshot_id,
                  "hsnap.state_position": str(first.state_position), "format": "np"})
@@ -286,12 +286,12 @@ def export_safetensors(snap: Snapshot | SnapshotSet, path: str, *, force: bool =
     done = []
     try:
         out.write(struct.pack("<Q", len(header)) + header)
-        for r, s, info, key in plan:
+        for r, s, info, key, stored_as in plan:
             for chunk in _verified_chunks(s, info, cancelled):
                 out.write(chunk.tobytes())
             if cancelled is not None and cancelled():
                 raise KeyboardInterrupt
-            done.append(Exported(r, info.name, info.dtype, entries[key]["dtype"], info.shape, info.digest, f"{path}:{key}"))
+            done.append(Exported(r, info.name, info.dtype, stored_as, info.shape, info.digest, f"{path}:{key}"))
         out.commit()
     except BaseException:
         out.drop()
@@ -473,7 +473,7 @@ def export_all_npy(snap: Snapshot | SnapshotSet, directory: str, *, raw: bool = 
             out.write((json.dumps(index, indent=2) + "\n").encode())
             out.commit()
             if merge is None:
-                _fs.rename_noreplace(staging.path, directory)  # one step: the whole directory appears
+                localfs.rename_noreplace(staging.path, directory)  # one step: the whole directory appears
             else:
                 for rel in staging.files:  # index.json last
                     merge.move(staging, rel)

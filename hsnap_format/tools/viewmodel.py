@@ -210,8 +210,8 @@ def resolve_selection(name: str | None, parts: list[str] | None, shape: tuple[in
         bits = p.split(":")
         if len(bits) not in (2, 3) or not all(b.strip() == "" or _INT.match(b) for b in bits):
             raise SelectionError(f"axis {i}: {p!r} is neither an index nor a slice a:b[:step]")
-        start, stop, *step = (None if b.strip() == "" else int(b) for b in bits)
-        step = step[0] if step else None
+        start, stop, *rest = (None if b.strip() == "" else int(b) for b in bits)
+        step = rest[0] if rest else None
         if step is not None and step <= 0:
             raise SelectionError(f"axis {i}: step {step} (only positive steps)")
         r = range(n)[slice(start, stop, step)]

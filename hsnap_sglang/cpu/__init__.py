@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 
-__all__ = ["ENV_VAR", "activate", "active", "requested", "sglang_plugin", "CpuPlatformUnavailable"]
+__all__ = ["ENV_VAR", "activate", "active", "install", "requested", "sglang_plugin", "CpuPlatformUnavailable"]
 
 ENV_VAR = "HSNAP_SGLANG_CPU"
 SGLANG_CPU_ENV = "SGLANG_USE_CPU_ENGINE"
@@ -58,7 +58,7 @@ def active() -> bool:
 _decided: bool | None = None  # once per process: installed or refused
 
 
-def _install() -> bool:
+def install() -> bool:
     """Install the platform in this process if requested and allowed; returns whether it is active."""
     global _decided
     if not requested():
@@ -94,14 +94,14 @@ def activate() -> None:
             f"(sglang.srt modules are loaded with {SGLANG_CPU_ENV} unset); set {ENV_VAR}=1 in the environment instead"
         )
     os.environ[ENV_VAR] = "1"
-    if not _install():
+    if not install():
         raise CpuPlatformUnavailable("hsnap's CPU platform does not load on a machine with a CUDA device")
 
 
 def sglang_plugin() -> None:
     """``sglang.srt.plugins`` entry point: in an opted-in process, register the Triton-launch replacements and what
     ``--enable-deterministic-inference`` needs here (:mod:`.deterministic`)."""
-    if not _install():
+    if not install():
         return
     from . import deterministic, triton_free
 

@@ -10,9 +10,11 @@ It acts on two top-level packages only:
 * ``torchvision`` — SGLang imports it at module level though a text model never calls it.  Absent (hsnap does not
   install it: PyPI has only CUDA builds), it is served as placeholder modules whose names raise when called; present
   but with a C extension that cannot load (the CUDA wheel beside a CPU torch), the two op schemas its
-  ``_meta_registrations.py`` needs are defined before it imports (:mod:`.torchvision_compat`).
+  ``_meta_registrations.py`` needs are defined before it imports.  Both come from :mod:`hsnap_io.sglang_env`, hsnap's
+  one "import SGLang on CPU" shim.
 
-Nothing but the standard library is imported until one of these imports happens.
+Nothing but the standard library (and that shim, itself standard library only) is imported until one of these
+imports happens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import logging
 import os
 import sys
 import threading
+
+from hsnap_io.sglang_env import is_torchvision, placeholder_spec, prepare_torchvision
 
 __all__ = ["CpuPlatformFinder", "install", "installed"]
 
@@ -57,7 +61,7 @@ class CpuPlatformFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "sgl_kernel":
             return self._sgl_kernel_spec()
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
+        if is_torchvision(fullname):
             return self._torchvision_spec(fullname)
         return None
 
@@ -75,18 +79,14 @@ class CpuPlatformFinder(importlib.abc.MetaPathFinder):
     def _torchvision_spec(self, fullname: str):
         with _lock:
             if self._torchvision is None:
-                from . import torchvision_compat
-
                 spec = _other_finders_spec(self, "torchvision")
                 if spec is None:
                     self._torchvision = "placeholder"
                 else:
                     self._torchvision = "real"
                     if spec.submodule_search_locations:
-                        torchvision_compat.prepare(list(spec.submodule_search_locations)[0])
+                        prepare_torchvision(list(spec.submodule_search_locations)[0])
             if self._torchvision == "placeholder":
-                from .torchvision_compat import placeholder_spec
-
                 return placeholder_spec(fullname)
             return None
 

@@ -30,6 +30,12 @@ def hsnap_root(tmp_path_factory):
         os.environ["HSNAP_ROOT"] = old
 
 
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, request):
+    """The test module's own directory (its servers' logs, its snapshots), inside the snapshot root."""
+    return tmp_path_factory.mktemp(request.module.__name__)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     missing = engine_extra_missing()

@@ -63,14 +63,21 @@ class Server:
         self.ready_after_s: float | None = None
         self.descendants: list[int] = []
 
+    def _launch(self) -> subprocess.Popen:
+        with open(self.log_path, "wb") as log:
+            return subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
     def start(self) -> "Server":
-        log = open(self.log_path, "wb")
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        log.close()
+        self.proc, retried = self._launch(), False
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                # SGLang takes its internal ports (22000-29999) by finding one free and binding it later: a server
+                # starting at the same moment (start_together, another pytest-xdist worker) can take it in between
+                if not retried and b"EADDRINUSE" in self.log_path.read_bytes():
+                    self.proc, retried = self._launch(), True
+                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready; log: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:

@@ -37,7 +37,7 @@ def _tf_inputs(q, k, v):
 
 
 def test_chunk_gated_delta_rule_matches_transformers_chunked_with_sglang_state_layout():
-    lengths, starts = [70, 1, 33], [0, 70, 71, 104]  # one sequence spans two 64-token chunks
+    starts = [0, 70, 71, 104]  # sequences of 70, 1 and 33 tokens: the first spans two 64-token chunks
     q, k, v, a, b, A_log, dt_bias = _gdn_inputs(104, seed=1)
     g, beta = ops.fused_gdn_gating(A_log, a, b, dt_bias)
     pool = torch.randn(6, HV, DV, DK, generator=torch.Generator().manual_seed(2))  # [slots, H_v, Dv, Dk]

@@ -1,4 +1,4 @@
-"""Seeded sampling on hsnap's CPU platform (issue 19 item 7): ``murmur_hash32_cpu`` is SGLang's murmur hash, bit for
+"""Seeded sampling on hsnap's CPU platform: ``murmur_hash32_cpu`` is SGLang's murmur hash, bit for
 bit, and the platform's ``--enable-deterministic-inference`` seams (hsnap_sglang/cpu/deterministic.py).
 
 * a pure-Python MurmurHash3_x86_32 (written from the algorithm) reproduces the algorithm's published test vectors;
@@ -92,12 +92,12 @@ def _message(seed: int, position: int, column: int) -> bytes:
 
 
 @pytest.mark.parametrize("data,seed,expected", PUBLISHED)
-def test_item7_reference_murmur3_reproduces_published_vectors(data, seed, expected):
+def test_reference_murmur3_reproduces_published_vectors(data, seed, expected):
     assert murmur3_x86_32(data, seed) == expected
 
 
 @pytest.mark.parametrize("positions_dtype", [torch.int64, torch.uint64])
-def test_item7_murmur_hash32_cpu_equals_murmur3_on_sglangs_message(positions_dtype):
+def test_murmur_hash32_cpu_equals_murmur3_on_sglangs_message(positions_dtype):
     r = random.Random(5)
     seeds = [0, 1, M32, M32 + 1, 2**63 - 1, 2**63, 2**64 - 1] + [r.getrandbits(64) for _ in range(9)]
     positions = [r.randrange(0, 2**33) for _ in seeds]  # beyond 2**32: the kernel keeps the low 32 bits
@@ -116,7 +116,7 @@ def test_item7_murmur_hash32_cpu_equals_murmur3_on_sglangs_message(positions_dty
     assert torch.equal(ops.murmur_hash32(seed_t[3:4], pos_t[3:4], torch.tensor(cols)), out[3:4])
 
 
-def test_item7_murmur_hash32_cpu_refuses_what_sgl_kernel_refuses():
+def test_murmur_hash32_cpu_refuses_what_sgl_kernel_refuses():
     seed, pos, cols = torch.zeros(2, dtype=torch.uint64), torch.zeros(2, dtype=torch.int64), torch.arange(3)
     for args, what in (((seed.to(torch.int64), pos, cols), "seed must have dtype torch.uint64"),
                        ((seed, pos.to(torch.int32), cols), "positions must have dtype"),
@@ -152,7 +152,7 @@ print(json.dumps({"equal": torch.equal(kernel, ours), "dtype": str(ours.dtype), 
 """
 
 
-def test_item7_murmur_hash32_cpu_is_bit_exact_with_sglangs_triton_kernel():
+def test_murmur_hash32_cpu_is_bit_exact_with_sglangs_triton_kernel():
     env = dict(os.environ, HSNAP_SGLANG_CPU="1", TRITON_INTERPRET="1")
     code = _SGLANG_KERNEL % {"seeds": SGLANG_SEEDS, "positions": SGLANG_POSITIONS, "cols": SGLANG_COLUMNS}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
@@ -179,7 +179,7 @@ print(json.dumps({"before": "torch_native" in before, "after": DETERMINISTIC_ATT
 """
 
 
-def test_item7_platform_lets_deterministic_inference_run_with_torch_native_and_no_triton():
+def test_platform_lets_deterministic_inference_run_with_torch_native_and_no_triton():
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
     env["HSNAP_SGLANG_CPU"] = "1"
     out = subprocess.run([sys.executable, "-c", _DETERMINISTIC_SEAMS], capture_output=True, text=True, timeout=300, env=env)

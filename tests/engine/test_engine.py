@@ -37,7 +37,7 @@ def engine_run(tiny_model_dir, tmp_path_factory):
     return result
 
 
-def test_item4_engine_greedy_is_deterministic(engine_run):
+def test_engine_greedy_is_deterministic(engine_run):
     first, second, _ = engine_run["runs"]
     assert first[0] == second[0] and first[1] == second[1]  # token ids and logprobs, exactly
     assert len(first[0]) == 16
@@ -48,7 +48,7 @@ def test_engine_request_numbers_do_not_depend_on_its_batch(engine_run):
     assert batched == alone
 
 
-def test_item4_engine_bf16_logprobs_match_transformers_within_bf16_rounding(engine_run, tiny_model_dir):
+def test_engine_bf16_logprobs_match_transformers_within_bf16_rounding(engine_run, tiny_model_dir):
     ids, logprobs = engine_run["runs"][0]
     _, decode = reference_logprobs(tiny_model_dir, engine_run["prompt_ids"], ids, "float32")
     import torch

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints and a dedup drain in SGLang's real server (issue 20 items 3 and 5).
+"""Crash-safe checkpoints and a dedup drain in SGLang's real server.
 
 Two real servers (``python -m hsnap_sglang.serve`` with the plug-in on; bfloat16, chunked prefill, SGLang's strict
 idle memory check on), each a module fixture:
@@ -41,11 +41,6 @@ MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("hsnap-checkpoint")
-
-
-@pytest.fixture(scope="module")
 def servers(tiny_model_dir, work):
     """S1 (killed) and S2 (a fresh server: it knows nothing of the requests until they are resumed there),
     started side by side (a start is mostly imports)."""
@@ -64,7 +59,7 @@ def crashed(servers, work):
     rng = random.Random(seed)
     s1 = servers["s1"]
     try:
-        # item 5: a dedup drain of three requests sharing a prefix
+        # a dedup drain of three requests sharing a prefix
         shared = {rid: Stream(s1.url, payload(rid, ids, n)) for rid, (ids, n) in DEDUP.items()}
         for st in shared.values():
             st.start()
@@ -74,7 +69,7 @@ def crashed(servers, work):
         for st in shared.values():
             st.finish()
         idle = wait_idle(s1.url)
-        # item 3: checkpoints every CK_M tokens, then SIGKILL mid-decode
+        # checkpoints every CK_M tokens, then SIGKILL mid-decode
         c = Stream(s1.url, payload("c", CK_PROMPT, CK_N))
         c.start()
         c.wait_tokens(2)
@@ -149,7 +144,7 @@ def _pause_while_a_link_is_written(s2, work) -> dict:
             "files": sorted(os.listdir(ck)), "final": g.final, "idle": idle}
 
 
-def test_item3_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resumed, work):
+def test_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resumed, work):
     why = f"seed {crashed['seed']}, killed at {crashed['kill_at']} tokens; log: {crashed['log'][-800:]}"
     assert crashed["alive"] == [], why
     c = crashed["c"]
@@ -177,14 +172,14 @@ def test_item3_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, 
     assert resumed["forwards"]["extend"] == 0  # continued by decoding: no history position recomputed
 
 
-def test_item3_checkpoints_run_while_the_request_decodes(crashed):
+def test_checkpoints_run_while_the_request_decodes(crashed):
     first, during = crashed["first"], crashed["during"]
     assert first["keep_running"] is True and first["link"] == 1 and first["base"] is None and first["every"] == CK_M
     assert set(during) == {"c"} and during["c"]["every"] == CK_M and during["c"]["links"] >= 3
     assert during["c"]["last_output_tokens"] >= first["output_tokens"] + 2 * CK_M
 
 
-def test_item5_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, resumed, work):
+def test_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, resumed, work):
     d = crashed["drained"]
     assert d["ok"] and {i["rid"] for i in d["items"]} == set(DEDUP), d
     dd = d["dedup"]
@@ -212,7 +207,7 @@ def test_item5_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, res
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
 
 
-def test_item3_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(resumed, work):
+def test_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(resumed, work):
     """A pause of a checkpointed request whose link is in the writer thread: the link is committed first (never
     after the request's slots are released), the final snapshot continues it, and no later link is written."""
     g = resumed["gated"]

@@ -25,11 +25,6 @@ ADMIN, USER = "admin-key-A", "user-key-U"
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("hsnap-confinement")
-
-
-@pytest.fixture(scope="module")
 def dirs(work):
     root, outside = work / "root", work / "outside"
     root.mkdir()

@@ -1,9 +1,9 @@
-"""``hsnap demo`` (issue 19 item 5): the command ``make demo`` runs, end to end, on two real SGLang servers.
+"""``hsnap demo``: the command ``make demo`` runs, end to end, on two real SGLang servers.
 
 One run of ``hsnap demo --json`` (its defaults: N=128, k=10) serves the report tests: every check of the report is
 read back from what the run left on disk too (the snapshot, the server pids).  Its servers run with SGLang's own
 strict checks on (a leaked slot or a broken radix tree kills the scheduler), so this one run is also the suite's
-proof of item 2's single-request path — export mid-decode beside other requests, the source server gone, a fresh
+proof of the single-request path — export mid-decode beside other requests, the source server gone, a fresh
 server with other capacities and another request running resumes it exactly, decode inputs only, the stream
 continuous, the negative clients (test_hsnap_server.py goes on from there: drain, checkpoints, busy refusals).
 A second run is interrupted with SIGINT (Ctrl-C) once its source server has started its child processes: the demo
@@ -44,20 +44,20 @@ def demo(tiny_model_dir, tmp_path_factory):
     return {"rc": proc.returncode, "report": report, "out": out, "stderr": proc.stderr}
 
 
-def test_item5_demo_succeeds_with_every_check(demo):
+def test_demo_succeeds_with_every_check(demo):
     r = demo["report"]
     assert demo["rc"] == 0 and r["ok"], ({k: v for k, v in r.get("checks", {}).items() if not v}, demo["stderr"][-3000:])
     assert all(r["checks"].values()) and len(r["checks"]) >= 14
 
 
-def test_item5_resumed_request_equals_the_uninterrupted_reference(demo):
+def test_resumed_request_equals_the_uninterrupted_reference(demo):
     res = demo["report"]["resume"]
     assert res["n"] == 128 and res["tokens_matching"] == 128
     assert res["max_abs_logprob_diff"] == 0.0
     assert res["finish_reason"]["type"] == "length"
 
 
-def test_item5_target_forwards_are_decode_only_counted_from_completed_forwards(demo):
+def test_target_forwards_are_decode_only_counted_from_completed_forwards(demo):
     r = demo["report"]
     k = r["export"]["output_tokens"]
     assert r["export"]["streamed_before_pause"] >= 10 and k >= 10  # exported at the next committed boundary after k
@@ -68,20 +68,20 @@ def test_item5_target_forwards_are_decode_only_counted_from_completed_forwards(d
     assert r["export"]["committed_positions"] == r["export"]["prompt_tokens"] + k - 1
 
 
-def test_item2_export_releases_the_slots_and_leaves_both_servers_consistent(demo):
+def test_export_releases_the_slots_and_leaves_both_servers_consistent(demo):
     # SGLang's own idle checks in both servers (pool accounting, request rows, the radix tree), strict in this run
     assert demo["report"]["checks"]["pools_consistent"] is True
     assert demo["report"]["checks"]["exported_at_committed_boundary"] is True
 
 
-def test_item2_resume_reports_what_it_checked_and_uploaded(demo):
+def test_resume_reports_what_it_checked_and_uploaded(demo):
     r = demo["report"]
     assert r["resume"]["bytes_uploaded"] > 0 and r["resume"]["numerics_differences"] == []
     assert r["checks"]["same_numerics"] is True and r["snapshot"]["snapshot_id"]
     assert r["snapshot"]["state_position"] == r["export"]["committed_positions"]
 
 
-def test_item5_stream_continues_without_repeated_or_missing_chunk(demo):
+def test_stream_continues_without_repeated_or_missing_chunk(demo):
     st = demo["report"]["stream"]
     assert st["continuous"] and st["client_chunks_are_the_new_parts"]
     assert st["repeated"] == {"text_chars": 0, "output_ids": 0} and st["missing"] == {"text_chars": 0, "output_ids": 0}
@@ -89,13 +89,13 @@ def test_item5_stream_continues_without_repeated_or_missing_chunk(demo):
     assert st["chunks_before_pause"] >= 1 and st["chunks_after_resume"] >= 1 and st["common_boundaries"] >= 64
 
 
-def test_item5_source_pauses_x_while_the_others_decode_beside_it(demo):
+def test_source_pauses_x_while_the_others_decode_beside_it(demo):
     # SGLang caps the running requests by the Mamba slots (3 per request here): the source has room for all three
     assert {"x", "other-1", "other-2"} <= set(demo["report"]["export"]["running_beside_x"])
     assert demo["report"]["checks"]["others_decoding_beside_x"] is True
 
 
-def test_item5_source_exits_before_a_fresh_target_with_other_capacities(demo):
+def test_source_exits_before_a_fresh_target_with_other_capacities(demo):
     src, dst = demo["report"]["servers"]
     assert (src["role"], dst["role"]) == ("source", "target") and src["pid"] != dst["pid"]
     assert src["exit_code"] is not None and src["processes_left"] == [] and src["killed"] == []
@@ -112,14 +112,14 @@ def test_item5_source_exits_before_a_fresh_target_with_other_capacities(demo):
 @pytest.mark.parametrize("case,expected", [("version", "UnsupportedVersionError"), ("layout", "IncompatibleSnapshotError"),
                                            ("binding", "IncompatibleSnapshotError"), ("manifest", "MalformedManifestError"),
                                            ("digest", "DigestMismatchError")])
-def test_item5_negative_client_http_error_before_output_state_unchanged(demo, case, expected):
+def test_negative_client_http_error_before_output_state_unchanged(demo, case, expected):
     n = next(n for n in demo["report"]["negative"] if n["case"] == case)
     assert n["error"] == expected and 400 <= n["status"] < 500
     assert n["outputs"] == 0 and n["state_unchanged"] and n["ok"]
     assert os.path.exists(n["path"])  # kept, for a look with hsnap info / hsnap-view
 
 
-def test_item5_snapshot_and_every_output_stay_in_the_new_directory(demo):
+def test_snapshot_and_every_output_stay_in_the_new_directory(demo):
     import hsnap_format as hf
 
     r, out = demo["report"], demo["out"]
@@ -133,7 +133,7 @@ def test_item5_snapshot_and_every_output_stay_in_the_new_directory(demo):
     assert any(cmd.startswith("hsnap-view ") and cmd.endswith("x.hsnap") for cmd in r["open_with"])
 
 
-def test_item5_demo_refuses_an_existing_output_directory(tmp_path):
+def test_demo_refuses_an_existing_output_directory(tmp_path):
     keep = tmp_path / "mine"
     keep.mkdir()
     (keep / "notes.txt").write_text("mine")
@@ -142,7 +142,7 @@ def test_item5_demo_refuses_an_existing_output_directory(tmp_path):
     assert os.listdir(keep) == ["notes.txt"] and (keep / "notes.txt").read_text() == "mine"
 
 
-def test_item5_ctrl_c_stops_every_server_process(tiny_model_dir, tmp_path):
+def test_ctrl_c_stops_every_server_process(tiny_model_dir, tmp_path):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen(_demo_cmd("--out", str(out), "--model-dir", str(tiny_model_dir)), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

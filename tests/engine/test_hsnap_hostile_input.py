@@ -3,22 +3,18 @@ snapshot root, SGLang's strict checks) is sent what an attacker would send: NUL 
 JSON, oversized strings, wrong types, NaN/Infinity over every ``/hsnap`` route; hostile ``refused.json`` /
 ``abandoned.json`` in migration containers; more follows than the server takes.  After each: ``/health`` answers,
 every answer is a typed JSON error (never a bare 500 or a traceback), and a bystander stream keeps decoding.  Then a
-short run of the HTTP fuzz target (tests/mutate_http.py) against the same server."""
+short run of the HTTP fuzz target (mutation/http_routes.py) against the same server."""
 
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from hsnap_support import Stream, generate, payload, prompt
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mutate_http as mh  # noqa: E402  (tests/mutate_http.py: the fuzz target, its fixture and checks)
+from mutation import http_routes as mh  # the fuzz target, its fixture and checks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -150,7 +146,7 @@ def test_stats_with_a_hostile_rid_is_a_typed_400(server, bystander):
 def test_error_answers_echo_a_capped_part_of_a_huge_value(server, bystander):
     rid = "r" * 500  # within the rid cap: an unknown request, named in the answer
     status, out = post(server, "export", _raw({"rid": rid, "path": "fz/capped.hsnap"}))
-    err = assert_typed_refusal(status, out, statuses=(404,))
+    assert_typed_refusal(status, out, statuses=(404,))
     assert rid not in out.decode() and "500 chars" in out.decode()
     status, out = post(server, "export", _raw({"rid": "q" * 900_000, "path": "fz/capped.hsnap"}))
     assert_typed_refusal(status, out)

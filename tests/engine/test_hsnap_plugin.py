@@ -1,4 +1,4 @@
-"""The hsnap plug-in's registration (issue 19 item 1) and its clients, without a server.
+"""The hsnap plug-in's registration and its clients, without a server.
 
 * off (no ``HSNAP_SGLANG_PLUGIN=1``): SGLang's own ``load_plugins()`` runs the entry point and nothing happens: no
   hook registered or applied, the scheduler's and tokenizer manager's methods are SGLang's, no message type is added
@@ -89,14 +89,14 @@ def _state(probes, name: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_item1_plugin_off_has_no_effect(probes):
+def test_plugin_off_has_no_effect(probes):
     state = _state(probes, "off")
     assert state["hsnap_hooks"] == [] and state["modules"] == []  # the entry point returned before importing anything
     assert state["wrapped"] == {"Scheduler": False, "TokenizerManager": False} and state["ingest_wrapped"] is False
     assert state["ipc_types"] == [] and state["routes"] == []
 
 
-def test_item1_plugin_on_registers_through_sglangs_hook_registry(probes):
+def test_plugin_on_registers_through_sglangs_hook_registry(probes):
     from hsnap_sglang.plugin import HOOKS
 
     state = _state(probes, "on")
@@ -124,7 +124,7 @@ class _Refusing(BaseHTTPRequestHandler):
         pass
 
 
-def test_item3_client_raises_the_servers_typed_reason():
+def test_client_raises_the_servers_typed_reason():
     from hsnap_format import HsnapError
     from hsnap_sglang import client
 
@@ -144,7 +144,7 @@ def test_item3_client_raises_the_servers_typed_reason():
         httpd.shutdown()
 
 
-def test_item3_cli_clients_import_neither_torch_nor_sglang():
+def test_cli_clients_import_neither_torch_nor_sglang():
     code = ("import sys, hsnap_format.tools.cli as c\nc.main(['pause', 'http://127.0.0.1:9', 'r', '-o', '/tmp/x'])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""hsnap_sglang.req on a request as SGLang's server leaves it (issue 19 item 2), with SGLang's own pools on CPU.
+"""hsnap_sglang.req on a request as SGLang's server leaves it, with SGLang's own pools on CPU.
 
 SGLang's output streamer sets ``Req.send_decode_id_offset`` to ``len(surr_and_decode_ids)`` — the prompt tail used
 as the detokenizer's context (up to 5 tokens) plus the output sent — so on every streamed request it exceeds the
@@ -17,8 +17,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import io_cases  # noqa: E402
-import sglang_pools as sp  # noqa: E402
-import sglang_reqs as sr  # noqa: E402
+from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_format import MalformedHeaderError  # noqa: E402
@@ -38,7 +38,7 @@ def _served_req(seed: int = 3):
     return ps, req
 
 
-def test_item2_resume_req_accepts_the_detokenizer_offset_sglang_streams_with(tmp_path):
+def test_resume_req_accepts_the_detokenizer_offset_sglang_streams_with(tmp_path):
     from hsnap_sglang.req import resume_req, snapshot_req
 
     ps, req = _served_req()
@@ -52,8 +52,9 @@ def test_item2_resume_req_accepts_the_detokenizer_offset_sglang_streams_with(tmp
     assert list(back.surr_and_decode_ids) == list(req.surr_and_decode_ids)
 
 
-def test_item2_detokenizer_offset_past_its_ids_is_refused_by_name(tmp_path):
-    from hsnap_sglang.req import decode_carried, snapshot_req
+def test_detokenizer_offset_past_its_ids_is_refused_by_name(tmp_path):
+    from hsnap_sglang.req import snapshot_req
+    from hsnap_sglang.req.record import decode_carried
 
     ps, req = _served_req(5)
     path = str(tmp_path / "served.hsnap")
@@ -69,7 +70,7 @@ def test_item2_detokenizer_offset_past_its_ids_is_refused_by_name(tmp_path):
     assert e.value.field == "request.extra.sglang.Req.send_decode_id_offset" and e.value.found == bound + 1
 
 
-def test_item2_resume_req_refuses_a_record_of_another_request_before_allocating(tmp_path):
+def test_resume_req_refuses_a_record_of_another_request_before_allocating(tmp_path):
     from hsnap_format import IncompatibleSnapshotError
     from hsnap_sglang.req import resume_req, snapshot_req
 
@@ -88,7 +89,7 @@ def test_item2_resume_req_refuses_a_record_of_another_request_before_allocating(
                       target.req_to_token_pool.mamba_allocator.available_size())
 
 
-def test_item6_resume_req_commit_failure_gives_every_allocation_back(tmp_path):
+def test_resume_req_commit_failure_gives_every_allocation_back(tmp_path):
     """The TP agreement's hook: a ``commit`` that raises (another rank refused) leaves the pools as they were."""
     from hsnap_sglang.req import resume_req, snapshot_req
 

@@ -62,11 +62,6 @@ class BlackHole:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("hsnap-resume-semantics")
-
-
-@pytest.fixture(scope="module")
 def hole():
     h = BlackHole()
     yield h

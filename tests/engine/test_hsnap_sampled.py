@@ -1,4 +1,4 @@
-"""Sampled requests through the server path (issue 19 item 7): a request sampled with temperature 0.8, top_p 0.9
+"""Sampled requests through the server path: a request sampled with temperature 0.8, top_p 0.9
 and a ``sampling_seed``, exported mid-decode from one server and resumed in a fresh one, continues exactly as an
 uninterrupted run with the same seed — token ids and logprobs bit-identical — with other requests running in both.
 
@@ -17,7 +17,7 @@ Three servers, one after the other (two alive at most), bfloat16, the plug-in on
 3. S0 (the flag off): ``x``'s snapshot resumed there is reported as a numerics difference (the flag is part of the
    server's advisory identity, hsnap_sglang/identity.py: there the seed would not be honoured); the greedy request
    gives the same tokens and logprobs as in S1 — the flag does not change the greedy path — and ``x`` run twice (at
-   once) does not repeat (without the flag the seed is not honoured: why item 7 needs it).
+   once) does not repeat (without the flag the seed is not honoured: why the resume needs it).
 """
 
 from __future__ import annotations
@@ -66,11 +66,6 @@ def _together(url: str, bodies: list[dict]) -> list[Stream]:
 def _refs(url: str, rids) -> dict[str, tuple[list[int], list[float]]]:
     bodies = [payload(f"{rid}-ref", OTHERS[rid][0], OTHERS[rid][1], **OTHERS[rid][2]) for rid in rids]
     return {rid: tokens(st.final) for rid, st in zip(rids, _together(url, bodies))}
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("hsnap-sampled")
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +126,7 @@ def target(servers, work, source):
 
 
 def _numerics_differences(run: client.ResumeRun) -> dict[str, tuple[str, str]]:
-    """field -> (this server's value, the snapshot's), as reprs (hsnap_io.restore.check_compatible's order)."""
+    """field -> (this server's value, the snapshot's), as reprs (hsnap_io.checks.check_compatible's order)."""
     return {field: (here, snapshot) for field, here, snapshot in run.info["result"]["numerics_differences"]}
 
 
@@ -149,7 +144,7 @@ def plain(servers, work, target):
         s0.stop()
 
 
-def test_item7_sampled_request_resumed_in_a_fresh_server_equals_an_uninterrupted_run(source, target):
+def test_sampled_request_resumed_in_a_fresh_server_equals_an_uninterrupted_run(source, target):
     ref_ids, ref_lps = tokens(target["ref"].final)
     ids, lps = tokens(target["run"].final)
     assert len(ref_ids) == N
@@ -165,13 +160,13 @@ def test_item7_sampled_request_resumed_in_a_fresh_server_equals_an_uninterrupted
     assert_continues(source["x"].events, target["run"].events, target["ref"].events, (had["text_chars"], k))
 
 
-def test_item7_another_seed_gives_other_tokens(target):
+def test_another_seed_gives_other_tokens(target):
     control_ids, _ = target["control"]
     ref_ids, _ = tokens(target["ref"].final)
     assert len(control_ids) == N and control_ids != ref_ids
 
 
-def test_item7_other_requests_in_both_servers_unaffected(source, target):
+def test_other_requests_in_both_servers_unaffected(source, target):
     # sampled and greedy, batched with x (and with its export / resume), equal to their runs alone in S2
     for rid, stream in {**source["others"], "s2": target["s2_other"]}.items():
         assert tokens(stream.final) == target["refs"][rid], rid
@@ -179,16 +174,16 @@ def test_item7_other_requests_in_both_servers_unaffected(source, target):
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
 
 
-def test_item7_resume_without_deterministic_inference_reports_a_numerics_difference(plain):
+def test_resume_without_deterministic_inference_reports_a_numerics_difference(plain):
     # the resume is allowed (advisory, like a dtype or thread count), but its report says exactness is not expected
     assert _numerics_differences(plain["resumed"]) == {"identity.numerics.deterministic_inference": ("False", "True")}
 
 
-def test_item7_deterministic_inference_leaves_the_greedy_path_unchanged(source, plain):
+def test_deterministic_inference_leaves_the_greedy_path_unchanged(source, plain):
     assert tokens(source["others"]["g1"].final) == plain["g1"]
 
 
-def test_item7_without_deterministic_inference_the_seed_is_not_honoured(plain):
+def test_without_deterministic_inference_the_seed_is_not_honoured(plain):
     # why the flag is needed: SGLang 0.5.23 then samples from the process's global generator
     (a, _), (b, _) = plain["x"]
     assert len(a) == len(b) == N and a != b

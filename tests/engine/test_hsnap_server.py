@@ -1,4 +1,4 @@
-"""hsnap inside SGLang's real server (issue 19 items 2 and 8): drain, checkpoints, refusals, and the server as it
+"""hsnap inside SGLang's real server: drain, checkpoints, refusals, and the server as it
 runs in production (radix cache, overlap scheduler, chunked prefill, an object store).
 
 The single-request path (export mid-decode beside other requests, the source server gone, a fresh server with other
@@ -9,10 +9,10 @@ hsnap_sglang.serve`` with the plug-in on; bfloat16, chunked prefill, SGLang's st
 sanity check on), all started at once, each serving several proofs:
 
 * S2 (radix cache on): a request sharing the tree's prefix pages with another is exported while the other decodes
-  on (item 8); a checkpoint (keep_running) of a request is resumed in S3 while S2 continues it; then S2 drains 3
+  on; a checkpoint (keep_running) of a request is resumed in S3 while S2 continues it; then S2 drains 3
   requests into a directory and stops (process gone);
 * O (the overlap scheduler on, radix cache off: the one combination SGLang's CPU platform runs): a request live-migrated
-  to S3 while another decodes beside it (issue 20 item 4: pre-copy rounds, then the tail), a migration no target
+  to S3 while another decodes beside it (pre-copy rounds, then the tail), a migration no target
   follows (given up: the request decodes on), a follow nobody feeds (refused, S3 unchanged); a request exported
   while its last forward is in flight (at a boundary no batch in flight has passed); a checkpoint into an object
   store (s3://, a real SeaweedFS); O stops;
@@ -73,11 +73,6 @@ def _ref(url, rid, ids, n):
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    return tmp_path_factory.mktemp("hsnap-server")
-
-
-@pytest.fixture(scope="module")
 def store(work):
     """A real SeaweedFS on loopback (tests/seaweed.py): the overlap server's checkpoint goes through s3://."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -112,7 +107,7 @@ def servers(tiny_model_dir, work, store):
         s.stop()
 
 
-# ----------------------------------------------------------------------------- item 8: radix cache (S2 -> S3)
+# ----------------------------------------------------------------------------- radix cache (S2 -> S3)
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +139,7 @@ def radix(servers, work):
             "dst_idle": dst_idle}
 
 
-def test_item8_radix_shared_prefix_export_keeps_the_tree_and_the_other_request(radix):
+def test_radix_shared_prefix_export_keeps_the_tree_and_the_other_request(radix):
     assert radix["a"].final["meta_info"]["cached_tokens"] >= 512  # A really shared the tree's prefix pages
     assert radix["b"].final["meta_info"]["cached_tokens"] >= 512
     assert radix["a"].final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
@@ -153,14 +148,14 @@ def test_item8_radix_shared_prefix_export_keeps_the_tree_and_the_other_request(r
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True and checks["tree_sanity"] == "ok", checks
 
 
-def test_item8_radix_exported_request_resumes_exactly(radix):
+def test_radix_exported_request_resumes_exactly(radix):
     assert tokens(radix["run"].final) == tokens(radix["a_ref"].final)
     assert radix["forwards"] == {"decode": RADIX_N - radix["out"]["output_tokens"], "extend": 0}
     checks = radix["dst_idle"]["checks"]
     assert checks["pool_leak"] is False and checks["tree_sanity"] == "ok", checks
 
 
-# ----------------------------------------------------------------------------- issue 20 item 4: live migration (O -> S3)
+# ----------------------------------------------------------------------------- live migration (O -> S3)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +249,7 @@ def _migrated(migrated) -> dict:
     return migrated
 
 
-def test_item4_live_migration_between_two_servers_continues_exactly(migrated):
+def test_live_migration_between_two_servers_continues_exactly(migrated):
     """Tokens and logprobs of the migrated request equal its uninterrupted run, bit for bit; the request beside it
     in the source is unaffected; on the target it only decoded (no forward recomputed its history)."""
     mg = _migrated(migrated)
@@ -268,7 +263,7 @@ def test_item4_live_migration_between_two_servers_continues_exactly(migrated):
     assert run.final["meta_info"]["finish_reason"]["type"] == "length"
 
 
-def test_item4_live_migration_precopies_while_decoding_and_stops_for_the_tail(migrated):
+def test_live_migration_precopies_while_decoding_and_stops_for_the_tail(migrated):
     """The source wrote link-0000 (the plain snapshot) and deltas while the request decoded, each after the target had
     applied the one before (.applied markers), and stopped it only for the rows decoded since the last round (at
     most ``tail``, unless the round budget ran out); the target applied every link in order."""
@@ -294,7 +289,7 @@ def test_item4_live_migration_precopies_while_decoding_and_stops_for_the_tail(mi
     assert sum(a["rows"] for a in applied) == src["committed_positions"]
 
 
-def test_item4_live_migration_through_an_object_store(migrated):
+def test_live_migration_through_an_object_store(migrated):
     mg = _migrated(migrated)
     mig = mg["mig_s3"]
     assert tokens(mig.run.final) == mg["refs"]["mg-s3"]
@@ -303,7 +298,7 @@ def test_item4_live_migration_through_an_object_store(migrated):
         mig.source["committed_positions"]]
 
 
-def test_item4_live_migration_stream_continues_without_repeated_or_missing_text(migrated):
+def test_live_migration_stream_continues_without_repeated_or_missing_text(migrated):
     mg = _migrated(migrated)
     run = mg["mig"].run
     had = run.info["client_had"]
@@ -312,7 +307,7 @@ def test_item4_live_migration_stream_continues_without_repeated_or_missing_text(
     assert mg["mig"].downtime_s is not None and mg["mig"].downtime_s > 0
 
 
-def test_item4_live_migration_leaves_both_servers_consistent(migrated):
+def test_live_migration_leaves_both_servers_consistent(migrated):
     """SGLang's own pool accounting agrees on both sides: the source released exactly the request's slots; the
     target held the applied links as session-held until admission, then as a running request, then freed them."""
     mg = _migrated(migrated)
@@ -321,7 +316,7 @@ def test_item4_live_migration_leaves_both_servers_consistent(migrated):
     assert mg["dst_idle"]["requests"]["running"] == [] and mg["dst_idle"]["follows"] == [] and mg["dst_idle"]["arrived"] == []
 
 
-def test_item4_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrated):
+def test_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrated):
     mg = _migrated(migrated)
     e = mg.get("unfed")
     assert e is not None and e.error_type == "MigrationError" and e.status == 504, e
@@ -330,7 +325,7 @@ def test_item4_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrat
     assert before == after
 
 
-def test_item4_migration_the_source_refuses_ends_the_follow_at_once(migrated):
+def test_migration_the_source_refuses_ends_the_follow_at_once(migrated):
     mg = _migrated(migrated)
     e, pools = mg["refused"]
     assert e.error_type == "UnknownRequestError" and e.status == 404
@@ -340,7 +335,7 @@ def test_item4_migration_the_source_refuses_ends_the_follow_at_once(migrated):
     assert pools == mg["unfed_pools"][1]
 
 
-def test_item4_migration_the_target_refuses_ends_the_source_at_once(migrated):
+def test_migration_the_target_refuses_ends_the_source_at_once(migrated):
     """The target refuses the first link (it was told to expect another request): no slot taken, refused.json says
     why; the source stops pre-copying on that (its reason names the target's refusal, not its own timeout) and the
     request decodes on there (compared with its reference below)."""
@@ -352,7 +347,7 @@ def test_item4_migration_the_target_refuses_ends_the_source_at_once(migrated):
     assert mg["wrong_pools"] == mg["unfed_pools"][1]
 
 
-def test_item4_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
+def test_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
     mg = _migrated(migrated)
     e = mg.get("lone_error")
     assert e is not None and e.error_type == "MigrationError" and e.status == 504, e
@@ -363,7 +358,7 @@ def test_item4_migration_no_target_follows_is_given_up_and_the_request_decodes_o
     assert "applied within" in mg["lone_abandoned"]["reason"] and mg["lone_abandoned"]["links"] == 1
 
 
-# ----------------------------------------------------------------------------- item 8: overlap scheduler (O -> S3)
+# ----------------------------------------------------------------------------- overlap scheduler (O -> S3)
 
 
 @pytest.fixture(scope="module")
@@ -398,7 +393,7 @@ def overlap(servers, work, store, migrated):
             "ck_run": ck_run, "src_idle": src_idle}
 
 
-def test_item8_overlap_scheduler_export_waits_for_the_batch_in_flight(overlap):
+def test_overlap_scheduler_export_waits_for_the_batch_in_flight(overlap):
     out = overlap["out"]
     assert out["committed_positions"] == len(OV_X) + out["output_tokens"] - 1  # a committed boundary: nothing in flight
     assert overlap["x"].final["meta_info"]["completion_tokens"] == out["output_tokens"]
@@ -408,16 +403,16 @@ def test_item8_overlap_scheduler_export_waits_for_the_batch_in_flight(overlap):
     assert overlap["src_idle"]["checks"]["pool_leak"] is False
 
 
-def test_item8_overlap_scheduler_checkpoint_keeps_the_request_decoding(overlap, store):
+def test_overlap_scheduler_checkpoint_keeps_the_request_decoding(overlap, store):
     assert overlap["ck"]["keep_running"] is True and overlap["ck"]["path"] == f"s3://{store['bucket']}/ck-overlap.hsnap"
     assert overlap["ck_stream"].final["meta_info"]["finish_reason"]["type"] == "length"
     assert tokens(overlap["ck_stream"].final) == overlap["refs"]["ck"]  # parked for a step, given back, unchanged
     assert tokens(overlap["ck_run"].final) == overlap["refs"]["ck"]
 
 
-def test_item3_checkpoints_into_an_object_store_prefix_resume_from_the_newest_link(overlap, store):
-    """Periodic checkpoints into an s3:// prefix; resuming the prefix takes the newest committed link (issue 20 item 3
-    across hosts): the request continues from there to exactly its uninterrupted end."""
+def test_checkpoints_into_an_object_store_prefix_resume_from_the_newest_link(overlap, store):
+    """Periodic checkpoints into an s3:// prefix; resuming the prefix takes the newest committed link (across
+    hosts): the request continues from there to exactly its uninterrupted end."""
     first, run = overlap["cks"], overlap["ck_dir_run"]
     assert first["path"].startswith(f"s3://{store['bucket']}/ck-dir/") and first["link"] == 1
     assert isinstance(run.info, list) and len(run.info) == 1  # a prefix: one entry per request found there
@@ -427,7 +422,7 @@ def test_item3_checkpoints_into_an_object_store_prefix_resume_from_the_newest_li
     assert tokens(run.final) == overlap["refs"]["ck"]
 
 
-# ----------------------------------------------------------------------------- item 2: checkpoint and drain (S2 -> S3)
+# ----------------------------------------------------------------------------- checkpoint and drain (S2 -> S3)
 
 
 @pytest.fixture(scope="module")
@@ -474,7 +469,7 @@ def drained(servers, work, radix):
             "ck": ck, "ck_run": ck_run, "ck_stream": ck_stream, "ck_forwards": ck_forwards, "ck_ref": ck_ref}
 
 
-def test_item2_drain_exports_every_request(drained, work):
+def test_drain_exports_every_request(drained, work):
     out = drained["out"]
     assert out["ok"] is True and sorted(i["rid"] for i in out["items"]) == sorted(DRAINED)
     for s, item in zip(drained["streams"], sorted(out["items"], key=lambda i: list(DRAINED).index(i["rid"]))):
@@ -483,7 +478,7 @@ def test_item2_drain_exports_every_request(drained, work):
     assert drained["code"] is not None and drained["alive"] == []  # the drained server stopped, no process left
 
 
-def test_item2_drained_requests_resume_exactly_in_a_fresh_server(drained):
+def test_drained_requests_resume_exactly_in_a_fresh_server(drained):
     assert sorted(drained["run"].finals) == sorted(DRAINED)
     for rid, (ids, n) in DRAINED.items():
         ref = drained["refs"][rid]
@@ -584,7 +579,7 @@ def _state(s: dict) -> dict:
 
 
 @pytest.mark.parametrize("case", list(NEGATIVE))
-def test_item2_negative_client_refused_before_any_output_without_side_effect(refusals, case):
+def test_negative_client_refused_before_any_output_without_side_effect(refusals, case):
     for e in (refusals["results"][case], refusals["busy"][case]):
         assert isinstance(e, client.ServerError), f"{case}: resumed"
         assert e.error_type == NEGATIVE[case] and 400 <= e.status < 500, e
@@ -599,18 +594,18 @@ def test_item2_negative_client_refused_before_any_output_without_side_effect(ref
         assert [d[0] for d in e.error["differences"]] == ["geometry.mamba.temporal_shape"]
 
 
-def test_item2_negative_clients_leave_other_requests_unaffected(refusals):
+def test_negative_clients_leave_other_requests_unaffected(refusals):
     assert tokens(refusals["o5"].final) == refusals["o5_ref"]
 
 
-def test_item2_unknown_rid_is_refused_by_name(drained, work):
+def test_unknown_rid_is_refused_by_name(drained, work):
     with pytest.raises(client.ServerError) as e:
         client.pause(drained["server"].url, "no-such-request", str(work / "never-written.hsnap"))
     assert e.value.error_type == "UnknownRequestError" and e.value.status == 404 and e.value.found == "no-such-request"
     assert not os.path.exists(work / "never-written.hsnap")
 
 
-def test_item2_existing_target_path_is_refused_before_waiting(drained, work):
+def test_existing_target_path_is_refused_before_waiting(drained, work):
     s3 = drained["server"]
     st = Stream(s3.url, payload("busy", prompt(21, 20), 30))
     st.start()
@@ -622,7 +617,7 @@ def test_item2_existing_target_path_is_refused_before_waiting(drained, work):
     assert st.final["meta_info"]["finish_reason"]["type"] == "length"  # the request went on
 
 
-def test_item8_request_still_prefilling_is_exported_at_its_first_decode_boundary(drained, work):
+def test_request_still_prefilling_is_exported_at_its_first_decode_boundary(drained, work):
     s3 = drained["server"]
     long_prompt = prompt(31, 3000)  # 24 chunks of 128 tokens
     st = Stream(s3.url, payload("long", long_prompt, 12))
@@ -641,7 +636,7 @@ def test_item8_request_still_prefilling_is_exported_at_its_first_decode_boundary
     assert tokens(run.final) == _ref(s3.url, "long", long_prompt, 12)
 
 
-def test_item2_checkpoint_resumed_elsewhere_while_the_source_continues(drained):
+def test_checkpoint_resumed_elsewhere_while_the_source_continues(drained):
     # S2 took the checkpoint and went on; S3 (another process, started while S2 ran) resumed it
     st, run = drained["ck_stream"], drained["ck_run"]
     assert drained["ck"]["keep_running"] is True

@@ -1,9 +1,9 @@
-"""hsnap inside a TP 2 server on CPU (issue 19 item 6): every rank writes its rank file of one snapshot set (hsnap_io.tp's
+"""hsnap inside a TP 2 server on CPU: every rank writes its rank file of one snapshot set (hsnap_io.tp's
 protocol over the scheduler's TP CPU group, manifest last); a fresh TP 2 server resumes the set, each rank its own
 file, exactly; a set one rank cannot restore (its file corrupted) is refused on every rank — the other rank gives
 back what it had allocated (the agreement runs inside the restore's rollback) — with the failing rank's reason.
 
-The source server also shows TP 2 itself on CPU (item 6; it was tests/engine/test_tp2.py, with a server of its own):
+The source server also shows TP 2 itself on CPU (it was tests/engine/test_tp2.py, with a server of its own):
 ``python -m hsnap_sglang.serve --tp 2`` runs two scheduler ranks (gloo all-reduce; one core range per rank through
 SGLANG_CPU_OMP_THREADS_BIND, which the wrapper sets) and serves greedy requests deterministically, within bfloat16
 rounding of transformers' float32 model (tolerance: see test_engine.py; the TP-sharded reductions add their own
@@ -103,15 +103,15 @@ def tp2(tiny_model_dir, tmp_path_factory):
             "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow}
 
 
-def test_item4_tp2_server_refuses_live_migration_by_name(tp2):
-    """Live migration in the server is TP 1 (issue 20 item 4; the library migrates across TP sizes): a TP 2 server
+def test_tp2_server_refuses_live_migration_by_name(tp2):
+    """Live migration in the server is TP 1 (the library migrates across TP sizes): a TP 2 server
     refuses both sides at once, by name, before touching the request or the pools."""
     for e in (tp2["tp_migrate"], tp2["tp_follow"]):
         assert e is not None and e.status == 400 and "a TP 1 server" in str(e.expected) and e.found == "TP 2", e
     assert tokens(tp2["run"].final) == tp2["refs"]["x"]  # x, asked to migrate first, paused and resumed exactly
 
 
-def test_item6_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_model_dir):
+def test_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_model_dir):
     import torch
 
     print(f"\nlaunch_server --tp 2: launch -> ready {tp2['src_ready_s']:.1f} s")
@@ -124,7 +124,7 @@ def test_item6_tp2_serves_greedy_deterministically_close_to_transformers(tp2, ti
     assert tp2["src_code"] is not None and tp2["src_alive"] == []
 
 
-def test_item6_tp2_export_writes_every_rank_and_the_manifest(tp2):
+def test_tp2_export_writes_every_rank_and_the_manifest(tp2):
     import hsnap_format as hf
 
     out = tp2["out"]
@@ -138,14 +138,14 @@ def test_item6_tp2_export_writes_every_rank_and_the_manifest(tp2):
     assert tp2["x"].final["meta_info"]["finish_reason"]["path"] == str(tp2["work"] / "x-set")
 
 
-def test_item6_tp2_resume_is_exact_with_decode_inputs_only(tp2):
+def test_tp2_resume_is_exact_with_decode_inputs_only(tp2):
     assert tokens(tp2["run"].final) == tp2["refs"]["x"]
     assert tp2["forwards"] == {"decode": N - tp2["out"]["output_tokens"], "extend": 0}
     assert tokens(tp2["other"].final) == tp2["refs"]["other"] and tokens(tp2["o"].final) == tp2["refs"]["o"]
     assert tp2["idle"]["checks"]["pool_leak"] is False
 
 
-def test_item6_tp2_one_rank_refusing_refuses_on_every_rank_without_side_effect(tp2):
+def test_tp2_one_rank_refusing_refuses_on_every_rank_without_side_effect(tp2):
     e = tp2["refused"]
     assert isinstance(e, client.ServerError), "the corrupted set was resumed"
     assert e.error_type == "DigestMismatchError" and e.error.get("tp_rank") == 1, e.error

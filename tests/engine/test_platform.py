@@ -75,7 +75,7 @@ print(json.dumps({"hooks": sorted(HookRegistry._hooks)}))
     assert set(_run(code, opt_in=True)["hooks"]) == set(triton_free.REPLACEMENTS) | set(deterministic.REPLACEMENTS)
 
 
-def test_item4_unsupported_sgl_kernel_names_raise_an_error_naming_themselves():
+def test_unsupported_sgl_kernel_names_raise_an_error_naming_themselves():
     code = """
 import json, torch
 import sgl_kernel
@@ -147,7 +147,7 @@ def test_torchvision_placeholder_imports_for_sglang_and_names_itself_when_called
 import json, torch
 import torchvision.transforms as T
 from torchvision.transforms.functional import InterpolationMode
-from hsnap_sglang.cpu.torchvision_compat import TorchvisionUnavailable
+from hsnap_io.sglang_env import TorchvisionUnavailable
 try:
     T.Resize((4, 4), interpolation=InterpolationMode.BICUBIC)
     msg = None
@@ -164,8 +164,8 @@ def test_cuda_torchvision_beside_cpu_torch_gets_schemas_whose_kernels_name_thems
     (tmp_path / "_C.so").write_bytes(b"not a loadable library")  # what a CUDA build is to a CPU torch
     code = f"""
 import json, torch
-from hsnap_sglang.cpu.torchvision_compat import TorchvisionUnavailable, prepare
-defined = prepare({str(tmp_path)!r})
+from hsnap_io.sglang_env import TorchvisionUnavailable, prepare_torchvision
+defined = prepare_torchvision({str(tmp_path)!r})
 torch.library.register_fake("torchvision::nms")(lambda dets, scores, iou_threshold: dets.new_empty(0, dtype=torch.long))
 try:
     torch.ops.torchvision.nms(torch.zeros(1, 4), torch.zeros(1), 0.5)
@@ -187,7 +187,7 @@ gpu_torch = types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8", hip
 cpu_build = types.SimpleNamespace(version=types.SimpleNamespace(cuda=None, hip=None), cuda=None)
 detected = [cpu._cuda_device_present(gpu_torch), cpu._cuda_device_present(cpu_build)]
 cpu._cuda_device_present = lambda torch: True  # this machine, seen as a GPU machine
-installed = cpu._install()
+installed = cpu.install()
 try:
     cpu.activate()
     refused = False

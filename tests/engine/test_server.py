@@ -44,7 +44,7 @@ def _tokens(out):
     return [p[1] for p in out["meta_info"]["output_token_logprobs"]], [p[0] for p in out["meta_info"]["output_token_logprobs"]]
 
 
-def test_item4_server_logits_match_transformers_prefill_and_decode(server, tiny_model_dir):
+def test_server_logits_match_transformers_prefill_and_decode(server, tiny_model_dir):
     import torch
 
     out = _generate(server, PROMPT_IDS, top_logprobs_num=512, logprob_start_len=0)
@@ -63,7 +63,7 @@ def test_item4_server_logits_match_transformers_prefill_and_decode(server, tiny_
     assert ids == decode.argmax(-1).tolist()  # greedy picks the same tokens
 
 
-def test_item4_server_greedy_is_deterministic(server):
+def test_server_greedy_is_deterministic(server):
     alone = _tokens(_generate(server, PROMPT_IDS))
     assert _tokens(_generate(server, PROMPT_IDS)) == alone
     results = {}

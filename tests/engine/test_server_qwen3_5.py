@@ -42,7 +42,7 @@ def served(request, servers):
     return request.param, model_dir, srv
 
 
-def test_item4_qwen3_5_server_logits_match_transformers_prefill_and_decode(served):
+def test_qwen3_5_server_logits_match_transformers_prefill_and_decode(served):
     import torch
 
     arch, model_dir, server = served

@@ -63,10 +63,12 @@ except ImportError:  # replaying regressions needs no atheris
 if atheris is not None and __name__ == "__main__":
     with atheris.instrument_imports(include=["hsnap_format"]):
         import hsnap_format  # noqa: F401
-        from hsnap_format import canonical, manifest, reader, viewmodel
+        from hsnap_format import canonical, manifest, reader
+        from hsnap_format.tools import viewmodel
 else:
     import hsnap_format  # noqa: F401
-    from hsnap_format import canonical, manifest, reader, viewmodel
+    from hsnap_format import canonical, manifest, reader
+    from hsnap_format.tools import viewmodel
 
 import xxhash  # noqa: E402
 

@@ -270,8 +270,8 @@ async def test_golden_vectors_open_verify_and_match_their_description(vector):
             assert "INCOMPATIBLE" not in plain(app.screen.query_one("#compat-verdict", Static))
 
 
-async def test_item2_verify_again_after_an_in_place_change_shows_the_mismatch(in_fixtures, tmp_path):
-    """issue 10 item 2: the viewer's "Verify digests" re-reads the bytes every time
+async def test_verify_again_after_an_in_place_change_shows_the_mismatch(in_fixtures, tmp_path):
+    """The viewer's "Verify digests" re-reads the bytes every time
     (it showed all ok on a handle that had verified the file before it changed)."""
     import shutil
 
@@ -293,8 +293,8 @@ async def test_item2_verify_again_after_an_in_place_change_shows_the_mismatch(in
         assert panel.mismatches == ["0:attn.0.k"]
 
 
-def test_item5_a_non_string_optional_feature_is_refused_not_a_crash_with_exit_0(tmp_path, capsys):
-    """issue 10 item 5: the viewer crashed at start with a TypeError and still exited 0."""
+def test_a_non_string_optional_feature_is_refused_not_a_crash_with_exit_0(tmp_path, capsys):
+    """Once, the viewer crashed at start with a TypeError and still exited 0."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))

@@ -1,4 +1,4 @@
-"""hsnap-view on a delta (issue 20 item 1): it opens, verifies, and shows its base."""
+"""hsnap-view on a delta: it opens, verifies, and shows its base."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ VEC = os.path.join(os.path.dirname(__file__), "..", "..", "spec", "vectors")
 
 
 @pytest.mark.parametrize("name,base", [("chain-delta-2.hsnap", "chain-delta-1.hsnap"), ("chain-tp2-delta-1", "chain-tp2-base")])
-async def test_item1_viewer_opens_a_delta_and_shows_its_base(name, base):
+async def test_viewer_opens_a_delta_and_shows_its_base(name, base):
     app = make_app(os.path.join(VEC, name))
     async with app.run_test(size=SIZE) as pilot:
         await app.workers.wait_for_complete()

@@ -1,5 +1,5 @@
 """Test seam of the checkpoint link writer, loaded only by servers a test starts with this folder on PYTHONPATH
-(``linkgate_env``): once ``hsnap_sglang.scheduler`` is imported, its ``_LinkWriter.before_write`` holds every link
+(``linkgate_env``): once ``hsnap_sglang.jobs`` is imported, its ``LinkWriter.before_write`` holds every link
 whose ``<HSNAP_TEST_LINK_GATE>/<file name>.hold`` exists until the file is removed, saying so (``.held``; and
 ``.export-waiting`` once an export of the request waits for this link).  Production code never reads the gate."""
 
@@ -10,7 +10,7 @@ import sys
 import time
 
 GATE = os.environ.get("HSNAP_TEST_LINK_GATE")
-TARGET = "hsnap_sglang.scheduler"
+TARGET = "hsnap_sglang.jobs"
 
 
 def _hold(writer, job) -> None:
@@ -35,7 +35,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            module._LinkWriter.before_write = _hold
+            module.LinkWriter.before_write = _hold
 
         spec.loader.exec_module = exec_module
         return spec

@@ -1,1 +1,0 @@
-"""Demo pieces for hsnap: a tiny random-weight hybrid (attention + GDN) model and explicit decode loop."""

@@ -1,0 +1,243 @@
+"""The scheduler's jobs, apart from the scheduler that runs them: what is queued until a request reaches a committed
+decode boundary (:class:`Export`: a plain export, a drain member, a checkpoint link or a migration round; a
+:class:`Drain`; a request's periodic :class:`Checkpointing`), what migrates out of or into this server
+(:class:`Migrating`, :class:`Following`), and the two kinds of thread that carry work off the scheduler thread: the
+:class:`LinkWriter` (writes captured links) and a :class:`Watch` (looks for a marker or link in a container)."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from hsnap_format import HsnapError
+
+from .containment import typed
+from .errors import error_dict, error_of
+
+logger = logging.getLogger("hsnap_sglang")
+
+LOCAL_POLL_S = 0.0005  # how often a watcher looks for a marker or link in a directory (a stat)
+REMOTE_POLL_S = 0.01  # ... under an s3:// prefix (a HEAD request)
+
+
+@dataclasses.dataclass
+class Export:
+    """A request to write at its next committed decode boundary: a plain export, a drain member, a checkpoint link or
+    a migration round (or its final link)."""
+
+    rid: str
+    path: str
+    keep_running: bool
+    asked: float  # time.monotonic() when the request arrived
+    op: Any = None  # the HsnapExportReqInput to answer (None: a drain member)
+    drain: "Drain | None" = None
+    req: Any = None  # the Req, once found
+    parked: bool = False  # taken out of the running batch (overlap), to be exported or given back
+    waited: int = 0  # boundaries passed because the text ended mid-character
+    found_in: str = ""  # where the request was when the export was asked for
+    checkpoint: "Checkpointing | None" = None  # a link of a request's checkpoints (keep_running)
+    base: str | None = None  # the link it is a delta of (None: plain)
+    migration: "Migrating | None" = None  # a pre-copy round (keep_running) or the final link
+
+
+@dataclasses.dataclass
+class Drain:
+    """Every request present when the drain was asked for, each an :class:`Export` member; answered once all are."""
+
+    op: Any  # the HsnapDrainReqInput to answer
+    members: list
+    items: dict = dataclasses.field(default_factory=dict)  # rid -> item
+    pages: Any = None  # dedup: the page store session every member's full pages go to (closed when answered)
+
+
+@dataclasses.dataclass
+class Checkpointing:
+    """A request checkpointed every ``links.every`` output tokens (hsnap_format.checkpoints): a link is queued as a
+    keep_running export at the first committed boundary where one is due."""
+
+    links: Any  # hsnap_format.checkpoints.Checkpoints
+    written: int = 0
+    write_s: float = 0.0  # scheduler time per link (capturing rows/state/record at the boundary: the decode waited that long)
+    writer_s: float = 0.0  # the background writer's time (header, write, fsync, rename): off the decode path
+    merged: int = 0  # links due while the previous one was still being written: folded into the next (never blocks decode)
+    base_position: int = 0  # state position of the last committed link (the next delta holds the rows after it)
+    waiting: bool = False  # a link came due while one is being written (counted once in ``merged``)
+    held: Any = None  # hsnap_io.export.WrittenLink of the last committed link: the next delta's base, not re-opened
+
+
+@dataclasses.dataclass
+class LinkJob:
+    """An export captured at a committed boundary (a checkpoint link, a migration round, a TP 1 plain export or
+    drain member), written by the link writer thread."""
+
+    ex: "Export"
+    capture: Any  # hsnap_io.export.CapturedRequest (host copies)
+    result: dict  # the export's answer so far (the info is added once written)
+    capture_s: float
+    base: Any = None  # the base as write_captured takes it (the held WrittenLink, else the path)
+    info: Any = None  # hsnap_io.export.WrittenLink once written
+    error: Any = None
+    writer_s: float = 0.0
+    done: Any = None  # threading.Event, set once written (or failed)
+
+
+class LinkWriter:
+    """One background thread per scheduler that writes captured checkpoint links, migration rounds and (TP 1) plain
+    exports and drain members (header planning, write, fsync, rename), so none of that runs in the scheduler loop. At most ``depth`` links wait; the scheduler collects the
+    finished ones at its next boundary (``collect``: bookkeeping and answers stay on the scheduler thread)."""
+
+    def __init__(self, depth: int = 2) -> None:
+        self.depth = depth
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._lock = threading.Lock()
+        self._finished: list[LinkJob] = []
+        self.in_flight: dict[str, LinkJob] = {}  # rid -> its link being written (scheduler thread only)
+        self._thread: threading.Thread | None = None
+        self.export_waiting: str | None = None  # rid whose export waits (blocking the scheduler) for its link
+
+    def busy(self) -> bool:
+        return bool(self.in_flight)
+
+    def full(self) -> bool:
+        return len(self.in_flight) >= self.depth
+
+    def submit(self, job: LinkJob) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hsnap-link-writer", daemon=True)
+            self._thread.start()
+            atexit.register(self.close)
+        job.done = threading.Event()
+        self.in_flight[job.ex.rid] = job
+        self._q.put_nowait(job)  # never blocks: full() is checked before capturing
+
+    # a test seam, never set in production: ``before_write(writer, job)`` runs in the writer thread before each link
+    # is written (tests/engine/linkgate holds a link there, "being written")
+    before_write = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            self._write_one(job)
+
+    def _write_one(self, job: LinkJob) -> None:
+        """Write one link; whatever happens the job is finished (an export waiting for it never waits for ever) and
+        the thread lives on for the next link."""
+        from hsnap_io.export import write_captured
+
+        t0 = time.monotonic()
+        try:
+            if self.before_write is not None:
+                self.before_write(job)
+            job.info = write_captured(job.ex.path, job.capture, base=job.base)
+        except HsnapError as e:
+            job.error = error_of(e)
+        except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
+            job.error = error_dict(typed(e, "checkpoint link", job.ex.path))
+        finally:
+            job.writer_s = time.monotonic() - t0
+            job.capture = None  # the host copies go now
+            with self._lock:
+                self._finished.append(job)
+            job.done.set()
+
+    def wait(self, rid: str) -> None:
+        """Block until ``rid``'s link on its way (if any) is written or failed."""
+        job = self.in_flight.get(rid)
+        if job is not None:
+            self.export_waiting = rid
+            try:
+                job.done.wait()
+            finally:
+                self.export_waiting = None
+
+    def collect(self) -> list[LinkJob]:
+        """The links written (or failed) since the last call; they are no longer in flight."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        for job in done:
+            if self.in_flight.get(job.ex.rid) is job:
+                del self.in_flight[job.ex.rid]
+        return done
+
+    def close(self) -> None:
+        """Server shutdown: the links queued are written, then the thread ends (joined)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+
+class Watch:
+    """A daemon thread that looks for the first of ``paths`` to exist (off the scheduler thread: an object store's
+    HEAD never holds up a decode step); ``hit`` is that path once seen."""
+
+    def __init__(self, store, paths) -> None:
+        self.store, self.paths, self.hit = store, list(paths), None
+        self._stop = threading.Event()
+        self._poll = LOCAL_POLL_S if store.local else REMOTE_POLL_S
+        self._thread = threading.Thread(target=self._run, name="hsnap-migration-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        warned = False
+        while not self._stop.is_set():
+            for p in self.paths:
+                try:
+                    if self.store.exists(p):
+                        self.hit = p
+                        return
+                except Exception as e:  # noqa: BLE001 - a store that errs is asked again; said once
+                    if not warned:
+                        logger.warning("hsnap migration: looking for %s: %s", p, e)
+                        warned = True
+            self._stop.wait(self._poll)
+
+    def cancel(self) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass
+class Migrating:
+    """A request migrating out of this server (source side)."""
+
+    op: Any  # HsnapMigrateReqInput, answered once the final link is committed (or the migration given up)
+    container: str
+    store: Any
+    tail: int
+    max_rounds: int
+    timeout_s: float
+    fsync: bool
+    started: float
+    links: list = dataclasses.field(default_factory=list)  # committed rounds, in order
+    rounds: list = dataclasses.field(default_factory=list)  # per round: what it carried and took
+    base_position: int = 0  # state position of the last committed round (the next delta holds the rows after it)
+    held: Any = None  # hsnap_io.export.WrittenLink of the last committed round: the next delta's base, not re-opened
+    queued: bool = False  # a round or the final link is pending or being written
+    watch: Watch | None = None  # the last round's .applied marker
+    since: float = 0.0  # when the last round was committed
+    writer_s: float = 0.0
+    stopped_checkpoints: bool = False
+    left_at_stop: int = 0  # rows after the last round when the stop was decided (the boundary it waits for adds its step)
+
+
+@dataclasses.dataclass
+class Following:
+    """A migration this server follows (target side)."""
+
+    op: Any  # HsnapFollowReqInput, answered once the final link is applied and the Req bound (or refused)
+    container: str
+    store: Any
+    target: Any  # hsnap_io.migrate.MigrationTarget over the scheduler's pools
+    timeout_s: float
+    deadline: float
+    watch: Watch | None = None
+    prepared: Any = None  # hsnap_sglang.req.PreparedReq of the last link checked (the first, then the final)
+    applied: list = dataclasses.field(default_factory=list)
+    started: float = 0.0
+    arrived_at: float = 0.0  # the final link applied and the Req bound: admitted by the HTTP process within timeout_s

@@ -1,0 +1,105 @@
+"""A resumed ``Req`` bound to the slots a restore allocated: the Mamba radix-tracking slots SGLang gives every new
+request (:func:`mamba_tracking_slots`, :func:`check_tracking_capacity`), ``req.kv`` pointed at the restored slots
+(:func:`bind_restored`), and the ``bind`` step of ``hsnap_io.restore.restore_opened`` that does both inside the
+restore's rollback (:func:`binder`)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hsnap_format import CapacityError
+
+from .values import component_type
+
+
+def mamba_tracking_slots(req_to_token_pool) -> int:
+    """Ping-pong radix-tracking slots SGLang gives every new request on this target (0 without the extra buffer)."""
+    return int(req_to_token_pool.mamba_initial_tracking_slots) if getattr(req_to_token_pool, "enable_mamba_extra_buffer", False) else 0
+
+
+def check_tracking_capacity(req_to_token_pool, tracking: int, path) -> None:
+    """Before the restore allocates (hold pool_lock): room for the working Mamba slot and the track slots."""
+    if tracking and req_to_token_pool.mamba_allocator.available_size() < 1 + tracking:
+        free = req_to_token_pool.mamba_allocator.available_size()
+        raise CapacityError(path, "target pools", detail=f"does not fit: mamba slots (working + {tracking} ping-pong track): need {1 + tracking}, free {free}")
+
+
+_TRACK_FIELDS = ("mamba_ping_pong_track_buffer", "mamba_ping_pong_empty", "mamba_prev_track_seqlen", "mamba_next_track_idx", "mamba_last_track_idx")
+
+
+def binder(req, kvx: Mapping[str, Any], root, req_to_token_pool, tracking: int, commit: Callable[[], None] | None = None):
+    """restore_opened's ``bind``: fresh track slots first (what can fail: inside the
+    restore's rollback, before ``req`` is touched), then ``req.kv`` onto the slots, then
+    ``commit()`` (the caller's last word, e.g. every TP rank agreeing): whatever raises
+    gives every allocation back and leaves ``req`` as it was."""
+
+    def bind(restored) -> None:
+        track = None
+        if tracking:
+            # fresh radix-tracking slots, as HybridReqToTokenPool.alloc gives a new request: no
+            # tracked state yet (mamba_last_track_seqlen None), so nothing stale reaches a tree
+            scratch = _Scratch(type(req.kv)())
+            req_to_token_pool._alloc_ping_pong_buffer(scratch)
+            track = {name: getattr(scratch.kv, name) for name in _TRACK_FIELDS}
+            req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping[restored.req_pool_idx] = track["mamba_ping_pong_track_buffer"]
+        kv_before = {f.name: getattr(req.kv, f.name) for f in dataclasses.fields(req.kv)}
+        req_before = {name: copy.copy(getattr(req, name)) for name in _BOUND_REQ_ATTRS if hasattr(req, name)}
+        try:
+            bind_restored(req, restored, kvx, root=root)
+            for name, value in (track or {}).items():
+                setattr(req.kv, name, value)
+            if commit is not None:
+                commit()
+        except BaseException:  # the pools are rolled back by the caller: leave req as it was too
+            for name, value in {**kv_before}.items():
+                setattr(req.kv, name, value)
+            for name, value in req_before.items():
+                setattr(req, name, value)
+            raise
+
+    return bind
+
+
+_BOUND_REQ_ATTRS = ("full_untruncated_fill_ids", "extend_end", "prefix_len", "lock", "last_node", "last_host_node", "best_match_node")
+
+
+@dataclass
+class _Scratch:  # what _alloc_ping_pong_buffer writes to (req.kv), before the real req is bound
+    kv: Any
+
+
+def bind_restored(req, restored, kvx: Mapping[str, Any], *, root=None) -> None:
+    """Point ``req.kv`` at the slots of ``restored`` (a :class:`RestoredRequest`) and
+    leave nothing pending that would overwrite the restored state. ``kvx``: the carried
+    ReqKvInfo values (:func:`decode_carried`); ``root``: the tree root handle, if any.
+    Sets attributes only: everything that can fail was checked before allocation."""
+    ct = component_type()
+    kv = req.kv
+    kv.req_pool_idx = restored.req_pool_idx
+    kv.kv_committed_len = kv.kv_allocated_len = restored.state_position
+    kv.cache_protected_len = kv.cache_inserted_len = 0
+    seqlens = dict(kvx.get("component_evicted_seqlens") or {})
+    freed = restored.swa_evict_floor  # SWA slots the restore freed: swa_start in whole target pages
+    if ct.SWA in seqlens or freed:
+        seqlens[ct.SWA] = freed
+    kv.component_evicted_seqlens = seqlens
+    # SGLang frees [swa_dead_lo, SWA cursor) full-side only and everything below swa_dead_lo
+    # on both sides: a shield above 0 over positions whose SWA slots the restore already freed
+    # would free them twice. The restored request holds no SWA rows below swa_start anyway.
+    kv.swa_evict_floor = 0 if freed else int(kvx.get("swa_evict_floor", 0))
+    kv.retraction_backup = None
+    if restored.mamba_pool_idx is not None:
+        kv.mamba_pool_idx = torch.tensor(restored.mamba_pool_idx, dtype=torch.int64)  # 0-d, as SGLang's alloc
+    kv.mamba_needs_clear = False  # sglang#32995: a set flag zeroes the restored state
+    kv.mamba_cow_src_index = None  # a pending COW would overwrite it with a tree copy
+    req.refresh_fill_ids()
+    req.extend_end = restored.state_position
+    req.prefix_len = 0
+    req.lock = None
+    if root is not None:
+        req.last_node = req.last_host_node = req.best_match_node = root
