@@ -14,7 +14,7 @@ demo: venv
 check: venv
 	@.venv/bin/ruff check --quiet || { echo "make check: ruff found the problems above"; exit 1; }
 	@.venv/bin/mypy || { echo "make check: mypy found the type errors above"; exit 1; }
-	@.venv/bin/lint-imports --no-cache || { echo "make check: an import runs against .importlinter's layers"; exit 1; }
+	@.venv/bin/lint-imports --no-cache --no-logo || { echo "make check: an import runs against .importlinter's layers"; exit 1; }
 
 test: check
 	@.venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

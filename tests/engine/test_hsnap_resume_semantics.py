@@ -85,7 +85,8 @@ def server(tiny_model_dir, work, hole):
 
 
 def _paused(url: str, rid: str, path: Path, ids: list[int], n: int, after: int) -> tuple[Stream, dict]:
-    """``rid`` streamed, exported to ``path`` after ``after`` output tokens; its stream ended by the export."""
+    """``rid`` streamed, exported to ``path`` after ``after`` output tokens; its stream ended by the export. ``n`` leaves
+    room for the tokens decoded while the pause travels (a loaded machine: tens), else the request finishes first."""
     st = Stream(url, payload(rid, ids, n))
     st.start()
     st.wait_tokens(after)
@@ -157,7 +158,7 @@ def test_hsnap_resume_exits_nonzero_when_the_resumed_stream_ends_aborted(server,
 def once(server):
     """A snapshot resumed to its end once, then resumed again (refused), then again on purpose."""
     path = server.root / "once.hsnap"
-    _paused(server.url, "once", path, prompt(73, 20), 30, after=4)
+    _paused(server.url, "once", path, prompt(73, 20), 200, after=4)
     first = client.resume(server.url, str(path))
     second = _refusal(client.resume, server.url, str(path))
     marker = json.loads(Path(str(path) + ".claimed").read_text())
@@ -186,7 +187,7 @@ def test_each_snapshot_of_a_directory_is_claimed_on_its_own(server):
     d = server.root / "drained"
     d.mkdir()
     for rid, seed in (("dir-a", 74), ("dir-b", 75)):
-        _paused(server.url, rid, d / f"{rid}.hsnap", prompt(seed, 20), 24, after=3)
+        _paused(server.url, rid, d / f"{rid}.hsnap", prompt(seed, 20), 200, after=3)
     client.resume(server.url, str(d / "dir-a.hsnap"))  # one of them resumed alone first
     run = client.resume(server.url, str(d))
     items = {Path(i["path"]).name: i for i in run.info}
