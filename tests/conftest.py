@@ -10,6 +10,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# before any test process loads OpenMP (with torch): see the Makefile's test target
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,6 +1,6 @@
 """hsnap's CPU platform for SGLang: what SGLang 0.5.23's own CPU platform (``SGLANG_USE_CPU_ENGINE=1``) needs from
-outside the package to serve a GDN hybrid (Qwen3-Next / Qwen3.5) on a machine without a GPU and without a CPU
-build of sgl_kernel.  See hsnap_sglang/README.md.
+outside the package to serve a GDN hybrid (Qwen3-Next / Qwen3.5) or a Mamba2 hybrid (NemotronH, FalconH1,
+GraniteMoeHybrid) on a machine without a GPU and without a CPU build of sgl_kernel.  See hsnap_sglang/README.md.
 
 Opt-in: nothing here loads unless ``HSNAP_SGLANG_CPU=1`` is in the environment (or :func:`activate` is called), and
 even then nothing loads on a machine with a CUDA device or with a real sgl_kernel installed.  Two official seams
@@ -8,7 +8,7 @@ carry it into every process SGLang starts (scheduler, detokenizer, TP workers), 
 
 * ``torch.backends`` entry point (:func:`hsnap_sglang._autoload.torch_autoload`, run by torch at the end of
   ``import torch``, so before any SGLang module): sets ``SGLANG_USE_CPU_ENGINE=1`` and installs the import finder
-  (:mod:`.finder`: the ``sgl_kernel`` shim, the torchvision schemas);
+  (:mod:`.finder`: the ``sgl_kernel`` shim, the torchvision schemas, the Mamba2 conv names :mod:`.fill_in` gives);
 * ``sglang.srt.plugins`` entry point (:func:`sglang_plugin`, run by SGLang's ``load_plugins`` in every process):
   replaces the Triton launchers met on the forward path with torch (:mod:`.triton_free`) through SGLang's
   ``HookRegistry``, and lets ``--enable-deterministic-inference`` (seeded sampling) run here (:mod:`.deterministic`).
@@ -22,10 +22,23 @@ import logging
 import os
 import sys
 
-__all__ = ["ENV_VAR", "activate", "active", "install", "requested", "sglang_plugin", "CpuPlatformUnavailable"]
+__all__ = ["ENV_VAR", "OMP_WAIT", "OMP_WAIT_ENV", "ONEDNN_ISA_ENV", "ONEDNN_MAX_ISA", "activate", "active", "install", "requested", "sglang_plugin", "CpuPlatformUnavailable"]
 
 ENV_VAR = "HSNAP_SGLANG_CPU"
 SGLANG_CPU_ENV = "SGLANG_USE_CPU_ENGINE"
+# oneDNN's AVX512-FP16 kernels (Sapphire Rapids and later) take a float16 matmul of two or more rows, while torch
+# computes a one-row matmul itself: the same row gets other bits in a batch than alone, so a request's numbers would
+# depend on the requests beside it (measured: a decode step's logprobs differ by ~1e-5).  Capped at AVX512-BF16,
+# torch computes every float16 row alike; bfloat16 keeps its oneDNN kernels (row-invariant here).  Read by oneDNN at
+# its first primitive, so set before any matmul; an operator's own setting wins.
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+ONEDNN_MAX_ISA = "AVX512_CORE_BF16"
+# A server's processes (HTTP, scheduler ranks, detokenizer) share the machine's few cores here, and OpenMP's default
+# wait spins a thread on its core after every parallel region, taking it from the others: measured on 2 cores, two
+# servers' test modules side by side took 384 CPU-s spinning, 136 CPU-s passive (wall 255 -> 105 s).  Read when
+# OpenMP loads, so it reaches the processes the server starts (this one loaded it with torch); the operator's wins.
+OMP_WAIT_ENV = "OMP_WAIT_POLICY"
+OMP_WAIT = "PASSIVE"
 
 logger = logging.getLogger("hsnap_sglang.cpu")
 
@@ -74,6 +87,8 @@ def install() -> bool:
         _decided = False
         return False
     os.environ[SGLANG_CPU_ENV] = "1"  # SGLang's own CPU platform; inherited by every process it starts
+    os.environ.setdefault(ONEDNN_ISA_ENV, ONEDNN_MAX_ISA)  # batch invariance (above); inherited too
+    os.environ.setdefault(OMP_WAIT_ENV, OMP_WAIT)  # cores shared by the server's processes (above)
     from . import finder
 
     finder.install()

@@ -1,7 +1,8 @@
 """``sglang.Engine`` (SGLang's own engine: tokenizer manager, scheduler, model runner, detokenizer) serving the tiny
 random-weight Qwen3-Next on hsnap's CPU platform, in a fresh process (engine_child.py), in SGLang's default dtype
-(bfloat16): greedy decoding is deterministic, a request's tokens and logprobs do not depend on the requests
-batched with it, and the logprobs are those of transformers' float32 model within bfloat16 rounding.
+(``--dtype auto``: float16 for this float32 checkpoint, ``model_config._get_and_verify_dtype``): greedy decoding is deterministic, a request's tokens and logprobs do not depend on the requests
+batched with it (on a CPU with AVX512-FP16 this needs the platform's oneDNN cap, hsnap_sglang.cpu.ONEDNN_MAX_ISA),
+and the logprobs are those of transformers' float32 model within half-precision rounding.
 
 bfloat16 tolerance, 0.25 in log-probability: transformers' own bfloat16 run of this model differs from its float32
 run by up to ~0.09 on these positions (bfloat16 keeps 8 significant bits; logits of a random model are O(1)), and

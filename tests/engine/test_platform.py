@@ -215,3 +215,43 @@ def test_serve_adds_the_cpu_flags_unless_given_and_binds_one_core_range_per_rank
     assert omp_threads_bind(len(cores) + 1) is None
     ranges = omp_threads_bind(1).split("|")
     assert ranges == [str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"]
+
+
+_ROWS = """
+import json, os, torch
+import torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+differ = []
+for dtype in (torch.float16, torch.bfloat16):
+    for k, n in ((128, 512), (128, 384), (64, 128)):
+        w, x = torch.randn(n, k, generator=g).to(dtype), torch.randn(8, k, generator=g).to(dtype)
+        rows = F.linear(x, w)
+        differ += [f"{dtype} {k}x{n} m={m}" for m in range(1, 8) if not torch.equal(F.linear(x[:m], w), rows[:m])]
+print(json.dumps({"differ": differ, "isa": os.environ.get("ONEDNN_MAX_CPU_ISA"), "omp": os.environ.get("OMP_WAIT_POLICY")}))
+"""
+
+
+def _rows(**env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("HSNAP_SGLANG_CPU", "SGLANG_USE_CPU_ENGINE", "ONEDNN_MAX_CPU_ISA", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", _ROWS], capture_output=True, text=True, timeout=300, env={**clean, **env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_row_of_a_half_precision_matmul_has_the_same_bits_alone_and_batched():
+    """A request's numbers must not depend on the requests batched with it: on a CPU with AVX512-FP16, oneDNN takes
+    float16 matmuls of two or more rows and torch the one-row ones, with other bits, unless the platform caps
+    oneDNN's ISA; an operator's own ONEDNN_MAX_CPU_ISA is kept."""
+    capped = _rows(HSNAP_SGLANG_CPU="1")
+    assert capped["isa"] == "AVX512_CORE_BF16" and capped["differ"] == [], capped
+    kept = _rows(HSNAP_SGLANG_CPU="1", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert kept["isa"] == "AVX2" and kept["differ"] == [], kept
+    assert _rows()["isa"] is None  # nothing is set without the opt-in
+
+
+def test_the_processes_a_server_starts_wait_passively_on_shared_cores():
+    """OpenMP threads that spin after each parallel region take the cores the server's other processes need: the
+    platform sets OMP_WAIT_POLICY=PASSIVE for the processes it starts, unless the operator chose."""
+    assert _rows(HSNAP_SGLANG_CPU="1")["omp"] == "PASSIVE"
+    assert _rows(HSNAP_SGLANG_CPU="1", OMP_WAIT_POLICY="ACTIVE")["omp"] == "ACTIVE"
+    assert _rows()["omp"] is None
