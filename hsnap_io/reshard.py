@@ -6,10 +6,14 @@ Two halves:
   derived by running SGLang's OWN sharding code, not a table: the attention KV heads a
   rank holds come out of ``QKVParallelLinear.weight_loader`` (its ``num_kv_head_replicas``
   rule: with fewer KV heads than ranks each head lives on ``tp / kv_heads`` ranks), the
-  conv channels out of ``mamba_v2_sharded_weight_loader`` with the shard spec the model
-  files use (GDN ``[q|k|v]``, Mamba2 ``x|B|C`` with ``n_groups`` replicated when it is 1),
-  both fed ``arange(global)`` so the loaded "weight" is the global channel index, and the
-  local extents out of ``Mamba2StateShape.create(tp_world_size=...)``. :func:`describe`.
+  conv channels out of each family's own conv weight loader (``_CONV_LOADERS``:
+  ``mamba_v2_sharded_weight_loader`` with the shard spec the model files use for GDN
+  ``[q|k|v]`` and Mamba2 ``x|B|C`` with ``n_groups`` replicated when it is 1; Mamba-1's
+  ``ColumnParallelLinear``; KDA's ``MergedColumnParallelLinear`` q|k|v; LFM2's
+  ``sharded_weight_loader``), all fed ``arange(global)`` so the loaded "weight" is the
+  global channel index, and the local extents and the conv axis TP slices out of the
+  family's SGLang state shape (``_SHAPES``: ``Mamba2StateShape.create`` /
+  ``create_full_rank``, ``KimiLinearStateShape.create``). :func:`describe`.
 
 * **Re-sharding** a snapshot set written at TP N into pools of TP M: before allocating,
   the set must agree with itself and with the target (spec 5.8: identity, request record,
@@ -114,14 +118,56 @@ class Mamba2Dims:
 
 
 @dataclass(frozen=True)
+class Mamba1Dims:
+    """Mamba-1 mixer dims (state-spaces Mamba, Falcon-Mamba), global: the conv over the
+    ``intermediate`` channels only, a full-rank temporal ``(intermediate, 1, state_size)``
+    (SGLang's ``Mamba2StateShape.create_full_rank``: every channel a head of dim 1)."""
+
+    intermediate: int
+    state_size: int
+
+
+@dataclass(frozen=True)
+class KDADims:
+    """Kimi Delta Attention (Kimi-Linear) dims, global: the conv slot is stored transposed,
+    ``(K-1, q | k | v)`` with ``num_heads * head_dim`` channels each, the temporal state
+    ``(num_heads, head_dim, head_dim)`` (SGLang's ``KimiLinearStateShape``)."""
+
+    num_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ShortConvDims:
+    """LFM2's gated short conv, global: a conv over the ``hidden`` channels, no SSM state
+    (SGLang's slot holds a zero-element temporal ``(1, hidden, 0)`` on every rank)."""
+
+    hidden: int
+
+
+@dataclass(frozen=True)
+class LightningDims:
+    """Lightning attention (Bailing hybrid / MiniCPM ``seg_la``), global: the temporal state
+    ``(num_heads, head_dim, head_dim)``, no conv (SGLang's slot holds a zero-element conv
+    ``(0, 0)``: ``conv_kernel`` 1, whatever ``TPModel.conv_kernel`` says)."""
+
+    num_heads: int
+    head_dim: int
+
+
+MambaDims = GDNDims | Mamba2Dims | Mamba1Dims | KDADims | ShortConvDims | LightningDims
+
+
+@dataclass(frozen=True)
 class TPModel:
-    """What of a model's config decides how its state splits across TP ranks."""
+    """What of a model's config decides how its state splits across TP ranks. The conv
+    axis TP shards (``conv_slice_axis``: 1 for KDA's transposed conv) is the family's
+    SGLang state shape's own, not a field here."""
 
     kv_heads: int | None = None  # MHA/GQA/SWA: global KV heads; None without such attention
     mla: bool = False  # MLA latent: replicated on every rank
-    mamba: GDNDims | Mamba2Dims | None = None
+    mamba: MambaDims | None = None
     conv_kernel: int = 4
-    conv_slice_axis: int = 0  # 1 for a transposed (KDA) conv; SGLang's GDN/Mamba2 use 0
 
 
 # --------------------------------------------------------------------------- SGLang's rules
@@ -181,18 +227,41 @@ def kv_head_map(kv_heads: int, tp: int, rank: int) -> tuple[list[int], int]:
         raise ReshardError(_asked(tp, rank), "attention kv heads", f"a split of {kv_heads} KV heads SGLang supports at tp_size {tp}", Phrase("not divisible"), detail=str(e) or None) from None
 
 
-def _mamba_shape(m: GDNDims | Mamba2Dims, tp: int, kernel: int):
+# SGLang's state shape of each family at ``tp``: its own classes, called with the arguments
+# its model configs pass (configs/qwen3_next.py for GDN, models/mamba2.py, configs/kimi_linear.py,
+# configs/mamba.py for Mamba-1, configs/lfm2.py, configs/bailing_hybrid.py and configs/minicpm.py for lightning)
+_SHAPES = {
+    GDNDims: lambda mu, m, tp, k: mu.Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=m.v_heads * m.v_dim, n_groups=m.k_heads, num_heads=m.v_heads, head_dim=m.v_dim,
+        state_size=m.k_dim, conv_kernel=k, conv_shard_groups=[m.k_heads * m.k_dim, m.k_heads * m.k_dim, m.v_heads * m.v_dim]),
+    Mamba2Dims: lambda mu, m, tp, k: mu.Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=m.intermediate, n_groups=m.n_groups, num_heads=m.num_heads, head_dim=m.head_dim,
+        state_size=m.state_size, conv_kernel=k),
+    Mamba1Dims: lambda mu, m, tp, k: mu.Mamba2StateShape.create_full_rank(
+        tp_world_size=tp, intermediate_size=m.intermediate, state_size=m.state_size, conv_kernel=k),
+    KDADims: lambda mu, m, tp, k: mu.KimiLinearStateShape.create(
+        tp_world_size=tp, num_heads=m.num_heads, head_dim=m.head_dim, conv_kernel_size=k),
+    # num_heads=tp: lfm2.py's "ensures divide works; temporal state is empty anyway"
+    ShortConvDims: lambda mu, m, tp, k: mu.Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=m.hidden, n_groups=1, num_heads=tp, head_dim=m.hidden, state_size=0, conv_kernel=k),
+    LightningDims: lambda mu, m, tp, k: mu.Mamba2StateShape.create(
+        tp_world_size=tp, intermediate_size=0, n_groups=0, num_heads=m.num_heads, head_dim=m.head_dim, state_size=m.head_dim,
+        conv_kernel=1),
+}
+
+
+def state_shape(m: MambaDims, tp: int, kernel: int = 4):
+    """SGLang's state shape (``Mamba2StateShape`` / ``KimiLinearStateShape``) of ``m`` at ``tp``."""
     mu = _sg("sglang.srt.configs.mamba_utils")
-    if isinstance(m, GDNDims):
-        kw = dict(intermediate_size=m.v_heads * m.v_dim, n_groups=m.k_heads, num_heads=m.v_heads, head_dim=m.v_dim,
-                  state_size=m.k_dim, conv_shard_groups=[m.k_heads * m.k_dim, m.k_heads * m.k_dim, m.v_heads * m.v_dim])
-    else:
-        kw = dict(intermediate_size=m.intermediate, n_groups=m.n_groups, num_heads=m.num_heads, head_dim=m.head_dim,
-                  state_size=m.state_size)
     try:
-        return mu.Mamba2StateShape.create(tp_world_size=tp, conv_kernel=kernel, **kw)
+        return _SHAPES[type(m)](mu, m, tp, kernel)
     except (AssertionError, ValueError) as e:
-        raise ReshardError(_asked(tp), "mamba heads", f"a split SGLang supports at tp_size {tp}", Phrase(f"not divisible ({kw})"), detail=str(e) or None) from None
+        raise ReshardError(_asked(tp), "mamba heads", f"a split SGLang supports at tp_size {tp}", Phrase(f"not divisible ({m})"), detail=str(e) or None) from None
+
+
+def conv_slice_axis(m: MambaDims, kernel: int = 4) -> int:
+    """The conv axis TP shards, as SGLang's state shape of the family says (KDA: 1)."""
+    return int(getattr(state_shape(m, 1, kernel), "conv_slice_axis", 0))
 
 
 def _conv_shard_spec(m: GDNDims | Mamba2Dims, tp: int) -> list[tuple[int, int, bool]]:
@@ -210,26 +279,91 @@ def _conv_shard_spec(m: GDNDims | Mamba2Dims, tp: int) -> list[tuple[int, int, b
     return [(m.intermediate, 0, False), settings, settings]
 
 
-def conv_channel_map(m: GDNDims | Mamba2Dims, tp: int, rank: int, kernel: int = 4) -> tuple[list[int], list[tuple[int, int]]]:
-    """Global conv channel of every local channel of rank ``rank``, and the local
-    ``(start, length)`` of each shard-spec part: SGLang's conv1d weight loader loading a
-    weight whose rows are the global channel ids."""
+def _load_mamba_v2(m: GDNDims | Mamba2Dims, tp: int, rank: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """GDN / Mamba2: the model's conv1d loader (``mamba_v2_sharded_weight_loader``)."""
     mamba = _sg("sglang.srt.layers.attention.mamba.mamba")
     spec = _conv_shard_spec(m, tp)
-    local = _mamba_shape(m, tp, kernel).conv[0][0]
-    global_rows = sum(full - extra for full, extra, _ in spec)
-    ids = torch.arange(global_rows, dtype=torch.float32).reshape(-1, 1)
+    ids = torch.arange(sum(full - extra for full, extra, _ in spec), dtype=torch.float32).reshape(-1, 1)
     param = torch.full((local, 1), -1.0)
     mamba.mamba_v2_sharded_weight_loader(spec, tp, rank)(param, ids)
-    held = [int(x) for x in param[:, 0]]
+    return param, [full // tp for full, _, _ in spec]
+
+
+def _load_mamba1(m: Mamba1Dims, tp: int, rank: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """Mamba-1: mamba1.py's ``conv1d``, a ``ColumnParallelLinear`` over the intermediate channels."""
+    linear = _sg("sglang.srt.layers.linear")
+    with _logical_tp(linear, tp, rank):
+        layer = linear.ColumnParallelLinear(input_size=1, output_size=m.intermediate, bias=False, params_dtype=torch.float32)
+        layer.weight.data.fill_(-1)
+        layer.weight_loader(layer.weight, torch.arange(m.intermediate, dtype=torch.float32).reshape(-1, 1))
+    if layer.weight.shape[0] != local:
+        raise ReshardError(_asked(tp, rank), "mamba conv channels", local, layer.weight.shape[0])
+    return layer.weight.data, [local]
+
+
+def _load_kda(m: KDADims, tp: int, rank: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """KDA: kimi_linear.py's ``qkv_conv1d``, a ``MergedColumnParallelLinear`` of three
+    outputs (q, k, v), each loaded as its own shard (``q_conv1d``, ``k_conv1d``, ``v_conv1d``)."""
+    linear = _sg("sglang.srt.layers.linear")
+    size = m.num_heads * m.head_dim
+    with _logical_tp(linear, tp, rank):
+        layer = linear.MergedColumnParallelLinear(input_size=1, output_sizes=[size] * 3, bias=False, params_dtype=torch.float32)
+        layer.weight.data.fill_(-1)
+        for shard in range(3):
+            ids = torch.arange(shard * size, (shard + 1) * size, dtype=torch.float32).reshape(-1, 1)
+            layer.weight_loader(layer.weight, ids, shard)
+    if layer.weight.shape[0] != local:
+        raise ReshardError(_asked(tp, rank), "mamba conv channels", local, layer.weight.shape[0])
+    return layer.weight.data, [size // tp] * 3
+
+
+def _load_short_conv(m: ShortConvDims, tp: int, rank: int, local: int) -> tuple[torch.Tensor, list[int]]:
+    """LFM2: lfm2.py's ``conv_weight``, loaded by ``sharded_weight_loader(0, parallel_group="tp")``."""
+    linear = _sg("sglang.srt.layers.linear")
+    weights = _sg("sglang.srt.model_loader.weight_utils")
+    param = torch.full((local, 1), -1.0)
+    with _logical_tp(linear, tp, rank):
+        loader = weights.sharded_weight_loader(0, parallel_group="tp")
+    loader(param, torch.arange(m.hidden, dtype=torch.float32).reshape(-1, 1))
+    return param, [local]
+
+
+# family -> how its conv weight is loaded (None: the conv slot has no element to place)
+_CONV_LOADERS = {GDNDims: _load_mamba_v2, Mamba2Dims: _load_mamba_v2, Mamba1Dims: _load_mamba1, KDADims: _load_kda,
+                 ShortConvDims: _load_short_conv, LightningDims: None}
+
+
+def conv_channel_map(m: MambaDims, tp: int, rank: int, kernel: int = 4) -> tuple[list[int], list[tuple[int, int]]]:
+    """Global conv channel of every local channel of rank ``rank`` (along the family's
+    ``conv_slice_axis``), and the local ``(start, length)`` of each sub-block the model
+    loads apart (GDN q, k, v; Mamba2 x, B, C; KDA q, k, v): SGLang's conv weight loader
+    loading a weight whose rows are the global channel ids. A conv of no element
+    (Lightning) holds no channel: ``([], [])``."""
+    shape = state_shape(m, tp, kernel)
+    loader = _CONV_LOADERS[type(m)]
+    if loader is None:
+        return [], []
+    local = shape.conv[0][int(getattr(shape, "conv_slice_axis", 0))]
+    param, sizes = loader(m, tp, rank, local)
+    held = [int(x) for x in param.reshape(local, -1)[:, 0]]
     if any(h < 0 for h in held):
         raise ReshardError(_asked(tp, rank), "mamba conv channels", f"every local channel loaded at tp_size {tp}", Phrase("some not (non-divisible split)"))
     bounds, at = [], 0
-    for full, _, _ in spec:
-        n = full // tp
+    for n in sizes:
         bounds.append((at, n))
         at += n
     return held, bounds
+
+
+def temporal_head_map(m: MambaDims, tp: int, rank: int, kernel: int = 4) -> tuple[list[int], int]:
+    """Global temporal heads (axis 0 of the slot) rank ``rank`` holds, and on how many
+    ranks each lives: value heads (GDN) / heads (Mamba2, KDA, Lightning), contiguous by
+    rank as ``A_log`` and ``dt_bias`` load (Mamba-1: channels); LFM2's one zero-element
+    "head" on every rank."""
+    local = state_shape(m, tp, kernel).temporal[0]
+    if isinstance(m, ShortConvDims):
+        return list(range(local)), tp
+    return list(range(rank * local, (rank + 1) * local)), 1
 
 
 def _runs(held: Sequence[int]) -> list[tuple[int, int]]:
@@ -258,7 +392,9 @@ def _axis_from_maps(axis: int, global_size: int, maps: list[list[int]], rank: in
 
 
 def describe(model: TPModel, tp: int, rank: int) -> Sharding:
-    """This rank's ``geometry.sharding`` (spec 5.7), derived from SGLang's sharding code."""
+    """This rank's ``geometry.sharding`` (spec 5.7), derived from SGLang's sharding code.
+    A conv slot of no element (Lightning's ``(0, 0)``) has no AXIS to describe (``global``
+    is at least 1): ``conv`` is null, and a re-sharding restore has nothing of it to place."""
     if not 0 <= rank < tp:
         raise ReshardError(_asked(tp, rank), "identity.tp_rank", f"0..{tp - 1}", rank)
     attention = None
@@ -269,18 +405,18 @@ def describe(model: TPModel, tp: int, rank: int) -> Sharding:
         attention = _axis_from_maps(1, model.kv_heads, [list(m) for m in maps], rank)
     conv = temporal = None
     if model.mamba is not None:
-        m = model.mamba
-        maps, bounds = [], None
-        for r in range(tp):
-            held, b = conv_channel_map(m, tp, r, model.conv_kernel)
-            maps.append(held)
-            bounds = b if r == rank else bounds
-        glob = _mamba_shape(m, 1, model.conv_kernel).conv[0][0]
-        conv = (_axis_from_maps(model.conv_slice_axis, glob, maps, rank, bounds),)
-        shape = _mamba_shape(m, tp, model.conv_kernel)
-        heads_local, heads = shape.temporal[0], _mamba_shape(m, 1, model.conv_kernel).temporal[0]
-        # temporal state: value heads (GDN) / heads (Mamba2), contiguous by rank (A_log, dt_bias)
-        temporal = ShardAxis(0, heads, ((rank * heads_local, heads_local, 1),))
+        m, k = model.mamba, model.conv_kernel
+        whole = state_shape(m, 1, k)
+        if math.prod(whole.conv[0]):
+            maps, bounds = [], None
+            for r in range(tp):
+                held, b = conv_channel_map(m, tp, r, k)
+                maps.append(held)
+                bounds = b if r == rank else bounds
+            axis = int(getattr(whole, "conv_slice_axis", 0))
+            conv = (_axis_from_maps(axis, whole.conv[0][axis], maps, rank, bounds),)
+        heads = [temporal_head_map(m, tp, r, k)[0] for r in range(tp)]
+        temporal = _axis_from_maps(0, whole.temporal[0], heads, rank)
     return Sharding(attention=attention, conv=conv, temporal=temporal)
 
 
@@ -541,6 +677,18 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
             raise ReshardError(path, f"sections[{b.name}]", "a state kind with a sharding description", b.kind)
         component = int(b.name.rsplit(".", 1)[1]) if b.kind == "conv" else 0
         field = f"geometry.sharding.{key}" + (f"[{component}]" if key == "conv" else "")
+        row = target_rows.get(b.name)
+        if row is not None and row[1] == b.kind and not math.prod(row[4]) and _axis_of(target, key, component) is None:
+            # an undescribed section of no element (Lightning's conv (0, 0): an AXIS cannot
+            # describe an empty axis): nothing to place, so no description to ask for; every
+            # source rank still holds it, with the target's shape
+            for s in ranks:
+                info = s.section(b.name) if b.name in s else None
+                if info is None or (info.shape, info.dtype) != (row[4], row[3]):
+                    raise InconsistentSetError(s.path, f"sections[{b.name}]", Phrase(f"{row[3]} {list(row[4])}"),
+                                               None if info is None else Phrase(f"{info.dtype} {list(info.shape)}"))
+            plans.append(_SectionPlan(b.name, 0, [], [row[4]] * len(ranks), row[4], DTYPES[row[3]].itemsize))
+            continue
         if field not in cache:
             tgt = _axis_of(target, key, component)
             if tgt is None:
@@ -558,7 +706,6 @@ def build_plans(snapset, view, target: Sharding, path, *, target_tp: int | None 
             _check_set_axis(srcs, paths, field, len(ranks), snapset.path)
             cache[field] = (tgt, srcs, runs)
         tgt, srcs, runs = cache[field]
-        row = target_rows.get(b.name)
         if row is None or row[1] != b.kind:
             raise ReshardError(path, f"sections[{b.name}]", "a section of the target's plan", Phrase("not planned"))
         dst_shape, dtype = row[4], row[3]
@@ -806,6 +953,6 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
     return uploaded, read
 
 
-__all__ = ["TPModel", "GDNDims", "Mamba2Dims", "describe", "plan", "Run", "ReshardError", "InconsistentSetError",
-           "restore_resharded", "kv_head_map", "conv_channel_map", "check_delta_set", "delta_set_record", "source_ranks_of",
+__all__ = ["TPModel", "GDNDims", "Mamba2Dims", "Mamba1Dims", "KDADims", "ShortConvDims", "LightningDims", "MambaDims", "describe", "plan", "Run", "ReshardError", "InconsistentSetError",
+           "restore_resharded", "kv_head_map", "conv_channel_map", "temporal_head_map", "conv_slice_axis", "state_shape", "check_delta_set", "delta_set_record", "source_ranks_of",
            "upload_delta_set"]

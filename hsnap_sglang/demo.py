@@ -3,7 +3,8 @@
 What it runs (``python -m hsnap_sglang.serve --enable-hsnap``: SGLang's unmodified ``sglang.launch_server`` with the
 hsnap plug-in on, on hsnap's CPU platform; bfloat16, radix cache on, both servers bound to the same cores):
 
-1. a tiny random-weight hybrid model (GDN + full attention) and its tokenizer, built locally (``hsnap_sglang.tiny``);
+1. a tiny random-weight hybrid model (``--arch``: GDN + full attention by default, or the Mamba2 hybrid ``nemotron_h``;
+   ``falcon_h1`` is refused at the pause: README's model families) and its tokenizer, built locally (``hsnap_sglang.tiny``);
 2. the **source** server: an uninterrupted greedy reference of N=128 tokens; then the same request again, streamed,
    beside two other requests; after k=10 outputs ``POST /hsnap/export`` (``hsnap_sglang.client.pause``) — the
    request is exported at its next committed decode boundary, its stream ends with ``finish_reason hsnap_export``;
@@ -401,7 +402,7 @@ def _resigned(data: bytes, header: dict | None = None, major: int | None = None)
 # case -> (what it is, the error type the server must answer with)
 NEGATIVE = {
     "version": ("a future major format version (every digest and check honest)", "UnsupportedVersionError"),
-    "layout": ("another GDN head layout than this model's (temporal state shape changed in geometry and sections)", "IncompatibleSnapshotError"),
+    "layout": ("another linear-attention head layout than this model's (temporal state shape changed in geometry and sections)", "IncompatibleSnapshotError"),
     "binding": ("bound to other weights (another identity.weights_hash), re-signed", "IncompatibleSnapshotError"),
     "manifest": ("a one-rank set whose manifest binds another file than the rank file it holds", "MalformedManifestError"),
     "digest": ("one byte flipped inside a temporal-state section", "DigestMismatchError"),
@@ -522,7 +523,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=N, help=f"output tokens in total (default {N})")
     p.add_argument("-k", "--k", type=int, default=K, help=f"outputs streamed before the pause (default {K})")
     p.add_argument("--arch", choices=ARCHS, default="qwen3_next",
-                   help="tiny model family (each a GDN + full-attention hybrid; default qwen3_next)")
+                   help="tiny model family (a GDN or Mamba2 hybrid with full attention: hsnap_sglang.tiny; default qwen3_next)")
     p.add_argument("--model-seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--model-dir", help="use (or build) the tiny model here instead of inside --out: an existing directory is "
                    "reused only when hsnap_sglang.tiny built it with the same recipe (any other content is refused)")

@@ -8,7 +8,7 @@ with their constant-initialised parameters perturbed) + ``generation_config.json
 (the recipe and a digest of every file).  The same recipe gives the same bytes; an existing directory with the
 same recipe is reused.
 
-    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe] [--seed 0]
+    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe|nemotron_h|falcon_h1|granitemoehybrid] [--seed 0]
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from typing import Any
 
 __all__ = ["ARCHS", "RECIPE_FILE", "SPECIAL_TOKENS", "build_model_dir", "build_tokenizer", "corpus", "load_reference_model", "tiny_config"]
 
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "granitemoehybrid")
+MAMBA2_ARCHS = ("nemotron_h", "falcon_h1", "granitemoehybrid")  # Mamba2 (SSD) hybrids: MambaMixer2 in SGLang
 RECIPE_FILE = "hsnap_tiny.json"
 RECIPE_VERSION = 1
 MAX_POSITIONS = 40960  # room for the 32k-token measurements; no weight depends on it
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+_ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+                  "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+                  "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -121,6 +124,84 @@ def build_tokenizer(vocab_size: int, seed: int = 0):
     return tok
 
 
+# The tiny Mamba2 geometry: 8 SSM heads of 16 channels in 2 groups (n_groups < heads, so the group -> head
+# broadcast is exercised), state size 32 (unlike the head dim, so the P / N axes of the state cannot be confused
+# silently), conv kernel 4, and a chunk of 16 tokens so that the test prompts span several SSD chunks.
+_TINY_MAMBA2: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    ssm_state_size=32,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=16,
+)
+# NemotronH: Mamba2, attention, Mamba2, MLP ("M*M-" in NemotronH's pattern letters)
+_NEMOTRON_H_LAYERS = ["linear_attention", "full_attention", "linear_attention", "mlp"]
+
+
+def _nemotron_h_config(**overrides):
+    from transformers.models.nemotron_h import NemotronHConfig
+
+    kw = dict(_TINY_MAMBA2, layers_block_type=list(_NEMOTRON_H_LAYERS), mlp_hidden_act="relu2")
+    kw.update(overrides)
+    cfg = NemotronHConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _falcon_h1_config(**overrides):
+    """FalconH1: attention and Mamba2 side by side in every layer, then an MLP; 3 layers, with the muP multipliers
+    away from 1 so that each is exercised.  ``mamba_norm_before_gate=False``: SGLang 0.5.23's ``Mixer2RMSNormGated``
+    always gates before it normalises (it has no other mode); transformers follows the flag."""
+    from transformers.models.falcon_h1 import FalconH1Config
+
+    t = _TINY_MAMBA2
+    kw = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        num_hidden_layers=3, num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t["head_dim"], mamba_d_ssm=t["mamba_num_heads"] * t["mamba_head_dim"], mamba_n_heads=t["mamba_num_heads"],
+        mamba_d_head=t["mamba_head_dim"], mamba_n_groups=t["n_groups"], mamba_d_state=t["ssm_state_size"],
+        mamba_d_conv=t["conv_kernel"], mamba_chunk_size=t["chunk_size"], mamba_rms_norm=True,
+        mamba_norm_before_gate=False, lm_head_multiplier=0.5, embedding_multiplier=2.0, mlp_multipliers=[0.5, 2.0],
+        key_multiplier=0.75, attention_out_multiplier=0.8, attention_in_multiplier=1.25,
+        ssm_multipliers=[0.5, 1.5, 0.75, 1.25, 2.0], ssm_in_multiplier=1.5, ssm_out_multiplier=0.6,
+    )
+    kw.update(overrides)
+    cfg = FalconH1Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _granitemoehybrid_config(**overrides):
+    """GraniteMoeHybrid: Mamba2, attention (with rotary embeddings), Mamba2, each followed by a small MoE (4 experts,
+    2 per token) and a shared expert, with Granite's multipliers away from 1.  One SSM group (n_groups = 1 < 8
+    heads): transformers 5.19's ``GraniteMoeHybridRMSNormGated`` normalises over the whole SSM width while SGLang
+    0.5.23's ``Mixer2RMSNormGated`` normalises per group, so the two models agree only for one group (as the
+    published Granite 4.0 checkpoints have); FalconH1 carries the two-group geometry."""
+    from transformers.models.granitemoehybrid import GraniteMoeHybridConfig
+
+    t = _TINY_MAMBA2
+    kw = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"], mamba_n_heads=t["mamba_num_heads"], mamba_d_head=t["mamba_head_dim"],
+        mamba_n_groups=1, mamba_d_state=t["ssm_state_size"], mamba_d_conv=t["conv_kernel"],
+        mamba_chunk_size=t["chunk_size"], mamba_expand=t["mamba_num_heads"] * t["mamba_head_dim"] // t["hidden_size"],
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64, position_embedding_type="rope",
+        embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+    )
+    kw.update(overrides)
+    cfg = GraniteMoeHybridConfig(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def _moe_config(**overrides):
     """Qwen3.5-MoE (the family of the project's reference model, Qwen3.5-35B-A3B): the tiny dense Qwen3.5 with the
     tiny Qwen3-Next's experts in place of its MLP."""
@@ -140,6 +221,12 @@ def _moe_config(**overrides):
 def _config(arch: str):
     if arch == "qwen3_5_moe":
         cfg = _moe_config(max_position_embeddings=MAX_POSITIONS)
+    elif arch == "nemotron_h":
+        cfg = _nemotron_h_config(max_position_embeddings=MAX_POSITIONS)
+    elif arch == "falcon_h1":
+        cfg = _falcon_h1_config(max_position_embeddings=MAX_POSITIONS)
+    elif arch == "granitemoehybrid":
+        cfg = _granitemoehybrid_config(max_position_embeddings=MAX_POSITIONS)
     else:
         cfg = tiny_config(arch, max_position_embeddings=MAX_POSITIONS)
     cfg.architectures = [_ARCHITECTURES[arch]]
@@ -150,16 +237,41 @@ def _config(arch: str):
     return cfg
 
 
-def _add_sglang_config_keys(config_json: Path, cfg) -> None:
+def _add_sglang_config_keys(config_json: Path, cfg, arch: str = "qwen3_next") -> None:
     """transformers 5.x saves ``layer_types`` only; SGLang 0.5.23's Qwen3-Next config derives the layer kinds from
-    ``full_attention_interval``: write it too (checked consistent with ``layer_types``)."""
+    ``full_attention_interval``: write it too (checked consistent with ``layer_types``).  For the Mamba2 hybrids see
+    :func:`_mamba2_sglang_keys`."""
     data = json.loads(config_json.read_text())
+    if arch in MAMBA2_ARCHS:
+        _mamba2_sglang_keys(data, cfg, arch)
+        config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return
     interval = list(data["layer_types"]).index("full_attention") + 1
     expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(cfg.num_hidden_layers)]
     if list(data["layer_types"]) != expected:
         raise ValueError(f"{config_json}: layer_types {data['layer_types']} do not follow full_attention_interval={interval}")
     data["full_attention_interval"] = interval
     config_json.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _mamba2_sglang_keys(data: dict, cfg, arch: str) -> None:
+    """One config.json both read with the same geometry.  NemotronH: transformers 5.x writes
+    ``layers_block_type`` with its new layer names (``linear_attention`` / ``full_attention``), which SGLang 0.5.23's
+    ``NemotronHConfig`` refuses (it knows ``mamba`` / ``attention`` / ``mlp`` / ``moe``): the layers are written as
+    ``hybrid_override_pattern`` instead, which both read (transformers converts it back to the same list), and the
+    Mamba keys under SGLang's names too (``mamba_n_groups``, ``mamba_d_conv``, ``mamba_chunk_size``; transformers
+    reads those as aliases of its own).  FalconH1: both read the same keys.  GraniteMoeHybrid: SGLang maps the new
+    layer names itself, and reads the rotary base from ``rope_theta``."""
+    if arch == "nemotron_h":
+        data["hybrid_override_pattern"] = cfg.hybrid_override_pattern
+        data.pop("layers_block_type", None)
+        data["mtp_hybrid_override_pattern"] = cfg.mtp_hybrid_override_pattern
+        data.pop("mtp_layers_block_type", None)
+        data["mamba_n_groups"] = cfg.n_groups
+        data["mamba_d_conv"] = cfg.conv_kernel
+        data["mamba_chunk_size"] = cfg.chunk_size
+    elif arch == "granitemoehybrid":
+        data["rope_theta"] = cfg.rope_parameters["rope_theta"]  # SGLang's config reads rope_theta, not rope_parameters
 
 
 def _file_digests(path: Path) -> dict[str, str]:
@@ -173,7 +285,7 @@ def _file_digests(path: Path) -> dict[str, str]:
 # arch -> std of the noise added to parameters that transformers initialises to a constant (norm weights, dt_bias),
 # so that a comparison against transformers sees every parameter (a zero Gemma-style norm weight would hide a
 # swapped q/k norm or a missing "1 +").  Qwen3-Next's recipe predates it and keeps its bytes.
-CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1}
+CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1, "nemotron_h": 0.1, "falcon_h1": 0.1, "granitemoehybrid": 0.1}
 
 
 def _recipe(arch: str, seed: int) -> dict:
@@ -203,6 +315,15 @@ def _perturb_constant_params(model, std: float, seed: int) -> list[str]:
                 param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * std)
                 names.append(name)
     return names
+
+
+def _align_dt_floor(cfg) -> None:
+    """transformers' pure-torch Mamba2 clamps the discretised time step at ``time_step_min`` (``time_step_limit =
+    (config.time_step_min, inf)`` in NemotronH's mixer); SGLang 0.5.23's ``MambaMixer2`` clamps it at 0
+    (``dt_limit=(0.0, inf)``, hard-coded) and not at all in decode.  The weights' dt_bias are drawn from
+    ``time_step_min`` (so some time steps fall below it): the saved config says 0 after the draw, so that both
+    models compute the same function.  (FalconH1's mixer clamps at ``config.time_step_limit``, (0, inf).)"""
+    cfg.time_step_min = 0.0
 
 
 def _existing(path: Path, recipe: dict) -> bool:
@@ -239,12 +360,14 @@ def build_model_dir(path: str | os.PathLike, *, arch: str = "qwen3_next", seed: 
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         if arch in CONSTANT_PARAM_NOISE:
             _perturb_constant_params(model, CONSTANT_PARAM_NOISE[arch], seed + 1)
+        if arch == "nemotron_h":
+            _align_dt_floor(model.config)
         model.eval()
         model.generation_config.eos_token_id = cfg.eos_token_id
         model.generation_config.pad_token_id = cfg.pad_token_id
         model.generation_config.bos_token_id = None
         model.save_pretrained(tmp, safe_serialization=True)
-        _add_sglang_config_keys(tmp / "config.json", cfg)
+        _add_sglang_config_keys(tmp / "config.json", cfg, arch)
 
         fast = PreTrainedTokenizerFast(
             tokenizer_object=build_tokenizer(cfg.vocab_size, seed),

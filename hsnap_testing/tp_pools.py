@@ -1,13 +1,16 @@
 """SGLang pool sets of one model at TP 1, 2 and 4, holding one request's global state
 exactly as each TP rank holds it (for the re-sharding tests).
 
-Each rank's pools are SGLang's own classes built with that rank's shapes:
-``Mamba2StateShape.create(tp_world_size=tp, ...)`` for the Mamba/GDN slot, and the KV
-head count ``QKVParallelLinear`` gives rank r (``reshard.kv_head_map``). The global state
-(K/V ``[tokens, global heads, dim]``, conv ``[global channels, K-1]``, temporal
-``[global heads, ...]``) is placed into rank r by the global ids SGLang's own weight
-loaders give that rank (``reshard.kv_head_map`` / ``conv_channel_map``), so a rank's
-bytes are what a TP engine computing that state would hold.
+Each rank's pools are SGLang's own classes built with that rank's shapes: the family's
+SGLang state shape at ``tp_world_size=tp`` (``reshard.state_shape``: ``Mamba2StateShape``,
+``KimiLinearStateShape``) for the Mamba-pool slot, and the KV head count
+``QKVParallelLinear`` gives rank r (``reshard.kv_head_map``). The global state (K/V
+``[tokens, global heads, dim]``, conv ``[global channels, K-1]`` — KDA ``[K-1, global
+channels]`` —, temporal ``[global heads, ...]``) is placed into rank r by the global ids
+SGLang's own weight loaders give that rank (``reshard.kv_head_map`` / ``conv_channel_map``
+/ ``temporal_head_map``), so a rank's bytes are what a TP engine computing that state
+would hold. ``MODELS`` are the geometries the re-sharding suites run; ``FAMILIES`` the
+other hybrid families (tests/test_families.py).
 """
 
 from __future__ import annotations
@@ -48,22 +51,32 @@ MODELS = {
     # sliding-window layers 0 and 2 beside a full layer (SWAKVPool), 2 KV heads
     "swa": Model("swa", reshard.TPModel(kv_heads=2), "swa", (1,), swa_layers=(0, 2)),
 }
+# The other families SGLang keeps in a MambaPool slot, each beside MHA attention (2 KV heads);
+# apart from MODELS, whose every geometry the re-sharding suites run at TP 1, 2 and 4.
+FAMILIES = {
+    # Mamba2 with n_groups 2: B and C split by group at TP 2; TP 4 is no split SGLang makes
+    # (MambaMixer2: n_groups a multiple of tp, or 1)
+    "mamba2-g2": Model("mamba2-g2", reshard.TPModel(kv_heads=2, mamba=reshard.Mamba2Dims(8, 2, 4, 2, 2)), "hybrid", (1,), (0, 2)),
+    # Mamba-1 (Falcon-Mamba): conv over 8 intermediate channels, temporal (8 channels, 1, 2)
+    "mamba1": Model("mamba1", reshard.TPModel(kv_heads=2, mamba=reshard.Mamba1Dims(8, 2)), "hybrid", (1,), (0, 2)),
+    # Kimi-Linear KDA: conv slot (K-1, q|k|v) transposed (conv_slice_axis 1), temporal (heads, d, d)
+    "kda": Model("kda", reshard.TPModel(kv_heads=2, mamba=reshard.KDADims(4, 2)), "hybrid", (1,), (0, 2)),
+    # LFM2 short conv: conv over 8 hidden channels (K 3), a zero-element temporal (1, 8, 0)
+    "lfm2": Model("lfm2", reshard.TPModel(kv_heads=2, mamba=reshard.ShortConvDims(8), conv_kernel=3), "hybrid", (1,), (0, 2)),
+    # lightning (Bailing / MiniCPM seg_la): temporal (4 heads, 2, 2), a zero-element conv (0, 0)
+    "lightning": Model("lightning", reshard.TPModel(kv_heads=2, mamba=reshard.LightningDims(4, 2)), "hybrid", (1,), (0, 2)),
+}
 MLA_RANK, MLA_ROPE = 4, 2
 POOL_KINDS = {"mha": "mha", "mla": "mla", "hybrid": "hybrid_linear", "swa": "swa"}  # Model.pool -> pools.build kind
 
 
 def _mamba_params(sg, m: Model, tp: int):
+    """SGLang's cache params of the model's family at ``tp``: its own state-shape class
+    (``reshard.state_shape``), and ``KimiLinearCacheParams`` for a KDA shape."""
     mu = sg.mamba_utils
-    d = m.tp.mamba
-    if isinstance(d, reshard.GDNDims):
-        kw = dict(intermediate_size=d.v_heads * d.v_dim, n_groups=d.k_heads, num_heads=d.v_heads, head_dim=d.v_dim,
-                  state_size=d.k_dim, conv_shard_groups=[d.k_heads * d.k_dim] * 2 + [d.v_heads * d.v_dim])
-    else:
-        kw = dict(intermediate_size=d.intermediate, n_groups=d.n_groups, num_heads=d.num_heads, head_dim=d.head_dim,
-                  state_size=d.state_size)
-    shape = mu.Mamba2StateShape.create(tp_world_size=tp, conv_kernel=m.tp.conv_kernel, **kw)
-    return mu.Mamba2CacheParams(shape=shape, layers=list(m.mamba_layers),
-                                dtype=mu.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    shape = reshard.state_shape(m.tp.mamba, tp, m.tp.conv_kernel)
+    cls = mu.KimiLinearCacheParams if isinstance(shape, mu.KimiLinearStateShape) else mu.Mamba2CacheParams
+    return cls(shape=shape, layers=list(m.mamba_layers), dtype=mu.Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
 
 
 def build(m: Model, tp: int, rank: int, *, size: int = 64, seed: int = 3) -> SimpleNamespace:
@@ -110,10 +123,13 @@ def shard_of(m: Model, tp: int, rank: int, name: str, full: torch.Tensor) -> tor
     if kind == "mla":
         return full
     if name.endswith(".temporal"):
-        n = full.shape[0] // tp
-        return full[rank * n : (rank + 1) * n]
+        heads, _ = reshard.temporal_head_map(m.tp.mamba, tp, rank, m.tp.conv_kernel)
+        return full[heads]
+    if not full.numel():  # a conv of no element (lightning): the same empty slot on every rank
+        return full
     held, _ = reshard.conv_channel_map(m.tp.mamba, tp, rank, m.tp.conv_kernel)
-    return full[held]
+    axis = reshard.conv_slice_axis(m.tp.mamba, m.tp.conv_kernel)
+    return full.index_select(axis, torch.tensor(held, dtype=torch.int64))
 
 
 def place(ps, state: dict[str, torch.Tensor]):
@@ -193,4 +209,4 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-__all__ = ["MODELS", "build", "global_state", "shard_of", "place", "export_set", "restored_rows", "identity", "as_bytes"]
+__all__ = ["MODELS", "FAMILIES", "build", "global_state", "shard_of", "place", "export_set", "restored_rows", "identity", "as_bytes"]

@@ -150,15 +150,16 @@ def test_two_rank_directory():
 
 CHAIN_LINKS = ["chain-base", "chain-delta-1", "chain-delta-2"]  # files of chain.json (format 1.2)
 CHAIN_SETS = ["chain-tp2-base", "chain-tp2-delta-1", "chain-tp2-delta-2"]  # directories of chain-tp2.json
+SHARDED_SETS = ["hybrid-tp2", "mamba2-tp2", "kda-tp2"]  # format 1.1: TP-2 sets with geometry.sharding
 
 
 def test_every_vector_has_a_description():
     hsnaps = sorted(p.stem for p in VECTORS.glob("*.hsnap"))
     assert hsnaps == sorted(SINGLE + CHAIN_LINKS + ["paged-a", "paged-b"])  # paged-*: pages.json (1.3, tests/test_pagestore.py)
-    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages"])
+    assert sorted(p.stem for p in VECTORS.glob("*.json")) == sorted(SINGLE + ["two-rank", "chain", "chain-tp2", "pages"] + SHARDED_SETS)
     assert [link.get("file") for link in _desc("chain")["links"]] == [f"{n}.hsnap" for n in CHAIN_LINKS]
     assert [link["directory"] for link in _desc("chain-tp2")["links"]] == CHAIN_SETS
-    for d in ["two-rank", "hybrid-tp2"] + CHAIN_SETS:
+    for d in ["two-rank"] + SHARDED_SETS + CHAIN_SETS:
         assert sorted(p.name for p in (VECTORS / d).iterdir()) == [
             "manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
 
@@ -503,6 +504,30 @@ def test_hybrid_tp2_vector_is_1_1_and_reassembles():
     assert ir.reassemble_global(res, "mamba.0.temporal").reshape(-1).tolist() == [0.25, 1.25]
     k = ir.reassemble_global(res, "attn.1.k")
     assert k.tolist() == [[[10 * t + h + dd / 4 for dd in range(2)] for h in range(2)] for t in range(2)]
+
+
+@pytest.mark.parametrize("name", ["mamba2-tp2", "kda-tp2"])
+def test_other_family_vectors_decode_and_reassemble(name):
+    """mamba2-tp2 (B and C of the one group replicated on both ranks) and kda-tp2 (the conv
+    slot transposed, sharded along axis 1, beside a replicated MLA latent) decode to their
+    descriptions, and their parts alone rebuild the global tensors (replicas agreeing)."""
+    desc = _desc(name)
+    d = VECTORS / desc["directory"]
+    res = ir.read_directory(d)
+    assert res.manifest_text == desc["manifest_text"].encode("utf-8")
+    for snap, rdesc in zip(res.ranks, desc["ranks"]):
+        assert (snap.major, snap.minor) == (1, 1)
+        _check_against_description(snap, rdesc, (d / rdesc["file"]).read_bytes())
+    conv = ir.reassemble_global(res, "mamba.0.conv.0")
+    temporal = ir.reassemble_global(res, "mamba.0.temporal").reshape(-1).tolist()
+    if name == "mamba2-tp2":  # x | B | C: 2 + 1 + 1 channels, K-1 = 2 columns
+        assert conv.tolist() == [[c + j / 2 for j in range(2)] for c in range(4)]
+        assert temporal == [0.25, 1.25]
+        assert ir.reassemble_global(res, "attn.1.k").tolist() == [[[10 * t + dd / 4 for dd in range(2)]] for t in range(2)]
+    else:  # (K-1, q | k | v): 2 rows of 12 channels
+        assert conv.tolist() == [[c + j / 2 for c in range(12)] for j in range(2)]
+        assert temporal == [4 * h + 2 * a + b + 0.5 for h in range(2) for a in range(2) for b in range(2)]
+        assert ir.reassemble_global(res, "mla.1.kv").tolist() == [[[10 * t + dd / 4 for dd in range(3)]] for t in range(2)]
 
 
 def _rank1(edit) -> bytes:

@@ -25,7 +25,8 @@ from hsnap_format.spec import DTYPES
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
 SINGLE = ("attention-only", "hybrid", "mla-fp8")
-SETS = ("two-rank", "hybrid-tp2")  # directories; hybrid-tp2 is the format-1.1 vector
+SETS = ("two-rank", "hybrid-tp2", "mamba2-tp2", "kda-tp2")  # directories; all but two-rank are format-1.1 vectors
+SHARDED = SETS[1:]
 CHAINS = ("chain", "chain-tp2")  # format 1.2: a plain snapshot and two deltas (files; TP-2 sets)
 HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "base", "sections")  # base: a delta's
 TABLE_KEYS = ("name", "kind", "layer", "dtype", "shape", "offset", "length", "digest")
@@ -70,7 +71,7 @@ def test_every_vector_regenerates_byte_for_byte():
 def test_generate_check_command():
     r = subprocess.run([sys.executable, str(VEC / "generate.py"), "--check"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK 8 vectors")
+    assert r.stdout.startswith("OK 10 vectors")
 
 
 def test_vectors_are_tiny():
@@ -232,7 +233,7 @@ def test_one_zero_vectors_are_one_zero_files_read_by_the_one_one_reader():
 
     assert MINOR == 3  # 1.2: snapshot chains (spec 5.9); 1.3: pages stored once (spec 5.10)
     for label, path, desc in RANKS:
-        if label.startswith(("hybrid-tp2/", "chain-")):  # 1.1 and 1.2 content (tests/test_chain_format.py)
+        if label.startswith(tuple(f"{n}/" for n in SHARDED) + ("chain-",)):  # 1.1 and 1.2 content (tests/test_chain_format.py)
             continue
         with Snapshot(path) as snap:
             assert snap.version == (1, 0) and desc["expected"]["version"] == [1, 0]
@@ -263,9 +264,10 @@ def _one_zero_rules(data: bytes) -> dict:
     return out
 
 
-def test_one_one_vector_through_one_zero_rules():
-    """Spec 9: the 1.1 vector uses no new required feature, so a 1.0 reader reads it fully."""
-    d = load("hybrid-tp2")
+@pytest.mark.parametrize("name", ["hybrid-tp2", "mamba2-tp2"])  # this 1.0 plan knows mha attention only
+def test_one_one_vector_through_one_zero_rules(name):
+    """Spec 9: the 1.1 vectors use no new required feature, so a 1.0 reader reads them fully."""
+    d = load(name)
     for r in d["ranks"]:
         data = (VEC / d["directory"] / r["file"]).read_bytes()
         assert struct.unpack_from("<HH", data, 8) == (1, 1)  # minor 1 in the preamble
@@ -275,19 +277,20 @@ def test_one_one_vector_through_one_zero_rules():
             assert _numbers(out["arrays"][s["name"]]) == s["values"]
 
 
-def test_one_one_vector_reassembles_without_the_model():
-    """The 1.1 description alone rebuilds the global tensors of the hybrid-tp2 vector."""
-    d = load("hybrid-tp2")
-    path = VEC / d["directory"]
+def _reassembled(name: str) -> dict[str, np.ndarray]:
+    """Every state section of a 1.1 set as its global tensor, rebuilt from the descriptions
+    alone: each rank's parts written at their global offsets along their axis; a replicated
+    element must be the same on every rank that holds it."""
+    path = VEC / load(name)["directory"]
+    glob: dict[str, np.ndarray] = {}
     with SnapshotSet(path) as ss:
-        glob: dict[str, np.ndarray] = {}
         for r in range(ss.manifest.tp_size):
             snap = ss.rank(r)
             sh = snap.geometry.sharding
             for s in snap.sections:
                 if not s.is_state:
                     continue
-                ax = sh.attention if s.kind.startswith("attn") else sh.conv[0] if s.kind == "conv" else sh.temporal
+                ax = sh.attention if s.kind.startswith(("attn", "mla")) else sh.conv[0] if s.kind == "conv" else sh.temporal
                 arr = snap.read(s)
                 shape = list(arr.shape)
                 shape[ax.axis] = ax.global_size
@@ -297,8 +300,18 @@ def test_one_one_vector_reassembles_without_the_model():
                     idx = [slice(None)] * arr.ndim
                     src = list(idx)
                     idx[ax.axis], src[ax.axis] = slice(off, off + n), slice(local, local + n)
-                    g[tuple(idx)] = arr[tuple(src)].astype(np.float64)
+                    piece = arr[tuple(src)].astype(np.float64)
+                    have = g[tuple(idx)]
+                    assert np.all(np.isnan(have)) or np.array_equal(have, piece), (name, s.name, r, "replicas differ")
+                    g[tuple(idx)] = piece
                     local += n
+    assert not any(np.isnan(g).any() for g in glob.values()), "every global element held by some rank"
+    return glob
+
+
+def test_one_one_vector_reassembles_without_the_model():
+    """The 1.1 description alone rebuilds the global tensors of the hybrid-tp2 vector."""
+    glob = _reassembled("hybrid-tp2")
     # the vector's global state (see its description): conv channel c column j = c + j/2,
     # temporal head h = 0.25 + h, K token t head h dim d = 10t + h + d/4, V its negation
     assert glob["mamba.0.conv.0"].tolist() == [[c + j / 2 for j in range(2)] for c in range(6)]
@@ -306,6 +319,33 @@ def test_one_one_vector_reassembles_without_the_model():
     k = [[[10 * t + h + dd / 4 for dd in range(2)] for h in range(2)] for t in range(2)]
     assert glob["attn.1.k"].tolist() == k
     assert glob["attn.1.v"].tolist() == (-np.array(k)).tolist()
+
+
+def test_mamba2_vector_replicates_the_one_group():
+    """mamba2-tp2: n_groups 1 < tp, so B (channel 2) and C (channel 3) are on both ranks
+    (replicas 2), x split; the one KV head replicated; the globals as its description says."""
+    d = load("mamba2-tp2")
+    convs = [r["geometry"]["sharding"]["conv"][0] for r in d["ranks"]]
+    assert [c["parts"] for c in convs] == [[[0, 1, 1], [2, 1, 2], [3, 1, 2]], [[1, 1, 1], [2, 1, 2], [3, 1, 2]]]
+    assert all(r["geometry"]["sharding"]["attention"]["parts"] == [[0, 1, 2]] for r in d["ranks"])
+    glob = _reassembled("mamba2-tp2")
+    assert glob["mamba.0.conv.0"].tolist() == [[c + j / 2 for j in range(2)] for c in range(4)]
+    assert glob["mamba.0.temporal"].reshape(-1).tolist() == [0.25, 1.25]
+    k = [[[10 * t + dd / 4 for dd in range(2)]] for t in range(2)]
+    assert glob["attn.1.k"].tolist() == k and glob["attn.1.v"].tolist() == (-np.array(k)).tolist()
+
+
+def test_kda_vector_shards_its_transposed_conv_along_axis_one():
+    """kda-tp2: the conv slot is (K-1, channels); conv_slice_axis 1 and every conv AXIS on
+    axis 1, in three parts (q, k, v halves); reassembled along axis 1 it is the global conv."""
+    d = load("kda-tp2")
+    for r in d["ranks"]:
+        assert r["geometry"]["mamba"]["conv_slice_axis"] == 1 and r["geometry"]["mamba"]["conv_shapes"] == [[2, 6]]
+        assert r["geometry"]["sharding"]["conv"][0]["axis"] == 1 and len(r["geometry"]["sharding"]["conv"][0]["parts"]) == 3
+    glob = _reassembled("kda-tp2")
+    assert glob["mamba.0.conv.0"].tolist() == [[c + j / 2 for c in range(12)] for j in range(2)]
+    assert glob["mamba.0.temporal"].reshape(-1).tolist() == [4 * h + 2 * a + b + 0.5 for h in range(2) for a in range(2) for b in range(2)]
+    assert glob["mla.1.kv"].tolist() == [[[10 * t + dd / 4 for dd in range(3)]] for t in range(2)]
 
 
 # ----------------------------------------------------------------------------- 1.1: where readers could differ

@@ -2,7 +2,7 @@
 opted-in SGLang server by :func:`hsnap_sglang._autoload.torch_autoload` (torch's ``torch.backends`` entry point,
 which runs at the end of ``import torch``) or by :func:`hsnap_sglang.cpu.activate`.
 
-It acts on two top-level packages only:
+It acts on two top-level packages and on the SGLang modules :data:`hsnap_sglang.cpu.fill_in.FILL_IN` lists:
 
 * ``sgl_kernel`` — when no real sgl_kernel is installed, the package :mod:`hsnap_sglang.cpu.sgl_kernel` is loaded
   under that name (its submodules, e.g. ``sgl_kernel.mamba``, are found in it as usual).  A real sgl_kernel always
@@ -12,6 +12,9 @@ It acts on two top-level packages only:
   but with a C extension that cannot load (the CUDA wheel beside a CPU torch), the two op schemas its
   ``_meta_registrations.py`` needs are defined before it imports.  Both come from :mod:`hsnap_io.sglang_env`, hsnap's
   one "import SGLang on CPU" shim.
+* a module of :data:`~hsnap_sglang.cpu.fill_in.FILL_IN` (``sglang.srt.layers.attention.mamba.mamba``) — loaded by
+  its own loader as usual; right after it executes, the names it binds only for cuda / npu / xpu (the Mamba2 causal
+  conv) are given to it (:func:`hsnap_sglang.cpu.fill_in.fill`).
 
 Nothing but the standard library (and that shim, itself standard library only) is imported until one of these
 imports happens.
@@ -28,7 +31,9 @@ import threading
 
 from hsnap_io.sglang_env import is_torchvision, placeholder_spec, prepare_torchvision
 
-__all__ = ["CpuPlatformFinder", "install", "installed"]
+from . import fill_in
+
+__all__ = ["CpuPlatformFinder", "FillInLoader", "install", "installed"]
 
 logger = logging.getLogger("hsnap_sglang.cpu")
 
@@ -36,13 +41,13 @@ _SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sgl_kernel
 _lock = threading.RLock()
 
 
-def _other_finders_spec(finder, name: str):
+def _other_finders_spec(finder, name: str, path=None, target=None):
     """The spec another meta-path finder gives ``name`` (a real installation), or None."""
     for other in list(sys.meta_path):
         if other is finder or not hasattr(other, "find_spec"):
             continue
         try:
-            spec = other.find_spec(name, None)
+            spec = other.find_spec(name, path, target)
         except (ImportError, ValueError):
             spec = None
         if spec is not None:
@@ -50,9 +55,31 @@ def _other_finders_spec(finder, name: str):
     return None
 
 
+class FillInLoader(importlib.abc.Loader):
+    """A module's own loader, followed by :func:`hsnap_sglang.cpu.fill_in.fill` once the module has executed."""
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        bound = fill_in.fill(module)
+        if bound:
+            logger.debug("hsnap CPU platform: bound %s in %s", ", ".join(bound), module.__name__)
+
+    def __getattr__(self, name):  # get_source, get_code, get_filename, ...: the module's own loader
+        if name == "loader":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
 class CpuPlatformFinder(importlib.abc.MetaPathFinder):
     """See the module docstring.  ``find_spec`` answers only for ``sgl_kernel`` (the shim, unless a real one is
-    installed) and, where torchvision is not installed, for ``torchvision`` and its submodules (placeholders)."""
+    installed), where torchvision is not installed, for ``torchvision`` and its submodules (placeholders), and for the
+    modules of :data:`~hsnap_sglang.cpu.fill_in.FILL_IN` (their own spec, its loader wrapped in :class:`FillInLoader`)."""
 
     def __init__(self) -> None:
         self._torchvision: str | None = None  # None: not looked at yet; "real" or "placeholder"
@@ -63,7 +90,16 @@ class CpuPlatformFinder(importlib.abc.MetaPathFinder):
             return self._sgl_kernel_spec()
         if is_torchvision(fullname):
             return self._torchvision_spec(fullname)
+        if fullname in fill_in.FILL_IN:
+            return self._fill_in_spec(fullname, path, target)
         return None
+
+    def _fill_in_spec(self, fullname, path, target):
+        spec = _other_finders_spec(self, fullname, path, target)
+        if spec is None or spec.loader is None or isinstance(spec.loader, FillInLoader):
+            return spec
+        spec.loader = FillInLoader(spec.loader)
+        return spec
 
     def _sgl_kernel_spec(self):
         with _lock:

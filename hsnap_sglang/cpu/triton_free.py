@@ -2,13 +2,14 @@
 ``HookRegistry`` (``HookType.REPLACE``; the registry also rebinds every ``from module import name`` copy).
 
 Triton has no CPU driver, so each of these launchers would fail on the first forward.  The table lists every one
-met by a Qwen3-Next / Qwen3.5 forward (prefill, decode, mixed) on SGLang 0.5.23's CPU platform without AMX; the
-replacements are the reference math of :mod:`hsnap_sglang.cpu.ops`, with the launchers' signatures.
+met by a Qwen3-Next / Qwen3.5 forward (prefill, decode, mixed) on SGLang 0.5.23's CPU platform without AMX, and the
+two Mamba2 (SSD) launchers of ``MambaMixer2`` (NemotronH, FalconH1, GraniteMoeHybrid); the replacements are the
+reference math of :mod:`hsnap_sglang.cpu.ops` and :mod:`hsnap_sglang.cpu.ops_mamba2`, with the launchers' signatures.
 """
 
 from __future__ import annotations
 
-from . import ops
+from . import ops, ops_mamba2
 
 __all__ = ["REPLACEMENTS", "register"]
 
@@ -35,6 +36,9 @@ REPLACEMENTS = {
     "sglang.kernels.ops.elementwise.elementwise._launch_fused_gate_sigmoid_mul": _launch_fused_gate_sigmoid_mul,
     "sglang.kernels.ops.attention.fla.layernorm_gated.layernorm_fn": _layernorm_fn,
     "sglang.kernels.ops.attention.fla.fused_norm_gate.rms_norm_gated": _rms_norm_gated,
+    # Mamba2: the prefill scan and the decode step (the SSU dispatcher's "triton" backend calls the latter)
+    "sglang.kernels.ops.mamba.triton_ops.ssd_combined.mamba_chunk_scan_combined": ops_mamba2.mamba_chunk_scan_combined,
+    "sglang.kernels.ops.mamba.triton_ops.mamba_ssm.selective_state_update": ops_mamba2.selective_state_update,
 }
 
 _registered = False

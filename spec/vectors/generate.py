@@ -20,9 +20,11 @@ back by this tool)   shape, offset, length, digest), ``hex`` (the section's
 
 The bytes depend only on the description: ``created_at`` and ``snapshot_id``
 are part of it, temporary names never reach the file, and the writer is
-deterministic. ``two-rank.json`` and ``hybrid-tp2.json`` describe directories: a
-manifest and one rank description per rank. ``hybrid-tp2`` is the format-1.1 vector
-(``geometry.sharding``, feature ``tp-sharding``, preamble minor 1).
+deterministic. ``two-rank.json``, ``hybrid-tp2.json``, ``mamba2-tp2.json`` and
+``kda-tp2.json`` describe directories: a manifest and one rank description per rank.
+``hybrid-tp2`` (GDN), ``mamba2-tp2`` (Mamba2, n_groups 1 < tp: B and C replicated) and
+``kda-tp2`` (Kimi-Linear KDA: conv stored transposed, ``conv_slice_axis`` 1) are
+format-1.1 vectors (``geometry.sharding``, feature ``tp-sharding``, preamble minor 1).
 
 ``chain.json`` and ``chain-tp2.json`` (format 1.2, feature ``delta``, spec 5.9) describe
 snapshot chains: ``links``, a plain snapshot then two deltas, each a rank description
@@ -64,7 +66,7 @@ from hsnap_format.reader import Snapshot  # noqa: E402
 from hsnap_format.spec import DTYPES, MANIFEST_NAME, PREAMBLE, TRAILER  # noqa: E402
 from hsnap_format.writer import write_snapshot  # noqa: E402
 
-VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages")
+VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages", "mamba2-tp2", "kda-tp2")
 HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "base", "pages", "sections")  # base: 1.2; pages: 1.3
 PAGE_HEADER_KEYS = ("format", "features", "digest", "namespace", "page", "sections")  # a page object (1.3, spec 5.11)
 AUTO_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # added by the writer itself
@@ -183,7 +185,7 @@ def build(name: str, desc: dict, outdir: Path, base=None) -> dict:
             out["links"].append(build(name, link, outdir, below))
             below = outdir / artifact(name, link)
         return out
-    if "directory" in desc:  # a TP set: two-rank (1.0), hybrid-tp2 (1.1, geometry.sharding)
+    if "directory" in desc:  # a TP set: two-rank (1.0), hybrid-tp2 / mamba2-tp2 / kda-tp2 (1.1, geometry.sharding)
         target = outdir / desc["directory"]
         sw = SetWriter(target, staging=None)
         try:

@@ -47,7 +47,7 @@ def test_tokenizer_round_trips_and_fits_the_vocabulary(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_qwen3_5_recipes_leave_no_parameter_constant(tmp_path, arch):
     # a Gemma-style norm weight of 0 (transformers' init) would let a swapped q/k norm or a missing "1 +" pass the
-    # comparison against transformers (test_server_qwen3_5.py): the recipe perturbs every constant parameter
+    # comparison against transformers (test_server_families.py): the recipe perturbs every constant parameter
     from safetensors.torch import load_file
 
     from hsnap_sglang.tiny import CONSTANT_PARAM_NOISE

@@ -1,0 +1,122 @@
+"""Every hybrid family SGLang serves here, on hsnap's CPU platform: ``python -m hsnap_sglang.serve`` serving each tiny
+random-weight model (``hsnap_sglang.tiny --arch ARCH``) gives the log-probabilities of transformers' own pure-torch
+model on the same weights, for every prompt position (prefill) and every generated position (decode), within 1e-5
+in float32 (``SGLANG_MAMBA_CONV_DTYPE=float32``, as for Qwen3-Next: test_server.py).  One server per family, all
+started side by side.
+
+The prompt (72 tokens) is prefilled in chunks of 40 tokens (``--chunked-prefill-size 40``), so the second chunk starts
+from the conv and recurrent states the first left in the pool (``has_initial_state``), off the SSD chunk grid (16).
+
+* Qwen3.5, dense and MoE (SGLang's ``qwen3_5`` models: the project's reference family, Qwen3.5-35B-A3B), beyond
+  Qwen3-Next: the attention output gate (``fused_sigmoid_mul_cpu``), the per-head Gemma norms with the gate split out
+  of q (``fused_qk_gemma_rmsnorm_with_gate_cpu``), the contiguous qkvz/ba split
+  (``fused_qkvzba_split_reshape_cat_contiguous_cpu``), partial rotary embeddings, a dense MLP (qwen3_5).
+* Mamba2 (SGLang's ``MambaMixer2``): NemotronH (Mamba2, attention, Mamba2, MLP), FalconH1 (attention and Mamba2 side
+  by side in every layer, muP multipliers), GraniteMoeHybrid (Mamba2 and attention layers with MoE): the Mamba2 conv
+  (``mamba.py``'s names the platform binds), the SSD scan and the decode step (the two Triton launchers it
+  replaces), SGLang's own gated RMSNorm (``Mixer2RMSNormGated.forward_native``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine_support import PROMPT_IDS, Server, full_distribution, reference_logprobs
+from hsnap_support import start_together
+
+pytestmark = pytest.mark.engine
+
+TOLERANCE_FP32 = 1e-5
+NEW = 12
+PREFILL_CHUNK = 40
+
+MAMBA2 = ("nemotron_h", "falcon_h1", "granitemoehybrid")
+ARCHS = ("qwen3_5", "qwen3_5_moe", *MAMBA2)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_arch_dir, tmp_path_factory):
+    """One float32 server per family, started side by side (a start is mostly imports)."""
+    started = {arch: (tiny_arch_dir(arch), Server(tiny_arch_dir(arch), tmp_path_factory.mktemp(f"server-{arch}") / "server.log",
+                                                   "--dtype", "float32", "--chunked-prefill-size", str(PREFILL_CHUNK),
+                                                   env={"SGLANG_MAMBA_CONV_DTYPE": "float32"}))
+               for arch in ARCHS}
+    start_together(*(srv for _, srv in started.values()))
+    yield started
+    for _, srv in started.values():
+        srv.stop()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def served(request, servers):
+    model_dir, srv = servers[request.param]
+    return request.param, model_dir, srv
+
+
+def test_server_logits_match_transformers_prefill_and_decode(served):
+    import torch
+
+    arch, model_dir, server = served
+
+    out = server.post("/generate", {"input_ids": PROMPT_IDS, "return_logprob": True, "top_logprobs_num": 512,
+                                    "logprob_start_len": 0,
+                                    "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    meta = out["meta_info"]
+    ids = [p[1] for p in meta["output_token_logprobs"]]
+    prefill, decode = reference_logprobs(model_dir, PROMPT_IDS, ids, "float32")
+    sg_prefill = torch.tensor([full_distribution(top) for top in meta["input_top_logprobs"][1:]], dtype=torch.float64)
+    sg_decode = torch.tensor([full_distribution(top) for top in meta["output_top_logprobs"]], dtype=torch.float64)
+    assert not torch.isnan(sg_prefill).any() and not torch.isnan(sg_decode).any()
+    d_prefill = (sg_prefill - prefill[:-1]).abs().max().item()
+    d_decode = (sg_decode - decode).abs().max().item()
+    print(f"\n{arch} max |dlogprob| vs transformers float32: prefill {d_prefill:.2e} ({len(PROMPT_IDS) - 1} positions, "
+          f"chunks of {PREFILL_CHUNK}), decode {d_decode:.2e} ({NEW} steps)")
+    assert d_prefill <= TOLERANCE_FP32 and d_decode <= TOLERANCE_FP32
+    assert ids == decode.argmax(-1).tolist()  # greedy picks the same tokens
+    # the distributions are not flat: the comparison is about something (random weights, 512 tokens)
+    assert (decode.max(-1).values - decode.min(-1).values).min().item() > 0.5
+
+
+@pytest.mark.parametrize("arch", MAMBA2)
+def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_arch_dir, arch):
+    """The config.json the tiny recipe writes gives SGLang's config class (what sizes its Mamba pool and layers) the
+    same layers and SSM geometry as transformers' (what the reference computes with)."""
+    import os
+    import subprocess
+    import sys
+
+    from hsnap_sglang.tiny import load_reference_model
+
+    model_dir = tiny_arch_dir(arch)
+    cfg = load_reference_model(model_dir).config
+    # SGLang's config classes import SGLang's runtime: in a child, opted in (as a server process is)
+    probe = (
+        "import json\n"
+        "from sglang.srt.runtime_context import get_parallel\n"
+        "from sglang.srt.utils.hf_transformers_utils import get_config\n"
+        f"c = get_config({str(model_dir)!r}, trust_remote_code=False)\n"
+        "with get_parallel().override(attn_tp_size=1):\n"
+        "    params = c.mamba2_cache_params\n"
+        "print(json.dumps({'cls': type(c).__module__, 'mamba_layers': list(params.layers),"
+        " 'conv': [list(s) for s in params.shape.conv], 'temporal': list(params.shape.temporal)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HSNAP_SGLANG_CPU="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    sg = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sg["cls"].startswith("sglang.srt.configs."), sg  # SGLang's own config class, not transformers'
+    if arch == "nemotron_h":
+        heads, head_dim, state, groups, kernel = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
+                                                  cfg.n_groups, cfg.conv_kernel)
+    else:
+        heads, head_dim, state, groups, kernel = (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state,
+                                                  cfg.mamba_n_groups, cfg.mamba_d_conv)
+    assert groups < heads and groups in (1, 2)
+    assert sg["temporal"] == [heads, head_dim, state]
+    assert sg["conv"] == [[heads * head_dim + 2 * groups * state, kernel - 1]]
+    layer_kinds = getattr(cfg, "layers_block_type", None) or cfg.layer_types
+    expected = ([i for i, kind in enumerate(layer_kinds) if kind in ("mamba", "linear_attention")]
+                if arch != "falcon_h1" else list(range(cfg.num_hidden_layers)))
+    assert sg["mamba_layers"] == expected
