@@ -87,7 +87,9 @@ def test_qkvzba_split_gives_transformers_projections():
                x @ gdn.in_proj_b.weight.t(), x @ gdn.in_proj_a.weight.t()]
     for name, got, want in zip(("qkv", "z", "b", "a"), (mixed_qkv, z, b, a), ref):
         assert got.shape == want.shape and got.is_contiguous(), name
-        assert torch.allclose(got, want, atol=1e-6, rtol=0), name  # the same dot products, sliced differently
+        # the same dot products from GEMMs of other shapes (other K blocking): float32 sums of 128 O(1) products agree
+        # within a few 1e-7, not bit for bit (1e-6 failed once on a loaded 3-worker run); a wrong slice is off by O(1)
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), name
         assert got.data_ptr() not in (mixed_qkvz.data_ptr(), mixed_ba.data_ptr()), name
     assert torch.equal(mixed_qkv, mixed_qkvz[:, : 2 * HK * DK + HV * DV])  # a copy: bit for bit
     with pytest.raises(RuntimeError, match="expected mixed_qkvz"):
