@@ -71,6 +71,9 @@ class Interrupted(BaseException):
 # ----------------------------------------------------------------------------- servers
 
 
+_PORT_TAKEN = (b"EADDRINUSE", b"error while attempting to bind on address")  # SGLang's zmq ports; uvicorn's
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -103,19 +106,29 @@ class DemoServer:
         return self
 
     def start(self, timeout: float, on_spawn=None) -> "DemoServer":
-        """Spawn it and wait until ``/health`` answers 200 (or raise :class:`DemoError` with its log's end)."""
+        """Spawn it and wait until ``/health`` answers 200 (or raise :class:`DemoError` with its log's end).  A port
+        taken between :func:`_free_port` and the server's bind (by the other server starting, or anything else) is
+        another launch on another port: whatever answers the taken port is not this server."""
+        t0, relaunches = time.monotonic(), 2
         self.spawn()
         if on_spawn is not None:
             on_spawn(self)
-        t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
+            if self._port_taken() and relaunches > 0:
+                self.stop()
+                self._new_port()
+                self.spawn()
+                relaunches -= 1
+                if on_spawn is not None:
+                    on_spawn(self)
+                continue
             if self.proc.poll() is not None:
                 raise DemoError(f"the {self.role} server exited with {self.proc.returncode} before it was ready; "
                                 f"its log ({self.log}) ends:\n{self.log_tail()}")
             self._see_descendants()
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and not self._port_taken():
                         self.ready_s = time.monotonic() - t0
                         self._see_descendants()
                         return self
@@ -123,6 +136,20 @@ class DemoServer:
                 pass
             time.sleep(0.25)
         raise DemoError(f"the {self.role} server was not ready after {timeout:.0f} s; its log ({self.log}) ends:\n{self.log_tail()}")
+
+    def _port_taken(self) -> bool:
+        """SGLang's internal ports and the HTTP port are found free and bound later: the log says when one was taken."""
+        try:
+            tail = self.log.read_bytes()[-20000:]
+        except OSError:
+            return False
+        return any(sign in tail for sign in _PORT_TAKEN)
+
+    def _new_port(self) -> None:
+        i = self.argv.index("--port")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv[i + 1] = str(self.port)
 
     def _see_descendants(self) -> None:
         import psutil

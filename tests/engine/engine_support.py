@@ -67,21 +67,38 @@ class Server:
         with open(self.log_path, "wb") as log:
             return subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
 
+    def _new_port(self) -> None:
+        """Another free port, in ``url`` and ``argv`` (the one picked was taken before the server bound it)."""
+        old, self.port = self.port, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        i = self.argv.index("--port")
+        assert self.argv[i + 1] == str(old)
+        self.argv[i + 1] = str(self.port)
+
+    def _port_taken(self) -> bool:
+        """The port was taken between free_port() and the server's bind: SGLang's internal ports (22000-29999, found
+        free and bound later) or the HTTP port (uvicorn: "error while attempting to bind"), by a server starting at the
+        same moment (start_together, another pytest-xdist worker). Then whatever answers the port is not this server."""
+        log = self.log_path.read_bytes()
+        return b"EADDRINUSE" in log or b"error while attempting to bind on address" in log
+
     def start(self) -> "Server":
         t0 = time.monotonic()
-        self.proc, retried = self._launch(), False
+        self.proc, retries = self._launch(), 2
         deadline = t0 + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            if self._port_taken():
+                if retries == 0:
+                    break
+                self._kill_group()
+                self._new_port()
+                self.proc, retries = self._launch(), retries - 1
+                continue
             if self.proc.poll() is not None:
-                # SGLang takes its internal ports (22000-29999) by finding one free and binding it later: a server
-                # starting at the same moment (start_together, another pytest-xdist worker) can take it in between
-                if not retried and b"EADDRINUSE" in self.log_path.read_bytes():
-                    self.proc, retried = self._launch(), True
-                    continue
                 raise RuntimeError(f"server exited with {self.proc.returncode} before it was ready; log: {self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and not self._port_taken():
                         self.ready_after_s = time.monotonic() - t0
                         self.descendants = [p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)]
                         return self
@@ -89,7 +106,16 @@ class Server:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"server not ready after {STARTUP_TIMEOUT_S:.0f} s; log: {self.log_tail()}")
+        raise TimeoutError(f"server not ready after {time.monotonic() - t0:.0f} s; log: {self.log_tail()}")
+
+    def _kill_group(self) -> None:
+        """SIGKILL to the process group of a launch that lost its port (started with start_new_session), then reap."""
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
 
     def log_tail(self, n: int = 3000) -> str:
         try:
