@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PAGE = 16
 SHARED = prompt(51, 2 * PAGE)  # two full pages shared by the three drained requests
 DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  # 3 x 40 prompt tokens: one prefill chunk
-CK_PROMPT, CK_N, CK_M = prompt(71, 30), 96, 8
+CK_PROMPT, CK_N, CK_M = prompt(71, 30), 160, 8
 GATED_N = 300
 MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 
@@ -76,7 +76,11 @@ def crashed(servers, work):
         first = client.checkpoint(s1.url, "c", str(work / "ck"), every=CK_M)
         kill_at = rng.randrange(first["output_tokens"] + 2 * CK_M + 1, CK_N - 12)
         c.wait_tokens(kill_at)
-        during = stats(s1.url)["checkpoints"]
+        # the link writer runs off the scheduler's path and may trail the decode by a link or two: kill once 3 are
+        # written (the request, 160 tokens, decodes on meanwhile)
+        deadline = time.monotonic() + 60
+        while (during := stats(s1.url)["checkpoints"]).get("c", {}).get("links", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.killpg(s1.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
         s1.proc.wait(timeout=60)
         c.join(60)
