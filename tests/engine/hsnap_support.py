@@ -63,6 +63,15 @@ def start_together(*servers: Server) -> None:
         raise errors[0]
 
 
+def error_of(call, *args, **kw) -> "client.ServerError | None":
+    """The ServerError ``call`` raises, or None when it succeeds (a fixture records refusals for its tests)."""
+    try:
+        call(*args, **kw)
+    except client.ServerError as e:
+        return e
+    return None
+
+
 def prompt(seed: int, n: int) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(1, 500) for _ in range(n)]

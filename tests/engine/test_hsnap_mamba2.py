@@ -39,7 +39,7 @@ import urllib.request
 
 import pytest
 
-from hsnap_support import Stream, flush_cache, hsnap_server, payload, prompt, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, error_of, flush_cache, hsnap_server, payload, prompt, start_together, stats, tokens, wait_idle
 
 from hsnap_format import open_chain
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -267,14 +267,6 @@ def test_checkpoint_chain_resumes_from_its_newest_link_exactly(scenarios, work, 
 # ----------------------------------------------------------------------------- FalconH1
 
 
-def _error_of(call, *args, **kw):
-    try:
-        call(*args, **kw)
-    except client.ServerError as e:
-        return e
-    return None
-
-
 @pytest.fixture(scope="module")
 def falcon(servers, work):
     url = servers["falcon_h1"]["f"].url
@@ -283,9 +275,9 @@ def falcon(servers, work):
     f = Stream(url, payload("f", P_IDS, LONG))
     f.start()
     f.wait_tokens(4)
-    out = {"pause": _error_of(client.pause, url, "f", str(d / "f.hsnap")),
-           "checkpoint": _error_of(client.checkpoint, url, "f", str(d / "ck"), every=CK_EVERY),
-           "migrate": _error_of(client.migrate, url, "f", str(d / "mig"), timeout_s=30)}
+    out = {"pause": error_of(client.pause, url, "f", str(d / "f.hsnap")),
+           "checkpoint": error_of(client.checkpoint, url, "f", str(d / "ck"), every=CK_EVERY),
+           "migrate": error_of(client.migrate, url, "f", str(d / "mig"), timeout_s=30)}
     at = f.tokens_so_far()
     f.wait_tokens(at + MORE)  # it decodes on after the refusals
     _abort(url, "f")
@@ -318,7 +310,7 @@ def test_snapshot_of_another_family_is_refused_before_allocating(scenarios, serv
     shutil.copyfile(work / "nemotron_h" / "p.hsnap", foreign)  # a copy: not claimed by its own resume
     url = servers["falcon_h1"]["f"].url
     before = wait_idle(url)
-    e = _error_of(client.resume, url, str(foreign))
+    e = error_of(client.resume, url, str(foreign))
     after = wait_idle(url)
     assert e is not None and e.error_type == "IncompatibleSnapshotError" and 400 <= e.status < 500, e
     fields = {f for f, *_ in e.error["differences"]}

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, assert_continues, deltas, flush_cache, generate, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
 
@@ -204,10 +204,10 @@ def migrated(servers, work, store):
         # first a target that refuses it (it expects another request): it says so in refused.json, the source stops
         # pre-copying at once (not after its 120 s timeout) and the request decodes on
         said: dict = {}
-        follower = threading.Thread(target=lambda: said.update(follow=_error_of(client.follow, dst, str(work / "wrong"), rid="another",
+        follower = threading.Thread(target=lambda: said.update(follow=error_of(client.follow, dst, str(work / "wrong"), rid="another",
                                                                                   timeout_s=120)), daemon=True)
         follower.start()
-        out["wrong_error"] = _error_of(client.migrate, src, "mg-lone", str(work / "wrong"), timeout_s=120)
+        out["wrong_error"] = error_of(client.migrate, src, "mg-lone", str(work / "wrong"), timeout_s=120)
         follower.join(180)
         out["wrong_follow"] = said.get("follow")
         out["wrong_pools"] = wait_idle(dst)["pools"]
@@ -233,14 +233,6 @@ def migrated(servers, work, store):
     except BaseException as e:  # noqa: BLE001 - the migration tests fail on it; the overlap fixture goes on
         out["error"] = e
     return out
-
-
-def _error_of(call, *args, **kw):
-    try:
-        call(*args, **kw)
-    except client.ServerError as e:
-        return e
-    return None
 
 
 def _migrated(migrated) -> dict:
