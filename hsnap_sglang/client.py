@@ -253,7 +253,9 @@ class Migration:
 
     @property
     def downtime_s(self) -> float | None:
-        """The client's gap: the source's last token to the target's first (when the source stream was given)."""
+        """The client's gap: the source's last token to the target's first (when the source stream was given).  The
+        two streams arrive on two connections: when the target's first token reaches the client before the source's
+        last event does, the gap is negative (a few hundred microseconds)."""
         if self.last_source_event_at is None or self.first_target_event_at is None:
             return None
         return self.first_target_event_at - self.last_source_event_at

@@ -3,6 +3,7 @@ streamed requests in threads, reference runs, and stream comparisons.  HTTP thro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
@@ -86,6 +87,28 @@ def generate(url: str, body: dict) -> dict:
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
         return json.loads(r.read())
+
+
+PACE_S = 0.1  # seconds each forward sleeps while a test's admin call is on its way
+
+
+@contextlib.contextmanager
+def paced(url: str, seconds: float = PACE_S):
+    """SGLang's own test route ``/slow_down``: every forward of the server sleeps ``seconds`` inside the block.  A
+    test that exports, drains or checkpoints a request after K of its N tokens starts it inside, so the N - K tokens
+    take (N - K) * ``seconds`` at least and the call lands while it decodes, on any machine (an unpaced tiny model
+    decodes a token in milliseconds: a fast machine finished 32-token requests before the pause arrived)."""
+    def slow_down(t: float | None) -> None:
+        req = urllib.request.Request(url + "/slow_down", data=json.dumps({"forward_sleep_time": t}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+
+    slow_down(seconds)
+    try:
+        yield
+    finally:
+        slow_down(None)
 
 
 def flush_cache(url: str) -> None:

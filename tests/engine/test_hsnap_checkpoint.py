@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, hsnap_server, linkgate_env, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, hsnap_server, linkgate_env, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -61,11 +61,12 @@ def crashed(servers, work):
     try:
         # a dedup drain of three requests sharing a prefix
         shared = {rid: Stream(s1.url, payload(rid, ids, n)) for rid, (ids, n) in DEDUP.items()}
-        for st in shared.values():
-            st.start()
-        for st in shared.values():
-            st.wait_tokens(12)  # 51+ committed positions: 2 shared pages and 1 own each
-        drained = client.drain(s1.url, str(work / "drained"), dedup=True, page_size=PAGE)
+        with paced(s1.url):
+            for st in shared.values():
+                st.start()
+            for st in shared.values():
+                st.wait_tokens(12)  # 51+ committed positions: 2 shared pages and 1 own each
+            drained = client.drain(s1.url, str(work / "drained"), dedup=True, page_size=PAGE)
         for st in shared.values():
             st.finish()
         idle = wait_idle(s1.url)

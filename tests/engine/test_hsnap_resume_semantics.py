@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, flush_cache, generate, hsnap_server, payload, prompt, stats, wait_idle
+from hsnap_support import Stream, flush_cache, generate, hsnap_server, paced, payload, prompt, stats, wait_idle
 
 from hsnap_sglang import client
 
@@ -85,12 +85,13 @@ def server(tiny_model_dir, work, hole):
 
 
 def _paused(url: str, rid: str, path: Path, ids: list[int], n: int, after: int) -> tuple[Stream, dict]:
-    """``rid`` streamed, exported to ``path`` after ``after`` output tokens; its stream ended by the export. ``n`` leaves
-    room for the tokens decoded while the pause travels (a loaded machine: tens), else the request finishes first."""
+    """``rid`` streamed, exported to ``path`` after ``after`` output tokens; its stream ended by the export (paced: the
+    pause lands while it decodes)."""
     st = Stream(url, payload(rid, ids, n))
-    st.start()
-    st.wait_tokens(after)
-    out = client.pause(url, rid, str(path))
+    with paced(url):
+        st.start()
+        st.wait_tokens(after)
+        out = client.pause(url, rid, str(path))
     st.finish()
     assert st.final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
     return st, out

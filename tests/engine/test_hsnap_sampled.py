@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 
 from engine_support import PROMPT_IDS
-from hsnap_support import Stream, assert_continues, hsnap_server, payload, prompt, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, assert_continues, hsnap_server, paced, payload, prompt, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
 
@@ -92,9 +92,10 @@ def source(servers, work):
         for o in others:
             o.start()
         x = Stream(s1.url, _x())
-        x.start()
-        x.wait_tokens(K)
-        exported = client.pause(s1.url, "x", str(work / "x.hsnap"))
+        with paced(s1.url):
+            x.start()
+            x.wait_tokens(K)
+            exported = client.pause(s1.url, "x", str(work / "x.hsnap"))
         x.finish()
         for o in others:
             o.finish()

@@ -29,6 +29,7 @@ not depend on the other requests of its batches (hsnap_sglang/README.md), and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
 
@@ -120,11 +121,12 @@ def radix(servers, work):
         generate(src, payload("p", PREFIX + TAIL_P, 4))  # the prefix goes into the tree
         a = Stream(src, payload("a" if export else "a-ref", PREFIX + TAIL_A, RADIX_N))
         b = Stream(src, payload("b" if export else "b-ref", PREFIX + TAIL_B, RADIX_N))  # decodes on after A's export
-        a.start()
-        b.start()
-        a.wait_tokens(6)
-        b.wait_tokens(2)
-        out = client.pause(src, "a", str(work / "a.hsnap")) if export else None
+        with paced(src) if export else contextlib.nullcontext():
+            a.start()
+            b.start()
+            a.wait_tokens(6)
+            b.wait_tokens(2)
+            out = client.pause(src, "a", str(work / "a.hsnap")) if export else None
         a.finish()
         b.finish()
         return a, b, out
@@ -296,7 +298,9 @@ def test_live_migration_stream_continues_without_repeated_or_missing_text(migrat
     had = run.info["client_had"]
     assert had["output_ids"] == mg["mig"].source["output_tokens"]
     assert_continues(mg["m"].events, run.events, mg["ref_streams"]["mg"].events, (had["text_chars"], had["output_ids"]))
-    assert mg["mig"].downtime_s is not None and mg["mig"].downtime_s > 0
+    # the client's gap; two connections read by two threads, so a target faster than the source's last event can
+    # make it a little negative (-0.5 ms seen), never the length of a round
+    assert mg["mig"].downtime_s is not None and -1.0 < mg["mig"].downtime_s < 10.0
 
 
 def test_live_migration_leaves_both_servers_consistent(migrated):
@@ -359,16 +363,18 @@ def overlap(servers, work, store, migrated):
     src, dst = servers["overlap"], servers["s3"].url
     ck_url = f"s3://{store['bucket']}/ck-overlap.hsnap"
     other = Stream(src.url, payload("ov-other", *OV_OTHER))  # running when x is exported
-    other.start()
-    x = Stream(src.url, payload("ov-x", OV_X, OV_N))
-    x.start()
-    x.wait_tokens(10)
-    out = client.pause(src.url, "ov-x", str(work / "x-overlap.hsnap"))
+    with paced(src.url):
+        other.start()
+        x = Stream(src.url, payload("ov-x", OV_X, OV_N))
+        x.start()
+        x.wait_tokens(10)
+        out = client.pause(src.url, "ov-x", str(work / "x-overlap.hsnap"))
     x.finish()
     ck_stream = Stream(src.url, payload("ov-ck", *OV_CK))
-    ck_stream.start()
-    ck_stream.wait_tokens(7)
-    ck = client.pause(src.url, "ov-ck", ck_url, keep_running=True)  # a checkpoint into the object store
+    with paced(src.url):
+        ck_stream.start()
+        ck_stream.wait_tokens(7)
+        ck = client.pause(src.url, "ov-ck", ck_url, keep_running=True)  # a checkpoint into the object store
     ck_dir = f"s3://{store['bucket']}/ck-dir"
     cks = client.checkpoint(src.url, "ov-ck", ck_dir, every=8)  # ... and periodic checkpoints there (a chain of links)
     ck_stream.finish()
@@ -422,9 +428,10 @@ def drained(servers, work, radix):
     s2, s3 = servers["s2"], servers["s3"]
     # a checkpoint of a request of S2, resumed in S3 while S2 continues it
     ck_stream = Stream(s2.url, payload("ck", CK_IDS, CK_N))
-    ck_stream.start()
-    ck_stream.wait_tokens(8)
-    ck = client.pause(s2.url, "ck", str(work / "ck.hsnap"), keep_running=True)
+    with paced(s2.url):
+        ck_stream.start()
+        ck_stream.wait_tokens(8)
+        ck = client.pause(s2.url, "ck", str(work / "ck.hsnap"), keep_running=True)
     ck_run = client.resume(s3.url, str(work / "ck.hsnap"))
     ck_stream.finish()
     ck_forwards = stats(s3.url, "ck")["forwards"]
@@ -432,11 +439,12 @@ def drained(servers, work, radix):
     ck_ref = _ref(s2.url, "ck", CK_IDS, CK_N)
     # S2 drains 3 requests and stops; S3 resumes them
     streams = [Stream(s2.url, payload(rid, ids, n)) for rid, (ids, n) in DRAINED.items()]
-    for s in streams:
-        s.start()
-    for s in streams:
-        s.wait_tokens(4)
-    out = client.drain(s2.url, str(work / "drain"))
+    with paced(s2.url):
+        for s in streams:
+            s.start()
+        for s in streams:
+            s.wait_tokens(4)
+        out = client.drain(s2.url, str(work / "drain"))
     for s in streams:
         s.finish()
     code = s2.stop()

@@ -16,7 +16,7 @@ import os
 import pytest
 
 from engine_support import PROMPT_IDS, full_distribution, reference_logprobs
-from hsnap_support import Stream, flush_cache, hsnap_server, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
 
@@ -42,16 +42,17 @@ def tp2(tiny_model_dir, tmp_path_factory):
         flush_cache(src.url)  # the same request again from an empty tree: determinism, not the cache
         greedy.append(src.post("/generate", full))
         other = Stream(src.url, payload("other", prompt(72, 21), 60))
-        other.start()
         x = Stream(src.url, payload("x", ids, N))
-        x.start()
-        x.wait_tokens(8)
-        try:  # live migration is TP 1 in the server: refused by name, the request unaffected (it is paused next)
-            client.migrate(src.url, "x", str(work / "mig"), timeout_s=5)
-            tp_migrate = None
-        except client.ServerError as e:
-            tp_migrate = e
-        out = client.pause(src.url, "x", str(work / "x-set"))
+        with paced(src.url):
+            other.start()
+            x.start()
+            x.wait_tokens(8)
+            try:  # live migration is TP 1 in the server: refused by name, the request unaffected (it is paused next)
+                client.migrate(src.url, "x", str(work / "mig"), timeout_s=5)
+                tp_migrate = None
+            except client.ServerError as e:
+                tp_migrate = e
+            out = client.pause(src.url, "x", str(work / "x-set"))
         x.finish()
         other.finish()
     except BaseException:
