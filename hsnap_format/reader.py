@@ -49,6 +49,7 @@ from .spec import (
     MAX_SECTIONS,
     MINOR,
     PAGES_FEATURE,
+    PARALLEL_LAYERS_FEATURE,
     PENDING_MAGIC,
     PREAMBLE,
     SECTION_KINDS,
@@ -328,7 +329,8 @@ class Snapshot:
         keys that have a default are set to it in ``self.header`` (R-5-3): what every consumer
         of the header (info, the viewer, hsnap_io) sees is what the file means."""
         self.identity = Identity.from_header(self.header["identity"], self.path, fill_defaults=True)
-        self.geometry = Geometry.from_header(self.header["geometry"], self.path, fill_defaults=True)
+        self.geometry = Geometry.from_header(self.header["geometry"], self.path, fill_defaults=True,
+                                             parallel_layers=PARALLEL_LAYERS_FEATURE in self.header["features"]["required"])
         req = request_header_fields(self.header["request"], self.path, fill_defaults=True)
         self._request_fields, self._request_counts = req["fields"], req["counts"]
         self.swa_start = self._int_field("swa_start")

@@ -27,6 +27,7 @@ from .spec import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_STRING_LENGTH,
+    PARALLEL_LAYERS_FEATURE,
 )
 
 _MAX_INT = 2**53 - 1
@@ -424,8 +425,18 @@ class Geometry:
             out["sharding"] = self.sharding.to_header()
         return out
 
+    @property
+    def parallel_layers(self) -> tuple[int, ...]:
+        """Layer ids in an attention group and in ``mamba.layers`` (spec 5.2, format 1.4): layers whose attention
+        and Mamba mixer run side by side (FalconH1)."""
+        if self.attention is None or self.mamba is None:
+            return ()
+        return tuple(sorted(set(self.attention.layers + self.attention.swa_layers) & set(self.mamba.layers)))
+
     @classmethod
-    def from_header(cls, obj, path=None, *, fill_defaults: bool = False) -> "Geometry":
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False, parallel_layers: bool = False) -> "Geometry":
+        """``parallel_layers``: the file requires feature ``parallel-layers`` (1.4): then, and only then, some layer
+        ids are in an attention group and in ``mamba.layers`` (R-5.2-2)."""
         f = HeaderFields(obj, "geometry", path, fill_defaults)
         att, mam = f.raw("attention", None), f.raw("mamba", None)
         g = cls(
@@ -437,11 +448,17 @@ class Geometry:
         sh = f.obj.get("sharding")  # 1.1; absent stays absent (a 1.0 file has no such key)
         if sh is not None:
             g = dataclasses.replace(g, sharding=Sharding.from_header(sh, g.attention, g.mamba, path))
-        ids = list(g.attention.layers + g.attention.swa_layers if g.attention else ()) + list(
-            g.mamba.layers if g.mamba else ()
-        )
-        if len(ids) != len(set(ids)):
-            raise MalformedHeaderError(path, "geometry", "each layer id in one group only", sorted(ids))
+        attention = list(g.attention.layers + g.attention.swa_layers if g.attention else ())
+        mamba = list(g.mamba.layers if g.mamba else ())
+        for where, ids in (("geometry.attention", attention), ("geometry.mamba.layers", mamba)):
+            if len(ids) != len(set(ids)):
+                raise MalformedHeaderError(path, where, "each layer id once", sorted(ids))
+        shared = g.parallel_layers
+        if bool(shared) != parallel_layers:
+            raise MalformedHeaderError(path, "geometry", Phrase(
+                f"a layer id in an attention group and in mamba.layers exactly when {PARALLEL_LAYERS_FEATURE!r} is a required feature"),
+                Phrase(f"layers {list(shared)} in both, {PARALLEL_LAYERS_FEATURE!r} not required" if shared
+                       else f"no layer in both, {PARALLEL_LAYERS_FEATURE!r} required"))
         return g
 
     def flat(self) -> dict[str, Any]:

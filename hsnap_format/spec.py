@@ -29,7 +29,7 @@ import numpy as np
 MAGIC = b"\x89HSN\r\n\x1a\n"
 TRAILER_MAGIC = b"HSNAPEND"
 MAJOR = 1
-MINOR = 3  # the newest minor this library reads and writes (spec section 9)
+MINOR = 4  # the newest minor this library reads and writes (spec section 9)
 BYTE_ORDER_MARK = 0x0A0B0C0D  # reads back as another number on a big-endian misread
 
 # magic, major, minor, byte-order mark, header_length, data_offset,
@@ -72,9 +72,13 @@ FEATURE_MINOR = {
     "tp-sharding": 1,  # geometry.sharding (spec 5.7)
     "delta": 2,  # a link of a snapshot chain: the header's base, attention rows after it (spec 5.9); required
     "pages": 3,  # full pages of attention rows in a page store, referenced by key (spec 5.10); required
+    "parallel-layers": 4,  # a layer id in both attention and mamba: both mixers side by side (spec 5.2); required
 }
 KNOWN_FEATURES = frozenset(FEATURE_MINOR)
 DELTA_FEATURE = "delta"
+# A layer whose attention and Mamba mixer run side by side (FalconH1): its id is in an
+# attention group and in mamba.layers, its sections are both groups' (spec 5.2, 5.4).
+PARALLEL_LAYERS_FEATURE = "parallel-layers"
 # A chain (spec 5.9, 7.5): at most this many links below a head (base.depth <= it), so a
 # reader's walk down a chain is bounded before it opens anything; writers refuse deeper.
 MAX_CHAIN_DEPTH = 1024

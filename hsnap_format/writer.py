@@ -38,6 +38,7 @@ from .spec import (
     FEATURE_MINOR,
     NAME_RE,
     PAGES_FEATURE,
+    PARALLEL_LAYERS_FEATURE,
     PREAMBLE,
     SECTION_KINDS,
     TRAILER,
@@ -241,7 +242,7 @@ class SnapshotWriter:
             check_spec(spec)
         # The writer refuses exactly what the reader would refuse, instead of writing it.
         Identity.from_header(identity.to_header(), self.path)
-        Geometry.from_header(geometry.to_header(), self.path)
+        Geometry.from_header(geometry.to_header(), self.path, parallel_layers=bool(geometry.parallel_layers))
         optional = set(features_optional)
         if record.rng_state is not None:
             optional.add("sampler-rng-state")
@@ -252,6 +253,8 @@ class SnapshotWriter:
         required = [] if base is None else [DELTA_FEATURE]  # older readers must refuse a delta (spec 9)
         if pages is not None:
             required.append(PAGES_FEATURE)  # ... and a file whose full pages are elsewhere
+        if geometry.parallel_layers:
+            required.append(PARALLEL_LAYERS_FEATURE)  # ... and one whose layers hold both groups' sections
         # the least minor that covers the content (spec 9): a file without 1.1 content is a 1.0 file
         self.minor = max((FEATURE_MINOR.get(f, 0) for f in (*optional, *required)), default=0)
         request = record.to_header()

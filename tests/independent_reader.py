@@ -96,7 +96,7 @@ MAX_STOP_STRINGS = 1024  # spec 5.3 (R-5-1): count and length of request.stop.st
 MAX_STOP_STRING = 4096
 MAX_STOP_TOKEN_IDS = 65536
 
-KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding", "delta", "pages"}  # spec 9 (delta: 1.2, pages: 1.3, required)
+KNOWN_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding", "delta", "pages", "parallel-layers"}  # spec 9 (delta: 1.2, pages: 1.3, parallel-layers: 1.4, required)
 PAGE_TOP_KEYS = {"format", "features", "digest", "namespace", "page", "sections"}  # spec 5.11
 PAGE_FEATURES: set[str] = set()  # spec 5.11: the required features a page object may list (1.3: none)
 NAMESPACE_KEYS = {"attention", "engine", "model_id", "page_size", "sharding", "tp_rank", "tp_size", "weights_hash", "weights_version"}
@@ -494,7 +494,9 @@ def _validate_identity(v: _V, ident):
     v.flat(v.get(ident, "numerics", f, {}), f"{f}.numerics")
 
 
-def _validate_geometry(v: _V, geo):
+def _validate_geometry(v: _V, geo, parallel: bool = False):
+    """``parallel``: the file requires ``parallel-layers`` (spec 1.4 5.2, R-5.2-2): then, and only then, a layer id
+    is in an attention group and in mamba.layers."""
     f = "geometry"
     v.obj(geo, f)
     att = v.get(geo, "attention", f, None)
@@ -561,10 +563,10 @@ def _validate_geometry(v: _V, geo):
         v.dtype(v.get(mam, "temporal_dtype", m), f"{m}.temporal_dtype")
         # spec 1.1 5.2: not tied to the conv rank (unless sharding.conv is present)
         v.int(v.get(mam, "conv_slice_axis", m, 0), f"{m}.conv_slice_axis", 0, 7)
-        for L in layers:
-            if L in owners:
-                v.fail(f"{m}.layers", f"layer {L} in one group only", owners[L])
-            owners[L] = "mamba.layers"
+        both = [L for L in layers if L in owners]
+        if bool(both) != parallel:
+            v.fail(f, "a layer in an attention group and in mamba.layers exactly when features.required lists parallel-layers",
+                   f"layers {both} in both, parallel-layers {'' if parallel else 'not '}required")
     sh = v.get(geo, "sharding", f, None)
     if sh is not None:
         _validate_sharding(v, sh, att, mam)
@@ -830,17 +832,16 @@ def section_plan(header: dict, rng_len: int | None) -> list[dict]:
         plan.append({"name": name, "kind": kind, "layer": layer, "dtype": dtype,
                      "shape": list(shape)})
 
-    groups: dict[int, str] = {}
+    groups: dict[int, list[str]] = {}  # a parallel layer (1.4): its attention group's sections, then its mamba ones
     if att is not None:
         for L in att["layers"]:
-            groups[L] = "attn"
+            groups.setdefault(L, []).append("attn")
         for L in att.get("swa_layers", []):
-            groups[L] = "swa"
+            groups.setdefault(L, []).append("swa")
     if mam is not None:
         for L in mam["layers"]:
-            groups[L] = "mamba"
-    for L in sorted(groups):
-        g = groups[L]
+            groups.setdefault(L, []).append("mamba")
+    for L, g in [(layer, kind) for layer in sorted(groups) for kind in groups[layer]]:
         if g == "attn" and att["kind"] == "mla":
             add(f"mla.{L}.kv", "mla_kv", L, att["dtype"], [sp, 1, att["k_head_dim"]])
         elif g == "attn":
@@ -1076,7 +1077,7 @@ def parse_snapshot(data: bytes, name: str = "<bytes>", *, verify: bool = True, _
         return snap
     # 19: identity / geometry / request
     _validate_identity(v, header["identity"])
-    _validate_geometry(v, header["geometry"])
+    _validate_geometry(v, header["geometry"], "parallel-layers" in header["features"]["required"])
     _validate_request(v, header["request"])
     _validate_swa_start(v, header)
     _validate_base(v, header)

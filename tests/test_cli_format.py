@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
-FILES = ["attention-only", "hybrid", "mla-fp8"]
+FILES = ["attention-only", "hybrid", "mla-fp8", "parallel"]
 
 
 def hsnap(*args, exe=None) -> subprocess.CompletedProcess:
@@ -42,6 +42,9 @@ def test_info_text(name):
     assert f"total {d['expected']['file_length']} bytes, payload {d['expected']['payload_bytes']} bytes" in out
     for s in d["sections"]:
         assert s["name"] in out and s["digest"] in out
+    g = d["geometry"]
+    both = sorted(set(g["attention"]["layers"]) & set((g["mamba"] or {}).get("layers", []))) if g["attention"] else []
+    assert ("parallel layers (attention and mamba side by side): " + ", ".join(map(str, both)) in out) == bool(both)
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -54,7 +57,7 @@ def test_info_json(name):
     rank = info["ranks"][0]
     assert rank["root_digest"] == d["expected"]["root_digest"]
     assert rank["file_length"] == d["expected"]["file_length"]
-    assert rank["version"] == "1.0"
+    assert rank["version"] == ".".join(map(str, d["expected"]["version"]))
     assert rank["identity"] == d["identity"] and rank["geometry"] == d["geometry"] and rank["request"] == d["request"]
     assert [{k: s[k] for k in ("name", "offset", "length", "digest")} for s in rank["sections"]] == [
         {k: s[k] for k in ("name", "offset", "length", "digest")} for s in d["sections"]

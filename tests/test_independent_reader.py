@@ -25,7 +25,7 @@ import independent_reader as ir  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "spec" / "vectors"
 SPEC = ROOT / "spec" / "hsnap-v1.md"
-SINGLE = ["attention-only", "hybrid", "mla-fp8"]
+SINGLE = ["attention-only", "hybrid", "mla-fp8", "parallel"]  # parallel: format 1.4 (parallel-layers)
 NON_HEADER_KEYS = {"description", "file", "expected"}
 SECTION_VALUE_KEYS = {"values", "hex"}
 

@@ -24,7 +24,7 @@ from hsnap_format.spec import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 VEC = ROOT / "spec" / "vectors"
-SINGLE = ("attention-only", "hybrid", "mla-fp8")
+SINGLE = ("attention-only", "hybrid", "mla-fp8", "parallel")  # parallel: format 1.4 (feature parallel-layers)
 SETS = ("two-rank", "hybrid-tp2", "mamba2-tp2", "kda-tp2")  # directories; all but two-rank are format-1.1 vectors
 SHARDED = SETS[1:]
 CHAINS = ("chain", "chain-tp2")  # format 1.2: a plain snapshot and two deltas (files; TP-2 sets)
@@ -71,7 +71,7 @@ def test_every_vector_regenerates_byte_for_byte():
 def test_generate_check_command():
     r = subprocess.run([sys.executable, str(VEC / "generate.py"), "--check"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("OK 10 vectors")
+    assert r.stdout.startswith("OK 11 vectors")
 
 
 def test_vectors_are_tiny():
@@ -231,9 +231,9 @@ def test_one_zero_vectors_are_one_zero_files_read_by_the_one_one_reader():
     """Spec 9: a 1.1 reader reads every 1.0 file; the 1.0 vectors stay minor 0, undescribed."""
     from hsnap_format.spec import MINOR
 
-    assert MINOR == 3  # 1.2: snapshot chains (spec 5.9); 1.3: pages stored once (spec 5.10)
+    assert MINOR == 4  # 1.2: snapshot chains (5.9); 1.3: pages stored once (5.10); 1.4: parallel layers (5.2)
     for label, path, desc in RANKS:
-        if label.startswith(tuple(f"{n}/" for n in SHARDED) + ("chain-",)):  # 1.1 and 1.2 content (tests/test_chain_format.py)
+        if label.startswith(tuple(f"{n}/" for n in SHARDED) + ("chain-", "parallel")):  # 1.1, 1.2, 1.4 content (tests/test_chain_format.py, tests/test_parallel_layers.py)
             continue
         with Snapshot(path) as snap:
             assert snap.version == (1, 0) and desc["expected"]["version"] == [1, 0]

@@ -47,6 +47,10 @@ def _print_rank(r: dict, first: bool) -> None:
         conv = ", ".join("×".join(map(str, c)) for c in m["conv_shapes"])
         print(f"mamba/GDN: {plural(len(m['layers']), 'layer')}, conv [{conv}] {m['conv_dtype']}, "
               f"temporal {'×'.join(map(str, m['temporal_shape']))} {m['temporal_dtype']}, conv sliced on axis {m['conv_slice_axis']}")
+    if g["attention"] and g["mamba"]:  # format 1.4: layers that run both mixers side by side (FalconH1)
+        both = sorted(set(g["attention"]["layers"] + g["attention"]["swa_layers"]) & set(g["mamba"]["layers"]))
+        if both:
+            print(f"parallel layers (attention and mamba side by side): {', '.join(map(str, both))}")
     budget = req["remaining_budget"]
     print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, "
           f"streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")

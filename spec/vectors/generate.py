@@ -66,7 +66,7 @@ from hsnap_format.reader import Snapshot  # noqa: E402
 from hsnap_format.spec import DTYPES, MANIFEST_NAME, PREAMBLE, TRAILER  # noqa: E402
 from hsnap_format.writer import write_snapshot  # noqa: E402
 
-VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages", "mamba2-tp2", "kda-tp2")
+VECTORS = ("attention-only", "hybrid", "mla-fp8", "two-rank", "hybrid-tp2", "chain", "chain-tp2", "pages", "mamba2-tp2", "kda-tp2", "parallel")
 HEADER_KEYS = ("format", "features", "digest", "identity", "geometry", "request", "base", "pages", "sections")  # base: 1.2; pages: 1.3
 PAGE_HEADER_KEYS = ("format", "features", "digest", "namespace", "page", "sections")  # a page object (1.3, spec 5.11)
 AUTO_FEATURES = {"sampler-rng-state", "top-logprobs", "tp-sharding"}  # added by the writer itself
@@ -99,7 +99,8 @@ def _array(values, dtype: str, shape, name: str) -> np.ndarray:
 def rank_inputs(desc: dict, base: records.BaseRef | None = None) -> dict:
     """The writer's arguments, from a rank description (``base``: a delta's, spec 5.9)."""
     identity = records.Identity.from_header(desc["identity"])
-    geometry = records.Geometry.from_header(desc["geometry"])
+    # the one required feature the geometry itself implies (the writer adds it again): a layer in both groups
+    geometry = records.Geometry.from_header(desc["geometry"], parallel_layers="parallel-layers" in desc["features"]["required"])
     req = records.request_header_fields(desc["request"])
     fields, counts = req["fields"], req["counts"]
     swa_start = desc["request"].get("swa_start", 0)
