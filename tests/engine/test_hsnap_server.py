@@ -607,11 +607,10 @@ def test_unknown_rid_is_refused_by_name(drained, work):
 
 def test_existing_target_path_is_refused_before_waiting(drained, work):
     s3 = drained["server"]
-    # 300 tokens: room for what it decodes while the pause travels (30 were done before it landed on a loaded run)
-    st = Stream(s3.url, payload("busy", prompt(21, 20), 300))
-    st.start()
-    st.wait_tokens(1)
-    with pytest.raises(client.ServerError) as e:
+    st = Stream(s3.url, payload("busy", prompt(21, 20), 40))
+    with paced(s3.url), pytest.raises(client.ServerError) as e:
+        st.start()
+        st.wait_tokens(1)
         client.pause(s3.url, "busy", str(work / "drain" / "d1.hsnap"))
     st.finish()
     assert e.value.error_type == "SnapshotExistsError" and e.value.status == 409
