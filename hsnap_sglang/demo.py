@@ -3,8 +3,8 @@
 What it runs (``python -m hsnap_sglang.serve --enable-hsnap``: SGLang's unmodified ``sglang.launch_server`` with the
 hsnap plug-in on, on hsnap's CPU platform; bfloat16, radix cache on, both servers bound to the same cores):
 
-1. a tiny random-weight hybrid model (``--arch``: GDN + full attention by default, or the Mamba2 hybrid ``nemotron_h``;
-   ``falcon_h1`` is refused at the pause: README's model families) and its tokenizer, built locally (``hsnap_sglang.tiny``);
+1. a tiny random-weight hybrid model (``--arch``: GDN + full attention by default, or a Mamba2 hybrid such as
+   ``nemotron_h``: README's model families) and its tokenizer, built locally (``hsnap_sglang.tiny``);
 2. the **source** server: an uninterrupted greedy reference of N=128 tokens; then the same request again, streamed,
    beside two other requests; after k=10 outputs ``POST /hsnap/export`` (``hsnap_sglang.client.pause``) — the
    request is exported at its next committed decode boundary, its stream ends with ``finish_reason hsnap_export``;

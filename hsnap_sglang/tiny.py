@@ -8,7 +8,7 @@ with their constant-initialised parameters perturbed) + ``generation_config.json
 (the recipe and a digest of every file).  The same recipe gives the same bytes; an existing directory with the
 same recipe is reused.
 
-    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe|nemotron_h|falcon_h1|granitemoehybrid] [--seed 0]
+    python -m hsnap_sglang.tiny DIR [--arch qwen3_next|qwen3_5|qwen3_5_moe|nemotron_h|falcon_h1|granitemoehybrid|lfm2] [--seed 0]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["ARCHS", "RECIPE_FILE", "SPECIAL_TOKENS", "build_model_dir", "build_tokenizer", "corpus", "load_reference_model", "tiny_config"]
 
-ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "granitemoehybrid")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "granitemoehybrid", "lfm2")
 MAMBA2_ARCHS = ("nemotron_h", "falcon_h1", "granitemoehybrid")  # Mamba2 (SSD) hybrids: MambaMixer2 in SGLang
 RECIPE_FILE = "hsnap_tiny.json"
 RECIPE_VERSION = 1
@@ -33,7 +33,7 @@ MAX_POSITIONS = 40960  # room for the 32k-token measurements; no weight depends 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _ARCHITECTURES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
                   "nemotron_h": "NemotronHForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
-                  "granitemoehybrid": "GraniteMoeHybridForCausalLM"}
+                  "granitemoehybrid": "GraniteMoeHybridForCausalLM", "lfm2": "Lfm2ForCausalLM"}
 _MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -202,6 +202,25 @@ def _granitemoehybrid_config(**overrides):
     return cfg
 
 
+def _lfm2_config(**overrides):
+    """LFM2 (Liquid's short-conv hybrid): short conv, attention, short conv, short conv, each followed by a SwiGLU
+    MLP.  The gated depthwise conv has a 3-token kernel (``conv_L_cache``: a conv state of 2 tokens per layer and no
+    recurrent state).  ``block_auto_adjust_ff_dim=False`` keeps the MLP width at ``intermediate_size`` in both."""
+    from transformers.models.lfm2 import Lfm2Config
+
+    t = _TINY_MAMBA2
+    kw = dict(
+        vocab_size=t["vocab_size"], hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+        num_hidden_layers=4, layer_types=["conv", "full_attention", "conv", "conv"],
+        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"], conv_L_cache=3,
+        block_auto_adjust_ff_dim=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    kw.update(overrides)
+    cfg = Lfm2Config(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
 def _moe_config(**overrides):
     """Qwen3.5-MoE (the family of the project's reference model, Qwen3.5-35B-A3B): the tiny dense Qwen3.5 with the
     tiny Qwen3-Next's experts in place of its MLP."""
@@ -227,6 +246,8 @@ def _config(arch: str):
         cfg = _falcon_h1_config(max_position_embeddings=MAX_POSITIONS)
     elif arch == "granitemoehybrid":
         cfg = _granitemoehybrid_config(max_position_embeddings=MAX_POSITIONS)
+    elif arch == "lfm2":
+        cfg = _lfm2_config(max_position_embeddings=MAX_POSITIONS)
     else:
         cfg = tiny_config(arch, max_position_embeddings=MAX_POSITIONS)
     cfg.architectures = [_ARCHITECTURES[arch]]
@@ -240,7 +261,9 @@ def _config(arch: str):
 def _add_sglang_config_keys(config_json: Path, cfg, arch: str = "qwen3_next") -> None:
     """transformers 5.x saves ``layer_types`` only; SGLang 0.5.23's Qwen3-Next config derives the layer kinds from
     ``full_attention_interval``: write it too (checked consistent with ``layer_types``).  For the Mamba2 hybrids see
-    :func:`_mamba2_sglang_keys`."""
+    :func:`_mamba2_sglang_keys`.  LFM2: SGLang's config class subclasses transformers' own and reads the same keys."""
+    if arch == "lfm2":
+        return
     data = json.loads(config_json.read_text())
     if arch in MAMBA2_ARCHS:
         _mamba2_sglang_keys(data, cfg, arch)
@@ -285,7 +308,8 @@ def _file_digests(path: Path) -> dict[str, str]:
 # arch -> std of the noise added to parameters that transformers initialises to a constant (norm weights, dt_bias),
 # so that a comparison against transformers sees every parameter (a zero Gemma-style norm weight would hide a
 # swapped q/k norm or a missing "1 +").  Qwen3-Next's recipe predates it and keeps its bytes.
-CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1, "nemotron_h": 0.1, "falcon_h1": 0.1, "granitemoehybrid": 0.1}
+CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1, "nemotron_h": 0.1, "falcon_h1": 0.1, "granitemoehybrid": 0.1,
+                        "lfm2": 0.1}
 
 
 def _recipe(arch: str, seed: int) -> dict:

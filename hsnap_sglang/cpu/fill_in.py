@@ -10,6 +10,8 @@ They are given here with the signatures of the functions they stand for (``layer
 and ``kernels/ops/mamba/causal_conv1d_triton.py``), backed by the same reference conv as GDN's
 (:func:`hsnap_sglang.cpu.ops.causal_conv1d_fn` / :func:`~hsnap_sglang.cpu.ops.causal_conv1d_update`: float32 tap
 sums, one sequence at a time, conv state ``[dim, K - 1]`` oldest first, padded rows neither read nor written).
+The two ``_triton`` twins also replace the Triton causal conv itself (:mod:`hsnap_sglang.cpu.triton_free`: LFM2's
+short conv reaches it through ``causal_conv1d.py``'s non-CUDA path).
 
 Only the standard library is imported until a listed module executes.
 """

@@ -3,13 +3,15 @@
 
 Triton has no CPU driver, so each of these launchers would fail on the first forward.  The table lists every one
 met by a Qwen3-Next / Qwen3.5 forward (prefill, decode, mixed) on SGLang 0.5.23's CPU platform without AMX, and the
-two Mamba2 (SSD) launchers of ``MambaMixer2`` (NemotronH, FalconH1, GraniteMoeHybrid); the replacements are the
-reference math of :mod:`hsnap_sglang.cpu.ops` and :mod:`hsnap_sglang.cpu.ops_mamba2`, with the launchers' signatures.
+two Mamba2 (SSD) launchers of ``MambaMixer2`` (NemotronH, FalconH1, GraniteMoeHybrid), and the Triton causal conv
+that ``layers/attention/mamba/causal_conv1d.py`` falls back to off CUDA (LFM2's short conv calls it, prefill and
+decode); the replacements are the reference math of :mod:`hsnap_sglang.cpu.ops` and
+:mod:`hsnap_sglang.cpu.ops_mamba2`, with the launchers' signatures.
 """
 
 from __future__ import annotations
 
-from . import ops, ops_mamba2
+from . import fill_in, ops, ops_mamba2
 
 __all__ = ["REPLACEMENTS", "register"]
 
@@ -39,6 +41,9 @@ REPLACEMENTS = {
     # Mamba2: the prefill scan and the decode step (the SSU dispatcher's "triton" backend calls the latter)
     "sglang.kernels.ops.mamba.triton_ops.ssd_combined.mamba_chunk_scan_combined": ops_mamba2.mamba_chunk_scan_combined,
     "sglang.kernels.ops.mamba.triton_ops.mamba_ssm.selective_state_update": ops_mamba2.selective_state_update,
+    # the causal conv (LFM2's short conv: causal_conv1d.py's non-CUDA path and its speculative verify call these)
+    "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_fn": fill_in.causal_conv1d_fn_triton,
+    "sglang.kernels.ops.mamba.causal_conv1d_triton.causal_conv1d_update": fill_in.causal_conv1d_update_triton,
 }
 
 _registered = False

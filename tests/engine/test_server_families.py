@@ -15,6 +15,9 @@ from the conv and recurrent states the first left in the pool (``has_initial_sta
   by side in every layer, muP multipliers), GraniteMoeHybrid (Mamba2 and attention layers with MoE): the Mamba2 conv
   (``mamba.py``'s names the platform binds), the SSD scan and the decode step (the two Triton launchers it
   replaces), SGLang's own gated RMSNorm (``Mixer2RMSNormGated.forward_native``).
+* LFM2 (short conv, attention, short conv, short conv; SGLang's ``ShortConvAttnBackend``): the gated depthwise conv
+  through ``causal_conv1d.py``'s non-CUDA path (the Triton causal conv the platform replaces), whose conv state is
+  the only per-request state (the pool's temporal state has no elements).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ NEW = 12
 PREFILL_CHUNK = 40
 
 MAMBA2 = ("nemotron_h", "falcon_h1", "granitemoehybrid")
-ARCHS = ("qwen3_5", "qwen3_5_moe", *MAMBA2)
+ARCHS = ("qwen3_5", "qwen3_5_moe", *MAMBA2, "lfm2")
 
 
 @pytest.fixture(scope="module")
