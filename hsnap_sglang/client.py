@@ -52,6 +52,13 @@ class ServerError(HsnapError):
         super().__init__(error.get("path") or url, str(error.get("field") or "server"), error.get("expected"), error.get("found"),
                          detail=f"{self.error_type} (HTTP {status}): {error.get('message', '')}")
 
+    def _message(self) -> str:
+        """One sentence: where, which refusal, and the server's own message (which already names the file, field,
+        expected and found: they are not repeated)."""
+        message = str(self.error.get("message") or "")
+        message = message.removeprefix("<memory>: ")  # a refusal about no file (older servers said so)
+        return f"{self.url}: {self.error_type} (HTTP {self.status}): {escape_text(message)}"
+
     def __reduce__(self):
         return (type(self), (self.url, self.status, self.error))
 
@@ -79,6 +86,9 @@ def _request(url: str, route: str, payload: dict | None = None, timeout: float =
         if not isinstance(error, dict) and e.code in (401, 403):  # SGLang's key check: {"error": "Unauthorized"}
             error = {"type": "Unauthorized", "message": f"{body[:100].decode(errors='replace')}: the /hsnap routes need the "
                      f"server's admin key (else its API key): --api-key or {API_KEY_ENV}"}
+        elif not isinstance(error, dict) and e.code == 404 and route.startswith("/hsnap/"):  # FastAPI's {"detail": "Not Found"}
+            error = {"type": "NoHsnapRoutes", "message": f"no hsnap routes at {url}: start the server with the plug-in on "
+                     "(python -m hsnap_sglang.serve --enable-hsnap)"}
         elif not isinstance(error, dict):
             error = {"type": "HTTPError", "message": body[:300].decode(errors="replace")}
         raise ServerError(url + route, e.code, error) from None

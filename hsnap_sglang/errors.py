@@ -12,15 +12,42 @@ from hsnap_format import errors as hf_errors
 from hsnap_format.errors import HsnapError
 
 
-class UnknownRequestError(HsnapError):
+class RequestError(HsnapError):
+    """A refusal about a request of the server, named by its rid: without a file, its message starts at the field
+    (``rid: ...``), not at a ``<memory>`` path."""
+
+    def _message(self) -> str:
+        text = super()._message()
+        return text if self.path is not None else text.split(": ", 1)[1]
+
+
+class UnknownRequestError(RequestError):
     """No request with this rid in the server (not running, queued nor being prefilled)."""
 
 
-class RequestFinishedError(HsnapError):
+MAX_RIDS_NAMED = 8  # an unknown rid's refusal names at most this many of the server's requests
+
+
+def unknown_request(rid: str, here: list[str], expected: str) -> UnknownRequestError:
+    """The refusal of ``rid``, which no request of the server has: it names the requests the server has (a few, and
+    the closest rid to the one asked for), so a typo is seen at once."""
+    import difflib
+
+    if not here:
+        detail = "no request is running, queued or being prefilled here"
+    else:
+        shown = ", ".join(capped(r, 64) for r in here[:MAX_RIDS_NAMED])
+        more = f" and {len(here) - MAX_RIDS_NAMED} more" if len(here) > MAX_RIDS_NAMED else ""
+        close = difflib.get_close_matches(rid, here, n=1)
+        detail = f"here: {shown}{more}" + (f" (did you mean {capped(close[0], 64)!r}?)" if close else "")
+    return UnknownRequestError(None, "rid", hf_errors.Phrase(expected), rid, detail=detail)
+
+
+class RequestFinishedError(RequestError):
     """The request finished (stop, length, abort) before it reached the export boundary: nothing to export."""
 
 
-class RequestBusyError(HsnapError):
+class RequestBusyError(RequestError):
     """Another hsnap operation already holds the request (an export in progress), or the rid is in use here."""
 
 
@@ -137,5 +164,5 @@ def error_of(e: BaseException) -> dict:
     return dict(e.remote) if isinstance(e, RemoteRankError) else error_dict(e)
 
 
-__all__ = ["UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "RemoteRankError", "capped", "STATUS", "status_of", "error_dict",
+__all__ = ["RequestError", "unknown_request", "MAX_RIDS_NAMED", "UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "RemoteRankError", "capped", "STATUS", "status_of", "error_dict",
            "error_of"]

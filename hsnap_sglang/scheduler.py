@@ -39,7 +39,8 @@ from hsnap_format.errors import Phrase
 
 from hsnap_format.stores import is_url, store_for
 
-from .errors import PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of
+from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of,
+                     unknown_request)
 from . import confine, migration
 from .containment import contained_handler, guarded, log_failure, typed
 from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
@@ -256,7 +257,14 @@ class HsnapScheduler:
         if how is not None:
             return RequestFinishedError(None, "rid", Phrase("a request still running, queued or being prefilled in this server"),
                                         Phrase(f"finished ({how})"))
-        return UnknownRequestError(None, "rid", Phrase("a request running, queued or being prefilled in this server"), rid)
+        return unknown_request(rid, self.rids_here(), "a request running, queued or being prefilled in this server")
+
+    def rids_here(self) -> list[str]:
+        """The rids of this server's requests: running, held by hsnap, being prefilled, queued."""
+        s = self.sched
+        chunked = [s.chunked_req] if s.chunked_req is not None else []
+        reqs = [*s.running_batch.reqs, *self.parked.values(), *self.writing.values(), *chunked, *s.waiting_queue]
+        return list(dict.fromkeys(r.rid for r in reqs if not r.finished()))
 
     def _in_flight(self, req) -> bool:
         """A batch whose result is not processed yet holds ``req`` (the overlap scheduler)."""
