@@ -66,6 +66,18 @@ class ServerError(HsnapError):
 API_KEY_ENV = "HSNAP_API_KEY"  # the key the clients send when none is given (the server's admin key, else its API key)
 
 
+def server_url(text: str) -> str:
+    """A server's base URL as a user may write it, curl-style: ``host:port`` means ``http://host:port``; a trailing
+    ``/`` is dropped.  Any scheme but http and https is refused (typed)."""
+    text = str(text).strip()
+    if "://" not in text:
+        text = "http://" + text
+    scheme = text.split("://", 1)[0].lower()
+    if scheme not in ("http", "https") or not text.split("://", 1)[1].strip("/"):
+        raise HsnapError(None, "url", "http://host:port, https://host:port or host:port", text)
+    return text.rstrip("/")
+
+
 def _headers(api_key: str | None) -> dict:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -73,7 +85,8 @@ def _headers(api_key: str | None) -> dict:
 
 def _request(url: str, route: str, payload: dict | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None):
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url.rstrip("/") + route, data=data, headers=_headers(api_key),
+    url = server_url(url)
+    req = urllib.request.Request(url + route, data=data, headers=_headers(api_key),
                                  method="GET" if payload is None else "POST")
     try:
         return urllib.request.urlopen(req, timeout=timeout)
@@ -310,6 +323,13 @@ def move(source_url: str, target_url: str, rid: str, dir: str, *, on_chunk=None,
     return Migration(report, got["run"], last_source_event_at() if last_source_event_at is not None else None, first[0] if first else None)
 
 
+def _cli_url(text: str) -> str:
+    try:
+        return server_url(text)
+    except HsnapError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """``p``'s arguments plus ``--api-key`` (every command calls admin routes)."""
     p.add_argument("--api-key", default=None, metavar="KEY", help=f"the server's admin key (else its API key), sent as a Bearer "
@@ -327,7 +347,7 @@ def pause_main(argv) -> int:
     p = argparse.ArgumentParser(prog="hsnap pause", description="Export one live request of a server (hsnap plug-in) at its "
                                 "next committed decode boundary; its slots are released and its client's stream ends with "
                                 "finish_reason hsnap_export (--keep-running: a checkpoint, the request keeps decoding).")
-    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
     p.add_argument("-o", "--output", required=True, metavar="PATH", help="the snapshot path on the server's machine, or s3://")
     p.add_argument("--keep-running", action="store_true", help="snapshot and keep decoding (nothing released)")
@@ -341,7 +361,7 @@ def pause_main(argv) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     t = out.get("timings", {})
-    print(f"paused {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
+    print(f"{'checkpointed' if out.get('keep_running') else 'paused'} {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
           f"{out['output_tokens']} output tokens -> {escape_text(out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
     print(f"pause-to-durable {t.get('pause_to_durable_s', 0) * 1e3:.1f} ms (waited {t.get('wait_s', 0) * 1e3:.1f} ms for the boundary, "
           f"wrote in {t.get('write_s', 0) * 1e3:.1f} ms); {'still running (checkpoint)' if out.get('keep_running') else 'slots released'}")
@@ -352,7 +372,7 @@ def resume_main(argv) -> int:
     """resume a snapshot in a server and print the rest: hsnap resume URL PATH"""
     p = argparse.ArgumentParser(prog="hsnap resume", description="Resume a snapshot (or a drain's directory of snapshots) "
                                 "in a server running the hsnap plug-in and print the rest of the stream.")
-    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("path", help="a snapshot path on the server's machine, a directory of snapshots, or s3://")
     p.add_argument("--again", action="store_true", help="resume a snapshot that was resumed before (a duplicate continuation)")
     p.add_argument("--json", action="store_true", help="every event as one JSON line")
@@ -396,7 +416,7 @@ def drain_main(argv) -> int:
     """export every request of a server: hsnap drain URL -o DIR [--dedup]"""
     p = argparse.ArgumentParser(prog="hsnap drain", description="Export every request of a server running the hsnap plug-in "
                                 "(graceful shutdown for a rolling upgrade); `hsnap resume URL DIR` brings them back.")
-    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
     p.add_argument("--dedup", action="store_true", help="store shared full pages (a system prompt) once, in DIR/pages (format 1.3)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="positions per stored page with --dedup (default 64)")
@@ -430,7 +450,7 @@ def checkpoint_main(argv) -> int:
     p = argparse.ArgumentParser(prog="hsnap checkpoint", description="Checkpoint one live request of a server (hsnap plug-in) "
                                 "now and every N output tokens while it keeps decoding: a chain of links in DIR; after a crash "
                                 "`hsnap resume URL DIR` resumes the newest committed link.")
-    p.add_argument("url", help="the server, http://host:port")
+    p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
     p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
     p.add_argument("--every", type=int, required=True, metavar="N", help="output tokens between links (0: stop checkpointing)")
@@ -456,9 +476,9 @@ def migrate_main(argv) -> int:
                                 "running the hsnap plug-in) through a directory both reach or s3://: the target follows, the "
                                 "source pre-copies while the request decodes, then stops it for the last few rows and its "
                                 "recurrent state; the rest of the stream is printed from the target.")
-    p.add_argument("source", help="the server the request runs in, http://host:port")
+    p.add_argument("source", type=_cli_url, help="the server the request runs in: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
-    p.add_argument("--to", required=True, metavar="URL", help="the target server, http://host:port")
+    p.add_argument("--to", required=True, metavar="URL", type=_cli_url, help="the target server: http://host:port, or host:port")
     p.add_argument("--via", required=True, metavar="DIR", help="the migration's container: a fresh directory both servers reach, or s3://")
     p.add_argument("--tail", type=int, default=16, help="stop the request once at most this many rows are left (default 16)")
     p.add_argument("--max-rounds", type=int, default=8, help="pre-copy rounds at most (default 8)")

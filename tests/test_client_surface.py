@@ -1,6 +1,7 @@
-"""What a user reads when the server refuses: one sentence that names the refusal once (no repeated expected/found
-pair, no ``<memory>`` for a refusal about a request), a server without the plug-in named as such, and an unknown rid
-answered with the rids the server has."""
+"""The client as its user meets it: a refusal read as one sentence that names it once (no repeated expected/found
+pair, no ``<memory>`` for a refusal about a request), a server without the plug-in named as such, an unknown rid
+answered with the rids the server has; a server named as curl takes it (``host:port``, a trailing ``/``); a
+``--keep-running`` pause reported as a checkpoint."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from hsnap_format import SnapshotExistsError
 from hsnap_format.errors import Phrase
+from hsnap_format import HsnapError
 from hsnap_sglang import client
 from hsnap_sglang.errors import MAX_RIDS_NAMED, RequestFinishedError, error_dict, unknown_request
 
@@ -47,6 +49,10 @@ def test_an_unknown_rid_is_answered_with_the_rids_here_and_the_closest():
     assert relayed(e, 404).count("req-40") == 2  # listed, and offered
 
 
+EXPORTED = {"rid": "r1", "committed_positions": 41, "prompt_tokens": 30, "output_tokens": 12, "path": "/srv/r1.hsnap",
+            "bytes": 123, "snapshot_id": "s-1", "timings": {}}
+
+
 class _NoPlugin(BaseHTTPRequestHandler):
     """SGLang's server without the plug-in: FastAPI's 404 for a route it does not have."""
 
@@ -64,11 +70,39 @@ class _NoPlugin(BaseHTTPRequestHandler):
         pass
 
 
+class _Exporting(BaseHTTPRequestHandler):
+    """A plug-in's /hsnap/export that answers every export as done, echoing ``keep_running``."""
+
+    def do_POST(self):
+        got = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        body = json.dumps(dict(EXPORTED, keep_running=got["keep_running"], seen_path=self.path)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _serve(handler):
+    httpd = HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
 @pytest.fixture
 def no_plugin():
-    httpd = HTTPServer(("127.0.0.1", 0), _NoPlugin)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    httpd = _serve(_NoPlugin)
     yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+
+
+@pytest.fixture
+def exporting():
+    httpd = _serve(_Exporting)
+    yield f"127.0.0.1:{httpd.server_port}"
     httpd.shutdown()
 
 
@@ -77,3 +111,27 @@ def test_a_server_without_the_plugin_is_named_as_such(no_plugin):
         client.stats(no_plugin)
     assert e.value.status == 404 and e.value.error_type == "NoHsnapRoutes"
     assert f"no hsnap routes at {no_plugin}" in str(e.value) and "--enable-hsnap" in str(e.value)
+
+
+@pytest.mark.parametrize("given,url", [("127.0.0.1:30000", "http://127.0.0.1:30000"), ("http://h:1/", "http://h:1"),
+                                       ("https://h.example/", "https://h.example"), (" localhost:8 ", "http://localhost:8")])
+def test_a_server_is_named_as_curl_takes_it(given, url):
+    assert client.server_url(given) == url
+
+
+@pytest.mark.parametrize("given", ["ftp://h:1", "http://", "file:///etc"])
+def test_other_schemes_are_refused_typed(given):
+    with pytest.raises(HsnapError) as e:
+        client.server_url(given)
+    assert e.value.field == "url"
+
+
+def test_the_cli_takes_host_port_and_reports_a_kept_running_pause_as_a_checkpoint(exporting, capsys):
+    assert client.pause_main([exporting + "/", "r1", "-o", "r1.hsnap", "--keep-running"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("checkpointed r1: 41 committed positions") and "still running" in out
+    assert client.pause_main([exporting, "r1", "-o", "r1.hsnap"]) == 0
+    assert capsys.readouterr().out.startswith("paused r1: ")
+    with pytest.raises(SystemExit) as e:
+        client.pause_main(["ftp://x", "r1", "-o", "r1.hsnap"])
+    assert e.value.code == 2 and "http://host:port" in capsys.readouterr().err
