@@ -23,7 +23,8 @@ import os
 import runpy
 import sys
 
-__all__ = ["CPU_DEFAULTS", "engine_kwargs", "launch_server_argv", "main", "omp_threads_bind", "take_hsnap_flags"]
+__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "engine_kwargs", "hsnap_help", "launch_server_argv", "main", "omp_threads_bind",
+           "take_hsnap_flags"]
 
 # flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
 # RAM (hundreds of thousands of slots, gigabytes).
@@ -125,8 +126,31 @@ def take_hsnap_flags(argv: list[str], env: dict) -> list[str]:
     return out
 
 
+# hsnap's own flags -> what each does, for --help (SGLang's own ~2,800 lines of options follow)
+HSNAP_FLAG_HELP = {
+    ENABLE_HSNAP: "turn the hsnap plug-in on: the /hsnap/* admin routes (pause, resume, drain, checkpoint, migrate)",
+    "--hsnap-root DIR": "the directory every path a client names resolves beneath (HSNAP_ROOT); none: no local path",
+    "--hsnap-allow-url s3://BUCKET/PREFIX": "an object-store prefix clients may name (repeatable; HSNAP_ALLOWED_URLS)",
+    "--hsnap-allow-unauthenticated": "let the plug-in start on a non-loopback host without an API key",
+}
+
+
+def hsnap_help() -> str:
+    """What ``--help`` prints before SGLang's own options: hsnap's flags and the CPU defaults it adds."""
+    width = max(map(len, HSNAP_FLAG_HELP))
+    lines = ["usage: python -m hsnap_sglang.serve [hsnap options] [sglang.launch_server options]", "", "hsnap options:"]
+    lines += [f"  {flag:<{width}}  {what}" for flag, what in HSNAP_FLAG_HELP.items()]
+    defaults = " ".join(flag if value is None else f"{flag} {value}" for flag, value in CPU_DEFAULTS.items())
+    lines += ["", f"added unless given (hsnap's CPU platform): {defaults}; --disable-overlap-schedule while the radix cache is on",
+              "", "SGLang's own options (sglang.launch_server --help) follow.", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = take_hsnap_flags(sys.argv[1:] if argv is None else argv, os.environ)  # inherited by every process the server starts
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(hsnap_help(), flush=True)
+    argv = take_hsnap_flags(argv, os.environ)  # inherited by every process the server starts
     os.environ["HSNAP_SGLANG_CPU"] = "1"
     tp = _tp_size(argv)
     if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import sys
 import threading
 
 import pytest
@@ -43,6 +44,26 @@ def test_serve_flags_become_the_environment_and_leave_sglang_argv(tmp_path):
     assert argv == ["--model-path", "m", "--port", "1"]
     assert env == {"HSNAP_SGLANG_PLUGIN": "1", "HSNAP_ROOT": str(tmp_path), "HSNAP_ALLOWED_URLS": "s3://a/p,s3://b",
                    "HSNAP_ALLOW_UNAUTHENTICATED": "1"}
+
+
+def test_serve_help_starts_with_hsnaps_own_flags_then_sglangs(monkeypatch, capsys):
+    import runpy
+
+    from hsnap_sglang import cpu, serve
+
+    ran = []
+    monkeypatch.setattr(runpy, "run_module", lambda name, **kw: ran.append((name, list(sys.argv))))
+    monkeypatch.setattr(cpu, "activate", lambda: None)
+    for var in ("HSNAP_SGLANG_CPU", "HSNAP_SGLANG_PLUGIN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    serve.main(["--help", "--enable-hsnap"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m hsnap_sglang.serve")
+    for flag in [*serve.HSNAP_SWITCHES, *serve.HSNAP_VALUE_FLAGS]:
+        assert flag in out, flag
+    assert ran and ran[0][0] == "sglang.launch_server" and "--help" in ran[0][1]  # SGLang's own options follow
+    assert "--enable-hsnap" not in ran[0][1]
 
 
 def test_serve_refuses_a_root_that_is_not_a_directory(tmp_path):
