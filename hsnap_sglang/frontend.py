@@ -355,22 +355,11 @@ def snapshot_entries(path: str) -> list[str]:
     """``path`` itself when it is one snapshot (a rank file, a TP set directory, an ``s3://`` object or set); for a
     directory or ``s3://`` prefix of snapshots (what a drain writes; one level), every ``*.hsnap`` file and set in
     it, by name — of the checkpoint links of a request (``<name>.ckNNNNNN.hsnap``) only its newest committed one (the
-    others are the chain below it)."""
-    from hsnap_format.checkpoints import newest_links, parse_link
-    from hsnap_format.stores import store_for
+    others are the chain below it): :func:`hsnap_format.stores.entries.snapshot_entries`, the listing ``hsnap info``
+    and ``hsnap verify`` show."""
+    from hsnap_format.stores.entries import snapshot_entries as entries
 
-    store = store_for(path)
-    p = path if store.local else path.rstrip("/")
-    if store.local:
-        one = not os.path.isdir(p) or os.path.exists(os.path.join(p, "manifest.json"))
-    else:  # an object, a set, or nothing at all there (resumed as named: refused by name)
-        one = store.exists(p) or store.exists(store.join(p, "manifest.json")) or not (store.list(p) or store.subdirs(p))
-    if one:
-        return [path]
-    hidden = lambda f: store.split(f)[1].startswith(".")  # noqa: E731 - staging directories, temporaries
-    out = [f for f in (e.path for e in store.list(p)) if f.endswith(".hsnap") and parse_link(store.split(f)[1]) is None and not hidden(f)]
-    out += [d for d in store.subdirs(p) if not hidden(d) and store.exists(store.join(d, "manifest.json"))]
-    return sorted(out + list(newest_links(p).values()))
+    return entries(path)
 
 
 # ----------------------------------------------------------------------------- routes

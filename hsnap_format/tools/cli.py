@@ -19,6 +19,7 @@ from ..manifest import SnapshotSet
 from ..pages import collect_pages
 from ..spec import DTYPES
 from ..stores import store_for
+from ..stores.entries import Listing, is_one_snapshot, list_directory
 from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
 
 
@@ -114,7 +115,58 @@ def _print_chain(rank, chain) -> None:
               f"{fmt_bytes(s.file_length)}, root digest {s.root_digest}{'  (head)' if s is head else ''}")
 
 
+def _entry_summary(path: str, listing: Listing) -> dict:
+    """One entry of a directory of snapshots: its request, position and size (of a checkpoint chain, its newest
+    committed link, how many links it has and which were passed over, and why)."""
+    out: dict = {"path": path}
+    chain = next((c for c in listing.chains.values() if (c.path or c.highest) == path), None)
+    if chain is not None:
+        out["checkpoints"] = {"name": chain.name, "links": listing.links.get(chain.name, 0), "newest_committed": chain.path,
+                              "passed_over": [[p, why] for p, why in chain.passed_over]}
+    try:
+        with open_snapshot(path) as snap:
+            ranks = list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
+            out.update(kind="TP set" if isinstance(snap, SnapshotSet) else "snapshot", tp_size=len(ranks),
+                       rid=ranks[0].header["request"]["rid"], state_position=ranks[0].state_position,
+                       bytes=sum(r.file_length for r in ranks), delta=ranks[0].base is not None, paged=ranks[0].pages is not None)
+    except HsnapError as e:
+        out["error"] = _failure(e)
+    return out
+
+
+def _info_directory(args) -> int:
+    """``hsnap info DIR`` of what a drain, a checkpointer or a migration writes: one line per request."""
+    listing = list_directory(args.path)
+    entries = [_entry_summary(p, listing) for p in listing.entries()]
+    if args.json:
+        print(json.dumps({"directory": args.path, "entries": entries, "pages": {"count": listing.pages, "bytes": listing.page_bytes},
+                          "leftovers": listing.leftovers}, indent=2, sort_keys=True))
+    else:
+        chains = sum("checkpoints" in e for e in entries)
+        parts = [plural(len(entries) - chains, "snapshot"), plural(chains, "checkpoint chain")]
+        if listing.pages:
+            parts.append(f"page store pages/: {plural(listing.pages, 'page')}, {fmt_bytes(listing.page_bytes)}")
+        print(f"directory {escape(args.path)}: {', '.join(parts)}")
+        for e in entries:
+            name = os.path.basename(e["path"].rstrip("/"))
+            if "error" in e:
+                print(f"  {escape(name)}: {e['error']['error']}: {escape(e['error']['message'])}")
+                continue
+            what = f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
+            ck = e.get("checkpoints")
+            if ck:
+                what = f"newest committed link of {plural(ck['links'], 'checkpoint link')}"
+                what += f" ({len(ck['passed_over'])} passed over)" if ck["passed_over"] else ""
+            print(f"  {escape(name)}: rid {escape(e['rid'])}, {what}, {e['state_position']} committed positions, {fmt_bytes(e['bytes'])}")
+        if listing.leftovers:
+            print(f"leftovers (hidden; `hsnap gc {escape(args.path)}` lists what it can prove dead): "
+                  f"{', '.join(escape(os.path.basename(x.rstrip('/'))) for x in listing.leftovers)}")
+    return 1 if any("error" in e for e in entries) else 0
+
+
 def cmd_info(args) -> int:
+    if not is_one_snapshot(args.path):
+        return _info_directory(args)
     with open_snapshot(args.path) as snap:
         summary = snapshot_summary(snap)
         chains = _chains(snap, args.path)
@@ -148,28 +200,29 @@ def _failure(e: HsnapError) -> dict:
     return {"error": type(e).__name__, "path": e.path, "field": e.field, "message": str(e)}
 
 
-def cmd_verify(args) -> int:
-    """Every rank, every section, the padding: report each failure (``--first``: stop at one)."""
+def _verify_one(path: str, first: bool) -> tuple[int, list[str], list[HsnapError]]:
+    """(sections checked, links of its chain checked with it, failures) of one snapshot: every rank, every section,
+    the padding, and the chain below a delta (the proof restore and compaction make)."""
     failures: list[HsnapError] = []
     n = 0
     links: list[str] = []
     try:
-        with open_snapshot(args.path) as snap:
-            chains = _chains(snap, args.path)
+        with open_snapshot(path) as snap:
+            chains = _chains(snap, path)
             try:
                 by_rank = dict(chains)
                 for r, s in (snap.ranks.items() if isinstance(snap, SnapshotSet) else [(None, snap)]):
                     n += len(s.sections)
                     chain = by_rank.get(r)
                     if chain is None or isinstance(chain, HsnapError):  # each rank in the order of spec 7.2: padding, then sections
-                        failures += s.verify_failures(first=args.first)
-                        if chain is not None and not (args.first and failures):
+                        failures += s.verify_failures(first=first)
+                        if chain is not None and not (first and failures):
                             failures.append(chain)  # a chain that does not open (spec 7.5)
                     else:  # a delta or a file with pages: the one proof restore and compaction make (spec 7.5, 7.6)
                         links += [link.path for link in reversed(chain.links[:-1])]
                         n += sum(len(link.sections) for link in chain.links[:-1])
-                        failures += chain.proof_failures(first=args.first)
-                    if args.first and failures:
+                        failures += chain.proof_failures(first=first)
+                    if first and failures:
                         break
             finally:
                 for _, c in chains:
@@ -177,7 +230,42 @@ def cmd_verify(args) -> int:
                         c.close()
     except HsnapError as e:  # refused at open: nothing else can be checked
         failures, n = [e], 0
-    failures = failures[:1] if args.first else failures
+    return n, links, failures[:1] if first else failures
+
+
+def _verify_directory(args) -> int:
+    """``hsnap verify DIR``: each entry of a directory of snapshots (a chain's newest committed link with its chain)."""
+    listing = list_directory(args.path)
+    results = []
+    for path in listing.entries():
+        n, links, failures = _verify_one(path, args.first)
+        results.append({"path": path, "ok": not failures, "sections": n, "links": links, "errors": [_failure(e) for e in failures]})
+        if not args.json:
+            if failures:
+                for failure in failures:
+                    print(f"FAILED {type(failure).__name__}: {escape(str(failure))}{_hint(failure)}", file=sys.stderr)
+            else:
+                chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
+                print(f"OK {escape(path)}: {n} sections verified{chain}")
+    for choice in listing.chains.values():
+        for p, why in choice.passed_over:
+            if not args.json:
+                print(f"passed over {escape(p)}: {escape(why)}", file=sys.stderr)
+    bad = [r for r in results if not r["ok"]]
+    if args.json:
+        print(json.dumps({"ok": not bad, "path": args.path, "entries": results}))
+    elif bad:
+        print(f"FAILED {escape(args.path)}: {len(bad)} of {plural(len(results), 'entry', 'entries')} do not verify", file=sys.stderr)
+    else:
+        print(f"OK {escape(args.path)}: {plural(len(results), 'entry', 'entries')} verified")
+    return 1 if bad else 0
+
+
+def cmd_verify(args) -> int:
+    """Every rank, every section, the padding: report each failure (``--first``: stop at one)."""
+    if not is_one_snapshot(args.path):
+        return _verify_directory(args)
+    n, links, failures = _verify_one(args.path, args.first)
     if args.json:
         out = {"ok": not failures, "path": args.path, "sections": n, "errors": [_failure(e) for e in failures]}
         if links:

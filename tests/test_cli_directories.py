@@ -1,0 +1,103 @@
+"""``hsnap info`` and ``hsnap verify`` of a directory of snapshots — what a drain, a checkpointer or a migration
+writes — read it as the server's resume does (one listing, ``hsnap_format.stores.entries``): each snapshot and TP
+set, each checkpoint chain's newest committed link (a damaged newer link passed over, saying why), the page store,
+the leftovers; never "not a committed snapshot"."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import chain_cases as cc  # noqa: E402
+
+from hsnap_format import open_snapshot  # noqa: E402
+from hsnap_format.stores.entries import list_directory, snapshot_entries  # noqa: E402
+from hsnap_format.tools import cli  # noqa: E402
+
+VEC = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+LINKS = ("c.ck000001.hsnap", "c.ck000002.hsnap", "c.ck000003.hsnap")
+
+
+def run(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """A snapshot, a TP set, a checkpoint chain of three links, a page store and a writer's leftover."""
+    d = tmp_path_factory.mktemp("built") / "drained"
+    d.mkdir()
+    shutil.copyfile(VEC / "hybrid.hsnap", d / "a.hsnap")
+    shutil.copytree(VEC / "two-rank", d / "b")
+    ps, req = cc.source("hybrid_linear")
+    cc.export_chain(ps, req, "hybrid_linear", d, names=LINKS)
+    shutil.copytree(VEC / "pages", d / "pages")
+    (d / ".a.hsnap.tmp-1234").write_bytes(b"half written")
+    return d
+
+
+@pytest.fixture
+def drained(built, tmp_path) -> Path:
+    """A copy of ``built`` for one test to change."""
+    return Path(shutil.copytree(built, tmp_path / "drained", symlinks=True))
+
+
+def test_info_lists_each_request_the_chains_newest_link_the_pages_and_the_leftovers(drained):
+    code, out, err = run("info", drained)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"directory {drained}: 2 snapshots, 1 checkpoint chain, page store pages/: 3 pages, " + out.splitlines()[0].rsplit(", ", 1)[1]
+    assert "a.hsnap: rid vector-hybrid, snapshot, 5 committed positions" in out
+    assert "b: rid " in out and "TP set of 2 ranks" in out
+    assert f"c.ck000003.hsnap: rid req-1, newest committed link of 3 checkpoint links, {cc.POSITIONS[-1]} committed positions" in out
+    assert ".a.hsnap.tmp-1234" in out and "hsnap gc" in out
+    code, out, _ = run("info", drained, "--json")
+    report = json.loads(out)
+    assert code == 0 and report["pages"]["count"] == 3 and report["leftovers"] == [str(drained / ".a.hsnap.tmp-1234")]
+    by_name = {Path(e["path"]).name: e for e in report["entries"]}
+    assert sorted(by_name) == ["a.hsnap", "b", "c.ck000003.hsnap"]
+    assert by_name["c.ck000003.hsnap"]["checkpoints"]["links"] == 3 and by_name["c.ck000003.hsnap"]["delta"] is True
+
+
+def test_verify_checks_every_entry_and_each_chain_below_its_newest_link(drained):
+    code, out, err = run("verify", drained)
+    assert code == 0, err
+    assert f"OK {drained / 'c.ck000003.hsnap'}" in out and "(with 2 links of its chain)" in out
+    assert out.rstrip().endswith(f"OK {drained}: 3 entries verified")
+    data = bytearray((drained / "a.hsnap").read_bytes())
+    with open_snapshot(str(drained / "a.hsnap")) as snap:
+        data[snap.sections[0].offset] ^= 1
+    (drained / "a.hsnap").write_bytes(bytes(data))
+    code, out, err = run("verify", drained, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["ok"] is False
+    assert [Path(e["path"]).name for e in report["entries"] if not e["ok"]] == ["a.hsnap"]
+
+
+def test_a_damaged_newest_link_is_passed_over_as_the_servers_resume_does(drained):
+    newest = drained / LINKS[-1]
+    data = bytearray(newest.read_bytes())
+    with open_snapshot(str(newest)) as snap:
+        data[snap.sections[0].offset] ^= 1
+    newest.write_bytes(bytes(data))
+    assert str(drained / LINKS[1]) in snapshot_entries(str(drained))  # what a resume of the directory takes
+    code, out, err = run("info", drained)
+    assert code == 0 and "c.ck000002.hsnap: rid req-1, newest committed link of 3 checkpoint links (1 passed over)" in out, out
+    code, out, err = run("verify", drained)
+    assert code == 0 and f"passed over {newest}" in err, err
+    assert list_directory(str(drained)).chains["c"].path == str(drained / LINKS[1])
+
+
+def test_one_snapshot_and_a_set_are_still_read_as_one(drained):
+    assert snapshot_entries(str(drained / "b")) == [str(drained / "b")]
+    code, out, _ = run("info", drained / "b")
+    assert code == 0 and out.startswith("snapshot directory ")
