@@ -101,3 +101,18 @@ def test_one_snapshot_and_a_set_are_still_read_as_one(drained):
     assert snapshot_entries(str(drained / "b")) == [str(drained / "b")]
     code, out, _ = run("info", drained / "b")
     assert code == 0 and out.startswith("snapshot directory ")
+
+
+def test_export_refuses_a_delta_or_paged_files_partial_kv_unless_asked_for(built, tmp_path):
+    head, plain = built / LINKS[-1], built / LINKS[0]
+    code, _, err = run("export", head, "--all", "-o", tmp_path / "all/")
+    assert code == 2 and "is a delta of c.ck000002.hsnap" in err and "hsnap compact" in err and not (tmp_path / "all").exists()
+    code, _, err = run("export", VEC / "paged-a.hsnap", "--all", "-o", tmp_path / "paged/")
+    assert code == 2 and "rows of its pages" in err
+    with open_snapshot(str(head)) as snap:
+        attn = next(s.name for s in snap.sections if s.kind == "attn_k")
+        conv = next(s.name for s in snap.sections if s.kind == "conv")
+    assert run("export", head, attn, "-o", tmp_path / "k.npy")[0] == 2
+    assert run("export", head, conv, "-o", tmp_path / "conv.npy")[0] == 0  # recurrent state: whole in every link
+    assert run("export", head, "--all", "--link-only", "-o", tmp_path / "link/")[0] == 0
+    assert run("export", plain, "--all", "-o", tmp_path / "plain/")[0] == 0

@@ -362,11 +362,29 @@ def cmd_diff(args) -> int:
     return 0 if report.same else 1
 
 
+def _partial_rows(snap) -> str | None:
+    """Why ``snap``'s attention sections do not hold all its rows (a delta: those after its base, spec 5.9; a paged
+    file: those outside its pages, spec 5.10), or None when they do."""
+    for s in (snap.ranks.values() if isinstance(snap, SnapshotSet) else [snap]):
+        if s.base is not None:
+            return (f"a delta of {s.base.name}: its attention sections hold rows {s.base_position}..{s.state_position - 1} of "
+                    f"{s.state_position}")
+        if s.pages is not None:
+            return f"its attention sections leave out the {s.pages.count * s.pages.page_size} rows of its pages in {s.pages.store}/"
+    return None
+
+
 def cmd_export(args) -> int:
     """One section to .npy, or every section (--all) to a directory of .npy or one .safetensors file."""
     from . import export_npy as ex
 
     with open_snapshot(args.path) as snap:
+        partial = None if args.link_only else _partial_rows(snap)
+        attention = args.section and args.section.rsplit("/", 1)[-1].startswith(("attn.", "mla."))
+        if partial and (args.all or attention):  # never a part of the KV exported as if it were all of it
+            print(f"hsnap export: {escape(args.path)} is {partial}: `hsnap compact {escape(args.path)} -o FULL.hsnap` writes the "
+                  "whole state to export, or --link-only exports this file's own rows", file=sys.stderr)
+            return 2
         if args.all:
             if args.section:
                 print("hsnap export: give either SECTION or --all", file=sys.stderr)
@@ -540,6 +558,8 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--rank", type=int, default=None, help="the rank of SECTION in a snapshot directory (default: the lowest)")
     sp.add_argument("--raw", action="store_true", help=".npy: bf16/fp8 as their bit patterns instead of float32")
     sp.add_argument("--force", action="store_true", help="replace existing output files (never the input snapshot or anything inside it)")
+    sp.add_argument("--link-only", action="store_true", help="a delta or a paged file: its own attention rows only (else refused: "
+                                                             "compact it first)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("compact", help="write a snapshot chain (a delta and its links) as one plain snapshot",
                         description="Open the chain whose head is PATH (a delta rank file or a set of them), check every link, "
