@@ -116,3 +116,15 @@ def test_export_refuses_a_delta_or_paged_files_partial_kv_unless_asked_for(built
     assert run("export", head, conv, "-o", tmp_path / "conv.npy")[0] == 0  # recurrent state: whole in every link
     assert run("export", head, "--all", "--link-only", "-o", tmp_path / "link/")[0] == 0
     assert run("export", plain, "--all", "-o", tmp_path / "plain/")[0] == 0
+
+
+def test_diff_compares_the_states_a_chain_stands_for_unless_asked_for_bytes(built, tmp_path):
+    head = built / LINKS[-1]
+    assert run("compact", head, "-o", tmp_path / "full.hsnap")[0] == 0
+    code, out, err = run("diff", tmp_path / "full.hsnap", head)
+    assert code == 0 and "snapshots same" in out, out
+    assert f"B ({head}): compared as the state its chain of 3 links stands for" in err
+    code, out, _ = run("diff", built / LINKS[1], head)  # two positions of one request: the state moved on
+    assert code == 1 and "attn.1.k" in out
+    code, out, _ = run("diff", "--bytes", tmp_path / "full.hsnap", head)  # the files as they are: 45 rows against 12
+    assert code == 1 and "shape-mismatch" in out

@@ -333,16 +333,40 @@ def _print_diff(report, args) -> None:
     print(f"{n} of {len(report.sections)} sections differ{names} (atol {report.atol:g}, rtol {report.rtol:g}); snapshots {verdict}")
 
 
+def _resolved(path: str, tmp: str, label: str) -> tuple[str, int]:
+    """``path`` itself when its sections hold its whole state; else (a delta, a file that references pages) the plain
+    snapshot its chain stands for, compacted into ``tmp`` — proved as a restore proves it — and its link count."""
+    with open_snapshot(path) as snap:
+        whole = _partial_rows(snap) is None
+    if whole:
+        return path, 1
+    out = os.path.join(tmp, label + ("" if os.path.isdir(path) else ".hsnap"))
+    links, _ = compact_path(path, out, fsync=False)
+    return out, links
+
+
 def cmd_diff(args) -> int:
-    """Exit 0 when A and B are the same, 1 when they differ, 2 on error (as h5diff)."""
+    """Exit 0 when A and B are the same, 1 when they differ, 2 on error (as h5diff).  A and B are compared as the
+    states they stand for (a delta with its chain, a paged file with its pages), unless --bytes."""
+    import tempfile
+
     from .diff import diff_snapshots
 
     try:
-        with open_snapshot(args.a) as a, open_snapshot(args.b) as b:
-            report = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol, stop_at_first=args.names_only)
+        with tempfile.TemporaryDirectory(prefix="hsnap-diff-") as tmp:
+            a_path, b_path, notes = args.a, args.b, []
+            if not args.bytes:
+                (a_path, a_links), (b_path, b_links) = _resolved(args.a, tmp, "a"), _resolved(args.b, tmp, "b")
+                notes = [f"{label} ({escape(p)}): compared as the state its chain of {plural(n, 'link')} stands for"
+                         for label, p, n in (("A", args.a, a_links), ("B", args.b, b_links)) if n > 1 or p != (a_path if label == "A" else b_path)]
+            with open_snapshot(a_path) as a, open_snapshot(b_path) as b:
+                report = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol, stop_at_first=args.names_only)
     except (HsnapError, ValueError) as e:
         print(f"hsnap diff: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
         return 2
+    if not args.json:
+        for note in notes:
+            print(note, file=sys.stderr)
     corrupt = report.corrupt
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
@@ -544,6 +568,8 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: exact)")
     sp.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, of max(|a|, |b|)")
     sp.add_argument("--names-only", action="store_true", help="print only the names of differing sections and fields")
+    sp.add_argument("--bytes", action="store_true", help="compare the files as they are: a delta's or a paged file's own "
+                                                         "sections (default: the states they stand for, chains and pages resolved)")
     sp.add_argument("-v", "--verbose", action="store_true", help="list equal sections too")
     sp.set_defaults(fn=cmd_diff)
     sp = sub.add_parser("export", help="sections to .npy (one, or --all to a directory) or --all to one .safetensors file",
