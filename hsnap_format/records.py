@@ -434,9 +434,10 @@ class Geometry:
         return tuple(sorted(set(self.attention.layers + self.attention.swa_layers) & set(self.mamba.layers)))
 
     @classmethod
-    def from_header(cls, obj, path=None, *, fill_defaults: bool = False, parallel_layers: bool = False) -> "Geometry":
+    def from_header(cls, obj, path=None, *, fill_defaults: bool = False, parallel_layers: bool | None = False) -> "Geometry":
         """``parallel_layers``: the file requires feature ``parallel-layers`` (1.4): then, and only then, some layer
-        ids are in an attention group and in ``mamba.layers`` (R-5.2-2)."""
+        ids are in an attention group and in ``mamba.layers`` (R-5.2-2).  None: a geometry read without its file's
+        features (a description to compare with): either is accepted."""
         f = HeaderFields(obj, "geometry", path, fill_defaults)
         att, mam = f.raw("attention", None), f.raw("mamba", None)
         g = cls(
@@ -454,7 +455,7 @@ class Geometry:
             if len(ids) != len(set(ids)):
                 raise MalformedHeaderError(path, where, "each layer id once", sorted(ids))
         shared = g.parallel_layers
-        if bool(shared) != parallel_layers:
+        if parallel_layers is not None and bool(shared) != parallel_layers:
             raise MalformedHeaderError(path, "geometry", Phrase(
                 f"a layer id in an attention group and in mamba.layers exactly when {PARALLEL_LAYERS_FEATURE!r} is a required feature"),
                 Phrase(f"layers {list(shared)} in both, {PARALLEL_LAYERS_FEATURE!r} not required" if shared

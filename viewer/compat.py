@@ -73,7 +73,7 @@ def load_reference(path, rank: int = 0) -> Reference:
     if isinstance(obj, dict) and "identity" in obj:
         geom = obj.get("geometry")
         return Reference(display_name(path), Identity.from_header(obj["identity"], path),
-                         None if geom is None else Geometry.from_header(geom, path))
+                         None if geom is None else Geometry.from_header(geom, path, parallel_layers=None))  # no file's features here
     return Reference(display_name(path), Identity.from_header(obj, path), None)
 
 
