@@ -349,7 +349,8 @@ def pause_main(argv) -> int:
                                 "finish_reason hsnap_export (--keep-running: a checkpoint, the request keeps decoding).")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
-    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the snapshot path on the server's machine, or s3://")
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the snapshot path on the server's machine, or s3://"
+                   "; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--keep-running", action="store_true", help="snapshot and keep decoding (nothing released)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
     args = _parse(p, argv)
@@ -373,7 +374,8 @@ def resume_main(argv) -> int:
     p = argparse.ArgumentParser(prog="hsnap resume", description="Resume a snapshot (or a drain's directory of snapshots) "
                                 "in a server running the hsnap plug-in and print the rest of the stream.")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
-    p.add_argument("path", help="a snapshot path on the server's machine, a directory of snapshots, or s3://")
+    p.add_argument("path", help="a snapshot path on the server's machine, a directory of "
+                   "snapshots, or s3://; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--again", action="store_true", help="resume a snapshot that was resumed before (a duplicate continuation)")
     p.add_argument("--json", action="store_true", help="every event as one JSON line")
     args = _parse(p, argv)
@@ -417,7 +419,8 @@ def drain_main(argv) -> int:
     p = argparse.ArgumentParser(prog="hsnap drain", description="Export every request of a server running the hsnap plug-in "
                                 "(graceful shutdown for a rolling upgrade); `hsnap resume URL DIR` brings them back.")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix"
+                   "; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--dedup", action="store_true", help="store shared full pages (a system prompt) once, in DIR/pages (format 1.3)")
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="positions per stored page with --dedup (default 64)")
     p.add_argument("--json", action="store_true")
@@ -437,7 +440,11 @@ def drain_main(argv) -> int:
             else:
                 err = item["error"]
                 print(f"not drained {escape_text(item['rid'])}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
-        print(f"{len(out.get('items', []))} requests, {'all exported' if out.get('ok', True) else 'some refused'} into {escape_text(args.output)}")
+        if not out.get("items"):
+            print("nothing to drain: no request was running, queued or being prefilled")
+        else:
+            print(f"{len(out['items'])} requests, {'all exported' if out.get('ok', True) else 'some refused'} into "
+                  f"{escape_text(str(out.get('dir') or args.output))}")
         d = out.get("dedup")
         if d:
             print(f"dedup: {d['bytes_written']} bytes written ({d['pages_put']} pages put, {d['pages_reused']} reused) "
@@ -452,7 +459,8 @@ def checkpoint_main(argv) -> int:
                                 "`hsnap resume URL DIR` resumes the newest committed link.")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
-    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="a directory on the server's machine, or s3://bucket/prefix"
+                   "; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--every", type=int, required=True, metavar="N", help="output tokens between links (0: stop checkpointing)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
     args = _parse(p, argv)
@@ -479,7 +487,8 @@ def migrate_main(argv) -> int:
     p.add_argument("source", type=_cli_url, help="the server the request runs in: http://host:port, or host:port")
     p.add_argument("rid", help="the request id")
     p.add_argument("--to", required=True, metavar="URL", type=_cli_url, help="the target server: http://host:port, or host:port")
-    p.add_argument("--via", required=True, metavar="DIR", help="the migration's container: a fresh directory both servers reach, or s3://")
+    p.add_argument("--via", required=True, metavar="DIR", help="the migration's container: a fresh directory both servers "
+                   "reach, or s3://; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--tail", type=int, default=16, help="stop the request once at most this many rows are left (default 16)")
     p.add_argument("--max-rounds", type=int, default=8, help="pre-copy rounds at most (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds either side waits for the other's next step")

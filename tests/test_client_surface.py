@@ -71,11 +71,14 @@ class _NoPlugin(BaseHTTPRequestHandler):
 
 
 class _Exporting(BaseHTTPRequestHandler):
-    """A plug-in's /hsnap/export that answers every export as done, echoing ``keep_running``."""
+    """A plug-in's /hsnap/export that answers every export as done, echoing ``keep_running``; its /hsnap/drain finds
+    nothing to drain."""
 
     def do_POST(self):
         got = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        body = json.dumps(dict(EXPORTED, keep_running=got["keep_running"], seen_path=self.path)).encode()
+        answer = {"ok": True, "items": [], "requests": 0} if self.path == "/hsnap/drain" else dict(
+            EXPORTED, keep_running=got["keep_running"], seen_path=self.path)
+        body = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -135,3 +138,15 @@ def test_the_cli_takes_host_port_and_reports_a_kept_running_pause_as_a_checkpoin
     with pytest.raises(SystemExit) as e:
         client.pause_main(["ftp://x", "r1", "-o", "r1.hsnap"])
     assert e.value.code == 2 and "http://host:port" in capsys.readouterr().err
+
+
+def test_an_idle_drain_says_there_was_nothing_to_drain(exporting, capsys):
+    assert client.drain_main([exporting, "-o", "drained"]) == 0
+    assert capsys.readouterr().out.strip() == "nothing to drain: no request was running, queued or being prefilled"
+
+
+def test_every_server_path_option_says_what_a_relative_path_is_relative_to(capsys):
+    for main in (client.pause_main, client.resume_main, client.drain_main, client.checkpoint_main, client.migrate_main):
+        with pytest.raises(SystemExit):
+            main(["--help"])
+        assert "relative to the server's --hsnap-root" in " ".join(capsys.readouterr().out.split()), main.__name__
