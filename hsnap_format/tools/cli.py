@@ -16,6 +16,7 @@ from .. import MAJOR, MINOR, __version__, open_snapshot
 from ..chain import Chain, chain_below, compact_path
 from ..errors import HsnapError
 from ..manifest import SnapshotSet
+from ..records import Geometry
 from ..pages import collect_pages
 from ..spec import DTYPES
 from ..stores import store_for
@@ -48,10 +49,9 @@ def _print_rank(r: dict, first: bool) -> None:
         conv = ", ".join("×".join(map(str, c)) for c in m["conv_shapes"])
         print(f"mamba/GDN: {plural(len(m['layers']), 'layer')}, conv [{conv}] {m['conv_dtype']}, "
               f"temporal {'×'.join(map(str, m['temporal_shape']))} {m['temporal_dtype']}, conv sliced on axis {m['conv_slice_axis']}")
-    if g["attention"] and g["mamba"]:  # format 1.4: layers that run both mixers side by side (FalconH1)
-        both = sorted(set(g["attention"]["layers"] + g["attention"]["swa_layers"]) & set(g["mamba"]["layers"]))
-        if both:
-            print(f"parallel layers (attention and mamba side by side): {', '.join(map(str, both))}")
+    both = Geometry.from_header(g, parallel_layers=None).parallel_layers  # format 1.4 (FalconH1)
+    if both:
+        print(f"parallel layers (attention and mamba side by side): {', '.join(map(str, both))}")
     budget = req["remaining_budget"]
     print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, "
           f"streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")
@@ -354,12 +354,11 @@ def cmd_diff(args) -> int:
 
     try:
         with tempfile.TemporaryDirectory(prefix="hsnap-diff-") as tmp:
-            a_path, b_path, notes = args.a, args.b, []
-            if not args.bytes:
-                (a_path, a_links), (b_path, b_links) = _resolved(args.a, tmp, "a"), _resolved(args.b, tmp, "b")
-                notes = [f"{label} ({escape(p)}): compared as the state its chain of {plural(n, 'link')} stands for"
-                         for label, p, n in (("A", args.a, a_links), ("B", args.b, b_links)) if n > 1 or p != (a_path if label == "A" else b_path)]
-            with open_snapshot(a_path) as a, open_snapshot(b_path) as b:
+            sides = {"A": (args.a, 1), "B": (args.b, 1)} if args.bytes else {
+                "A": _resolved(args.a, tmp, "a"), "B": _resolved(args.b, tmp, "b")}
+            notes = [f"{label} ({escape(given)}): compared as the state its chain of {plural(links, 'link')} stands for"
+                     for (label, (path, links)), given in zip(sides.items(), (args.a, args.b)) if path != given]
+            with open_snapshot(sides["A"][0]) as a, open_snapshot(sides["B"][0]) as b:
                 report = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol, stop_at_first=args.names_only)
     except (HsnapError, ValueError) as e:
         print(f"hsnap diff: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
