@@ -23,7 +23,7 @@ import os
 import runpy
 import sys
 
-__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "engine_kwargs", "hsnap_help", "launch_server_argv", "main", "omp_threads_bind",
+__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "SGLANG_DEFAULT_HOST", "early_exposure_refusal", "engine_kwargs", "hsnap_help", "launch_server_argv", "main", "omp_threads_bind",
            "take_hsnap_flags"]
 
 # flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
@@ -50,14 +50,40 @@ def omp_threads_bind(tp_size: int) -> str | None:
     return "|".join(str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)
 
 
-def _tp_size(argv: list[str]) -> int:
+def _flag_value(argv: list[str], *flags: str) -> str | None:
+    """The value ``argv`` gives any of ``flags`` (``--flag value`` or ``--flag=value``), the last one given as argparse
+    takes it; None if none is given."""
+    value = None
     for i, arg in enumerate(argv):
-        for flag in ("--tp", "--tp-size", "--tensor-parallel-size"):
+        for flag in flags:
             if arg == flag and i + 1 < len(argv):
-                return int(argv[i + 1])
-            if arg.startswith(flag + "="):
-                return int(arg.split("=", 1)[1])
-    return 1
+                value = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def _tp_size(argv: list[str]) -> int:
+    value = _flag_value(argv, "--tp", "--tp-size", "--tensor-parallel-size")
+    return 1 if value is None else int(value)
+
+
+# A flag that may give a key (argparse also takes an unambiguous prefix): where one is present the plug-in's own check,
+# on SGLang's parsed arguments, decides
+_KEY_FLAG_PREFIXES = ("--api", "--admin")
+SGLANG_DEFAULT_HOST = "127.0.0.1"  # SGLang's --host default (sglang.srt.arg_groups.fields.serving)
+
+
+def early_exposure_refusal(argv: list[str], env) -> str | None:
+    """The plug-in's refusal of an exposed server without a key (:func:`hsnap_sglang.auth.exposure_refusal`), decided
+    from ``argv`` before SGLang is imported (seconds, not a server start); None where only SGLang's parsed arguments
+    can decide (a key flag given), and the plug-in decides again there."""
+    if env.get("HSNAP_SGLANG_PLUGIN") != "1" or any(a.startswith(_KEY_FLAG_PREFIXES) for a in argv):
+        return None
+    from hsnap_sglang.auth import exposure_refusal
+
+    return exposure_refusal(_flag_value(argv, "--host") or SGLANG_DEFAULT_HOST, None, None, env=env)
+
 
 
 # With the radix cache on (SGLang's default), SGLang's "auto" Mamba radix-cache strategy picks "extra_buffer" when the
@@ -151,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     if "-h" in argv or "--help" in argv:
         print(hsnap_help(), flush=True)
     argv = take_hsnap_flags(argv, os.environ)  # inherited by every process the server starts
+    refusal = None if "-h" in argv or "--help" in argv else early_exposure_refusal(argv, os.environ)
+    if refusal:
+        raise SystemExit(refusal)
     os.environ["HSNAP_SGLANG_CPU"] = "1"
     tp = _tp_size(argv)
     if tp > 1 and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:

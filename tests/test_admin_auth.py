@@ -12,7 +12,7 @@ import pytest
 
 from hsnap_format.tools.cli import main as hsnap
 from hsnap_sglang import auth, client
-from hsnap_sglang.serve import take_hsnap_flags
+from hsnap_sglang.serve import early_exposure_refusal, take_hsnap_flags
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
@@ -35,6 +35,34 @@ def test_exposed_host_with_a_key_or_explicit_consent_starts():
 def test_key_with_several_tokenizer_workers_protects_nothing():
     # SGLang adds its key middleware in single-tokenizer mode only
     assert auth.exposure_refusal("0.0.0.0", None, "A", tokenizer_workers=2, env={})
+
+
+def test_serve_refuses_an_exposed_host_before_importing_sglang():
+    on = {"HSNAP_SGLANG_PLUGIN": "1"}
+    why = early_exposure_refusal(["--model-path", "m", "--host", "0.0.0.0"], on)
+    assert why == auth.exposure_refusal("0.0.0.0", None, None, env=on)
+    assert early_exposure_refusal(["--host=10.0.0.5"], on)
+    assert early_exposure_refusal(["--host", "127.0.0.1", "--host", "0.0.0.0"], on)  # the last one given, as argparse
+    assert early_exposure_refusal(["--host", "0.0.0.0", "--host=127.0.0.1"], on) is None
+    assert early_exposure_refusal(["--model-path", "m"], on) is None  # SGLang's default host is loopback
+    assert early_exposure_refusal(["--host", "0.0.0.0"], {}) is None  # the plug-in is off
+    assert early_exposure_refusal(["--host", "0.0.0.0"], {**on, auth.ALLOW_UNAUTHENTICATED_ENV: "1"}) is None
+    # a key flag, or a prefix argparse takes for one: the plug-in decides on SGLang's parsed arguments
+    for key in (["--api-key", "k"], ["--admin-api-key=k"], ["--admin", "k"], ["--api", "k"]):
+        assert early_exposure_refusal(["--host", "0.0.0.0", *key], on) is None
+
+
+def test_serve_exits_on_an_exposed_host_before_sglang_is_imported(tmp_path):
+    import os
+    import re
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != auth.ALLOW_UNAUTHENTICATED_ENV}
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "hsnap_sglang.serve", "--enable-hsnap", "--model-path",
+                           str(tmp_path), "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0 and "refusing to enable the plug-in" in proc.stderr
+    imported = re.findall(r"^import time:.*\|\s*([\w.]+)\s*$", proc.stderr, re.M)
+    assert "hsnap_sglang.auth" in imported and not [m for m in imported if m.split(".")[0] in ("sglang", "torch")]
 
 
 def test_serve_flags_become_the_environment_and_leave_sglang_argv(tmp_path):

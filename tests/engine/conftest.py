@@ -30,6 +30,15 @@ def hsnap_root(tmp_path_factory):
         os.environ["HSNAP_ROOT"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def retired_servers_stopped():
+    """Every server a module retired (stopped in the background) is stopped before the session ends."""
+    yield
+    from engine_support import join_retiring
+
+    join_retiring()
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory, request):
     """The test module's own directory (its servers' logs, its snapshots), inside the snapshot root."""

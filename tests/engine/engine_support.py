@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -152,8 +153,29 @@ class Server:
             self.proc.wait(timeout=30)
             return None
 
+    def retire(self) -> None:
+        """stop() in the background: a module's teardown does not wait the ~10 s a SIGTERMed server takes (SGLang's
+        SIGTERM watchdog polls every 5 s, then its schedulers exit); :func:`join_retiring` waits for every one."""
+        t = threading.Thread(target=self.stop, daemon=True, name=f"retire-{self.port}")
+        t.start()
+        _RETIRING.append(t)
+
     def living_descendants(self) -> list[int]:
         return [pid for pid in self.descendants if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+_RETIRING: list[threading.Thread] = []
+
+
+def retire(*servers: Server) -> None:
+    for s in servers:
+        s.retire()
+
+
+def join_retiring(timeout: float = 120.0) -> None:
+    """Wait for every server retired so far to be stopped (the session's end)."""
+    while _RETIRING:
+        _RETIRING.pop().join(timeout)
 
 
 def full_distribution(top: list) -> list[float]:

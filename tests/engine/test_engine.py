@@ -7,7 +7,7 @@ and the logprobs are those of transformers' float32 model within half-precision 
 bfloat16 tolerance, 0.25 in log-probability: transformers' own bfloat16 run of this model differs from its float32
 run by up to ~0.09 on these positions (bfloat16 keeps 8 significant bits; logits of a random model are O(1)), and
 SGLang computes the GDN / norm internals in float32 but its matmuls and stored states in bfloat16 (measured here
-~0.01-0.03 in decode).  The float32 comparison with a tight tolerance is in test_server.py.
+~0.01-0.03 in decode).  The float32 comparison with a tight tolerance is in test_server_families.py.
 """
 
 from __future__ import annotations

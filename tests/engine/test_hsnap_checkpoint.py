@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_support import retire
 from hsnap_support import Stream, hsnap_server, linkgate_env, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_format import open_chain, open_snapshot
@@ -49,8 +50,7 @@ def servers(tiny_model_dir, work):
                "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False, env=linkgate_env(work / "gate"))}
     start_together(*started.values())
     yield started
-    for srv in started.values():
-        srv.stop()
+    retire(*started.values())
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from engine_support import retire
 from hsnap_support import hsnap_server, start_together
 
 from hsnap_format.tools.cli import main as hsnap
@@ -40,8 +41,7 @@ def servers(tiny_model_dir, work, dirs):
     rootless = hsnap_server(tiny_model_dir, work / "rootless.log", env={"HSNAP_ROOT": ""})
     start_together(keyed, rootless)
     yield {"keyed": keyed, "rootless": rootless}
-    for s in (keyed, rootless):
-        s.stop()
+    retire(keyed, rootless)
 
 
 def call(url: str, route: str, body: dict | None, key: str | None = ADMIN) -> tuple[int, dict]:

@@ -32,7 +32,7 @@ def fx(tmp_path_factory):
 def server(fx, tiny_model_dir):
     s = mh.start_server(fx, tiny_model_dir, fx.base / "server.log")
     yield s
-    s.stop()
+    s.retire()
 
 
 class Bystander(threading.Thread):

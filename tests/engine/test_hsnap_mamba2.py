@@ -44,6 +44,7 @@ import urllib.request
 
 import pytest
 
+from engine_support import retire
 from hsnap_support import (Stream, error_of, flush_cache, hsnap_server, paced, payload, prompt, start_together, stats, tokens,
                            wait_idle)
 
@@ -69,9 +70,7 @@ def servers(tiny_arch_dir, work):
     started["lfm2"] = {"l": hsnap_server(tiny_arch_dir("lfm2"), work / "lfm2-l.log")}
     start_together(*(s for pair in started.values() for s in pair.values()))
     yield started
-    for pair in started.values():
-        for s in pair.values():
-            s.stop()
+    retire(*(s for pair in started.values() for s in pair.values()))
 
 
 def _abort(url: str, rid: str) -> None:

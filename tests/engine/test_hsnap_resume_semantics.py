@@ -81,7 +81,7 @@ def server(tiny_model_dir, work, hole):
     s.start()
     s.root = root
     yield s
-    s.stop()
+    s.retire()
 
 
 def _paused(url: str, rid: str, path: Path, ids: list[int], n: int, after: int) -> tuple[Stream, dict]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_support import PROMPT_IDS
+from engine_support import PROMPT_IDS, retire
 from hsnap_support import Stream, assert_continues, hsnap_server, paced, payload, prompt, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
@@ -80,8 +80,7 @@ def servers(tiny_model_dir, work):
     }
     start_together(*started.values())
     yield started
-    for srv in started.values():
-        srv.stop()
+    retire(*started.values())
 
 
 @pytest.fixture(scope="module")

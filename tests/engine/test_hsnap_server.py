@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_support import retire
 from hsnap_support import Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
 from hsnap_sglang import client
@@ -104,8 +105,7 @@ def servers(tiny_model_dir, work, store):
                       "--max-running-requests", "6", env=env)
     start_together(s2, ov, s3)
     yield {"s2": s2, "overlap": ov, "s3": s3}
-    for s in (s2, ov, s3):
-        s.stop()
+    retire(s2, ov, s3)
 
 
 # ----------------------------------------------------------------------------- radix cache (S2 -> S3)

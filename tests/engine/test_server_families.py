@@ -1,12 +1,17 @@
 """Every hybrid family SGLang serves here, on hsnap's CPU platform: ``python -m hsnap_sglang.serve`` serving each tiny
 random-weight model (``hsnap_sglang.tiny --arch ARCH``) gives the log-probabilities of transformers' own pure-torch
 model on the same weights, for every prompt position (prefill) and every generated position (decode), within 1e-5
-in float32 (``SGLANG_MAMBA_CONV_DTYPE=float32``, as for Qwen3-Next: test_server.py).  One server per family, all
-started side by side.
+in float32 (``SGLANG_MAMBA_CONV_DTYPE=float32``: SGLang keeps the conv state in bfloat16 by default, which alone puts
+~4e-4 into every decode step).  One server per family, all started side by side.
 
 The prompt (72 tokens) is prefilled in chunks of 40 tokens (``--chunked-prefill-size 40``), so the second chunk starts
 from the conv and recurrent states the first left in the pool (``has_initial_state``), off the SSD chunk grid (16).
 
+* Qwen3-Next (the tiny model of the hsnap tests): within 1e-5 (measured: ~8e-7; float32 rounding of different but
+  equivalent summation orders: SGLang's SDPA attention and fused MoE against transformers' eager code).  Its server
+  also shows the serving basics: greedy decoding is deterministic (batched with other requests: the same tokens,
+  float32 rounding apart), /generate streams the same tokens as it returns unstreamed, and SIGTERM stops it, its
+  child processes included (the module's last test).
 * Qwen3.5, dense and MoE (SGLang's ``qwen3_5`` models: the project's reference family, Qwen3.5-35B-A3B), beyond
   Qwen3-Next: the attention output gate (``fused_sigmoid_mul_cpu``), the per-head Gemma norms with the gate split out
   of q (``fused_qk_gemma_rmsnorm_with_gate_cpu``), the contiguous qkvz/ba split
@@ -26,7 +31,7 @@ import json
 
 import pytest
 
-from engine_support import PROMPT_IDS, Server, full_distribution, reference_logprobs
+from engine_support import PROMPT_IDS, Server, full_distribution, reference_logprobs, retire
 from hsnap_support import start_together
 
 pytestmark = pytest.mark.engine
@@ -36,7 +41,8 @@ NEW = 12
 PREFILL_CHUNK = 40
 
 MAMBA2 = ("nemotron_h", "falcon_h1", "granitemoehybrid")
-ARCHS = ("qwen3_5", "qwen3_5_moe", *MAMBA2, "lfm2")
+ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *MAMBA2, "lfm2")
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +54,7 @@ def servers(tiny_arch_dir, tmp_path_factory):
                for arch in ARCHS}
     start_together(*(srv for _, srv in started.values()))
     yield started
-    for _, srv in started.values():
-        srv.stop()
+    retire(*(srv for _, srv in started.values()))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -82,33 +87,42 @@ def test_server_logits_match_transformers_prefill_and_decode(served):
     assert (decode.max(-1).values - decode.min(-1).values).min().item() > 0.5
 
 
-@pytest.mark.parametrize("arch", MAMBA2)
-def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_arch_dir, arch):
-    """The config.json the tiny recipe writes gives SGLang's config class (what sizes its Mamba pool and layers) the
-    same layers and SSM geometry as transformers' (what the reference computes with)."""
+@pytest.fixture(scope="module")
+def sglang_geometries(tiny_arch_dir):
+    """arch -> the layers and Mamba2 state shapes SGLang's own config class gives each tiny Mamba2 model.  SGLang's
+    config classes import SGLang's runtime: one child for the three, opted in (as a server process is)."""
     import os
     import subprocess
     import sys
 
-    from hsnap_sglang.tiny import load_reference_model
-
-    model_dir = tiny_arch_dir(arch)
-    cfg = load_reference_model(model_dir).config
-    # SGLang's config classes import SGLang's runtime: in a child, opted in (as a server process is)
+    dirs = {arch: str(tiny_arch_dir(arch)) for arch in MAMBA2}
     probe = (
-        "import json\n"
+        "import json, sys\n"
         "from sglang.srt.runtime_context import get_parallel\n"
         "from sglang.srt.utils.hf_transformers_utils import get_config\n"
-        f"c = get_config({str(model_dir)!r}, trust_remote_code=False)\n"
-        "with get_parallel().override(attn_tp_size=1):\n"
-        "    params = c.mamba2_cache_params\n"
-        "print(json.dumps({'cls': type(c).__module__, 'mamba_layers': list(params.layers),"
-        " 'conv': [list(s) for s in params.shape.conv], 'temporal': list(params.shape.temporal)}))\n"
+        "out = {}\n"
+        "for arch, model_dir in json.loads(sys.argv[1]).items():\n"
+        "    c = get_config(model_dir, trust_remote_code=False)\n"
+        "    with get_parallel().override(attn_tp_size=1):\n"
+        "        params = c.mamba2_cache_params\n"
+        "    out[arch] = {'cls': type(c).__module__, 'mamba_layers': list(params.layers),"
+        " 'conv': [list(s) for s in params.shape.conv], 'temporal': list(params.shape.temporal)}\n"
+        "print(json.dumps(out))\n"
     )
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", probe, json.dumps(dirs)], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HSNAP_SGLANG_CPU="1"))
     assert out.returncode == 0, out.stderr[-3000:]
-    sg = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("arch", MAMBA2)
+def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_arch_dir, sglang_geometries, arch):
+    """The config.json the tiny recipe writes gives SGLang's config class (what sizes its Mamba pool and layers) the
+    same layers and SSM geometry as transformers' (what the reference computes with)."""
+    from hsnap_sglang.tiny import load_reference_model
+
+    cfg = load_reference_model(tiny_arch_dir(arch)).config
+    sg = sglang_geometries[arch]
     assert sg["cls"].startswith("sglang.srt.configs."), sg  # SGLang's own config class, not transformers'
     if arch == "nemotron_h":
         heads, head_dim, state, groups, kernel = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size,
@@ -123,3 +137,61 @@ def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_ar
     expected = ([i for i, kind in enumerate(layer_kinds) if kind in ("mamba", "linear_attention")]
                 if arch != "falcon_h1" else list(range(cfg.num_hidden_layers)))
     assert sg["mamba_layers"] == expected
+
+
+def _generate(server, ids, **extra):
+    return server.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, **extra})
+
+
+def _tokens(out):
+    return [p[1] for p in out["meta_info"]["output_token_logprobs"]], [p[0] for p in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(servers):
+    return servers["qwen3_next"][1]
+
+
+def test_server_greedy_is_deterministic(qwen3_next):
+    import threading
+
+    server = qwen3_next
+    alone = _tokens(_generate(server, PROMPT_IDS))
+    assert _tokens(_generate(server, PROMPT_IDS)) == alone
+    results = {}
+
+    def run(key, ids):
+        results[key] = _tokens(_generate(server, ids))
+
+    threads = [threading.Thread(target=run, args=(k, ids)) for k, ids in
+               (("target", PROMPT_IDS), ("other1", PROMPT_IDS[::-1]), ("other2", PROMPT_IDS[3:17]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    # Batched with others, the same tokens; in float32 the logprobs may move by float32 rounding only: CPU float32
+    # matmuls are batch-size dependent (one row takes a GEMV path, several a GEMM path).  bfloat16 is exactly batch
+    # invariant here (test_engine.py).
+    assert results["target"][0] == alone[0]
+    assert max(abs(a - b) for a, b in zip(results["target"][1], alone[1])) <= TOLERANCE_FP32
+
+
+def test_server_streams_the_same_tokens_as_unstreamed(qwen3_next):
+    server = qwen3_next
+    whole = server.post("/generate", {"input_ids": PROMPT_IDS, "sampling_params": GREEDY})
+    events = server.stream("/generate", {"input_ids": PROMPT_IDS, "sampling_params": GREEDY})
+    assert len(events) >= 2
+    texts = [e["text"] for e in events]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each chunk extends the previous one
+    assert texts[-1] == whole["text"]
+    assert events[-1]["meta_info"]["completion_tokens"] == NEW
+    assert events[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+
+def test_server_stops_cleanly_on_sigterm_leaving_no_child(qwen3_next):
+    """The module's last test: it stops the Qwen3-Next server."""
+    server = qwen3_next
+    assert server.descendants, "the server should run child processes (scheduler, detokenizer)"
+    code = server.stop()
+    assert code is not None, f"the server did not exit after SIGTERM; log: {server.log_tail()}"
+    assert server.living_descendants() == []
