@@ -57,6 +57,10 @@ TARGET_OTHERS = {"other-3": (3, 36, 64)}
 SOURCE_CAPACITY = {"--max-total-tokens": "4096", "--max-mamba-cache-size": "12", "--max-running-requests": "4"}
 TARGET_CAPACITY = {"--max-total-tokens": "3000", "--max-mamba-cache-size": "9", "--max-running-requests": "3"}
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL
+# A server's children still running once it has exited are orphans: SGLang's shutdown kills its children before it
+# exits, and a SIGTERM before SGLang installs its handler (Ctrl-C while a server starts) ends the main process at once
+# while its scheduler goes on loading the model (measured: ~20 s) until it finds no parent to report to
+ORPHAN_GRACE_S = 2.0
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -183,7 +187,8 @@ class DemoServer:
         return out
 
     def stop(self, grace: float = STOP_GRACE_S) -> dict[str, Any]:
-        """SIGTERM to the server's pid, wait ``grace`` s; then SIGKILL to it and to every descendant still running.
+        """SIGTERM to the server's pid, wait ``grace`` s; then SIGKILL to it and (after :data:`ORPHAN_GRACE_S`) to every
+        descendant still running.
         Returns ``{"pid", "exit_code", "killed", "left"}`` (``left``: pids still running afterwards: none expected)."""
         if self.proc is None:
             return {"pid": None, "exit_code": None, "killed": [], "left": []}
@@ -199,7 +204,7 @@ class DemoServer:
                 self.proc.kill()
                 self.proc.wait(timeout=30)
                 killed.append(self.proc.pid)
-        deadline = time.monotonic() + grace  # its children exit after it: give them the same bound
+        deadline = time.monotonic() + min(grace, ORPHAN_GRACE_S)
         while [p for p in self.living() if p != self.proc.pid] and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in self.living():
