@@ -23,8 +23,8 @@ import os
 import runpy
 import sys
 
-__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "SGLANG_DEFAULT_HOST", "early_exposure_refusal", "engine_kwargs", "hsnap_help", "launch_server_argv", "main", "omp_threads_bind",
-           "take_hsnap_flags"]
+__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "early_exposure_refusal", "engine_kwargs", "hsnap_help", "launch_server_argv", "main",
+           "omp_threads_bind", "take_hsnap_flags"]
 
 # flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
 # RAM (hundreds of thousands of slots, gigabytes).
@@ -71,19 +71,18 @@ def _tp_size(argv: list[str]) -> int:
 # A flag that may give a key (argparse also takes an unambiguous prefix): where one is present the plug-in's own check,
 # on SGLang's parsed arguments, decides
 _KEY_FLAG_PREFIXES = ("--api", "--admin")
-SGLANG_DEFAULT_HOST = "127.0.0.1"  # SGLang's --host default (sglang.srt.arg_groups.fields.serving)
+_SGLANG_DEFAULT_HOST = "127.0.0.1"  # SGLang's --host default (sglang.srt.arg_groups.fields.serving)
 
 
 def early_exposure_refusal(argv: list[str], env) -> str | None:
     """The plug-in's refusal of an exposed server without a key (:func:`hsnap_sglang.auth.exposure_refusal`), decided
     from ``argv`` before SGLang is imported (seconds, not a server start); None where only SGLang's parsed arguments
     can decide (a key flag given), and the plug-in decides again there."""
-    if env.get("HSNAP_SGLANG_PLUGIN") != "1" or any(a.startswith(_KEY_FLAG_PREFIXES) for a in argv):
+    if env.get(HSNAP_SWITCHES[ENABLE_HSNAP]) != "1" or any(a.startswith(_KEY_FLAG_PREFIXES) for a in argv):
         return None
     from hsnap_sglang.auth import exposure_refusal
 
-    return exposure_refusal(_flag_value(argv, "--host") or SGLANG_DEFAULT_HOST, None, None, env=env)
-
+    return exposure_refusal(_flag_value(argv, "--host") or _SGLANG_DEFAULT_HOST, None, None, env=env)
 
 
 # With the radix cache on (SGLang's default), SGLang's "auto" Mamba radix-cache strategy picks "extra_buffer" when the
@@ -174,10 +173,11 @@ def hsnap_help() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "-h" in argv or "--help" in argv:
+    wants_help = "-h" in argv or "--help" in argv
+    if wants_help:
         print(hsnap_help(), flush=True)
     argv = take_hsnap_flags(argv, os.environ)  # inherited by every process the server starts
-    refusal = None if "-h" in argv or "--help" in argv else early_exposure_refusal(argv, os.environ)
+    refusal = None if wants_help else early_exposure_refusal(argv, os.environ)
     if refusal:
         raise SystemExit(refusal)
     os.environ["HSNAP_SGLANG_CPU"] = "1"

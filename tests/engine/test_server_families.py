@@ -45,6 +45,14 @@ ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", *MAMBA2, "lfm2")
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
+def _generate(server, ids, **extra):
+    return server.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, **extra})
+
+
+def _tokens(out):
+    return [p[1] for p in out["meta_info"]["output_token_logprobs"]], [p[0] for p in out["meta_info"]["output_token_logprobs"]]
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_arch_dir, tmp_path_factory):
     """One float32 server per family, started side by side (a start is mostly imports)."""
@@ -68,9 +76,7 @@ def test_server_logits_match_transformers_prefill_and_decode(served):
 
     arch, model_dir, server = served
 
-    out = server.post("/generate", {"input_ids": PROMPT_IDS, "return_logprob": True, "top_logprobs_num": 512,
-                                    "logprob_start_len": 0,
-                                    "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    out = _generate(server, PROMPT_IDS, top_logprobs_num=512, logprob_start_len=0)
     meta = out["meta_info"]
     ids = [p[1] for p in meta["output_token_logprobs"]]
     prefill, decode = reference_logprobs(model_dir, PROMPT_IDS, ids, "float32")
@@ -137,14 +143,6 @@ def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_ar
     expected = ([i for i, kind in enumerate(layer_kinds) if kind in ("mamba", "linear_attention")]
                 if arch != "falcon_h1" else list(range(cfg.num_hidden_layers)))
     assert sg["mamba_layers"] == expected
-
-
-def _generate(server, ids, **extra):
-    return server.post("/generate", {"input_ids": ids, "sampling_params": GREEDY, "return_logprob": True, **extra})
-
-
-def _tokens(out):
-    return [p[1] for p in out["meta_info"]["output_token_logprobs"]], [p[0] for p in out["meta_info"]["output_token_logprobs"]]
 
 
 @pytest.fixture(scope="module")
