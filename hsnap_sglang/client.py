@@ -24,8 +24,10 @@ reason: ``error_type`` (``IncompatibleSnapshotError``, ``UnknownRequestError``, 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -35,7 +37,7 @@ from typing import Any, Callable
 
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 
-__all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "drain", "checkpoint", "migrate", "follow", "move", "stats",
+__all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
            "stream_events", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -166,6 +168,7 @@ class ResumeRun:
     info: Any
     events: list = field(default_factory=list)
     finals: dict = field(default_factory=dict)  # rid -> last event
+    interrupted: dict | None = None  # on_interrupt's answer when the read was interrupted (Ctrl-C), else None
 
     @property
     def final(self) -> dict:
@@ -180,6 +183,16 @@ class ResumeRun:
         return list(self.final.get("output_ids", []))
 
     @property
+    def resumed(self) -> dict:
+        """rid -> the snapshot (its path on the server's machine) each resumed request was resumed from."""
+        return {i["result"]["rid"]: i["result"]["path"] for i in _items(self.info) if i.get("ok") and "result" in i}
+
+    @property
+    def running(self) -> list:
+        """The resumed requests whose stream has not ended yet (no finish reason seen)."""
+        return [rid for rid in self.resumed if not ((self.finals.get(rid) or {}).get("meta_info") or {}).get("finish_reason")]
+
+    @property
     def aborted(self) -> dict:
         """rid -> finish reason of each request whose stream ended in an abort (the continuation is incomplete)."""
         return {rid: (e.get("meta_info") or {}).get("finish_reason") for rid, e in self.finals.items()
@@ -188,7 +201,8 @@ class ResumeRun:
 
 def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], None] | None = None, stream: bool = True,
            seen: tuple[int, int] | dict | None = None, again: bool = False, timeout: float = DEFAULT_TIMEOUT_S,
-           api_key: str | None = None) -> ResumeRun:
+           api_key: str | None = None, on_start: Callable[[Any], None] | None = None,
+           on_interrupt: Callable[[ResumeRun], dict] | None = None) -> ResumeRun:
     """Resume the snapshot (or every snapshot of a drain's or a checkpoint directory) at ``path`` in the server at
     ``url`` and read the rest of the request(s).  ``on_chunk(rid, new_text, new_ids, event)`` gets each event with
     what it adds to that request's text and token ids (events carry the text and ids so far, as /generate's do).
@@ -199,16 +213,26 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
     follows the snapshot: a client that had less than the snapshot does not get the part in between from them.)
     A snapshot is resumed at most once (the server claims it: a second resume is refused, ``SnapshotClaimedError``);
     ``again``: resume it anyway.  A refusal raises :class:`ServerError` before any output; a resumed request that
-    ends aborted is in ``run.aborted``."""
+    ends aborted is in ``run.aborted``.  ``on_start(report)``: called with the resume report before the first event
+    (what was resumed, what was refused).
+
+    The server aborts the resumed requests when their stream's client goes away (as SGLang does for /generate).
+    ``on_interrupt(run)``: called on Ctrl-C (KeyboardInterrupt) while the stream is still open, so that it can keep
+    the requests' progress (:func:`pause_back` pauses each into a snapshot); its answer is ``run.interrupted``, the
+    rest of the stream is read and the run returned.  Without it the interrupt propagates."""
     body = {"path": path, "stream": stream, **({"again": True} if again else {})}
-    return _read_run(url, "/hsnap/resume", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout, api_key=api_key)
+    return _read_run(url, "/hsnap/resume", body, on_chunk=on_chunk, stream=stream, seen=seen, timeout=timeout, api_key=api_key,
+                     on_start=on_start, on_interrupt=on_interrupt)
 
 
-def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float, api_key: str | None = None) -> ResumeRun:
+def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float, api_key: str | None = None,
+              on_start: Callable[[Any], None] | None = None, on_interrupt: Callable[[ResumeRun], dict] | None = None) -> ResumeRun:
     """A /hsnap/resume or /hsnap/follow call's events (see :func:`resume`)."""
     with _request(url, route, body, timeout, api_key) as r:
         header = r.headers.get(RESUME_HEADER)
         run = ResumeRun(info=json.loads(header) if header else None)
+        if on_start is not None:
+            on_start(run.info)
         if not stream:
             body = json.loads(r.read())
             for event in body if isinstance(body, list) else [body]:
@@ -220,7 +244,8 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
         # per request: where the next event's addition starts in the whole stream, and what the client has
         at: dict[str, tuple[int, int]] = {}
         floor: dict[str, tuple[int, int]] = {}
-        for event in stream_events(r):
+
+        def take(event: dict) -> None:
             if "error" in event:
                 err = event["error"]
                 raise ServerError(url + route, 200, err if isinstance(err, dict) else {"message": str(err)})
@@ -241,7 +266,54 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
             at[rid] = (a_text + len(add_text), a_ids + len(add_ids))
             floor[rid] = (max(f_text, at[rid][0]), max(f_ids, at[rid][1]))
             run.finals[rid] = event
+
+        try:
+            for event in stream_events(r):
+                take(event)
+        except KeyboardInterrupt:
+            if on_interrupt is None:
+                raise
+            run.interrupted = on_interrupt(run)  # the stream still open: the server has not aborted anything
+            try:  # the rest: each request paused back ends its stream with its export's finish reason
+                for event in stream_events(r):
+                    take(event)
+            except (OSError, ValueError, http.client.HTTPException):
+                pass  # a read the interrupt cut mid-chunk: run.interrupted says what became of each request
         return run
+
+
+def interrupted_path(entry: str, n: int = 1) -> str:
+    """Where a request resumed from the snapshot ``entry`` is paused back to (:func:`pause_back`): beside it,
+    ``<name>.interrupted.hsnap``, then ``<name>.interrupted-2.hsnap``... (a TP set directory: no suffix); a
+    snapshot that was itself such a pause keeps one ``.interrupted``."""
+    suffix = ".hsnap" if entry.endswith(".hsnap") else ""
+    stem = re.sub(r"\.interrupted(-\d+)?$", "", entry[: len(entry) - len(suffix)])
+    return f"{stem}.interrupted{'' if n == 1 else f'-{n}'}{suffix}"
+
+
+MAX_PAUSE_BACK_NAMES = 100  # interrupted-2 ... interrupted-100: past that a name collision is not a coincidence
+
+
+def pause_back(url: str, run: ResumeRun, *, api_key: str | None = None) -> dict:
+    """Pause each request of ``run`` still running back into a snapshot beside the one it was resumed from
+    (:func:`interrupted_path`; a name taken: the next one).  rid -> the pause's report (``path``, ``output_tokens``...),
+    or ``{"error": ServerError}`` when the server refused (the request finished meanwhile: its stream says how)."""
+    done: dict[str, dict] = {}
+    for rid in run.running:
+        entry = run.resumed[rid]
+        for n in range(1, MAX_PAUSE_BACK_NAMES + 1):
+            try:
+                done[rid] = pause(url, rid, interrupted_path(entry, n), api_key=api_key)
+                break
+            except ServerError as e:
+                if e.error_type == "SnapshotExistsError" and n < MAX_PAUSE_BACK_NAMES:
+                    continue
+                done[rid] = {"error": e}
+                break
+            except HsnapError as e:
+                done[rid] = {"error": e}
+                break
+    return done
 
 
 def migrate(url: str, rid: str, dir: str, *, tail: int = 16, max_rounds: int = 8, timeout_s: float = 60.0, fsync: bool = False,  # noqa: A002
@@ -363,7 +435,7 @@ def pause_main(argv) -> int:
         return 0
     t = out.get("timings", {})
     print(f"{'checkpointed' if out.get('keep_running') else 'paused'} {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
-          f"{out['output_tokens']} output tokens -> {escape_text(out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
+          f"{out['output_tokens']} output tokens -> {_where(args.output, out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
     print(f"pause-to-durable {t.get('pause_to_durable_s', 0) * 1e3:.1f} ms (waited {t.get('wait_s', 0) * 1e3:.1f} ms for the boundary, "
           f"wrote in {t.get('write_s', 0) * 1e3:.1f} ms); {'still running (checkpoint)' if out.get('keep_running') else 'slots released'}")
     return 0
@@ -372,46 +444,154 @@ def pause_main(argv) -> int:
 def resume_main(argv) -> int:
     """resume a snapshot in a server and print the rest: hsnap resume URL PATH"""
     p = argparse.ArgumentParser(prog="hsnap resume", description="Resume a snapshot (or a drain's directory of snapshots) "
-                                "in a server running the hsnap plug-in and print the rest of the stream.")
+                                "in a server running the hsnap plug-in and print the rest of the stream.  The plan (what is "
+                                "resumed, what is refused) goes to stderr first; several requests print whole lines labelled "
+                                "[rid], or one file each with --output-dir.  Ctrl-C pauses each request still running back into "
+                                "a snapshot beside the one it came from (<name>.interrupted.hsnap) and says where.")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("path", help="a snapshot path on the server's machine, a directory of "
                    "snapshots, or s3://; a relative one is relative to the server's --hsnap-root, not to this shell")
     p.add_argument("--again", action="store_true", help="resume a snapshot that was resumed before (a duplicate continuation)")
     p.add_argument("--json", action="store_true", help="every event as one JSON line")
+    p.add_argument("--output-dir", metavar="DIR", default=None, help="write each request's text to DIR/<rid>.txt on this "
+                   "machine (progress on stderr) instead of stdout")
+    p.add_argument("--on-interrupt", choices=("pause", "abort"), default="pause", help="what Ctrl-C does to the requests "
+                   "still running: pause each back into a snapshot (default), or abort it (the server ends it; its output "
+                   "since the snapshot is lost)")
     args = _parse(p, argv)
-    started: set[str] = set()
-
-    def show(rid, text, ids, event):
-        if args.json:
-            print(json.dumps(event), flush=True)
-            return
-        if rid not in started:
-            started.add(rid)
-            print(f"[{escape_text(rid)}] ", end="", file=sys.stderr, flush=True)
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
+    view = _ResumeView(args)
     try:
-        run = resume(args.url, args.path, on_chunk=show, again=args.again, api_key=args.api_key)
+        run = resume(args.url, args.path, on_chunk=view.chunk, on_start=view.plan, again=args.again, api_key=args.api_key,
+                     on_interrupt=(lambda r: pause_back(args.url, r, api_key=args.api_key)) if args.on_interrupt == "pause" else None)
+    except KeyboardInterrupt:  # --on-interrupt abort: the stream closes, the server aborts what was still running
+        view.close()
+        print(f"hsnap resume: interrupted: the server aborts the requests still running as their stream closes; each "
+              f"snapshot stays claimed (--again resumes it from its own position): {escape_text(args.path)}", file=sys.stderr)
+        return 130
     except HsnapError as e:
+        view.close()
         return _fail("resume", e)
-    failed = 1 if run.aborted else 0
+    view.close()
     if not args.json:
-        print(file=sys.stdout)
-        for item in _items(run.info):
-            if not item.get("ok"):
-                err = item.get("error", {})
-                print(f"not resumed {escape_text(item.get('path'))}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
-                continue
-            res = item["result"]
-            final = run.finals.get(res["rid"], {})
-            meta = final.get("meta_info", {})
-            print(f"resumed {escape_text(res['rid'])} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
+        for rid, res in _resumed_results(run).items():
+            meta = run.finals.get(rid, {}).get("meta_info", {})
+            print(f"resumed {escape_text(rid)} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
                   f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
                   f"{meta.get('completion_tokens')} output tokens, finish {json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
+    if run.interrupted is not None:
+        _say_interrupted(args.url, run.interrupted)
+        return 130
     for rid, why in run.aborted.items():  # a continuation cut short is a failure, whatever the HTTP status said
         print(f"hsnap resume: {escape_text(rid)} ended aborted, not finished: {escape_text(json.dumps(why))}", file=sys.stderr)
-    return failed
+    return 1 if run.aborted else 0
+
+
+def _resumed_results(run: ResumeRun) -> dict:
+    return {i["result"]["rid"]: i["result"] for i in _items(run.info) if i.get("ok") and "result" in i}
+
+
+def _say_interrupted(url: str, interrupted: dict) -> None:
+    """What Ctrl-C made of each request still running: where it was paused back to, or why it was not."""
+    if not interrupted:
+        print("hsnap resume: interrupted: every request had ended", file=sys.stderr)
+    for rid, out in interrupted.items():
+        if "error" in out:
+            e = out["error"]
+            kind = e.error_type if isinstance(e, ServerError) else type(e).__name__
+            print(f"interrupted: {escape_text(rid)} not paused: {kind}: {escape_text(str(e))}", file=sys.stderr)
+            continue
+        print(f"interrupted: {escape_text(rid)} paused at {out.get('output_tokens')} output tokens "
+              f"({out.get('committed_positions')} committed positions) -> {escape_text(out['path'])}; continue it with: "
+              f"hsnap resume {url} {escape_text(out['path'])}", file=sys.stderr)
+
+
+def _safe_file_name(rid: str) -> str:
+    """``rid`` as a file name on this machine: unsafe characters replaced, and then its hash appended (two rids
+    never share a file)."""
+    import hashlib
+
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", rid)[:100].lstrip(".") or "_"
+    return safe if safe == rid else f"{safe}-{hashlib.sha256(rid.encode()).hexdigest()[:12]}"
+
+
+class _ResumeView:
+    """``hsnap resume``'s output: the plan on stderr first; one request streamed as it comes; several as whole lines
+    labelled ``[rid]`` (or one file each under ``--output-dir``), each one's end reported as it ends."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.many = False
+        self.partial: dict[str, str] = {}  # rid -> the text after its last newline (several requests on one stdout)
+        self.files: dict[str, Any] = {}
+        self.ended: set[str] = set()
+        self.count = 0
+
+    def plan(self, info) -> None:
+        items = _items(info)
+        ok = [i for i in items if i.get("ok")]
+        self.count = len(ok) if items and not (isinstance(info, dict) and info.get("truncated")) else int((info or {}).get("resumed", 0))
+        self.many = isinstance(info, list) or bool(isinstance(info, dict) and info.get("truncated")) or self.args.output_dir is not None
+        if self.args.output_dir is not None:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+        if isinstance(info, dict) and info.get("truncated"):
+            print(f"resuming {self.count} snapshots from {escape_text(self.args.path)} (too many to list)", file=sys.stderr)
+            return
+        if self.many:
+            print(f"resuming {len(ok)} of {len(items)} snapshots in {escape_text(self.args.path)}:", file=sys.stderr)
+        for i in items:
+            if i.get("ok"):
+                res = i["result"]
+                print(f"{'  ' if self.many else 'resuming '}{escape_text(res['rid'])} from {escape_text(res['path'])}: "
+                      f"{res['committed_positions']} committed positions", file=sys.stderr)
+            else:
+                err = i.get("error", {})
+                print(f"{'  ' if self.many else ''}not resumed {escape_text(i.get('path'))}: {err.get('type')}: "
+                      f"{escape_text(err.get('message'))}", file=sys.stderr)
+
+    def chunk(self, rid, text, ids, event) -> None:
+        if self.args.json:
+            print(json.dumps(event), flush=True)
+        elif self.args.output_dir is not None:
+            f = self.files.get(rid)
+            if f is None:
+                f = self.files[rid] = open(os.path.join(self.args.output_dir, _safe_file_name(rid) + ".txt"), "a", encoding="utf-8")
+            f.write(text)
+            f.flush()
+        elif self.many:
+            lines = (self.partial.pop(rid, "") + text).split("\n")
+            for line in lines[:-1]:
+                print(f"[{escape_text(rid)}] {line}", flush=True)
+            self.partial[rid] = lines[-1]
+        else:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        finish = (event.get("meta_info") or {}).get("finish_reason")
+        if finish and rid not in self.ended:
+            self.ended.add(rid)
+            self._end(rid, event, finish)
+
+    def _end(self, rid, event, finish) -> None:
+        if rid in self.partial:
+            print(f"[{escape_text(rid)}] {self.partial.pop(rid)}", flush=True)
+        f = self.files.pop(rid, None)
+        if f is not None:
+            f.close()
+        if self.many and not self.args.json:
+            where = f" -> {os.path.join(self.args.output_dir, _safe_file_name(rid) + '.txt')}" if self.args.output_dir else ""
+            print(f"[{escape_text(rid)}] ended ({len(self.ended)} of {self.count}): "
+                  f"{(event.get('meta_info') or {}).get('completion_tokens')} output tokens, finish {json.dumps(finish)}{where}",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        for rid, rest in self.partial.items():
+            if rest:
+                print(f"[{escape_text(rid)}] {rest}", flush=True)
+        self.partial.clear()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+        if not self.many and not self.args.json:
+            print(file=sys.stdout)
 
 
 def drain_main(argv) -> int:
@@ -441,10 +621,11 @@ def drain_main(argv) -> int:
                 err = item["error"]
                 print(f"not drained {escape_text(item['rid'])}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
         if not out.get("items"):
-            print("nothing to drain: no request was running, queued or being prefilled")
+            print(f"nothing to drain: no request was running, queued or being prefilled; nothing written to "
+                  f"{_where(args.output, out.get('dir'))}")
         else:
             print(f"{len(out['items'])} requests, {'all exported' if out.get('ok', True) else 'some refused'} into "
-                  f"{escape_text(str(out.get('dir') or args.output))}")
+                  f"{_where(args.output, out.get('dir'))}")
         d = out.get("dedup")
         if d:
             print(f"dedup: {d['bytes_written']} bytes written ({d['pages_put']} pages put, {d['pages_reused']} reused) "
@@ -473,7 +654,7 @@ def checkpoint_main(argv) -> int:
     elif out.get("stopped"):
         print(f"stopped checkpointing {escape_text(args.rid)}: {out['links']} links, last {escape_text(str(out['last']))}")
     else:
-        print(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {escape_text(out['dir'])}: first link "
+        print(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {_where(args.output, out['dir'])}: first link "
               f"{escape_text(out['path'])} ({out['committed_positions']} committed positions, {out['bytes']} bytes)")
     return 0
 
@@ -518,6 +699,16 @@ def migrate_main(argv) -> int:
           f"target applied {len(info.get('links', []))} links; {meta.get('completion_tokens')} output tokens, finish "
           f"{json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
     return 0
+
+
+def _where(given: str, answered: str | None) -> str:
+    """The path the server used, and — for a relative one the user gave — that it was taken beneath the server's
+    snapshot root (not this shell's working directory)."""
+    if "://" in given or os.path.isabs(given):
+        return escape_text(str(answered or given))
+    if answered and answered != given:
+        return f"{escape_text(answered)} (the relative path {escape_text(given)} taken beneath the server's snapshot root)"
+    return f"{escape_text(given)} (relative: beneath the server's snapshot root)"
 
 
 def _fail(cmd: str, e: HsnapError) -> int:

@@ -7,6 +7,7 @@ bytes or lone surrogates, within a length cap) are here too, shared by every rou
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections import OrderedDict
@@ -141,6 +142,31 @@ async def read_body(request, *, max_bytes: int = MAX_BODY_BYTES, max_depth: int 
 # ----------------------------------------------------------------------------- the HTTP side: routes
 
 
+ROUTE: contextvars.ContextVar[str] = contextvars.ContextVar("hsnap_route", default="route")  # the /hsnap route being answered
+
+# what the one log line of a route's answer names, in this order (those it has)
+QUIET_ROUTES = frozenset({"stats"})  # read-only, polled: not logged
+ANSWER_LOG_FIELDS = ("rid", "path", "dir", "committed_positions", "output_tokens", "requests", "links", "every", "bytes")
+
+
+def log_answer(status: int, content: dict) -> None:
+    """One log line per answer of an /hsnap route (the route from :data:`ROUTE`): what it did — rid, path,
+    positions, bytes, duration — or the refusal's type and message; a drain adds one line per request."""
+    where = ROUTE.get()
+    if where in QUIET_ROUTES:
+        return
+    if status >= 400:
+        logger.info("hsnap %s refused (HTTP %d): %s: %s", where, status, content.get("type"), str(content.get("message"))[:500])
+        return
+    said = " ".join(f"{k}={content[k]}" for k in ANSWER_LOG_FIELDS if content.get(k) is not None)
+    timings = content.get("timings") or {}
+    total = timings.get("total_s", timings.get("restore_s"))
+    logger.info("hsnap %s: %s%s", where, said, f" in {total * 1e3:.1f} ms" if isinstance(total, (int, float)) else "")
+    for item in content.get("items") or ():
+        inner = item.get("result") if item.get("ok") else item.get("error")
+        log_answer(200 if item.get("ok") else int((inner or {}).get("status", 500)), dict(inner or {}, rid=item.get("rid")))
+
+
 def contained_route(where: str, respond: Callable[[dict], Any], answered: type | None = None):
     """Decorator of an ``/hsnap/*`` route: an HsnapError becomes its typed answer, ``answered`` (the scheduler's
     refusal, carrying ``.error``) its dict as it is, anything else a typed 500 (PluginError) and one log line —
@@ -149,6 +175,7 @@ def contained_route(where: str, respond: Callable[[dict], Any], answered: type |
     def wrap(fn):
         @functools.wraps(fn)
         async def route(*args, **kwargs):
+            ROUTE.set(where)  # this request's own context (one asyncio task per request)
             try:
                 return await fn(*args, **kwargs)
             except asyncio.CancelledError:
@@ -184,4 +211,4 @@ class Slots:
 
 __all__ = ["MAX_BODY_BYTES", "MAX_BODY_DEPTH", "MAX_PATH_CHARS", "MAX_RID_CHARS", "MAX_FOLLOWS", "MAX_FOLLOW_TIMEOUT_S",
            "log_failure", "typed", "contained_handler", "guarded", "check_text", "check_path", "check_rid", "read_body",
-           "contained_route", "Slots"]
+           "contained_route", "Slots", "ROUTE", "log_answer"]

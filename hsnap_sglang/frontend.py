@@ -45,7 +45,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from hsnap_format import HsnapError, open_snapshot
 from hsnap_format.errors import MalformedError, Phrase
@@ -53,7 +53,7 @@ from hsnap_format.spec import MAX_PAGE_SIZE
 
 from . import claims
 from . import auth, confine
-from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, read_body
+from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_answer, read_body
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -95,6 +95,10 @@ def before_launch_server(*args, **kwargs):
 
         add_routes(http_server.app)
         _routes_added = True
+        root, urls = confine.configured_root(), confine.allowed_urls()
+        logger.info("hsnap plug-in on: /hsnap routes added (admin operations: %s); snapshot root %s; URLs allowed: %s",
+                    "the admin key, else the API key" if getattr(sa, "admin_api_key", None) or getattr(sa, "api_key", None) else "no key set",
+                    root or "none (paths refused)", ", ".join("s3://" + "/".join((bucket, *parts)) for bucket, parts in urls) or "none")
     return None
 
 
@@ -214,16 +218,28 @@ def around_create_abort_task(original, tm, obj, *args, **kwargs):
     ends (the client went away).  When that stream ended because its request was exported, the rid may by then
     belong to the same request resumed here: the delayed abort spares a request hsnap registered after the abort
     was arranged (the resumed one's own stream arranges its own, later, which still applies)."""
+    return _delayed_abort(tm, lambda: [obj.rid] if obj.is_single else list(obj.rid))  # read once normalized, 2 s later
+
+
+ABORT_DELAY_S = 2.0  # SGLang's delay before a stream's requests are aborted once the stream ended
+
+
+def _delayed_abort(tm, rids: Callable[[], list]):
+    """One background task: ``ABORT_DELAY_S`` after the stream ended, each of ``rids()`` still there is aborted —
+    unless hsnap registered it after this was arranged (a resume of the same rid)."""
     from starlette.background import BackgroundTasks
 
     arranged = time.monotonic()
 
     async def abort_request():
-        await asyncio.sleep(2)
-        for rid in [obj.rid] if obj.is_single else obj.rid:
+        await asyncio.sleep(ABORT_DELAY_S)
+        for rid in rids():
             state = tm.rid_to_state.get(rid)
             if state is not None and getattr(state, "hsnap_registered_at", float("-inf")) <= arranged:
                 tm.abort_request(rid)
+                if hasattr(state, "hsnap_registered_at"):  # a resumed one: its progress since the snapshot ends here
+                    logger.info("hsnap: aborted resumed request %s: its stream's client went away (%d output tokens)", rid,
+                                len(state.output_ids))
 
     tasks = BackgroundTasks()
     tasks.add_task(abort_request)
@@ -375,10 +391,13 @@ def _frontend() -> HsnapFrontend:
     return _tm()._hsnap
 
 
-def _error_response(error: dict):
+def _error_response(error: dict, *, logged: bool = False):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse(status_code=int(error.get("status", 500)), content={"error": error})
+    status = int(error.get("status", 500))
+    if not logged:
+        log_answer(status, error)
+    return JSONResponse(status_code=status, content={"error": error})
 
 
 def _bad(field: str, expected, found):
@@ -404,6 +423,7 @@ def _answer_response(out: HsnapReqOutput):
     content: dict[str, Any] = dict(out.result)
     if out.items:
         content.update(ok=out.ok, items=out.items)
+    log_answer(200, content)
     return JSONResponse(status_code=200, content=content)
 
 
@@ -507,8 +527,11 @@ def router():
                 continue
             resumed.append(obj)
             results.append({"path": entry, "ok": True, "result": result})
+        for item in results:
+            inner = item["result"] if item["ok"] else item["error"]
+            log_answer(200 if item["ok"] else int(inner.get("status", 500)), dict(inner, path=item["path"]))
         if not resumed:
-            return _error_response(results[0]["error"])
+            return _error_response(results[0]["error"], logged=True)
         header = json.dumps(results[0] if len(entries) == 1 and os.fspath(entries[0]) == _local(path) else results,
                             separators=(",", ":"), default=str)
         headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "resumed": len(resumed)})}
@@ -603,8 +626,14 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
             for t in tasks:
                 t.cancel()
 
-    background = tm.create_abort_task(resumed[0]) if len(resumed) == 1 else None
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=background)
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=_abort_when_gone(tm, resumed))
+
+
+def _abort_when_gone(tm, resumed: list):
+    """One request or many, the same: once the stream ends, each resumed request still running is aborted (2 s
+    later, SGLang's delay for /generate) — its client went away without pausing it (``hsnap resume`` pauses them on
+    Ctrl-C before it closes the stream).  A request that finished or was exported is gone by then: nothing to do."""
+    return _delayed_abort(tm, lambda: [obj.rid for obj in resumed])
 
 
 __all__ = ["HsnapFrontend", "install", "before_launch_server", "router", "read_resume_info", "snapshot_entries", "RESUME_HEADER"]

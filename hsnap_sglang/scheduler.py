@@ -574,7 +574,8 @@ class HsnapScheduler:
         try:
             if msg.dedup and self.tp_size > 1:
                 raise HsnapError(msg.dir, "dedup", Phrase("a TP 1 server (a dedup drain of a TP set is not supported)"), f"TP {self.tp_size}")
-            confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))  # made beneath the root, no symlink followed
+            # made beneath the root (no symlink followed) only when something goes in it: an idle drain writes nothing
+            confine.resolve(msg.dir, "dir", confine.DIR, create=bool(rids) and not is_url(msg.dir))
             if msg.dedup and rids:
                 if not is_url(msg.dir):
                     confine.resolve(os.path.join(msg.dir, "pages"), "dir", confine.DIR, create=True)

@@ -76,7 +76,7 @@ class _Exporting(BaseHTTPRequestHandler):
 
     def do_POST(self):
         got = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        answer = {"ok": True, "items": [], "requests": 0} if self.path == "/hsnap/drain" else dict(
+        answer = {"ok": True, "items": [], "requests": 0, "dir": "/srv/root/drained"} if self.path == "/hsnap/drain" else dict(
             EXPORTED, keep_running=got["keep_running"], seen_path=self.path)
         body = json.dumps(answer).encode()
         self.send_response(200)
@@ -142,7 +142,30 @@ def test_the_cli_takes_host_port_and_reports_a_kept_running_pause_as_a_checkpoin
 
 def test_an_idle_drain_says_there_was_nothing_to_drain(exporting, capsys):
     assert client.drain_main([exporting, "-o", "drained"]) == 0
-    assert capsys.readouterr().out.strip() == "nothing to drain: no request was running, queued or being prefilled"
+    assert capsys.readouterr().out.strip() == ("nothing to drain: no request was running, queued or being prefilled; nothing "
+                                               "written to /srv/root/drained (the relative path drained taken beneath the "
+                                               "server's snapshot root)")
+
+
+def test_an_answer_to_a_relative_path_says_where_the_server_put_it(exporting, capsys):
+    assert client.pause_main([exporting, "r1", "-o", "r1.hsnap"]) == 0
+    assert "-> /srv/r1.hsnap (the relative path r1.hsnap taken beneath the server's snapshot root)" in capsys.readouterr().out
+    assert client.pause_main([exporting, "r1", "-o", "/srv/r1.hsnap"]) == 0
+    out = capsys.readouterr().out
+    assert "-> /srv/r1.hsnap (" in out and "relative" not in out
+
+
+@pytest.mark.parametrize("entry,n,expected", [
+    ("/s/req-4.hsnap", 1, "/s/req-4.interrupted.hsnap"),
+    ("/s/req-4.hsnap", 3, "/s/req-4.interrupted-3.hsnap"),
+    ("/s/req-4.interrupted.hsnap", 2, "/s/req-4.interrupted-2.hsnap"),  # a pause of a pause: one suffix, the next number
+    ("/s/req-4.interrupted-2.hsnap", 1, "/s/req-4.interrupted.hsnap"),
+    ("/s/ck/r.ck000003.hsnap", 1, "/s/ck/r.ck000003.interrupted.hsnap"),
+    ("/s/drained/req-4", 1, "/s/drained/req-4.interrupted"),  # a TP set directory
+    ("s3://b/p/x.hsnap", 1, "s3://b/p/x.interrupted.hsnap"),
+])
+def test_a_request_paused_back_on_ctrl_c_lands_beside_its_snapshot(entry, n, expected):
+    assert client.interrupted_path(entry, n) == expected
 
 
 def test_every_server_path_option_says_what_a_relative_path_is_relative_to(capsys):

@@ -83,9 +83,10 @@ def test_cli_sends_the_admin_key(servers, dirs, capsys, monkeypatch):
     monkeypatch.delenv(client.API_KEY_ENV, raising=False)
     assert hsnap(["drain", url, "-o", "cli-drain"]) == 1 and "Unauthorized" in capsys.readouterr().err
     assert hsnap(["drain", url, "-o", "cli-drain", "--api-key", ADMIN]) == 0
+    assert capsys.readouterr().out.startswith("nothing to drain")  # let in: an idle server had nothing to drain
     monkeypatch.setenv(client.API_KEY_ENV, ADMIN)
     assert hsnap(["drain", url, "-o", "cli-drain-env"]) == 0
-    assert (dirs["root"] / "cli-drain").is_dir() and (dirs["root"] / "cli-drain-env").is_dir()
+    assert capsys.readouterr().out.startswith("nothing to drain")
 
 
 def test_exposed_host_without_a_key_refuses_to_start(tiny_model_dir, work):
@@ -100,10 +101,11 @@ def test_exposed_host_without_a_key_refuses_to_start(tiny_model_dir, work):
 
 # ----------------------------------------------------------------------------- where paths may lead
 
-def test_relative_drain_dir_lands_under_the_root(servers, dirs):
+def test_relative_drain_dir_lands_under_the_root_and_an_idle_drain_creates_nothing(servers, dirs):
     status, body = call(servers["keyed"].url, "/hsnap/drain", {"dir": "rel/drained"})
     assert status == 200 and body["requests"] == 0, body
-    assert (dirs["root"] / "rel" / "drained").is_dir() and not os.path.exists("rel")
+    assert body["dir"] == os.path.join(os.path.realpath(dirs["root"]), "rel", "drained")  # where it would have written
+    assert not (dirs["root"] / "rel").exists() and not os.path.exists("rel")
 
 
 def test_absolute_export_outside_the_root_is_refused(servers, dirs):

@@ -15,7 +15,11 @@ on, SGLang's strict idle memory check and tree sanity check on) serves every pro
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -77,7 +81,7 @@ def server(tiny_model_dir, work, hole):
            "HSNAP_S3_TIMEOUT": str(STORE_TIMEOUT_S), "HSNAP_S3_CONNECT_TIMEOUT": "2", "HSNAP_S3_RETRIES": "0"}
     # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): 4 requests at once
     s = hsnap_server(tiny_model_dir, work / "server.log", "--max-total-tokens", str(TOTAL_TOKENS), "--max-mamba-cache-size", "12",
-                     "--max-running-requests", "4", env=env)
+                     "--max-running-requests", "4", "--log-level", "info", "--log-level-http", "warning", env=env)  # hsnap's lines
     s.start()
     s.root = root
     yield s
@@ -150,6 +154,100 @@ def test_hsnap_resume_exits_nonzero_when_the_resumed_stream_ends_aborted(server,
     err = capsys.readouterr().err
     assert got["rc"] != 0, err
     assert "ended aborted" in err and "cut" in err
+    wait_idle(server.url)
+
+
+# ----------------------------------------------------------------------------- the client going away
+
+
+def _running(url: str) -> list:
+    return list(stats(url)["requests"]["running"])
+
+
+def _wait_running(url: str, rids: set, proc=None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not rids <= set(_running(url)):
+        assert time.monotonic() < deadline, f"never all running: {rids} vs {_running(url)}"
+        assert proc is None or proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+
+
+def _hsnap_resume(url: str, path: Path, *args: str) -> subprocess.Popen:
+    """``hsnap resume`` as a user runs it, in its own process (Ctrl-C is a SIGINT to it)."""
+    return subprocess.Popen([sys.executable, "-m", "hsnap_format.tools.cli", "resume", url, str(path), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one-file", "a-directory"])
+def test_ctrl_c_during_a_resume_pauses_each_request_back_beside_its_snapshot(server, many):
+    d = server.root / f"ctrl-c-{'many' if many else 'one'}"
+    d.mkdir()
+    rids = {f"cc{int(many)}-a", f"cc{int(many)}-b"} if many else {"cc0-a"}
+    first = {rid: _paused(server.url, rid, d / f"{rid}.hsnap", prompt(90 + i + 2 * many, 20), 400, after=3)[1]["committed_positions"]
+             for i, rid in enumerate(sorted(rids))}
+    with paced(server.url, 0.05):  # 400 tokens take 20 s at least: the interrupt lands while both decode
+        proc = _hsnap_resume(server.url, d if many else d / "cc0-a.hsnap")
+        _wait_running(server.url, rids, proc)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    plan = err.splitlines()[0]  # the plan comes first
+    assert re.fullmatch(f"resuming 2 of 2 snapshots in {re.escape(str(d))}:" if many else
+                        rf"resuming cc0-a from {re.escape(str(d / 'cc0-a.hsnap'))}: \d+ committed positions", plan), err
+    for rid in rids:
+        back = d / f"{rid}.interrupted.hsnap"
+        said = [line for line in err.splitlines() if line.startswith(f"interrupted: {rid} paused at ")]
+        assert len(said) == 1 and said[0].endswith(f"-> {back}; continue it with: hsnap resume {server.url} {back}"), err
+        assert back.exists()
+    assert not set(_running(server.url)) & rids  # none left decoding without a client
+    if many:  # whole lines, each labelled with its request
+        assert all(line.startswith(("[cc1-a] ", "[cc1-b] ")) for line in out.splitlines() if line), out
+    for rid in rids:  # the progress is kept: the rest follows from the paused-back snapshot, to the full length
+        run = client.resume(server.url, str(d / f"{rid}.interrupted.hsnap"))
+        meta = run.final["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 400, meta
+        assert run.info["result"]["committed_positions"] > first[rid]  # further than the snapshot the interrupted run started from
+    wait_idle(server.url)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["one-file", "a-directory"])
+def test_a_resume_stream_whose_client_goes_away_aborts_each_of_its_requests(server, many):
+    """No pause asked for: the server ends what nobody reads, for one request as for several (as /generate does)."""
+    d = server.root / f"gone-{'many' if many else 'one'}"
+    d.mkdir()
+    rids = {f"go{int(many)}-a", f"go{int(many)}-b"} if many else {"go0-a"}
+    for i, rid in enumerate(sorted(rids)):
+        _paused(server.url, rid, d / f"{rid}.hsnap", prompt(94 + i + 2 * many, 20), 400, after=3)
+    with paced(server.url, 0.05):
+        body = json.dumps({"path": str(d if many else d / "go0-a.hsnap"), "stream": True}).encode()
+        req = urllib.request.Request(server.url + "/hsnap/resume", data=body, headers={"Content-Type": "application/json"})
+        r = urllib.request.urlopen(req, timeout=120)
+        _wait_running(server.url, rids)
+        r.close()  # the client goes away
+        deadline = time.monotonic() + 30
+        while set(_running(server.url)) & rids:
+            assert time.monotonic() < deadline, f"still decoding with no client: {_running(server.url)}"
+            time.sleep(0.2)
+    log = server.log_path.read_text(errors="replace")
+    for rid in rids:
+        assert f"hsnap: aborted resumed request {rid}: its stream's client went away" in log
+    wait_idle(server.url)
+
+
+def test_the_server_logs_the_plugin_and_one_line_per_export_resume_and_refusal(server):
+    path = server.root / "logged.hsnap"
+    _paused(server.url, "logged", path, prompt(98, 20), 40, after=3)
+    client.resume(server.url, str(path))
+    _refusal(client.resume, server.url, str(path))  # claimed: refused
+    _refusal(client.pause, server.url, "no-such-request", str(server.root / "never.hsnap"))
+    log = server.log_path.read_text(errors="replace")
+    assert log.count("hsnap plug-in on: /hsnap routes added") == 1
+    assert re.search(rf"hsnap export: rid=logged path={re.escape(str(path))} committed_positions=\d+ output_tokens=\d+ bytes=\d+ in "
+                     r"[\d.]+ ms", log), log[-3000:]
+    assert re.search(rf"hsnap resume: rid=logged path={re.escape(str(path))} committed_positions=\d+.* in [\d.]+ ms", log), log[-3000:]
+    assert re.search(r"hsnap resume refused \(HTTP 409\): SnapshotClaimedError: ", log), log[-3000:]
+    assert re.search(r"hsnap export refused \(HTTP 4\d\d\): UnknownRequestError: .*no-such-request", log), log[-3000:]
     wait_idle(server.url)
 
 
