@@ -38,7 +38,7 @@ from typing import Any, Callable
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 
 __all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
-           "stream_events", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
+           "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0
 RESUME_HEADER = "X-Hsnap-Resume"
@@ -709,6 +709,57 @@ def _where(given: str, answered: str | None) -> str:
     if answered and answered != given:
         return f"{escape_text(answered)} (the relative path {escape_text(given)} taken beneath the server's snapshot root)"
     return f"{escape_text(given)} (relative: beneath the server's snapshot root)"
+
+
+LS_COLUMNS = (("RID", 20), ("STATE", 10), ("PROMPT", 6), ("OUTPUT", 6), ("COMMITTED", 9), ("HSNAP", 24))  # 80 columns
+
+
+def requests(url: str, *, timeout: float = 60.0, api_key: str | None = None) -> list:
+    """The server's requests now, one dict each: ``rid``, ``state`` (running, parked, writing, prefilling, waiting),
+    ``prompt_tokens``, ``output_tokens``, ``committed_positions`` (None before its first decode), ``checkpoint``
+    (``dir``, ``every``, ``links``) and ``migration`` (``dir``, ``rounds``), None when not."""
+    return list(stats(url, timeout=timeout, api_key=api_key).get("table") or [])
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def ls_main(argv) -> int:
+    """list the requests of a server: hsnap ls URL"""
+    p = argparse.ArgumentParser(prog="hsnap ls", description="List the requests of a server running the hsnap plug-in: "
+                                "where each one is (running, waiting, prefilling...), its tokens, the positions its KV "
+                                "rows hold, and whether it is checkpointed or migrating (an admin route, like the others).")
+    p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
+    p.add_argument("--json", action="store_true", help="the rows as JSON (the keys of hsnap_sglang.client.requests)")
+    p.add_argument("--wide", action="store_true", help="rids and directories unclipped (wider than 80 columns)")
+    args = _parse(p, argv)
+    try:
+        rows = requests(args.url, api_key=args.api_key)
+    except HsnapError as e:
+        return _fail("ls", e)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return 0
+    if not rows:
+        print(f"no request in {args.url}")
+        return 0
+
+    def hsnap_state(row: dict) -> str:
+        ck, mig = row.get("checkpoint"), row.get("migration")
+        if mig:
+            return f"migrating r{mig['rounds']} {mig['dir']}"
+        return f"ckpt {ck['links']}/{ck['every']} {ck['dir']}" if ck else "-"
+
+    for cells in [[name for name, _ in LS_COLUMNS]] + [
+            [escape_text(r["rid"]), r["state"], str(r["prompt_tokens"]), str(r["output_tokens"]),
+             "-" if r.get("committed_positions") is None else str(r["committed_positions"]), escape_text(hsnap_state(r))] for r in rows]:
+        print(" ".join(c.ljust(w) if args.wide else _clip(c, w).ljust(w) for c, (_, w) in zip(cells, LS_COLUMNS)).rstrip())
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r["state"]] = states.get(r["state"], 0) + 1
+    print(f"{len(rows)} requests: " + ", ".join(f"{n} {state}" for state, n in states.items()))
+    return 0
 
 
 def _fail(cmd: str, e: HsnapError) -> int:

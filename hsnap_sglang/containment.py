@@ -17,6 +17,7 @@ from hsnap_format import HsnapError
 from hsnap_format.controljson import loads_bounded
 from hsnap_format.errors import Phrase
 
+from . import metrics
 from .errors import BadRequestError, PluginError, ServerBusyError, error_dict
 
 logger = logging.getLogger("hsnap_sglang")
@@ -149,12 +150,15 @@ QUIET_ROUTES = frozenset({"stats"})  # read-only, polled: not logged
 ANSWER_LOG_FIELDS = ("rid", "path", "dir", "committed_positions", "output_tokens", "requests", "links", "every", "bytes")
 
 
-def log_answer(status: int, content: dict) -> None:
+def record_answer(status: int, content: dict, *, member: bool = False) -> None:
     """One log line per answer of an /hsnap route (the route from :data:`ROUTE`): what it did — rid, path,
-    positions, bytes, duration — or the refusal's type and message; a drain adds one line per request."""
+    positions, bytes, duration — or the refusal's type and message; a drain adds one line per request.  The same
+    answer is counted in SGLang's /metrics when it serves them (:mod:`.metrics`; a drain's members add their
+    bytes and durations, the drain is one operation)."""
     where = ROUTE.get()
     if where in QUIET_ROUTES:
         return
+    metrics.observe_answer(where, status, content, counted=not member)
     if status >= 400:
         logger.info("hsnap %s refused (HTTP %d): %s: %s", where, status, content.get("type"), str(content.get("message"))[:500])
         return
@@ -164,7 +168,7 @@ def log_answer(status: int, content: dict) -> None:
     logger.info("hsnap %s: %s%s", where, said, f" in {total * 1e3:.1f} ms" if isinstance(total, (int, float)) else "")
     for item in content.get("items") or ():
         inner = item.get("result") if item.get("ok") else item.get("error")
-        log_answer(200 if item.get("ok") else int((inner or {}).get("status", 500)), dict(inner or {}, rid=item.get("rid")))
+        record_answer(200 if item.get("ok") else int((inner or {}).get("status", 500)), dict(inner or {}, rid=item.get("rid")), member=True)
 
 
 def contained_route(where: str, respond: Callable[[dict], Any], answered: type | None = None):
@@ -211,4 +215,4 @@ class Slots:
 
 __all__ = ["MAX_BODY_BYTES", "MAX_BODY_DEPTH", "MAX_PATH_CHARS", "MAX_RID_CHARS", "MAX_FOLLOWS", "MAX_FOLLOW_TIMEOUT_S",
            "log_failure", "typed", "contained_handler", "guarded", "check_text", "check_path", "check_rid", "read_body",
-           "contained_route", "Slots", "ROUTE", "log_answer"]
+           "contained_route", "Slots", "ROUTE", "record_answer"]

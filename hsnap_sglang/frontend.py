@@ -51,9 +51,9 @@ from hsnap_format import HsnapError, open_snapshot
 from hsnap_format.errors import MalformedError, Phrase
 from hsnap_format.spec import MAX_PAGE_SIZE
 
-from . import claims
+from . import claims, metrics
 from . import auth, confine
-from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_answer, read_body
+from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, record_answer, read_body
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -396,7 +396,7 @@ def _error_response(error: dict, *, logged: bool = False):
 
     status = int(error.get("status", 500))
     if not logged:
-        log_answer(status, error)
+        record_answer(status, error)
     return JSONResponse(status_code=status, content={"error": error})
 
 
@@ -423,7 +423,7 @@ def _answer_response(out: HsnapReqOutput):
     content: dict[str, Any] = dict(out.result)
     if out.items:
         content.update(ok=out.ok, items=out.items)
-    log_answer(200, content)
+    record_answer(200, content)
     return JSONResponse(status_code=200, content=content)
 
 
@@ -491,6 +491,7 @@ def router():
     @r.post("/resume")
     @_contained("resume")
     async def resume(request: Request):
+        asked_at = time.monotonic()
         body = await _body(request)
         path, stream, text_lp = body.get("path"), body.get("stream", False), body.get("return_text_in_logprobs", False)
         path = check_path("path", path, what="a snapshot path, a directory of snapshots or an s3:// URL (string)")
@@ -529,13 +530,13 @@ def router():
             results.append({"path": entry, "ok": True, "result": result})
         for item in results:
             inner = item["result"] if item["ok"] else item["error"]
-            log_answer(200 if item["ok"] else int(inner.get("status", 500)), dict(inner, path=item["path"]))
+            record_answer(200 if item["ok"] else int(inner.get("status", 500)), dict(inner, path=item["path"]))
         if not resumed:
             return _error_response(results[0]["error"], logged=True)
         header = json.dumps(results[0] if len(entries) == 1 and os.fspath(entries[0]) == _local(path) else results,
                             separators=(",", ":"), default=str)
         headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "resumed": len(resumed)})}
-        return await _respond(tm, resumed, request, stream=stream, headers=headers, single=len(entries) == 1)
+        return await _respond(tm, resumed, request, stream=stream, headers=headers, single=len(entries) == 1, asked_at=asked_at)
 
     @r.post("/migrate")
     @_contained("migrate")
@@ -590,8 +591,9 @@ def router():
     return r
 
 
-async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, single: bool):
-    """The resumed requests' outputs in /generate's shape: one JSON (a list for several), or an event stream."""
+async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, single: bool, asked_at: float | None = None):
+    """The resumed requests' outputs in /generate's shape: one JSON (a list for several), or an event stream
+    (``asked_at``: when the resume was asked for, its first event observed as resume-to-first-token)."""
     from fastapi.responses import JSONResponse, StreamingResponse
     from sglang.srt.entrypoints.http_server import dumps_json
 
@@ -613,13 +615,17 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
                 await queue.put(None)
 
         tasks = [asyncio.create_task(pump(w)) for w in waiters]
-        left = len(tasks)
+        left, timed = len(tasks), False
         try:
             while left:
                 out = await queue.get()
                 if out is None:
                     left -= 1
                     continue
+                if not timed:
+                    timed = True
+                    if asked_at is not None:
+                        metrics.observe("first_token", time.monotonic() - asked_at)
                 yield b"data: " + dumps_json(out) + b"\n\n"
             yield b"data: [DONE]\n\n"
         finally:

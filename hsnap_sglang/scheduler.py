@@ -41,7 +41,7 @@ from hsnap_format.stores import is_url, store_for
 
 from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of,
                      unknown_request)
-from . import confine, migration
+from . import confine, metrics, migration
 from .containment import contained_handler, guarded, log_failure, typed
 from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
@@ -716,6 +716,8 @@ class HsnapScheduler:
             ck.base_position = int(result["committed_positions"])
             ck.written += 1
             ck.write_s += float(result["timings"]["write_s"])
+            if "total_s" in result["timings"]:  # due -> committed: how far the newest durable link lags the request
+                metrics.observe("link_lag", float(result["timings"]["total_s"]))
             result = dict(result, link=ck.links.seq, base=ex.base, dir=ck.links.directory, every=ck.links.every)
         elif self.checkpoints.get(ex.rid) is ck:  # a link that cannot be written stops the checkpoints (logged)
             logger.error("hsnap checkpoint of %s stopped: %s", ex.rid, error.get("message"))
@@ -882,6 +884,7 @@ class HsnapScheduler:
             "migrations": {rid: {"dir": m.container, "rounds": len(m.links), "queued": m.queued} for rid, m in self.migrations.items()},
             "follows": [{"dir": f.container, "applied": len(f.applied)} for f in self.follows.values()],
             "arrived": list(self.arrived),
+            "table": self.request_rows(),
         }
         if msg.rid is not None:
             result["rid"] = msg.rid
@@ -891,6 +894,27 @@ class HsnapScheduler:
             result["forwards_by_rid"] = dict(self.forwards)
         self.answer(msg, ok=True, result=result)
         return None
+
+    def request_rows(self) -> list[dict]:
+        """One row per request present (what ``hsnap ls`` shows): rid, where it is, its tokens, the positions its
+        KV rows hold at a decode boundary (prompt + output - 1; none before its first decode), and whether it is
+        being checkpointed or migrated."""
+        s = self.sched
+        where = (("running", s.running_batch.reqs), ("parked", self.parked.values()), ("writing", self.writing.values()),
+                 ("prefilling", [s.chunked_req] if s.chunked_req is not None else []), ("waiting", s.waiting_queue))
+        rows, seen = [], set()
+        for state, reqs in where:
+            for req in reqs:
+                if req.rid in seen:
+                    continue
+                seen.add(req.rid)
+                ck, mig = self.checkpoints.get(req.rid), self.migrations.get(req.rid)
+                prompt, output = len(req.origin_input_ids), len(req.output_ids)
+                rows.append({"rid": req.rid, "state": state, "prompt_tokens": prompt, "output_tokens": output,
+                             "committed_positions": prompt + output - 1 if output and state in ("running", "parked", "writing") else None,
+                             "checkpoint": {"dir": ck.links.directory, "every": ck.links.every, "links": ck.written} if ck else None,
+                             "migration": {"dir": mig.container, "rounds": len(mig.links)} if mig else None})
+        return rows
 
     def checks(self) -> dict:
         """SGLang's own invariant checks, run now: the pool accounting (every token, Mamba and request slot is free,

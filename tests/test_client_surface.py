@@ -173,3 +173,44 @@ def test_every_server_path_option_says_what_a_relative_path_is_relative_to(capsy
         with pytest.raises(SystemExit):
             main(["--help"])
         assert "relative to the server's --hsnap-root" in " ".join(capsys.readouterr().out.split()), main.__name__
+
+
+ROWS = [{"rid": "req-" + "x" * 40, "state": "running", "prompt_tokens": 20, "output_tokens": 7, "committed_positions": 26,
+         "checkpoint": {"dir": "/srv/root/" + "ck" * 30, "every": 4, "links": 3}, "migration": None},
+        {"rid": "req-2", "state": "waiting", "prompt_tokens": 9, "output_tokens": 0, "committed_positions": None,
+         "checkpoint": None, "migration": None}]
+
+
+class _Listing(BaseHTTPRequestHandler):
+    """A plug-in's /hsnap/stats with two requests, or none when asked at /empty."""
+
+    def do_GET(self):
+        body = json.dumps({"table": [] if self.headers.get("Authorization") == "Bearer empty" else ROWS}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_hsnap_ls_fits_80_columns_and_says_what_each_request_is(capsys):
+    httpd = _serve(_Listing)
+    url = f"127.0.0.1:{httpd.server_port}"
+    try:
+        assert client.ls_main([url]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        assert lines[1].split()[1:5] == ["running", "20", "7", "26"] and "ckpt 3/4 /srv/root/" in lines[1] and "…" in lines[1]
+        assert lines[2].split() == ["req-2", "waiting", "9", "0", "-", "-"]
+        assert lines[-1] == "2 requests: 1 running, 1 waiting"
+        assert client.ls_main([url, "--wide"]) == 0
+        assert "req-" + "x" * 40 in capsys.readouterr().out
+        assert client.ls_main([url, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == ROWS
+        assert client.ls_main([url, "--api-key", "empty"]) == 0
+        assert capsys.readouterr().out.strip() == f"no request in http://{url}"
+    finally:
+        httpd.shutdown()

@@ -15,6 +15,7 @@ on, SGLang's strict idle memory check and tree sanity check on) serves every pro
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -81,7 +82,7 @@ def server(tiny_model_dir, work, hole):
            "HSNAP_S3_TIMEOUT": str(STORE_TIMEOUT_S), "HSNAP_S3_CONNECT_TIMEOUT": "2", "HSNAP_S3_RETRIES": "0"}
     # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): 4 requests at once
     s = hsnap_server(tiny_model_dir, work / "server.log", "--max-total-tokens", str(TOTAL_TOKENS), "--max-mamba-cache-size", "12",
-                     "--max-running-requests", "4", "--log-level", "info", "--log-level-http", "warning", env=env)  # hsnap's lines
+                     "--max-running-requests", "4", "--log-level", "info", "--log-level-http", "warning", "--enable-metrics", env=env)  # hsnap's lines, /metrics
     s.start()
     s.root = root
     yield s
@@ -248,6 +249,60 @@ def test_the_server_logs_the_plugin_and_one_line_per_export_resume_and_refusal(s
     assert re.search(rf"hsnap resume: rid=logged path={re.escape(str(path))} committed_positions=\d+.* in [\d.]+ ms", log), log[-3000:]
     assert re.search(r"hsnap resume refused \(HTTP 409\): SnapshotClaimedError: ", log), log[-3000:]
     assert re.search(r"hsnap export refused \(HTTP 4\d\d\): UnknownRequestError: .*no-such-request", log), log[-3000:]
+    wait_idle(server.url)
+
+
+def _scrape(url: str) -> dict:
+    """SGLang's /metrics as {(name, labels as a sorted tuple): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _grew(before: dict, after: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_hsnap_ls_lists_the_requests_and_metrics_count_hsnaps_operations(server, capsys):
+    before = _scrape(server.url)
+    path, ck = server.root / "metered.hsnap", server.root / "metered-ck"
+    st = Stream(server.url, payload("metered", prompt(99, 20), 400))
+    with paced(server.url, 0.05):
+        st.start()
+        st.wait_tokens(3)
+        client.checkpoint(server.url, "metered", str(ck), every=4)
+        deadline = time.monotonic() + 60
+        while client.stats(server.url)["checkpoints"].get("metered", {}).get("links", 0) < 2:  # a link written off the decode path
+            assert time.monotonic() < deadline, client.stats(server.url)["checkpoints"]
+            time.sleep(0.1)
+        rows = {r["rid"]: r for r in client.requests(server.url)}
+        assert client.ls_main([server.url]) == 0
+        listed = capsys.readouterr().out.splitlines()
+        client.pause(server.url, "metered", str(path))
+    st.finish()
+    row = rows["metered"]
+    assert row["state"] == "running" and row["prompt_tokens"] == 20 and row["output_tokens"] >= 3
+    assert row["committed_positions"] == row["prompt_tokens"] + row["output_tokens"] - 1
+    assert row["checkpoint"]["dir"] == str(ck) and row["checkpoint"]["every"] == 4 and row["checkpoint"]["links"] >= 2
+    assert listed[0].split() == ["RID", "STATE", "PROMPT", "OUTPUT", "COMMITTED", "HSNAP"] and all(len(line) <= 80 for line in listed)
+    assert any(line.split()[:3] == ["metered", "running", "20"] for line in listed), listed
+    run = client.resume(server.url, str(path))
+    assert run.final["meta_info"]["finish_reason"]["type"] == "length"
+    _refusal(client.resume, server.url, str(path))  # claimed
+    after = _scrape(server.url)
+    assert _grew(before, after, "hsnap_operations_total", op="export", outcome="ok") == 1
+    assert _grew(before, after, "hsnap_operations_total", op="checkpoint", outcome="ok") == 1
+    assert _grew(before, after, "hsnap_operations_total", op="resume", outcome="ok") == 1
+    assert _grew(before, after, "hsnap_operations_total", op="resume", outcome="SnapshotClaimedError") == 1
+    assert _grew(before, after, "hsnap_bytes_written_total", op="export") == os.path.getsize(path)
+    assert _grew(before, after, "hsnap_bytes_read_total", op="resume") == run.info["result"]["bytes_uploaded"]
+    assert _grew(before, after, "hsnap_pause_to_durable_seconds_count", op="export") == 1
+    assert _grew(before, after, "hsnap_restore_seconds_count") == 1
+    assert _grew(before, after, "hsnap_resume_to_first_token_seconds_count") == 1
+    assert _grew(before, after, "hsnap_checkpoint_link_lag_seconds_count") >= 1  # observed in the scheduler process
     wait_idle(server.url)
 
 
