@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
+from hsnap_format.tools.fit import Printer
 
 __all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
            "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
@@ -406,7 +407,13 @@ def _parse(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """``p``'s arguments plus ``--api-key`` (every command calls admin routes)."""
     p.add_argument("--api-key", default=None, metavar="KEY", help=f"the server's admin key (else its API key), sent as a Bearer "
                    f"token; default ${API_KEY_ENV} (which, unlike an argument, other users cannot see)")
+    p.add_argument("--wide", action="store_true", help="lines as long as they are, whole paths (default: 80 columns)")
     return p.parse_args(argv)
+
+
+def _printers(args) -> tuple[Printer, Printer]:
+    """Standard output and standard error, 80 columns unless ``--wide``."""
+    return Printer(wide=args.wide), Printer(wide=args.wide, file=sys.stderr)
 
 
 def _items(info) -> list:
@@ -426,6 +433,7 @@ def pause_main(argv) -> int:
     p.add_argument("--keep-running", action="store_true", help="snapshot and keep decoding (nothing released)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
     args = _parse(p, argv)
+    say, err = _printers(args)
     try:
         out = pause(args.url, args.rid, args.output, keep_running=args.keep_running, api_key=args.api_key)
     except HsnapError as e:
@@ -434,10 +442,10 @@ def pause_main(argv) -> int:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     t = out.get("timings", {})
-    print(f"{'checkpointed' if out.get('keep_running') else 'paused'} {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
-          f"{out['output_tokens']} output tokens -> {_where(args.output, out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
-    print(f"pause-to-durable {t.get('pause_to_durable_s', 0) * 1e3:.1f} ms (waited {t.get('wait_s', 0) * 1e3:.1f} ms for the boundary, "
-          f"wrote in {t.get('write_s', 0) * 1e3:.1f} ms); {'still running (checkpoint)' if out.get('keep_running') else 'slots released'}")
+    say.line(f"{'checkpointed' if out.get('keep_running') else 'paused'} {escape_text(out['rid'])}: {out['committed_positions']} committed positions, {out['prompt_tokens']} prompt + "
+             f"{out['output_tokens']} output tokens -> {_where(args.output, out['path'])} ({out['bytes']} bytes, snapshot {out['snapshot_id']})")
+    say.line(f"pause-to-durable {t.get('pause_to_durable_s', 0) * 1e3:.1f} ms (waited {t.get('wait_s', 0) * 1e3:.1f} ms for the boundary, "
+             f"wrote in {t.get('write_s', 0) * 1e3:.1f} ms); {'still running (checkpoint)' if out.get('keep_running') else 'slots released'}")
     return 0
 
 
@@ -459,14 +467,15 @@ def resume_main(argv) -> int:
                    "still running: pause each back into a snapshot (default), or abort it (the server ends it; its output "
                    "since the snapshot is lost)")
     args = _parse(p, argv)
-    view = _ResumeView(args)
+    say, err = _printers(args)
+    view = _ResumeView(args, err)
     try:
         run = resume(args.url, args.path, on_chunk=view.chunk, on_start=view.plan, again=args.again, api_key=args.api_key,
                      on_interrupt=(lambda r: pause_back(args.url, r, api_key=args.api_key)) if args.on_interrupt == "pause" else None)
     except KeyboardInterrupt:  # --on-interrupt abort: the stream closes, the server aborts what was still running
         view.close()
-        print(f"hsnap resume: interrupted: the server aborts the requests still running as their stream closes; each "
-              f"snapshot stays claimed (--again resumes it from its own position): {escape_text(args.path)}", file=sys.stderr)
+        err.line(f"hsnap resume: interrupted: the server aborts the requests still running as their stream closes; each "
+                 f"snapshot stays claimed (--again resumes it from its own position): {escape_text(args.path)}")
         return 130
     except HsnapError as e:
         view.close()
@@ -475,14 +484,14 @@ def resume_main(argv) -> int:
     if not args.json:
         for rid, res in _resumed_results(run).items():
             meta = run.finals.get(rid, {}).get("meta_info", {})
-            print(f"resumed {escape_text(rid)} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
-                  f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
-                  f"{meta.get('completion_tokens')} output tokens, finish {json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
+            err.line(f"resumed {escape_text(rid)} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
+                     f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
+                     f"{meta.get('completion_tokens')} output tokens, finish {json.dumps(meta.get('finish_reason'))}")
     if run.interrupted is not None:
-        _say_interrupted(args.url, run.interrupted)
+        _say_interrupted(args.url, run.interrupted, err)
         return 130
     for rid, why in run.aborted.items():  # a continuation cut short is a failure, whatever the HTTP status said
-        print(f"hsnap resume: {escape_text(rid)} ended aborted, not finished: {escape_text(json.dumps(why))}", file=sys.stderr)
+        err.line(f"hsnap resume: {escape_text(rid)} ended aborted, not finished: {escape_text(json.dumps(why))}")
     return 1 if run.aborted else 0
 
 
@@ -490,19 +499,19 @@ def _resumed_results(run: ResumeRun) -> dict:
     return {i["result"]["rid"]: i["result"] for i in _items(run.info) if i.get("ok") and "result" in i}
 
 
-def _say_interrupted(url: str, interrupted: dict) -> None:
+def _say_interrupted(url: str, interrupted: dict, err: Printer) -> None:
     """What Ctrl-C made of each request still running: where it was paused back to, or why it was not."""
     if not interrupted:
-        print("hsnap resume: interrupted: every request had ended", file=sys.stderr)
+        err.line("hsnap resume: interrupted: every request had ended")
     for rid, out in interrupted.items():
         if "error" in out:
             e = out["error"]
             kind = e.error_type if isinstance(e, ServerError) else type(e).__name__
-            print(f"interrupted: {escape_text(rid)} not paused: {kind}: {escape_text(str(e))}", file=sys.stderr)
+            err.line(f"interrupted: {escape_text(rid)} not paused: {kind}: {escape_text(str(e))}")
             continue
-        print(f"interrupted: {escape_text(rid)} paused at {out.get('output_tokens')} output tokens "
-              f"({out.get('committed_positions')} committed positions) -> {escape_text(out['path'])}; continue it with: "
-              f"hsnap resume {url} {escape_text(out['path'])}", file=sys.stderr)
+        err.line(f"interrupted: {escape_text(rid)} paused at {out.get('output_tokens')} output tokens "
+                 f"({out.get('committed_positions')} committed positions) -> {escape_text(out['path'])}; continue it with: "
+                 f"hsnap resume {url} {escape_text(out['path'])}")
 
 
 def _safe_file_name(rid: str) -> str:
@@ -518,8 +527,8 @@ class _ResumeView:
     """``hsnap resume``'s output: the plan on stderr first; one request streamed as it comes; several as whole lines
     labelled ``[rid]`` (or one file each under ``--output-dir``), each one's end reported as it ends."""
 
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self, args, err: Printer) -> None:
+        self.args, self.err = args, err
         self.many = False
         self.partial: dict[str, str] = {}  # rid -> the text after its last newline (several requests on one stdout)
         self.files: dict[str, Any] = {}
@@ -534,19 +543,19 @@ class _ResumeView:
         if self.args.output_dir is not None:
             os.makedirs(self.args.output_dir, exist_ok=True)
         if isinstance(info, dict) and info.get("truncated"):
-            print(f"resuming {self.count} snapshots from {escape_text(self.args.path)} (too many to list)", file=sys.stderr)
+            self.err.line(f"resuming {self.count} snapshots from {escape_text(self.args.path)} (too many to list)")
             return
         if self.many:
-            print(f"resuming {len(ok)} of {len(items)} snapshots in {escape_text(self.args.path)}:", file=sys.stderr)
+            self.err.line(f"resuming {len(ok)} of {len(items)} snapshots in {escape_text(self.args.path)}:")
         for i in items:
             if i.get("ok"):
                 res = i["result"]
-                print(f"{'  ' if self.many else 'resuming '}{escape_text(res['rid'])} from {escape_text(res['path'])}: "
-                      f"{res['committed_positions']} committed positions", file=sys.stderr)
+                self.err.line(f"{'  ' if self.many else 'resuming '}{escape_text(res['rid'])} from {escape_text(res['path'])}: "
+                              f"{res['committed_positions']} committed positions")
             else:
                 err = i.get("error", {})
-                print(f"{'  ' if self.many else ''}not resumed {escape_text(i.get('path'))}: {err.get('type')}: "
-                      f"{escape_text(err.get('message'))}", file=sys.stderr)
+                self.err.line(f"{'  ' if self.many else ''}not resumed {escape_text(i.get('path'))}: {err.get('type')}: "
+                              f"{escape_text(err.get('message'))}")
 
     def chunk(self, rid, text, ids, event) -> None:
         if self.args.json:
@@ -578,9 +587,8 @@ class _ResumeView:
             f.close()
         if self.many and not self.args.json:
             where = f" -> {os.path.join(self.args.output_dir, _safe_file_name(rid) + '.txt')}" if self.args.output_dir else ""
-            print(f"[{escape_text(rid)}] ended ({len(self.ended)} of {self.count}): "
-                  f"{(event.get('meta_info') or {}).get('completion_tokens')} output tokens, finish {json.dumps(finish)}{where}",
-                  file=sys.stderr, flush=True)
+            self.err.line(f"[{escape_text(rid)}] ended ({len(self.ended)} of {self.count}): "
+                          f"{(event.get('meta_info') or {}).get('completion_tokens')} output tokens, finish {json.dumps(finish)}{where}")
 
     def close(self) -> None:
         for rid, rest in self.partial.items():
@@ -605,6 +613,7 @@ def drain_main(argv) -> int:
     p.add_argument("--page-size", type=int, default=None, metavar="N", help="positions per stored page with --dedup (default 64)")
     p.add_argument("--json", action="store_true")
     args = _parse(p, argv)
+    say, err = _printers(args)
     try:
         out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size, api_key=args.api_key)
     except HsnapError as e:
@@ -615,21 +624,21 @@ def drain_main(argv) -> int:
         for item in out.get("items", []):
             if item["ok"]:
                 res = item["result"]
-                print(f"drained {escape_text(item['rid'])} -> {escape_text(item['path'])} ({res['committed_positions']} committed positions, "
-                      f"{res['bytes']} bytes)")
+                say.line(f"drained {escape_text(item['rid'])} -> {escape_text(item['path'])} ({res['committed_positions']} committed positions, "
+                         f"{res['bytes']} bytes)")
             else:
                 err = item["error"]
-                print(f"not drained {escape_text(item['rid'])}: {err.get('type')}: {escape_text(err.get('message'))}", file=sys.stderr)
+                err.line(f"not drained {escape_text(item['rid'])}: {err.get('type')}: {escape_text(err.get('message'))}")
         if not out.get("items"):
-            print(f"nothing to drain: no request was running, queued or being prefilled; nothing written to "
-                  f"{_where(args.output, out.get('dir'))}")
+            say.line(f"nothing to drain: no request was running, queued or being prefilled; nothing written to "
+                     f"{_where(args.output, out.get('dir'))}")
         else:
-            print(f"{len(out['items'])} requests, {'all exported' if out.get('ok', True) else 'some refused'} into "
-                  f"{_where(args.output, out.get('dir'))}")
+            say.line(f"{len(out['items'])} requests, {'all exported' if out.get('ok', True) else 'some refused'} into "
+                     f"{_where(args.output, out.get('dir'))}")
         d = out.get("dedup")
         if d:
-            print(f"dedup: {d['bytes_written']} bytes written ({d['pages_put']} pages put, {d['pages_reused']} reused) "
-                  f"against {d['single_bytes']} bytes of single snapshots")
+            say.line(f"dedup: {d['bytes_written']} bytes written ({d['pages_put']} pages put, {d['pages_reused']} reused) "
+                     f"against {d['single_bytes']} bytes of single snapshots")
     return 0 if out.get("ok", True) else 1
 
 
@@ -645,6 +654,7 @@ def checkpoint_main(argv) -> int:
     p.add_argument("--every", type=int, required=True, metavar="N", help="output tokens between links (0: stop checkpointing)")
     p.add_argument("--json", action="store_true", help="the server's report as JSON")
     args = _parse(p, argv)
+    say, err = _printers(args)
     try:
         out = checkpoint(args.url, args.rid, args.output, every=args.every, api_key=args.api_key)
     except HsnapError as e:
@@ -652,10 +662,10 @@ def checkpoint_main(argv) -> int:
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     elif out.get("stopped"):
-        print(f"stopped checkpointing {escape_text(args.rid)}: {out['links']} links, last {escape_text(str(out['last']))}")
+        say.line(f"stopped checkpointing {escape_text(args.rid)}: {out['links']} links, last {escape_text(str(out['last']))}")
     else:
-        print(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {_where(args.output, out['dir'])}: first link "
-              f"{escape_text(out['path'])} ({out['committed_positions']} committed positions, {out['bytes']} bytes)")
+        say.line(f"checkpointing {escape_text(out['rid'])} every {out['every']} output tokens into {_where(args.output, out['dir'])}: first link "
+                 f"{escape_text(out['path'])} ({out['committed_positions']} committed positions, {out['bytes']} bytes)")
     return 0
 
 
@@ -675,6 +685,7 @@ def migrate_main(argv) -> int:
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds either side waits for the other's next step")
     p.add_argument("--json", action="store_true", help="both reports as JSON (no text)")
     args = _parse(p, argv)
+    say, err = _printers(args)
 
     def show(rid, text, ids, event):
         if not args.json:
@@ -693,11 +704,11 @@ def migrate_main(argv) -> int:
     t = src.get("timings", {})
     meta = mig.run.final.get("meta_info", {})
     print(file=sys.stdout)
-    print(f"migrated {escape_text(src['rid'])} via {escape_text(src['dir'])}: {len(src['rounds'])} pre-copy rounds "
-          f"({src['precopy_bytes']} bytes) while it decoded, then {src['final_rows']} rows + state in the final link "
-          f"({src['final_bytes']} bytes, written in {(t.get('final_capture_s', 0) + t.get('final_write_s', 0)) * 1e3:.1f} ms); "
-          f"target applied {len(info.get('links', []))} links; {meta.get('completion_tokens')} output tokens, finish "
-          f"{json.dumps(meta.get('finish_reason'))}", file=sys.stderr)
+    err.line(f"migrated {escape_text(src['rid'])} via {escape_text(src['dir'])}: {len(src['rounds'])} pre-copy rounds "
+             f"({src['precopy_bytes']} bytes) while it decoded, then {src['final_rows']} rows + state in the final link "
+             f"({src['final_bytes']} bytes, written in {(t.get('final_capture_s', 0) + t.get('final_write_s', 0)) * 1e3:.1f} ms); "
+             f"target applied {len(info.get('links', []))} links; {meta.get('completion_tokens')} output tokens, finish "
+             f"{json.dumps(meta.get('finish_reason'))}")
     return 0
 
 
@@ -732,8 +743,8 @@ def ls_main(argv) -> int:
                                 "rows hold, and whether it is checkpointed or migrating (an admin route, like the others).")
     p.add_argument("url", type=_cli_url, help="the server: http://host:port, or host:port")
     p.add_argument("--json", action="store_true", help="the rows as JSON (the keys of hsnap_sglang.client.requests)")
-    p.add_argument("--wide", action="store_true", help="rids and directories unclipped (wider than 80 columns)")
     args = _parse(p, argv)
+    say, err = _printers(args)
     try:
         rows = requests(args.url, api_key=args.api_key)
     except HsnapError as e:
@@ -742,7 +753,7 @@ def ls_main(argv) -> int:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return 0
     if not rows:
-        print(f"no request in {args.url}")
+        say.line(f"no request in {args.url}")
         return 0
 
     def hsnap_state(row: dict) -> str:
@@ -758,7 +769,7 @@ def ls_main(argv) -> int:
     states: dict[str, int] = {}
     for r in rows:
         states[r["state"]] = states.get(r["state"], 0) + 1
-    print(f"{len(rows)} requests: " + ", ".join(f"{n} {state}" for state, n in states.items()))
+    say.line(f"{len(rows)} requests: " + ", ".join(f"{n} {state}" for state, n in states.items()))
     return 0
 
 

@@ -52,14 +52,24 @@ def drained(built, tmp_path) -> Path:
     return Path(shutil.copytree(built, tmp_path / "drained", symlinks=True))
 
 
+def row(out: str, entry: str) -> list[str]:
+    """The cells of the directory table's row of ``entry`` (split at runs of spaces: no cell here holds two)."""
+    line = next(x for x in out.splitlines() if x.startswith(f"  {entry} "))
+    return [c.strip() for c in line.strip().split("  ") if c.strip()]
+
+
 def test_info_lists_each_request_the_chains_newest_link_the_pages_and_the_leftovers(drained):
-    code, out, err = run("info", drained)
+    code, out, err = run("info", "--wide", drained)
     assert code == 0, err
     assert out.splitlines()[0] == f"directory {drained}: 2 snapshots, 1 checkpoint chain, page store pages/: 3 pages, " + out.splitlines()[0].rsplit(", ", 1)[1]
-    assert "a.hsnap: rid vector-hybrid, snapshot, 5 committed positions" in out
-    assert "b: rid " in out and "TP set of 2 ranks" in out
-    assert f"c.ck000003.hsnap: rid req-1, newest committed link of 3 checkpoint links, {cc.POSITIONS[-1]} committed positions" in out
-    assert ".a.hsnap.tmp-1234" in out and "hsnap gc" in out
+    assert row(out, str(drained / "a.hsnap"))[1:4] == ["vector-hybrid", "snapshot", "5"]
+    code, out, err = run("info", drained)
+    assert code == 0, err
+    assert ["entry", "rid", "what", "positions", "size"] in [x.split() for x in out.splitlines()]
+    assert row(out, "a.hsnap")[:4] == ["a.hsnap", "vector-hybrid", "snapshot", "5"]
+    assert row(out, "b")[2] == "TP set of 2 ranks"
+    assert row(out, "c.ck000003.hsnap")[:4] == ["c.ck000003.hsnap", "req-1", "chain of 3 links", str(cc.POSITIONS[-1])]
+    assert ".a.hsnap.tmp-1234" in out and "`hsnap gc " in " ".join(out.split())
     code, out, _ = run("info", drained, "--json")
     report = json.loads(out)
     assert code == 0 and report["pages"]["count"] == 3 and report["leftovers"] == [str(drained / ".a.hsnap.tmp-1234")]
@@ -71,6 +81,8 @@ def test_info_lists_each_request_the_chains_newest_link_the_pages_and_the_leftov
 def test_verify_checks_every_entry_and_each_chain_below_its_newest_link(drained):
     code, out, err = run("verify", drained)
     assert code == 0, err
+    assert "OK c.ck000003.hsnap: 33 sections verified (with 2 links of its chain)" in out
+    code, out, err = run("verify", "--wide", drained)
     assert f"OK {drained / 'c.ck000003.hsnap'}" in out and "(with 2 links of its chain)" in out
     assert out.rstrip().endswith(f"OK {drained}: 3 entries verified")
     data = bytearray((drained / "a.hsnap").read_bytes())
@@ -91,7 +103,8 @@ def test_a_damaged_newest_link_is_passed_over_as_the_servers_resume_does(drained
     newest.write_bytes(bytes(data))
     assert str(drained / LINKS[1]) in snapshot_entries(str(drained))  # what a resume of the directory takes
     code, out, err = run("info", drained)
-    assert code == 0 and "c.ck000002.hsnap: rid req-1, newest committed link of 3 checkpoint links (1 passed over)" in out, out
+    assert code == 0 and row(out, "c.ck000002.hsnap")[:3] == ["c.ck000002.hsnap", "req-1", "chain of 3 links"], out
+    assert "\n      1 passed over: c.ck000003.hsnap\n" in out, out
     code, out, err = run("verify", drained)
     assert code == 0 and f"passed over {newest}" in err, err
     assert list_directory(str(drained)).chains["c"].path == str(drained / LINKS[1])
@@ -121,7 +134,7 @@ def test_export_refuses_a_delta_or_paged_files_partial_kv_unless_asked_for(built
 def test_diff_compares_the_states_a_chain_stands_for_unless_asked_for_bytes(built, tmp_path):
     head = built / LINKS[-1]
     assert run("compact", head, "-o", tmp_path / "full.hsnap")[0] == 0
-    code, out, err = run("diff", tmp_path / "full.hsnap", head)
+    code, out, err = run("diff", "--wide", tmp_path / "full.hsnap", head)
     assert code == 0 and "snapshots same" in out, out
     assert f"B ({head}): compared as the state its chain of 3 links stands for" in err
     code, out, _ = run("diff", built / LINKS[1], head)  # two positions of one request: the state moved on

@@ -33,15 +33,25 @@ def corrupt(src: Path, dst: Path, offset: int) -> Path:
 
 @pytest.mark.parametrize("name", FILES)
 def test_info_text(name):
+    """80 columns by default (each digest as its first 12 hex digits), everything whole with --wide."""
     d = desc(name)
     r = hsnap("info", VEC / d["file"])
     assert r.returncode == 0, r.stderr
+    short = r.stdout
+    assert max(map(len, short.splitlines())) <= 80, short
+    assert d["identity"]["model_id"] in short and d["expected"]["root_digest"][:12] + "…" in short
+    assert d["expected"]["root_digest"] not in short
+    for s in d["sections"]:
+        assert f"{s['name']} " in short and s["digest"][:12] + "…" in short and s["digest"] not in short
+    r = hsnap("info", "--wide", VEC / d["file"])
+    assert r.returncode == 0, r.stderr
     out = r.stdout
     assert d["identity"]["model_id"] in out
-    assert d["expected"]["root_digest"] in out
+    assert d["expected"]["root_digest"] in out and str(VEC / d["file"]) in out
     assert f"total {d['expected']['file_length']} bytes, payload {d['expected']['payload_bytes']} bytes" in out
     for s in d["sections"]:
         assert s["name"] in out and s["digest"] in out
+        assert f" {s['offset']} " in next(x for x in out.splitlines() if x.startswith(s["name"] + " "))
     g = d["geometry"]
     both = sorted(set(g["attention"]["layers"]) & set((g["mamba"] or {}).get("layers", []))) if g["attention"] else []
     assert ("parallel layers (attention and mamba side by side): " + ", ".join(map(str, both)) in out) == bool(both)
@@ -78,7 +88,7 @@ def test_info_json_names_each_ranks_page_references():
 
 def test_info_directory():
     d = desc("two-rank")
-    r = hsnap("info", VEC / "two-rank")
+    r = hsnap("info", "--wide", VEC / "two-rank")
     assert r.returncode == 0, r.stderr
     assert f"id {d['manifest']['snapshot_id']}, tp 2" in r.stdout
     assert "rank 0/2" in r.stdout and "rank 1/2" in r.stdout

@@ -104,12 +104,16 @@ def test_diff_prints_values_that_differ_differently(tmp_path, capsys):
         state["mamba.1.temporal"] = t
 
     a, b = _write(tmp_path / "a.hsnap"), _write(tmp_path / "b.hsnap", edit=one_ulp)
-    assert hsnap(["diff", a, b]) == 1
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("mamba.1.temporal"))
     with open_snapshot(a) as sa, open_snapshot(b) as sb:
         va, vb = sa.read("mamba.1.temporal")[1, 0, 1], sb.read("mamba.1.temporal")[1, 0, 1]
+    assert hsnap(["diff", "--wide", a, b]) == 1  # the first difference in its section's row
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("mamba.1.temporal"))
     assert f"A {str(va)} B {str(vb)} (1 ulp, bits 0x" in line and str(va) != str(vb)
     assert "first difference" not in line and "[1, 0, 1]" in line
+    assert hsnap(["diff", a, b]) == 1  # 80 columns: on the line under the row
+    lines = capsys.readouterr().out.splitlines()
+    under = lines[next(i for i, x in enumerate(lines) if x.startswith("mamba.1.temporal")) + 1]
+    assert under.startswith("    [1, 0, 1]: ") and f"A {str(va)} B {str(vb)} (1 ulp, bits 0x" in under
 
 
 def test_verify_names_every_failing_section(tmp_path, capsys):

@@ -129,9 +129,16 @@ def test_other_schemes_are_refused_typed(given):
     assert e.value.field == "url"
 
 
+def said(capsys) -> str:
+    """What the command printed, its lines within 80 columns (asserted), as one line of words."""
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    return " ".join(out.split())
+
+
 def test_the_cli_takes_host_port_and_reports_a_kept_running_pause_as_a_checkpoint(exporting, capsys):
     assert client.pause_main([exporting + "/", "r1", "-o", "r1.hsnap", "--keep-running"]) == 0
-    out = capsys.readouterr().out
+    out = said(capsys)
     assert out.startswith("checkpointed r1: 41 committed positions") and "still running" in out
     assert client.pause_main([exporting, "r1", "-o", "r1.hsnap"]) == 0
     assert capsys.readouterr().out.startswith("paused r1: ")
@@ -142,17 +149,19 @@ def test_the_cli_takes_host_port_and_reports_a_kept_running_pause_as_a_checkpoin
 
 def test_an_idle_drain_says_there_was_nothing_to_drain(exporting, capsys):
     assert client.drain_main([exporting, "-o", "drained"]) == 0
-    assert capsys.readouterr().out.strip() == ("nothing to drain: no request was running, queued or being prefilled; nothing "
+    assert said(capsys) == ("nothing to drain: no request was running, queued or being prefilled; nothing "
                                                "written to /srv/root/drained (the relative path drained taken beneath the "
                                                "server's snapshot root)")
 
 
 def test_an_answer_to_a_relative_path_says_where_the_server_put_it(exporting, capsys):
     assert client.pause_main([exporting, "r1", "-o", "r1.hsnap"]) == 0
-    assert "-> /srv/r1.hsnap (the relative path r1.hsnap taken beneath the server's snapshot root)" in capsys.readouterr().out
+    assert "-> /srv/r1.hsnap (the relative path r1.hsnap taken beneath the server's snapshot root)" in said(capsys)
     assert client.pause_main([exporting, "r1", "-o", "/srv/r1.hsnap"]) == 0
-    out = capsys.readouterr().out
+    out = said(capsys)
     assert "-> /srv/r1.hsnap (" in out and "relative" not in out
+    assert client.pause_main([exporting, "r1", "-o", "r1.hsnap", "--wide"]) == 0
+    assert max(len(line) for line in capsys.readouterr().out.splitlines()) > 80  # --wide: each report on one line
 
 
 @pytest.mark.parametrize("entry,n,expected", [

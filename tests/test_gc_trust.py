@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -239,11 +240,15 @@ def test_gc_lists_each_file_with_its_size_before_removing(tmp_path, capsys):
     a = _pending(st / "rank-0.hsnap", bytes(1000))
     b = _pending(st / f".rank-1.hsnap.hsnap-tmp-{_dead_pid()}-0a1b2c3d", bytes(20))
     sizes = {a: os.path.getsize(a), b: os.path.getsize(b), str(st / PENDING_MARKER): os.path.getsize(st / PENDING_MARKER)}
-    # the dry run names every file it would remove, with its size
+    # the dry run names every file it would remove, with its size (below its leftover; whole with --wide)
     assert cli.main(["gc", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     for p, n in sizes.items():
-        assert f"would remove {p}  {n} bytes" in out, out
+        assert re.search(rf"^would remove +{re.escape(os.path.basename(p))} +{n}$", out, re.M), out
+    assert cli.main(["gc", "--wide", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for p, n in sizes.items():
+        assert re.search(rf"^would remove +{re.escape(p)} +{n} ", out, re.M), out
     assert cli.main(["gc", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     [leftover] = doc["leftovers"]
@@ -277,9 +282,9 @@ def test_gc_lists_each_file_with_its_size_before_removing(tmp_path, capsys):
     assert {f["path"]: f["action"] for f in doc["leftovers"][0]["files"]} == {c: "removed", str(st / PENDING_MARKER): "removed"}
     st = _dead_staging(tmp_path)
     c = _pending(st / "rank-0.hsnap", bytes(10))
-    assert cli.main(["gc", str(tmp_path), "--remove"]) == 0
+    assert cli.main(["gc", str(tmp_path), "--remove", "--wide"]) == 0
     out = capsys.readouterr().out
-    assert out.index(f"removing {c}  {n} bytes") < out.index(f"removed      {c}  {n} bytes"), out
+    assert out.index(f"removing {c}  {n} bytes") < re.search(rf"^removed +{re.escape(c)} +{n} ", out, re.M).start(), out
 
 
 def test_mixed_directories_never_lose_a_committed_snapshot(tmp_path):

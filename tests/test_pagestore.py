@@ -868,6 +868,60 @@ def test_hsnap_gc_pages_command(tmp_path):
     assert rc == 0 and out.count("removing ") == 1 and len(page_files(tmp_path / "pages")) == 4
 
 
+def test_hsnap_gc_pages_counts_what_it_keeps_and_removes_and_names_only_what_goes(tmp_path):
+    """``hsnap gc --pages`` counts kept, removable and removed pages with their bytes — the counts of what the sweep
+    then removed — and names at most 10 of the pages that go (never a kept one; --verbose: every object)."""
+    import contextlib
+    import io
+    import json
+    import re
+
+    from hsnap_format.tools import cli
+
+    def run(*argv):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = cli.main([str(a) for a in argv])
+        return rc, out.getvalue()
+
+    def totals(out: str) -> dict:
+        return {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"^  (kept|removable|removed|failed|gone) +(\d+) +(\d+) ", out, re.M)}
+
+    with pg.PageStore(tmp_path / "pages") as store:
+        write(tmp_path / "a.hsnap", store, tokens_for(SYSTEM, 3 * S + 1 + S, seed=50), "a")  # the 3 shared pages and 1 own
+        for i in range(4):  # 3 own pages each, garbage once their snapshots are gone
+            write(tmp_path / f"g{i}.hsnap", store, tokens_for(SYSTEM, 3 * S + 1 + 3 * S, seed=51 + i), f"g{i}")
+    for i in range(4):
+        (tmp_path / f"g{i}.hsnap").unlink()
+    size = {n: (tmp_path / "pages" / n).stat().st_size for n in page_files(tmp_path / "pages")}
+    with hf.open(tmp_path / "a.hsnap") as a:
+        kept = {pg.page_name(a.pages.namespace_id, k, r) for k, r in a.pages.refs}
+    assert len(size) == 16 and len(kept) == 4
+    garbage = sum(n for name, n in size.items() if name not in kept)
+
+    rc, out = run("gc", tmp_path, "--pages")
+    assert rc == 0 and max(map(len, out.splitlines())) <= 80, out
+    assert totals(out) == {"kept": (4, sum(size[n] for n in kept)), "removable": (12, garbage), "removed": (0, 0)}
+    assert len(re.findall(r"^would remove ", out, re.M)) == 10 and "… and 2 more (--verbose lists all)" in out
+    assert not re.search(r"^kept ", out, re.M) and "--remove removes the 12 removable pages" in " ".join(out.split())
+    rc, out = run("gc", tmp_path, "--pages", "--json")
+    assert json.loads(out)["totals"] == {"kept": {"count": 4, "bytes": sum(size[n] for n in kept)}, "removable": {"count": 12, "bytes": garbage},
+                                         "removed": {"count": 0, "bytes": 0}, "failed": {"count": 0, "bytes": 0}, "gone": {"count": 0, "bytes": 0}}
+    rc, out = run("gc", tmp_path, "--pages", "--verbose")
+    assert len(re.findall(r"^kept ", out, re.M)) == 4 and len(re.findall(r"^would remove ", out, re.M)) == 12
+
+    rc, out = run("gc", tmp_path, "--pages", "--remove")
+    left = set(page_files(tmp_path / "pages"))
+    removed = set(size) - left
+    assert rc == 0 and left == kept and out.count("removing ") == 12
+    assert totals(out) == {"kept": (4, sum(size[n] for n in left)), "removable": (12, sum(size[n] for n in removed)),
+                           "removed": (12, sum(size[n] for n in removed))}
+    assert len(re.findall(r"^removed ", out, re.M)) == 10 and "… and 2 more" in out and "dry run" not in out
+    rc, out = run("gc", tmp_path, "--pages", "--remove")  # nothing left to remove: nothing named
+    assert totals(out) == {"kept": (4, sum(size[n] for n in left)), "removable": (0, 0), "removed": (0, 0)}
+    assert not re.search(r"^(removed|would remove|kept) ", out, re.M)
+
+
 def test_mutation_run_seed6_manifest_checked_in_the_specs_order(tmp_path):
     """Found by ``python -m mutation --mutants 10000 --seed 6`` (run after adding the page
     vectors): a manifest without ``tp_size`` whose version has another major is refused by

@@ -41,7 +41,7 @@ from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
 from .screens.main import MainScreen
 from .text import describe_error
-from .tokenizer import TokenizerUnavailable, load_decoder
+from .tokenizer import TokenizerUnavailable, load_decoder, recorded_model_decoder
 
 
 @dataclass
@@ -76,6 +76,7 @@ class HsnapViewApp(App):
         self.error: tuple[str, BaseException] | None = None  # (display name, error): what stops the app
         self.warnings: list[str] = []  # shown as notifications once running
         self.tokenizer_error: str | None = None
+        self.token_text_note: str | None = None  # where token text comes from, or how to get some (Request tab)
         # a snapshot on an object store can keep the app waiting on the network: it opens
         # after the first frame, behind a screen that says so (a local file opens here)
         self.opening = [p for p in (config.path, config.other) if p is not None and not store_for(p).local]
@@ -109,6 +110,8 @@ class HsnapViewApp(App):
             except TokenizerUnavailable as e:
                 self.tokenizer_error = str(e)
                 self.warnings.append(f"no token text: {e}")
+        elif self.document is not None:
+            self.decoder, self.token_text_note = recorded_model_decoder(self.document.first.identity.model_id)
 
     def on_mount(self) -> None:
         if self.opening:
@@ -147,7 +150,8 @@ class HsnapViewApp(App):
             self.push_screen(ErrorScreen(*self.error))
             return
         self.push_screen(MainScreen(
-            self.document, reference=self.reference, decoder=self.decoder, page_size=self.config.page_size,
+            self.document, reference=self.reference, decoder=self.decoder, token_text_note=self.token_text_note,
+            page_size=self.config.page_size,
             verify_on_open=self.config.verify_on_open, can_diff=self.other is not None,
         ))
         if self.other is not None:
@@ -235,7 +239,8 @@ class HsnapViewApp(App):
     def get_system_commands(self, screen: Screen):
         yield from super().get_system_commands(screen)
         if isinstance(screen, MainScreen):
-            yield SystemCommand("Verify digests", "Check every section against its stored digest", screen.action_verify)
+            yield SystemCommand("Verify digests", "Check every section against its stored digest, and a delta's chain or a "
+                                "paged file's pages as hsnap verify does", screen.action_verify)
             if self.other is not None:
                 yield SystemCommand("Diff", "Compare with the second snapshot", self.action_open_diff)
 

@@ -31,3 +31,42 @@ def describe_error(e: BaseException) -> str:
     if isinstance(e, HsnapError) and e.path:
         msg = msg.replace(e.path, os.path.basename(os.path.normpath(e.path)) or e.path, 1)
     return escape(f"{type(e).__name__}: {msg}")
+
+
+class Packed:
+    """Parts joined by a separator, broken between parts only, never inside one (a title
+    that wrapped mid-word read ``11`` / ``sections``); a part wider than the line is cut
+    with an ellipsis. Measured at the width it is drawn at, so it re-packs on resize."""
+
+    def __init__(self, parts: list[Text], separator: str = " · ") -> None:
+        self.parts = [p for p in parts if p.cell_len]
+        self.separator = separator
+
+    def lines(self, width: int) -> list[Text]:
+        width = max(1, width)
+        out: list[Text] = []
+        line = Text()
+        for part in self.parts:
+            part = part.copy()
+            if part.cell_len > width:
+                part.truncate(width, overflow="ellipsis")
+            if line.cell_len and line.cell_len + len(self.separator) + part.cell_len > width:
+                out.append(line)
+                line = Text()
+            if line.cell_len:
+                line.append(self.separator)
+            line.append_text(part)
+        out.append(line)
+        return out
+
+    def __rich_console__(self, console, options):
+        for line in self.lines(options.max_width):
+            line.no_wrap = True
+            yield line
+
+    def __rich_measure__(self, console, options):
+        from rich.measure import Measurement
+
+        widest = max((p.cell_len for p in self.parts), default=1)
+        whole = sum(p.cell_len for p in self.parts) + len(self.separator) * max(0, len(self.parts) - 1)
+        return Measurement(min(widest, options.max_width), min(whole, options.max_width))

@@ -1,6 +1,10 @@
 """Optional token text: a ``tokenizer.json`` read with the ``tokenizers`` library,
 offline only (a file, a directory holding one, or a Hugging Face repo id already
-in the local cache). Never imports torch or transformers."""
+in the local cache). Never imports torch or transformers.
+
+Without ``--tokenizer`` the model path a snapshot records is tried when it is a local
+file or directory (not the cache: that import would cost every first frame), and the
+Request tab says where its token text comes from, or how to get some."""
 
 from __future__ import annotations
 
@@ -49,3 +53,16 @@ def load_decoder(spec: str) -> Decoder:
         return tok.decode([int(token_id)], skip_special_tokens=False)
 
     return decode
+
+
+def recorded_model_decoder(model_id: str) -> tuple[Decoder | None, str]:
+    """(decoder, what the Request tab says about token text) for a viewer given no
+    ``--tokenizer``: the tokenizer of the model path the snapshot records when that path
+    exists here and holds one, else None and a hint naming the flag."""
+    if model_id and os.path.exists(model_id):
+        try:
+            return load_decoder(model_id), f"from the model path this snapshot records ({model_id})"
+        except TokenizerUnavailable as e:
+            return None, f"none: {e}; give --tokenizer (a tokenizer.json, its directory or a cached repo id)"
+    example = f", e.g. {model_id}" if model_id else ""
+    return None, f"none: give --tokenizer (a tokenizer.json, its directory or a cached repo id{example})"

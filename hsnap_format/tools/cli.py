@@ -13,112 +13,142 @@ import sys
 import numpy as np
 
 from .. import MAJOR, MINOR, __version__, open_snapshot
-from ..chain import Chain, chain_below, compact_path
+from ..chain import compact_path
 from ..errors import HsnapError
 from ..manifest import SnapshotSet
 from ..records import Geometry
 from ..pages import collect_pages
-from ..spec import DTYPES
+from ..spec import DTYPES, PAGE_SUFFIX
 from ..stores import store_for
 from ..stores.entries import Listing, is_one_snapshot, list_directory
-from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, plural, snapshot_summary
+from .fit import WIDTH, Column, Printer, relative_to
+from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, open_rank_chains, plural, snapshot_summary
 
 
 def _heads(n: int) -> str:
     return plural(n, "head")
 
 
-def _print_rank(r: dict, first: bool) -> None:
+# A rank's sections: with --wide every column; by default kind and layer (the name says both), the offset and the
+# exact byte count (the total line has them) give way, and the digest shows its first characters.
+SECTION_COLUMNS = (
+    Column("name", elide="middle", min_width=12),
+    Column("kind", wide_only=True),
+    Column("layer", ">", wide_only=True),
+    Column("dtype"),
+    Column("shape", elide="end", min_width=8),
+    Column("offset", ">", wide_only=True),
+    Column("bytes", ">", wide_only=True),
+    Column("size", ">"),
+    Column("digest"),
+)
+
+
+def _print_rank(r: dict, first: bool, out: Printer, in_set: str | None) -> None:
+    """One rank file: its identity, geometry, request and (a delta) link, its sections, its totals. ``in_set``: the
+    set's directory, which the set's own line names (its rank files are then named below it)."""
     ident, req, g = r["identity"], r["request"], r["geometry"]
     if not first:
-        print()
-    print(f"== {escape(r['path'])}  (hsnap {r['version']}, rank {ident['tp_rank']}/{ident['tp_size']})")
+        out.line()
+    rank = f"  (hsnap {r['version']}, rank {ident['tp_rank']}/{ident['tp_size']})"
+    path = escape(r["path"] if in_set is None or out.wide else relative_to(r["path"], in_set))
+    out.line(f"== {out.path(path, WIDTH - 3 - len(rank))}{rank}")
     engine = ident["engine"]
     commit = f" ({escape(engine['commit'])})" if engine.get("commit") else ""
-    weights = " ".join(escape(x) for x in (ident.get("weights_version"), ident.get("weights_hash")) if x)
-    print(f"model {escape(ident['model_id'])}  weights {weights or '-'}  engine {escape(engine['name'])} {escape(engine['version'])}{commit}")
-    print(f"snapshot {escape(ident['snapshot_id'])}  created {escape(ident['created_at'])}  device {escape(ident['device'])}")
+    weights_hash = ident.get("weights_hash")
+    weights = " ".join(x for x in (escape(ident.get("weights_version") or ""), out.digest(escape(weights_hash)) if weights_hash else "") if x)
+    out.line(f"model {escape(ident['model_id'])}  weights {weights or '-'}  engine {escape(engine['name'])} {escape(engine['version'])}{commit}")
+    out.line(f"snapshot {escape(ident['snapshot_id'])}  created {escape(ident['created_at'])}  device {escape(ident['device'])}")
     if g["attention"]:
         a = g["attention"]
         stored = "" if a["storage_dtype"] == a["dtype"] else f" (stored as {a['storage_dtype']})"
         swa = f" + {len(a['swa_layers'])} sliding-window" if a["swa_layers"] else ""
-        print(f"attention {a['kind']}: {plural(len(a['layers']), 'layer')}{swa}, {_heads(a['heads'])} per rank, "
-              f"K dim {a['k_head_dim']}, V dim {a['v_head_dim']}, {a['dtype']}{stored}, page size {a['page_size']}")
+        out.line(f"attention {a['kind']}: {plural(len(a['layers']), 'layer')}{swa}, {_heads(a['heads'])} per rank, "
+                 f"K dim {a['k_head_dim']}, V dim {a['v_head_dim']}, {a['dtype']}{stored}, page size {a['page_size']}")
     if g["mamba"]:
         m = g["mamba"]
         conv = ", ".join("×".join(map(str, c)) for c in m["conv_shapes"])
-        print(f"mamba/GDN: {plural(len(m['layers']), 'layer')}, conv [{conv}] {m['conv_dtype']}, "
-              f"temporal {'×'.join(map(str, m['temporal_shape']))} {m['temporal_dtype']}, conv sliced on axis {m['conv_slice_axis']}")
+        out.line(f"mamba/GDN: {plural(len(m['layers']), 'layer')}, conv [{conv}] {m['conv_dtype']}, "
+                 f"temporal {'×'.join(map(str, m['temporal_shape']))} {m['temporal_dtype']}, conv sliced on axis {m['conv_slice_axis']}")
     both = Geometry.from_header(g, parallel_layers=None).parallel_layers  # format 1.4 (FalconH1)
     if both:
-        print(f"parallel layers (attention and mamba side by side): {', '.join(map(str, both))}")
+        out.line(f"parallel layers (attention and mamba side by side): {', '.join(map(str, both))}")
     budget = req["remaining_budget"]
-    print(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position {req['state_position']}, "
-          f"streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")
+    out.line(f"request {escape(req['rid'])}: prompt {req['prompt_tokens']} + output {req['output_tokens']} tokens, state position "
+             f"{req['state_position']}, streamed {req['streamed']['tokens']}, remaining budget {'unlimited' if budget is None else budget}")
     base = r.get("base")
     if base:  # a delta (spec 5.9): its attention sections hold the rows after its base's position
-        print(f"delta of {escape(base['name'])} at position {base['state_position']} (snapshot {escape(base['snapshot_id'])}, "
-              f"root digest {base['root_digest']}): attention rows {base['state_position']}..{req['state_position'] - 1}, "
-              f"{plural(base['depth'], 'link')} below")
+        out.line(f"delta of {escape(base['name'])} at position {base['state_position']} (snapshot {escape(base['snapshot_id'])}, "
+                 f"root digest {out.digest(base['root_digest'])}): attention rows {base['state_position']}..{req['state_position'] - 1}, "
+                 f"{plural(base['depth'], 'link')} below")
     secs = r["sections"]
-    w = max([len("name")] + [len(escape(s["name"])) for s in secs])
-    kw = max([len("kind")] + [len(s["kind"]) for s in secs])
-    shw = max([len("shape")] + [len("×".join(map(str, s["shape"]))) for s in secs])
-    print(f"{'name':<{w}}  {'kind':<{kw}} {'layer':>5}  {'dtype':<15} {'shape':<{shw}} {'offset':>12} {'bytes':>12} {'size':>10}  digest")
-    for s in secs:
-        layer = "" if s["layer"] is None else s["layer"]
-        shape = "×".join(map(str, s["shape"]))
-        print(f"{escape(s['name']):<{w}}  {s['kind']:<{kw}} {layer:>5}  {s['dtype']:<15} {shape:<{shw}} {s['offset']:>12} {s['length']:>12} "
-              f"{fmt_bytes(s['length']):>10}  {s['digest']}")
-    print(f"total {r['file_length']} bytes, payload {r['payload_bytes']} bytes ({fmt_bytes(r['file_length'])} file, "
-          f"{fmt_bytes(r['payload_bytes'])} state payload), {len(secs)} sections, root digest {r['root_digest']}")
+    out.table(SECTION_COLUMNS, [
+        (escape(s["name"]), s["kind"], s["layer"], s["dtype"], "×".join(map(str, s["shape"])), s["offset"], s["length"],
+         fmt_bytes(s["length"]), out.digest(s["digest"])) for s in secs])
+    out.line(f"total {r['file_length']} bytes, payload {r['payload_bytes']} bytes ({fmt_bytes(r['file_length'])} file, "
+             f"{fmt_bytes(r['payload_bytes'])} state payload), {len(secs)} sections, root digest {out.digest(r['root_digest'])}")
 
 
 def _chains(snap, path: str):
-    """(rank, Chain or the HsnapError that refused it) for every rank file that is a delta
-    (spec 7.5): its links, opened and checked, through the store that holds ``path``."""
-    store = store_for(path)
-    out: list[tuple[int | None, Chain | HsnapError]] = []
-    for r, s in (snap.ranks.items() if isinstance(snap, SnapshotSet) else [(None, snap)]):
-        if s.base is None and s.pages is None:  # a delta, or a file whose pages are in a page store (7.6)
-            continue
-        try:
-            out.append((r, chain_below(s, location=snap.path, rank=r, store=store)))
-        except HsnapError as e:
-            out.append((r, e))
-    return out
+    """(rank — None for a single file —, Chain or the HsnapError that refused it) for every rank file that is a
+    delta or takes pages from a page store (spec 7.5, 7.6): :func:`.viewmodel.open_rank_chains`, as the viewer opens them."""
+    return [(r if isinstance(snap, SnapshotSet) else None, c) for r, c in open_rank_chains(snap, path).items()]
 
 
 def _chain_summary(rank, chain) -> dict:
+    """The same keys for a chain that opened and one that was refused (``error``; no links)."""
     if isinstance(chain, HsnapError):
-        return {"rank": rank, "error": _failure(chain)}
-    return {"rank": rank, "state_position": chain.state_position, "links": [
+        return {"rank": rank, "state_position": None, "links": [], "error": _failure(chain)}
+    return {"rank": rank, "state_position": chain.state_position, "error": None, "links": [
         {"path": s.path, "state_position": s.state_position, "base_position": s.base_position, "file_length": s.file_length,
          "payload_bytes": s.payload_bytes, "root_digest": s.root_digest, "snapshot_id": s.identity.snapshot_id,
          "pages": None if s.pages is None else s.pages.count} for s in chain.links]}
 
 
-def _print_chain(rank, chain) -> None:
+# A chain's links, base first (a delta's base is the row above it): the file (named below the snapshot's directory
+# unless --wide), plain or delta, its attention rows, its pages in the page store
+CHAIN_COLUMNS = (
+    Column("#", ">"),
+    Column("file", elide="middle", min_width=16),
+    Column("link"),
+    Column("base", wide_only=True),
+    Column("rows", ">"),
+    Column("pages", ">"),
+    Column("page store", wide_only=True),
+    Column("size", ">"),
+    Column("root digest"),
+    Column("", wide_only=True),  # the head: by default, the last row
+)
+
+
+def _print_chain(rank, chain, out: Printer, beside: str) -> None:
+    """A delta's (or a paged file's) chain; ``beside``: the directory the snapshot lies in, which its links are named
+    relative to by default."""
     where = "" if rank is None else f" (rank {rank})"
-    print()
+    out.line()
     if isinstance(chain, HsnapError):
-        print(f"chain{where}: {type(chain).__name__}: {escape(str(chain))}")
+        out.line(f"chain{where}: {type(chain).__name__}: {escape(str(chain))}")
         return
     head = chain.head
-    print(f"chain{where}: {plural(len(chain), 'link')} to position {chain.state_position}, "
-          f"{fmt_bytes(sum(s.file_length for s in chain.links))} in all")
+    out.line(f"chain{where}: {plural(len(chain), 'link')} to position {chain.state_position}, "
+             f"{fmt_bytes(sum(s.file_length for s in chain.links))} in all")
+    rows = []
     for i, s in enumerate(chain.links):
-        what = "plain snapshot" if s.base is None else f"delta of {escape(s.base.name)}"
-        if s.pages is not None:  # spec 5.10: its full pages are page objects in its page store
-            what += f", {plural(s.pages.count, 'page')} of {s.pages.page_size} positions in {escape(s.pages.store)}/"
-        print(f"  {i:>3}  {escape(s.path)}  {what}, attention rows {s.base_position}..{s.state_position - 1}, "
-              f"{fmt_bytes(s.file_length)}, root digest {s.root_digest}{'  (head)' if s is head else ''}")
+        pages = s.pages  # spec 5.10: its full pages are page objects in its page store
+        rows.append((i, escape(s.path if out.wide else relative_to(s.path, beside)),
+                     "plain" if s.base is None else "delta", "-" if s.base is None else escape(s.base.name),
+                     f"{s.base_position}..{s.state_position - 1}", "-" if pages is None else pages.count,
+                     "-" if pages is None else f"{escape(pages.store)}/, {plural(pages.page_size, 'position')} a page",
+                     fmt_bytes(s.file_length), out.digest(s.root_digest), "head" if s is head else ""))
+    out.table(CHAIN_COLUMNS, rows, indent="  ")
 
 
 def _entry_summary(path: str, listing: Listing) -> dict:
     """One entry of a directory of snapshots: its request, position and size (of a checkpoint chain, its newest
-    committed link, how many links it has and which were passed over, and why)."""
-    out: dict = {"path": path}
+    committed link, how many links it has and which were passed over, and why); every key in every entry, null
+    where it does not apply (``checkpoints`` outside a chain, the snapshot's fields of one that did not open)."""
+    out: dict = dict.fromkeys(ENTRY_KEYS)
+    out["path"] = path
     chain = next((c for c in listing.chains.values() if (c.path or c.highest) == path), None)
     if chain is not None:
         out["checkpoints"] = {"name": chain.name, "links": listing.links.get(chain.name, 0), "newest_committed": chain.path,
@@ -134,58 +164,95 @@ def _entry_summary(path: str, listing: Listing) -> dict:
     return out
 
 
-def _info_directory(args) -> int:
+# `hsnap info --json`: the same keys for a rank file, a TP set and a directory of snapshots (README: Command line)
+INFO_KEYS = ("path", "kind", "manifest", "ranks", "chains", "directory", "entries", "pages", "leftovers")
+ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "error")
+
+# A directory's entries: each snapshot, TP set and checkpoint chain's newest committed link
+ENTRY_COLUMNS = (
+    Column("entry", elide="middle", min_width=12),
+    Column("rid", elide="middle", min_width=10),
+    Column("what"),
+    Column("positions", ">"),
+    Column("size", ">"),
+)
+
+
+def _entry_what(e: dict) -> str:
+    if e["checkpoints"]:
+        return f"chain of {plural(e['checkpoints']['links'], 'link')}"
+    return f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
+
+
+def _entry_row(e: dict, out: Printer) -> tuple:
+    name = escape(e["path"] if out.wide else os.path.basename(e["path"].rstrip("/")))
+    if e["error"]:
+        return (name, "-", e["error"]["error"], "-", "-")
+    return (name, escape(e["rid"]), _entry_what(e), e["state_position"], fmt_bytes(e["bytes"]))
+
+
+def _entry_detail(e: dict, out: Printer) -> str | None:
+    """What a row of the directory's table leaves out: why its entry did not open, or its chain's newer links that
+    were passed over (``hsnap verify DIR`` says why)."""
+    if e["error"]:
+        return f"{e['error']['error']}: {escape(e['error']['message'])}"
+    passed = e["checkpoints"]["passed_over"] if e["checkpoints"] else []
+    if passed:
+        names = ", ".join(escape(p if out.wide else os.path.basename(p)) for p, _ in passed)
+        return f"{len(passed)} passed over: {names}"
+    return None
+
+
+def _info_directory(args, out: Printer) -> int:
     """``hsnap info DIR`` of what a drain, a checkpointer or a migration writes: one line per request."""
     listing = list_directory(args.path)
     entries = [_entry_summary(p, listing) for p in listing.entries()]
     if args.json:
-        print(json.dumps({"directory": args.path, "entries": entries, "pages": {"count": listing.pages, "bytes": listing.page_bytes},
-                          "leftovers": listing.leftovers}, indent=2, sort_keys=True))
+        doc = dict.fromkeys(INFO_KEYS)
+        doc.update(path=args.path, kind="directory", ranks=[], chains=[], directory=args.path, entries=entries,
+                   pages={"count": listing.pages, "bytes": listing.page_bytes}, leftovers=listing.leftovers)
+        print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        chains = sum("checkpoints" in e for e in entries)
+        chains = sum(e["checkpoints"] is not None for e in entries)
         parts = [plural(len(entries) - chains, "snapshot"), plural(chains, "checkpoint chain")]
         if listing.pages:
             parts.append(f"page store pages/: {plural(listing.pages, 'page')}, {fmt_bytes(listing.page_bytes)}")
-        print(f"directory {escape(args.path)}: {', '.join(parts)}")
-        for e in entries:
-            name = os.path.basename(e["path"].rstrip("/"))
-            if "error" in e:
-                print(f"  {escape(name)}: {e['error']['error']}: {escape(e['error']['message'])}")
-                continue
-            what = f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
-            ck = e.get("checkpoints")
-            if ck:
-                what = f"newest committed link of {plural(ck['links'], 'checkpoint link')}"
-                what += f" ({len(ck['passed_over'])} passed over)" if ck["passed_over"] else ""
-            print(f"  {escape(name)}: rid {escape(e['rid'])}, {what}, {e['state_position']} committed positions, {fmt_bytes(e['bytes'])}")
+        out.line(f"directory {out.path(escape(args.path))}: {', '.join(parts)}")
+        if entries:
+            out.table(ENTRY_COLUMNS, [_entry_row(e, out) for e in entries], [_entry_detail(e, out) for e in entries], indent="  ")
         if listing.leftovers:
-            print(f"leftovers (hidden; `hsnap gc {escape(args.path)}` lists what it can prove dead): "
-                  f"{', '.join(escape(os.path.basename(x.rstrip('/'))) for x in listing.leftovers)}")
-    return 1 if any("error" in e for e in entries) else 0
+            out.line(f"leftovers (hidden; `hsnap gc {out.path(escape(args.path), 32)}` lists what it can prove dead): "
+                     f"{', '.join(escape(os.path.basename(x.rstrip('/'))) for x in listing.leftovers)}")
+    return 1 if any(e["error"] for e in entries) else 0
 
 
 def cmd_info(args) -> int:
+    out = Printer(args.wide)
     if not is_one_snapshot(args.path):
-        return _info_directory(args)
+        return _info_directory(args, out)
     with open_snapshot(args.path) as snap:
         summary = snapshot_summary(snap)
         chains = _chains(snap, args.path)
         try:
-            if chains:
-                summary["chains"] = [_chain_summary(r, c) for r, c in chains]
             if args.json:
-                print(json.dumps(summary, indent=2, sort_keys=True))
+                doc = dict.fromkeys(INFO_KEYS)
+                doc.update(path=args.path, kind="TP set" if isinstance(snap, SnapshotSet) else "snapshot", entries=[], leftovers=[],
+                           chains=[_chain_summary(r, c) for r, c in chains], **summary)
+                print(json.dumps(doc, indent=2, sort_keys=True))
             else:
+                in_set = None
                 if isinstance(snap, SnapshotSet):
                     m = summary["manifest"]
                     total = sum(r["file_length"] for r in summary["ranks"])
-                    print(f"snapshot directory {escape(args.path)}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, "
-                          f"state position {m['state_position']}, {fmt_bytes(total)} in {plural(len(summary['ranks']), 'rank file')}")
-                    print()
+                    out.line(f"snapshot directory {out.path(escape(args.path))}: id {escape(m['snapshot_id'])}, tp {m['tp_size']}, "
+                             f"state position {m['state_position']}, {fmt_bytes(total)} in {plural(len(summary['ranks']), 'rank file')}")
+                    out.line()
+                    in_set = args.path
                 for i, r in enumerate(summary["ranks"]):
-                    _print_rank(r, first=i == 0)
+                    _print_rank(r, first=i == 0, out=out, in_set=in_set)
+                beside = os.path.dirname(args.path.rstrip("/"))
                 for r, c in chains:
-                    _print_chain(r, c)
+                    _print_chain(r, c, out, beside)
         finally:
             for _, c in chains:
                 if not isinstance(c, HsnapError):
@@ -233,10 +300,30 @@ def _verify_one(path: str, first: bool) -> tuple[int, list[str], list[HsnapError
     return n, links, failures[:1] if first else failures
 
 
+# `hsnap verify --json`: the same keys for a rank file, a TP set and a directory; a failure puts the first one's
+# error, path, field and message at the top level (README: Command line)
+VERIFY_KEYS = ("ok", "path", "sections", "links", "errors", "error", "field", "message", "entries")
+
+
+def _verify_document(path: str, sections: int, links: list[str], errors: list[dict], entries: list[dict]) -> dict:
+    doc = dict.fromkeys(VERIFY_KEYS)
+    doc.update(ok=not errors, path=path, sections=sections, links=links, errors=errors, entries=entries)
+    if errors:
+        doc.update(errors[0])  # the first failure at the top level, as before
+    return doc
+
+
+def _print_ok(out: Printer, path: str, n: int, links: list[str]) -> None:
+    chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
+    verified = f": {n} sections verified"
+    out.line(f"OK {out.path(escape(path), WIDTH - 3 - len(verified))}{verified}{chain}")
+
+
 def _verify_directory(args) -> int:
     """``hsnap verify DIR``: each entry of a directory of snapshots (a chain's newest committed link with its chain)."""
+    out = Printer(args.wide)
     listing = list_directory(args.path)
-    results = []
+    results: list[dict] = []
     for path in listing.entries():
         n, links, failures = _verify_one(path, args.first)
         results.append({"path": path, "ok": not failures, "sections": n, "links": links, "errors": [_failure(e) for e in failures]})
@@ -245,19 +332,20 @@ def _verify_directory(args) -> int:
                 for failure in failures:
                     print(f"FAILED {type(failure).__name__}: {escape(str(failure))}{_hint(failure)}", file=sys.stderr)
             else:
-                chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
-                print(f"OK {escape(path)}: {n} sections verified{chain}")
+                _print_ok(out, path if out.wide else relative_to(path, args.path), n, links)
     for choice in listing.chains.values():
         for p, why in choice.passed_over:
             if not args.json:
                 print(f"passed over {escape(p)}: {escape(why)}", file=sys.stderr)
     bad = [r for r in results if not r["ok"]]
     if args.json:
-        print(json.dumps({"ok": not bad, "path": args.path, "entries": results}))
+        print(json.dumps(_verify_document(args.path, sum(r["sections"] for r in results), [],
+                                          [e for r in results for e in r["errors"]], results)))
     elif bad:
         print(f"FAILED {escape(args.path)}: {len(bad)} of {plural(len(results), 'entry', 'entries')} do not verify", file=sys.stderr)
     else:
-        print(f"OK {escape(args.path)}: {plural(len(results), 'entry', 'entries')} verified")
+        verified = f": {plural(len(results), 'entry', 'entries')} verified"
+        out.line(f"OK {out.path(escape(args.path), WIDTH - 3 - len(verified))}{verified}")
     return 1 if bad else 0
 
 
@@ -267,20 +355,14 @@ def cmd_verify(args) -> int:
         return _verify_directory(args)
     n, links, failures = _verify_one(args.path, args.first)
     if args.json:
-        out = {"ok": not failures, "path": args.path, "sections": n, "errors": [_failure(e) for e in failures]}
-        if links:
-            out["links"] = links
-        if failures:
-            out.update(_failure(failures[0]))  # the first failure at the top level, as before
-        print(json.dumps(out))
+        print(json.dumps(_verify_document(args.path, n, links, [_failure(e) for e in failures], [])))
     elif failures:
         for failure in failures:
             print(f"FAILED {type(failure).__name__}: {escape(str(failure))}{_hint(failure)}", file=sys.stderr)
         if len(failures) > 1:
             print(f"FAILED {escape(args.path)}: {len(failures)} problems", file=sys.stderr)
     else:
-        chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
-        print(f"OK {escape(args.path)}: {n} sections verified{chain}")
+        _print_ok(Printer(args.wide), args.path, n, links)
     return 1 if failures else 0
 
 
@@ -303,34 +385,50 @@ def _names(labels: list[str]) -> str:
     return ", ".join(escape(x) for x in labels[:_NAMES_IN_SUMMARY]) + more
 
 
+# A diff's sections: the first difference is a column with --wide, else a line under its section's row
+DIFF_COLUMNS = (
+    Column("section", elide="middle", min_width=12),
+    Column("status"),
+    Column("max_abs", ">"),
+    Column("max_rel", ">"),
+    Column("differing", ">"),
+    Column("first difference", wide_only=True),
+)
+
+
+def _first_difference(d) -> str:
+    first = "" if d.first_diff is None else f"{list(d.first_diff)}: {fmt_value_pair(d.first_a, d.first_b, d.dtype_a, d.dtype_b)}"
+    if d.status == "shape-mismatch":
+        return f"A {list(d.shape_a)} B {list(d.shape_b)}"
+    if d.status == "digest-mismatch":
+        return f"{d.corrupt} fails its own digest: its bytes are not what was written"
+    if d.dtype_mismatch:
+        return f"dtype A {d.dtype_a} B {d.dtype_b}; " + first
+    return first
+
+
 def _print_diff(report, args) -> None:
     """h5diff-like text: header differences, then one line per section (the troubled ones
     first; equal ones only with -v), then a summary naming what differs."""
+    out = Printer(args.wide)
     for rank, h in report.headers.items():
         where = f"rank {rank} " if report.multi_rank else ""
         for part, rows in (("identity", h.identity), ("geometry", h.geometry), ("request", h.request), ("info", h.info)):
             for field, a, b in rows:
-                print(f"{where}{part}: {escape(field)}: A {escape(repr(a))} != B {escape(repr(b))}")
+                out.line(f"{where}{part}: {escape(field)}: A {escape(repr(a))} != B {escape(repr(b))}")
     if report.ranks_a != report.ranks_b:
-        print(f"ranks: A {list(report.ranks_a)} != B {list(report.ranks_b)}")
+        out.line(f"ranks: A {list(report.ranks_a)} != B {list(report.ranks_b)}")
     shown = sorted((d for d in report.sections if args.verbose or not d.same), key=lambda d: _DIFF_ORDER.get(d.status, 5))
-    w = max([len("section")] + [len(escape(report.label(d))) for d in shown])
-    print(f"{'section':<{w}} {'status':<15} {'max_abs':>11} {'max_rel':>11} {'differing':>19}  first difference")
-    for d in shown:
-        count = f"{d.count_differ}/{d.elements}" if d.status in ("equal", "differ") else ""
-        first = "" if d.first_diff is None else f"{list(d.first_diff)}: {fmt_value_pair(d.first_a, d.first_b, d.dtype_a, d.dtype_b)}"
-        if d.status == "shape-mismatch":
-            first = f"A {list(d.shape_a)} B {list(d.shape_b)}"
-        elif d.status == "digest-mismatch":
-            first = f"{d.corrupt} fails its own digest: its bytes are not what was written"
-        elif d.dtype_mismatch:
-            first = f"dtype A {d.dtype_a} B {d.dtype_b}; " + first
-        print(f"{escape(report.label(d)):<{w}} {d.status:<15} {_fmt(d.max_abs_diff):>11} {_fmt(d.max_rel_diff):>11} {count:>19}  {first}")
+    firsts = [_first_difference(d) for d in shown]
+    out.table(DIFF_COLUMNS, [
+        (escape(report.label(d)), d.status, _fmt(d.max_abs_diff), _fmt(d.max_rel_diff),
+         f"{d.count_differ}/{d.elements}" if d.status in ("equal", "differ") else "", first) for d, first in zip(shown, firsts)],
+        None if out.wide else firsts)
     differing = sorted(report.differing, key=lambda d: _DIFF_ORDER.get(d.status, 5))
     n = len(differing)
     verdict = "same" if report.same else "DIFFER"
     names = f": {_names([report.label(d) for d in differing])}" if differing else ""
-    print(f"{n} of {len(report.sections)} sections differ{names} (atol {report.atol:g}, rtol {report.rtol:g}); snapshots {verdict}")
+    out.line(f"{n} of {len(report.sections)} sections differ{names} (atol {report.atol:g}, rtol {report.rtol:g}); snapshots {verdict}")
 
 
 def _resolved(path: str, tmp: str, label: str) -> tuple[str, int]:
@@ -356,7 +454,8 @@ def cmd_diff(args) -> int:
         with tempfile.TemporaryDirectory(prefix="hsnap-diff-") as tmp:
             sides = {"A": (args.a, 1), "B": (args.b, 1)} if args.bytes else {
                 "A": _resolved(args.a, tmp, "a"), "B": _resolved(args.b, tmp, "b")}
-            notes = [f"{label} ({escape(given)}): compared as the state its chain of {plural(links, 'link')} stands for"
+            shown = Printer(args.wide).path
+            notes = [f"{label} ({shown(escape(given))}): compared as the state its chain of {plural(links, 'link')} stands for"
                      for (label, (path, links)), given in zip(sides.items(), (args.a, args.b)) if path != given]
             with open_snapshot(sides["A"][0]) as a, open_snapshot(sides["B"][0]) as b:
                 report = diff_snapshots(a, b, atol=args.atol, rtol=args.rtol, stop_at_first=args.names_only)
@@ -365,7 +464,7 @@ def cmd_diff(args) -> int:
         return 2
     if not args.json:
         for note in notes:
-            print(note, file=sys.stderr)
+            Printer(args.wide, file=sys.stderr).line(note)
     corrupt = report.corrupt
     if args.json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
@@ -418,7 +517,9 @@ def cmd_export(args) -> int:
                 done = ex.export_safetensors(snap, out, force=args.force)
             else:
                 done = ex.export_all_npy(snap, out, raw=args.raw, force=args.force)
-            print(f"exported {len(done)} sections to {escape(out)} ({fmt_bytes(sum(math.prod(e.shape) * DTYPES[e.dtype].itemsize for e in done))})")
+            shown = Printer(args.wide)
+            shown.line(f"exported {len(done)} sections to {shown.path(escape(out))} "
+                       f"({fmt_bytes(sum(math.prod(e.shape) * DTYPES[e.dtype].itemsize for e in done))})")
             return 0
         if not args.section:
             print("hsnap export: name a SECTION (hsnap info lists them) or give --all", file=sys.stderr)
@@ -427,7 +528,9 @@ def cmd_export(args) -> int:
         out = args.output or info.name + ".npy"
         e = ex.export_npy(s, info, out, raw=args.raw, force=args.force, source=snap)
         note = "" if e.stored_as == np.dtype(DTYPES[info.dtype]).name else f" as {e.stored_as}"
-        print(f"exported {escape(info.name)} ({info.dtype} {'×'.join(map(str, info.shape))}{note}, digest verified) to {escape(out)}")
+        shown = Printer(args.wide)
+        shown.line(f"exported {escape(info.name)} ({info.dtype} {'×'.join(map(str, info.shape))}{note}, digest verified) to "
+                   f"{shown.path(escape(out))}")
     return 0
 
 
@@ -437,7 +540,9 @@ def cmd_compact(args) -> int:
     if args.json:
         print(json.dumps({"ok": True, "path": args.path, "output": args.output, "links": links, "bytes": nbytes}))
     else:
-        print(f"compacted {plural(links, 'link')} of {escape(args.path)} into {escape(args.output)} ({fmt_bytes(nbytes)}), every digest verified")
+        out = Printer(args.wide)
+        out.line(f"compacted {plural(links, 'link')} of {out.path(escape(args.path), 32)} into {out.path(escape(args.output), 32)} "
+                 f"({fmt_bytes(nbytes)}), every digest verified")
     return 0
 
 
@@ -446,10 +551,13 @@ def cmd_gc(args) -> int:
     temporaries and staging directories, or an object-store prefix's stale multipart
     uploads and unfinished sets — each proved one by one and announced with its size
     before it goes; exit 1 if a removal failed."""
-    out = sys.stderr if args.json else sys.stdout  # --json: stdout is the document alone
+    # --json: stdout is the document alone, and the announcements on stderr name whole paths, as it does
+    out = Printer(args.wide or args.json, file=sys.stderr if args.json else sys.stdout)
+    below = os.path.join(args.dir, args.store) if args.pages else args.dir  # what the listing names paths below
 
     def announce(path: str, nbytes: int) -> None:  # each file, with its size, before its unlink
-        print(f"removing {escape(path)}  {nbytes} bytes", file=out, flush=True)
+        size = f"  {nbytes} bytes"
+        out.line(f"removing {out.path(escape(path if out.wide else relative_to(path, below)), WIDTH - 9 - len(size))}{size}")
 
     try:
         if args.pages:  # mark and sweep of the page store beside DIR (spec 8.2)
@@ -465,24 +573,93 @@ def cmd_gc(args) -> int:
     return print_gc_report(args, items)
 
 
+# What `hsnap gc --pages` counts, page objects only (markers are listed, never removed): each name -> which pages.
+# "removable": proved unreferenced by this run (with --remove, then removed, failed or gone; kept if the sweep ran
+# out of time); without --remove nothing is removed.
+PAGE_TOTALS = {
+    "kept": lambda v: v.action == "kept",
+    "removable": lambda v: v.removable,
+    "removed": lambda v: v.action == "removed",
+    "failed": lambda v: v.action == "failed",
+    "gone": lambda v: v.action == "gone",
+}
+PAGES_LISTED = 10  # removable, removed, failed or gone pages named by default (--verbose, --wide: every object)
+
+PAGE_COLUMNS = (
+    Column("action"),
+    Column("object", elide="middle", min_width=24),
+    Column("bytes", ">"),
+    Column("age", ">"),
+    Column("reason", wide_only=True),
+)
+TOTAL_COLUMNS = (Column("pages"), Column("count", ">"), Column("bytes", ">"), Column("size", ">"))
+
+
+def page_totals(report) -> dict:
+    """{kept|removable|removed|failed|gone: {"count", "bytes"}} of the page objects of a ``gc --pages`` report."""
+    pages = [v for v in report.items if v.path.endswith(PAGE_SUFFIX)]
+    return {name: {"count": sum(1 for v in pages if chosen(v)), "bytes": sum(v.bytes for v in pages if chosen(v))}
+            for name, chosen in PAGE_TOTALS.items()}
+
+
+def _bounded(lines: list[str], limit: int, everything: bool) -> list[str]:
+    if everything or len(lines) <= limit:
+        return lines
+    return lines[:limit] + [f"… and {len(lines) - limit} more (--verbose lists all)"]
+
+
 def print_pages_report(args, report) -> int:
-    """The report of ``hsnap gc --pages``: every page object and marker with its size and
-    verdict; exit 1 if a removal failed or a page is damaged, 3 if the sweep was refused (nothing removed)."""
+    """The report of ``hsnap gc --pages``: the pages it removed (or would remove, or failed to), then what it counted
+    — kept, removable and removed pages and their bytes — and what it read; with --verbose or --wide every object
+    with its verdict. Exit 1 if a removal failed or a page is damaged, 3 if the sweep was refused (nothing removed)."""
     failed = sum(i.action == "failed" for i in report.items) + len(report.damaged)
+    totals = page_totals(report)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-    else:
-        for i in report.items:
-            print(f"{i.action:<13} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
-        print(f"{plural(len(report.snapshots), 'committed snapshot')} read, {plural(report.referenced, 'page')} referenced, "
-              f"{plural(report.protected, 'key')} protected by writers")
-        for r in report.damaged:
-            print(f"damaged: {escape(r)}")
-        for r in report.skipped:  # a file without the magic is not a snapshot (spec 8.2 step 4): said, not a refusal
-            print(f"skipped: {escape(r)}")
-        for r in report.refused:
-            print(f"sweep refused: {escape(r)}")
+        print(json.dumps({**report.to_dict(), "totals": totals}, indent=2, sort_keys=True))
+        return 1 if failed else 3 if report.refused else 0
+    out = Printer(args.wide)
+    everything = args.verbose or args.wide
+    store_dir = os.path.join(report.directory, report.store)
+    listed = [v for v in report.items if everything or v.removable or v.action != "kept"]
+    shown = listed if everything else listed[:PAGES_LISTED]
+    if shown:
+        out.table(PAGE_COLUMNS, [(v.action, escape(v.path if out.wide else relative_to(v.path, store_dir)), v.bytes,
+                                  f"{v.age_s:.0f} s", escape(v.reason)) for v in shown],
+                  None if out.wide else [escape(v.reason) if everything or v.action in ("failed", "gone") else None for v in shown])
+        if len(listed) > len(shown):
+            out.line(f"… and {len(listed) - len(shown)} more (--verbose lists all)")
+    others = len(report.items) - sum(v.path.endswith(PAGE_SUFFIX) for v in report.items)
+    markers = f", {plural(others, 'other object')} (markers)" if others else ""
+    out.line(f"page store {out.path(escape(store_dir))}/: {plural(sum(v.path.endswith(PAGE_SUFFIX) for v in report.items), 'page')} listed"
+             f"{markers}")
+    out.table(TOTAL_COLUMNS, [(name, t["count"], t["bytes"], fmt_bytes(t["bytes"])) for name, t in totals.items()
+                              if name in ("kept", "removable", "removed") or t["count"]], indent="  ")
+    if totals["removable"]["count"] and not args.remove:
+        out.line(f"dry run: nothing removed; --remove removes the {plural(totals['removable']['count'], 'removable page')}")
+    out.line(f"{plural(len(report.snapshots), 'committed snapshot')} read, {plural(report.referenced, 'page')} referenced, "
+             f"{plural(report.protected, 'key')} protected by writers")
+    def said(r: str) -> str:  # "PATH: why", PATH below DIR unless --wide
+        return escape(r if out.wide else relative_to(r, report.directory))
+
+    for r in report.damaged:
+        out.line(f"damaged: {said(r)}")
+    # a file without the magic is not a snapshot (spec 8.2 step 4): said, not a refusal
+    for line in _bounded([f"skipped: {said(r)}" for r in report.skipped], PAGES_LISTED, everything):
+        out.line(line)
+    for r in report.refused:
+        out.line(f"sweep refused: {said(r)}")
     return 1 if failed else 3 if report.refused else 0
+
+
+# A leftover of an interrupted write, then each file in it: the reason is a column with --wide, else a line under it
+LEFTOVER_COLUMNS = (
+    Column("action"),
+    Column("kind"),
+    Column("path", elide="middle", min_width=20),
+    Column("bytes", ">"),
+    Column("age", ">"),
+    Column("reason", wide_only=True),
+)
 
 
 def print_gc_report(args, items) -> int:
@@ -491,16 +668,25 @@ def print_gc_report(args, items) -> int:
     if args.json:
         print(json.dumps({"dir": args.dir, "remove": args.remove, "older_than": args.older_than, "leftovers": [i.to_dict() for i in items]}, indent=2, sort_keys=True))
         return 1 if failed else 0
-    for i in items:
-        print(f"{i.action:<13} {i.kind:<8} {escape(i.path)}  {i.bytes} bytes, {i.age_s:.0f} s old, {escape(i.reason)}")
+    out = Printer(args.wide)
+    rows, reasons = [], []
+    for i in items:  # named below DIR, and each file below its leftover, unless --wide
+        rows.append((i.action, i.kind, escape(i.path if out.wide else relative_to(i.path, args.dir)), i.bytes, f"{i.age_s:.0f} s",
+                     escape(i.reason)))
+        reasons.append(escape(i.reason))
         for f in getattr(i, "files", ()):  # every file examined, with its size and verdict
             if f.path != i.path:
-                print(f"  {f.action:<12} {escape(f.path)}  {f.bytes} bytes, {escape(f.reason)}")
+                rows.append((f.action, "", "  " + escape(f.path if out.wide else relative_to(f.path, i.path)), f.bytes, "",
+                             escape(f.reason)))
+                reasons.append(escape(f.reason))
+    if rows:
+        out.table(LEFTOVER_COLUMNS, rows, None if out.wide else reasons)
     n_rm = sum(i.action in ("removed", "would remove") for i in items)
     verb = "removed" if args.remove else "removable (run with --remove)"
     gone = [f for i in items for f in getattr(i, "files", ()) if f.action in ("removed", "would remove")]
     files = f"; {len(gone)} files, {sum(f.bytes for f in gone)} bytes {verb.split()[0]}" if gone else ""
-    print(f"{len(items)} leftovers in {escape(args.dir)}: {n_rm} {verb}, {len(items) - n_rm - failed} kept, {failed} failed{files}")
+    out.line(f"{len(items)} leftovers in {out.path(escape(args.dir))}: {n_rm} {verb}, {len(items) - n_rm - failed} kept, "
+             f"{failed} failed{files}")
     return 1 if failed else 0
 
 
@@ -551,16 +737,19 @@ def _main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="hsnap", description="hsnap request snapshots: inspect, verify, compare, export, clean up")
     p.add_argument("--version", action="version", version=f"hsnap {__version__} (format {MAJOR}.{MINOR})")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-    sp = sub.add_parser("info", help="identity, geometry, sections, request summary")
+    wide = argparse.ArgumentParser(add_help=False)  # every command's text fits 80 columns unless --wide
+    wide.add_argument("--wide", action="store_true",
+                      help="print in full: every column, whole paths and digests, lines as long as they are (default: 80 columns)")
+    sp = sub.add_parser("info", parents=[wide], help="identity, geometry, sections, request summary")
     sp.add_argument("path", help="a rank file or a snapshot directory")
     sp.add_argument("--json", action="store_true", help="the whole summary as JSON (sizes in bytes)")
     sp.set_defaults(fn=cmd_info)
-    sp = sub.add_parser("verify", help="check every byte; exit 0 when intact, else one line per failing section or field")
+    sp = sub.add_parser("verify", parents=[wide], help="check every byte; exit 0 when intact, else one line per failing section or field")
     sp.add_argument("path", help="a rank file or a snapshot directory")
     sp.add_argument("--json", action="store_true", help='{"ok": ..., "errors": [...]} on stdout')
     sp.add_argument("--first", action="store_true", help="stop at the first failure")
     sp.set_defaults(fn=cmd_verify)
-    sp = sub.add_parser("diff", help="compare two snapshots section by section; exit 0 same, 1 differ, 2 error")
+    sp = sub.add_parser("diff", parents=[wide], help="compare two snapshots section by section; exit 0 same, 1 differ, 2 error")
     sp.add_argument("a", help="snapshot A: a rank file or a snapshot directory")
     sp.add_argument("b", help="snapshot B")
     sp.add_argument("--json", action="store_true", help="the whole report as JSON")
@@ -571,7 +760,7 @@ def _main(argv: list[str] | None = None) -> int:
                                                          "sections (default: the states they stand for, chains and pages resolved)")
     sp.add_argument("-v", "--verbose", action="store_true", help="list equal sections too")
     sp.set_defaults(fn=cmd_diff)
-    sp = sub.add_parser("export", help="sections to .npy (one, or --all to a directory) or --all to one .safetensors file",
+    sp = sub.add_parser("export", parents=[wide], help="sections to .npy (one, or --all to a directory) or --all to one .safetensors file",
                         description="Export verified section data. bf16/fp8 sections become float32 in .npy (exact; --raw keeps "
                                     "their bits as uint16/uint8); safetensors keeps bf16 and fp8 as they are. Never overwrites "
                                     "without --force.")
@@ -586,7 +775,7 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--link-only", action="store_true", help="a delta or a paged file: its own attention rows only (else refused: "
                                                              "compact it first)")
     sp.set_defaults(fn=cmd_export)
-    sp = sub.add_parser("compact", help="write a snapshot chain (a delta and its links) as one plain snapshot",
+    sp = sub.add_parser("compact", parents=[wide], help="write a snapshot chain (a delta and its links) as one plain snapshot",
                         description="Open the chain whose head is PATH (a delta rank file or a set of them), check every link, "
                                     "and write one plain snapshot at the head's position: byte for byte what a plain export at "
                                     "that position with the head's identity and record writes. Never overwrites.")
@@ -594,7 +783,7 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("-o", "--output", required=True, metavar="OUT", help="the new snapshot (a file, a directory for a set, or an s3:// URL)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_compact)
-    sp = sub.add_parser("gc", help="list or remove leftover temporary files of interrupted writes (never a committed snapshot)")
+    sp = sub.add_parser("gc", parents=[wide], help="list or remove leftover temporary files of interrupted writes (never a committed snapshot)")
     sp.add_argument("dir", help="a directory that snapshots are written into, or s3://bucket/prefix")
     sp.add_argument("--remove", action="store_true", help="remove what is listed as removable (default: only list)")
     sp.add_argument("--older-than", type=float, metavar="SECONDS", default=None,
@@ -604,6 +793,8 @@ def _main(argv: list[str] | None = None) -> int:
     sp.add_argument("--store", default="pages", metavar="NAME", help="the page store's directory name beside DIR (default: pages)")
     sp.add_argument("--verify", action="store_true",
                     help="with --pages: also read and verify every page object, listing each damaged one (exit 1 if any)")
+    sp.add_argument("-v", "--verbose", action="store_true",
+                    help="with --pages: list every object with its verdict (default: the removed and removable ones, at most 10)")
     sp.add_argument("--json", action="store_true", help="the list as JSON")
     sp.set_defaults(fn=cmd_gc)
     sub.add_parser("cp", help="copy a snapshot between paths and s3:// URLs, verifying (needs hsnap[remote] for URLs)", add_help=False)

@@ -18,6 +18,7 @@ from ..manifest import SnapshotSet
 from ..reader import Snapshot, stream
 from ..spec import HEADER_OFFSET, TRAILER
 from ..stores import open_snapshot, store_for
+from .fit import Printer
 from .viewmodel import escape
 
 WINDOW = 32 << 20  # bytes read (and held) at a time
@@ -83,6 +84,7 @@ def cp_main(argv) -> int:
     p.add_argument("src", help="a rank file, a snapshot directory, or s3://bucket/key (or prefix)")
     p.add_argument("dst", help="a new local path or s3:// URL")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--wide", action="store_true", help="print whole paths on one line (default: 80 columns)")
     args = p.parse_args(argv)
     try:
         n = copy(args.src, args.dst)
@@ -92,7 +94,8 @@ def cp_main(argv) -> int:
     if args.json:
         print(json.dumps({"ok": True, "src": args.src, "dst": args.dst, "bytes": n}))
     else:
-        print(f"copied {escape(args.src)} -> {escape(args.dst)}: {n} bytes, every digest verified")
+        out = Printer(args.wide)
+        out.line(f"copied {out.path(escape(args.src), 32)} -> {out.path(escape(args.dst), 32)}: {n} bytes, every digest verified")
     return 0
 
 

@@ -13,11 +13,14 @@ from typing import Callable
 
 import numpy as np
 
+from ..chain import Chain, chain_below
 from ..errors import BadMagicError, HsnapError, TruncatedError
 from ..errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
+from ..layout import PAGED_KINDS, ROW_KINDS, first_position, inline_runs, page_range
 from ..manifest import SnapshotSet
 from ..reader import PENDING_FOUND, Snapshot, SectionInfo
 from ..spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
+from ..stores import store_for
 from .stats import Cancelled, is_float
 
 # ---------------------------------------------------------------------------- summaries
@@ -349,7 +352,93 @@ def salvageable(error: BaseException) -> bool:
     return isinstance(error, BadMagicError) and error.found == PENDING_FOUND
 
 
+# ---------------------------------------------------------------------------- chains and pages
+
+
+def row_runs(snap: Snapshot, info: SectionInfo) -> list[tuple[int, int]]:
+    """The request positions ``[a, b)`` whose rows an attention section of ``snap`` holds,
+    in order (spec 5.4, 5.9, 5.10): a delta's start at its base's position, a sliding-window
+    section's at ``swa_start``, and a paged file's full-attention rows skip its full pages.
+    Empty for a section that is not a row of positions (recurrent state, the record)."""
+    if info.kind not in ROW_KINDS:
+        return []
+    if snap.pages is not None and info.kind in PAGED_KINDS:
+        return [r for r in inline_runs(snap.base_position, snap.state_position, snap.pages.page_size) if r[1] > r[0]]
+    start = first_position(info.kind, snap.swa_start, snap.base_position)
+    return [(start, snap.state_position)] if snap.state_position > start else []
+
+
+def fmt_runs(runs: list[tuple[int, int]]) -> str:
+    """``[(5, 8)]`` -> ``5..7``; several runs joined by commas."""
+    return ", ".join(f"{a}..{b - 1}" for a, b in runs)
+
+
+def fmt_rows(runs: list[tuple[int, int]], position: int) -> str:
+    """``rows 280..296 of 297``: which of the request's positions a section holds."""
+    return f"rows {fmt_runs(runs)} of {position}" if runs else f"no rows of {position}"
+
+
+def paged_positions(snap: Snapshot) -> tuple[int, int] | None:
+    """``[a, b)``: the positions whose full-attention rows ``snap`` takes from its page store
+    (spec 5.10), or None when it holds them all."""
+    if snap.pages is None or not snap.pages.count:
+        return None
+    first, count = page_range(snap.base_position, snap.state_position, snap.pages.page_size)
+    return first * snap.pages.page_size, (first + count) * snap.pages.page_size
+
+
+def open_rank_chains(snap: Snapshot | SnapshotSet, location: str) -> dict[int, Chain | HsnapError]:
+    """Rank -> its chain (spec 7.5), opened and checked link by link through the store that
+    holds ``location``, or the typed error that refused it: for every rank file that is a
+    delta or takes pages from a page store. Plain ranks are left out. The caller closes the
+    chains (each owns the links below its head; the head stays ``snap``'s)."""
+    store = store_for(location)
+    ranks = dict(snap.ranks) if isinstance(snap, SnapshotSet) else {snap.identity.tp_rank: snap}
+    out: dict[int, Chain | HsnapError] = {}
+    for r, s in ranks.items():
+        if s.base is None and s.pages is None:
+            continue
+        try:
+            out[r] = chain_below(s, location=snap.path, rank=r if isinstance(snap, SnapshotSet) else None, store=store)
+        except HsnapError as e:
+            out[r] = e
+    return out
+
+
+@dataclass(frozen=True)
+class ChainProof:
+    """:meth:`Chain.proof_failures` (the one proof ``hsnap verify``, a restore and a compaction
+    make), sorted by what failed: ``links[i]`` the failures of link i (its bytes, padding,
+    record, page keys), ``pages`` those of page references and page objects."""
+
+    paths: tuple[str, ...]
+    links: tuple[tuple[HsnapError, ...], ...]
+    pages: tuple[HsnapError, ...]
+    page_count: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.pages and not any(self.links)
+
+
+def prove_chain(chain: Chain) -> ChainProof:
+    """Make the chain's whole proof (every byte) and say which link or page each failure is about."""
+    failures = chain.proof_failures()
+    index = {os.path.normpath(link.path): i for i, link in enumerate(chain.links)}
+    links: list[list[HsnapError]] = [[] for _ in chain.links]
+    pages: list[HsnapError] = []
+    for e in failures:
+        i = index.get(os.path.normpath(e.path)) if e.path else None
+        if i is None or (e.field or "").startswith("pages"):
+            pages.append(e)
+        else:
+            links[i].append(e)
+    count = sum(0 if link.pages is None else link.pages.count for link in chain.links)
+    return ChainProof(tuple(link.path for link in chain.links), tuple(map(tuple, links)), tuple(pages), count)
+
+
 __all__ = [
+    "row_runs", "fmt_runs", "fmt_rows", "paged_positions", "open_rank_chains", "ChainProof", "prove_chain",
     "escape", "rank_summary", "snapshot_summary", "fmt_bytes", "plural", "fmt_value", "value_bits", "ulp_distance",
     "fmt_value_pair", "leftover_hint", "SelectionError", "Selection", "parse_selection", "resolve_selection",
     "NORM_FAMILIES", "row_norms", "NormRow", "norm_groups", "PartialSnapshot", "open_partial", "salvageable",

@@ -152,7 +152,7 @@ def test_hsnap_resume_exits_nonzero_when_the_resumed_stream_ends_aborted(server,
     _abort(server.url, "cut")
     t.join(120)
     assert not t.is_alive()
-    err = capsys.readouterr().err
+    err = " ".join(capsys.readouterr().err.split())  # wrapped at 80 columns: read as words
     assert got["rc"] != 0, err
     assert "ended aborted" in err and "cut" in err
     wait_idle(server.url)
@@ -187,7 +187,7 @@ def test_ctrl_c_during_a_resume_pauses_each_request_back_beside_its_snapshot(ser
     first = {rid: _paused(server.url, rid, d / f"{rid}.hsnap", prompt(90 + i + 2 * many, 20), 400, after=3)[1]["committed_positions"]
              for i, rid in enumerate(sorted(rids))}
     with paced(server.url, 0.05):  # 400 tokens take 20 s at least: the interrupt lands while both decode
-        proc = _hsnap_resume(server.url, d if many else d / "cc0-a.hsnap")
+        proc = _hsnap_resume(server.url, d if many else d / "cc0-a.hsnap", "--wide")  # a line each, as the test reads them
         _wait_running(server.url, rids, proc)
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)

@@ -4,9 +4,12 @@ Regenerate with ``pytest tests/view --snapshot-update`` after reviewing the repo
 
 from __future__ import annotations
 
+import os
+
 from hsnap_view.app import make_app
 
 SIZE = (120, 36)
+CHAIN = os.path.join(os.path.dirname(__file__), "..", "..", "spec", "vectors", "chain-delta-2.hsnap")
 
 
 async def _settle(pilot) -> None:
@@ -61,3 +64,22 @@ def test_norm_heatmap_shows_a_zeroed_layer(in_fixtures, snap_compare):
         assert "ZERO" not in view.row_text(*rows["mamba.1.temporal"])
 
     assert snap_compare(make_app("zeroed.hsnap", verify_on_open=False), terminal_size=SIZE, run_before=run_before)
+
+
+def test_chain_at_160x48(snap_compare):
+    """A delta, verified: the title says which link it is and the rows it holds, the tree
+    lists the chain's links (each with its rows, all ✓), Geometry the positions of each
+    attention section."""
+    assert snap_compare(make_app(CHAIN), terminal_size=(160, 48), run_before=_settle)
+
+
+def test_chain_at_80x24(snap_compare):
+    """The same delta at 80x24: the title breaks between its parts, the Digests tab says
+    every link of the chain is proved."""
+
+    async def run_before(pilot):
+        await _settle(pilot)
+        await pilot.press("3")
+        await _settle(pilot)
+
+    assert snap_compare(make_app(CHAIN), terminal_size=(80, 24), run_before=run_before)

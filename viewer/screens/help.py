@@ -26,7 +26,7 @@ A read-only viewer for hsnap request snapshots (a rank file or a snapshot direct
 | `r` | next rank (snapshot directories): Identity and Map tabs |
 | `e` | export the open section to a `.npy` file (digest checked; bf16/fp8 as float32) |
 | `y` | copy the value under the grid cursor, or the section's digest |
-| `v` / `x` | verify every digest (background; Digests tab) / cancel |
+| `v` / `x` | verify every digest (background; Digests tab) and, for a delta or a paged file, its chain and pages as `hsnap verify` does, link by link / cancel |
 | `d` | diff mode: against the second snapshot given, or one you name |
 | `c` | check compatibility against another snapshot or an identity `.json` |
 | `ctrl+p` | command palette: jump to a layer or a section |
@@ -46,7 +46,10 @@ NaN/Inf a magenta `!`. A zeroed recurrent state still yields plausible tokens;
 here it shows.
 
 **Digests** lists sections that fail their digest (or are missing from a
-truncated file) first, and names them in the summary.
+truncated file) first, and names them in the summary. A delta's chain (the tree
+shows each link and the attention rows it holds) and a paged file's pages are then
+proved as `hsnap verify` proves them: the summary says `3 links ok`, or which link
+failed and why.
 
 **Diff** compares section by section in float64: status, largest absolute and
 relative difference, the first differing element with both values (digits enough

@@ -21,12 +21,12 @@ from textual.widgets import Footer, Static, TabbedContent, TabPane
 
 from hsnap_format import HsnapError
 from hsnap_format.tools.export_npy import export_npy
-from hsnap_format.tools.viewmodel import SelectionError, fmt_bytes, fmt_value, parse_selection, plural, resolve_selection
+from hsnap_format.tools.viewmodel import SelectionError, fmt_bytes, fmt_rows, fmt_value, parse_selection, plural, resolve_selection
 
 from ..compat import Reference, load_reference
 from ..messages import PaneWanted, SectionChosen
-from ..model import Document
-from ..text import describe_error, safe
+from ..model import Document, full_attention_runs
+from ..text import Packed, describe_error, safe
 from ..widgets.digest_panel import DigestPanel
 from ..widgets.geometry_table import GeometryTable
 from ..widgets.hex_view import HexView
@@ -56,18 +56,34 @@ GOTO_QUESTIONS = {
 }
 
 
-def title_text(doc: Document) -> Text:
+def title_parts(doc: Document) -> list[Text]:
+    """What the title bar says, part by part (it breaks between parts only): the file, its
+    model and ranks, and for a delta which link of how many it is and the attention rows it
+    holds, for a paged file its pages (from the header: a chain that did not open still has
+    its place; why it did not is on the Digests tab)."""
     snap = doc.first
-    text = safe(doc.label, "bold")
     ranks = f"ranks {', '.join(map(str, sorted(doc.ranks)))} of {snap.identity.tp_size}" if doc.multi_rank \
         else f"rank {snap.identity.tp_rank} of {snap.identity.tp_size}"
     payload = sum(s.payload_bytes for s in doc.ranks.values())
     files = sum(s.file_length for s in doc.ranks.values())
-    text.append("  ·  model ")
-    text.append_text(safe(snap.identity.model_id, "bold"))
-    text.append(f"  ·  {ranks}  ·  {plural(len(doc.refs), 'section')}  ·  state {fmt_bytes(payload)} of {fmt_bytes(files)}"
-                f"  ·  position {snap.state_position}  ·  hsnap {snap.version[0]}.{snap.version[1]}")
-    return text
+    model = Text("model ")
+    model.append_text(safe(snap.identity.model_id, "bold"))
+    parts = [safe(doc.label, "bold"), model, Text(ranks), Text(plural(len(doc.refs), "section")),
+             Text(f"state {fmt_bytes(payload)} of {fmt_bytes(files)}"), Text(f"position {snap.state_position}")]
+    if snap.base is not None:
+        links = snap.base.depth + 1
+        parts += [Text(f"link {links} of {links}", style="bold"), Text(fmt_rows(full_attention_runs(snap), snap.state_position))]
+    pages = doc.pages_text(min(doc.ranks), short=True)
+    if pages:
+        parts.append(Text(pages))
+    if any(not doc.links(r) for r in doc.chains):
+        parts.append(Text("chain does not open", style="bold red"))
+    parts.append(Text(f"hsnap {snap.version[0]}.{snap.version[1]}"))
+    return parts
+
+
+def title_text(doc: Document) -> Packed:
+    return Packed(title_parts(doc))
 
 
 class MainScreen(Screen):
@@ -95,11 +111,12 @@ class MainScreen(Screen):
     ]
 
     def __init__(self, doc: Document, *, reference: Reference | None = None, decoder: Callable[[int], str] | None = None,
-                 page_size: int = 100, verify_on_open: bool = True, can_diff: bool = False) -> None:
+                 token_text_note: str | None = None, page_size: int = 100, verify_on_open: bool = True, can_diff: bool = False) -> None:
         super().__init__()
         self.doc = doc
         self.reference = reference
         self.decoder = decoder
+        self.token_text_note = token_text_note
         self.page_size = page_size
         self.verify_on_open = verify_on_open
         self.can_diff = can_diff
@@ -119,7 +136,8 @@ class MainScreen(Screen):
                     "section": lambda: [SectionDetail(self.doc, id="detail")],
                     "digests": lambda: [DigestPanel(self.doc, id="digest-panel")],
                     "identity": lambda: [IdentityPanel(self.doc, id="identity-panel")],
-                    "request": lambda: [RequestPanel(self.doc, decoder=self.decoder, page_size=self.page_size, id="request-panel")],
+                    "request": lambda: [RequestPanel(self.doc, decoder=self.decoder, token_text_note=self.token_text_note,
+                                                        page_size=self.page_size, id="request-panel")],
                     "hex": lambda: [Static(Text("Select a section: its bytes, with absolute file offsets.", style="dim"), id="hex-title"),
                                     HexView(id="detail-hex")],
                     "map": lambda: [NormPanel(self.doc, self.rank, id="norm-panel")],
@@ -159,6 +177,10 @@ class MainScreen(Screen):
     @on(DigestPanel.Checked)
     def _digest_checked(self, event: DigestPanel.Checked) -> None:
         self._statuses_changed(event.keys)
+
+    @on(DigestPanel.ChainChecked)
+    def _chain_checked(self, event: DigestPanel.ChainChecked) -> None:
+        self.query_one(SectionTree).mark_chain(event.rank)
 
     @on(SectionDetail.Verified)
     def _section_verified(self, event: SectionDetail.Verified) -> None:
@@ -443,3 +465,6 @@ class MainScreen(Screen):
             names = ", ".join(self.doc.ref(k).info.name for k in bad[:5])
             self.notify(f"{len(bad)} section(s) are not intact: {names}", title="Digest MISMATCH",
                         severity="error", markup=False, timeout=MISMATCH_TOAST_SECONDS)
+        broken = [] if event.cancelled else self.doc.chain_problems()
+        if broken:
+            self.notify("\n".join(broken), title="Chain FAILED", severity="error", markup=False, timeout=MISMATCH_TOAST_SECONDS)

@@ -2,6 +2,12 @@
 status per section (ok / MISMATCH / MISSING / pending), problems listed first and
 named in the summary line. Cancellable between sections and between 2 MiB chunks.
 
+A delta or a paged file is then proved as ``hsnap verify`` proves it: its chain's one
+proof (hsnap_format's ``Chain.proof_failures``: every link's bytes, each base's record
+a prefix of its delta's, every page reference and page), reported per link and for
+the pages. That proof has no progress or cancel hook: it runs after the bar is full,
+and a cancel takes effect when it returns.
+
 The scan is linear in the number of sections: results travel in batches (a few
 per second, not one message per section), counts are kept as they change, and
 the table draws only its visible rows.
@@ -20,6 +26,8 @@ from textual.widgets import ProgressBar, Static
 from textual.worker import Worker, get_current_worker
 
 from hsnap_format import DigestMismatchError, HsnapError, TruncatedError
+from hsnap_format.chain import Chain
+from hsnap_format.tools.viewmodel import ChainProof, prove_chain
 
 from ..model import MISMATCH, MISSING, OK, PENDING, PROBLEMS, Document
 from ..text import describe_error, safe
@@ -55,6 +63,14 @@ class DigestPanel(Vertical):
         @property
         def keys(self) -> list[str]:
             return [k for k, _, _ in self.results]
+
+    class ChainChecked(Message):
+        """A rank's chain proved (``verdict``: the proof, or the error that stopped it), or,
+        with ``verdict`` None, its proof started (posted from the worker thread)."""
+
+        def __init__(self, rank: int, verdict: ChainProof | HsnapError | None) -> None:
+            super().__init__()
+            self.rank, self.verdict = rank, verdict
 
     class Finished(Message):
         def __init__(self, cancelled: bool, padding: str) -> None:
@@ -130,6 +146,10 @@ class DigestPanel(Vertical):
             more = f" and {len(problems) - NAMES_IN_SUMMARY} more" if len(problems) > NAMES_IN_SUMMARY else ""
             text.append("\nnot intact: ", style="bold red")
             text.append_text(safe(names + more, "bold red"))
+        for rank in sorted(self.doc.chains):
+            for status, line in self.doc.chain_report(rank):
+                text.append("\n")
+                text.append_text(safe(line, STATUS_STYLES[status]))
         return text
 
     def _summarize(self) -> None:
@@ -152,6 +172,8 @@ class DigestPanel(Vertical):
         for key in list(self.status):
             if self.status[key] != MISSING:
                 self._set(key, PENDING)
+        for rank in self.doc.proofs:
+            self.doc.proofs[rank] = None
         self.query_one(VTable).set_rows(self._order(), fit=False)
         self.query_one(ProgressBar).update(progress=0)
         self._note = "verifying…"
@@ -207,6 +229,18 @@ class DigestPanel(Vertical):
                 except HsnapError as e:
                     padding.append(describe_error(e))
         flush(force=True)
+        for rank, chain in sorted(self.doc.chains.items()):
+            if worker.is_cancelled:
+                break
+            verdict: ChainProof | HsnapError = chain
+            if isinstance(chain, Chain):
+                self.post_message(self.ChainChecked(rank, None))
+                try:
+                    verdict = prove_chain(chain)
+                except HsnapError as e:  # the proof lists its failures; a refusal outside them still reads as one
+                    verdict = e
+            if not worker.is_cancelled:
+                self.post_message(self.ChainChecked(rank, verdict))
         note = "; ".join(padding) or ("padding all zero" if self.doc.partial is None else "padding not checked (partial file)")
         self.post_message(self.Finished(worker.is_cancelled, note))
 
@@ -229,6 +263,13 @@ class DigestPanel(Vertical):
     def on_digest_panel_checked(self, event: Checked) -> None:
         self._apply(event.results)
         self.query_one(ProgressBar).advance(event.nbytes)
+        self._summarize()  # the event bubbles on to the screen (tree marks)
+
+    def on_digest_panel_chain_checked(self, event: ChainChecked) -> None:
+        if event.verdict is None:
+            self._note = "proving the chain (every link and page, as hsnap verify)…"
+        else:
+            self.doc.proofs[event.rank] = event.verdict
         self._summarize()  # the event bubbles on to the screen (tree marks)
 
     def on_digest_panel_finished(self, event: Finished) -> None:

@@ -1,5 +1,7 @@
-"""The section table: where every section lives in the file and what it holds.
-Drawn line by line (VTable): a 10,000-section snapshot costs what is visible."""
+"""The section table: where every section lives in the file and what it holds
+(an attention section: which of the request's positions, ``rows 280..296 of 297`` for
+a delta or a paged file). Drawn line by line (VTable): a 10,000-section snapshot costs
+what is visible."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class GeometryTable(VTable):
             Column("layer", "layer", 5, "right"),
             Column("dtype", "dtype / storage", max([15, *(len(doc.storage_dtype(r)) for r in refs[:64])])),
             Column("shape", "shape", max([5, *(len(_shape(r.info.shape)) for r in refs)])),
+            Column("rows", "positions", max([9, *(len(doc.rows_text(r)) for r in refs)])),
             Column("bytes", "bytes", max([5, *(len(f"{r.info.length:,}") for r in refs)]), "right"),
             Column("size", "size", 9, "right"),
             Column("offset", "offset", max([6, *(len(f"{r.info.offset:,}") for r in refs)]), "right"),
@@ -56,6 +59,7 @@ class GeometryTable(VTable):
             "layer": lambda: Text("" if s.layer is None else str(s.layer)),
             "dtype": lambda: Text(self.doc.storage_dtype(ref)),
             "shape": lambda: Text(_shape(s.shape)),
+            "rows": lambda: Text(self.doc.rows_text(ref)),
             "bytes": lambda: Text(f"{s.length:,}"),
             "size": lambda: Text(fmt_bytes(s.length)),
             "offset": lambda: Text(f"{s.offset:,}"),

@@ -12,7 +12,7 @@ from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import DataTable, Static
 
-from hsnap_format.tools.viewmodel import fmt_bytes
+from hsnap_format.tools.viewmodel import fmt_bytes, fmt_runs, paged_positions, plural
 
 from ..compat import Reference, compat_rows, is_compatible
 from ..model import Document
@@ -56,6 +56,11 @@ def identity_rows(doc: Document, rank: int | None = None) -> list[tuple[str, obj
         b = snap.base
         rows.append(("delta of", f"{b.name} at position {b.state_position} (snapshot {b.snapshot_id}, root {b.root_digest}), "
                                  f"{b.depth} link{'s' if b.depth != 1 else ''} below: attention rows from position {b.state_position}"))
+    span = paged_positions(snap)
+    if span is not None:  # spec 5.10: its full pages' attention rows are page objects beside it
+        p = snap.pages
+        rows.append(("pages", f"{plural(p.count, 'page')} of {p.page_size} positions in {p.store}/: "
+                              f"the full-attention rows of positions {fmt_runs([span])}"))
     rows += [(f"numerics.{k}", v) for k, v in sorted(ident.numerics.items())]
     if doc.manifest is not None:
         m = doc.manifest

@@ -30,13 +30,14 @@ def _map_text(items: dict) -> Text:
     return safe(", ".join(f"{k}={v}" for k, v in sorted(items.items())) or "none")
 
 
-def _request_table(req: dict) -> Table:
+def _request_table(req: dict, token_text: str | None = None, token_text_style: str = "") -> Table:
     stop, streamed = req.get("stop", {}), req.get("streamed", {})
     n_out = req.get("output_tokens", 0)
     pct = f" ({100 * streamed.get('tokens', 0) // n_out}%)" if n_out else ""
     rows = [
         ("request id", safe(req.get("rid", ""))),
         ("tokens", Text(f"prompt {req.get('prompt_tokens')} + output {n_out}, state position {req.get('state_position')}")),
+        *([("token text", safe(token_text, token_text_style))] if token_text else []),
         ("stop", safe(f"max_new_tokens={stop.get('max_new_tokens')}, min_new_tokens={stop.get('min_new_tokens')}, "
                       f"ignore_eos={stop.get('ignore_eos')}, token ids {stop.get('stop_token_ids')}, strings {stop.get('stop_strings')!r}")),
         ("streamed", Text(f"{streamed.get('tokens', 0)} of {n_out} output tokens{pct}, {streamed.get('text_chars', 0)} chars, "
@@ -55,10 +56,12 @@ def _request_table(req: dict) -> Table:
 class RequestPanel(Vertical):
     page: reactive[int] = reactive(0, init=False)
 
-    def __init__(self, doc: Document, *, decoder: Callable[[int], str] | None = None, page_size: int = 100, **kw) -> None:
+    def __init__(self, doc: Document, *, decoder: Callable[[int], str] | None = None, token_text_note: str | None = None,
+                 page_size: int = 100, **kw) -> None:
         super().__init__(**kw)
         self.doc = doc
         self.decoder = decoder
+        self.token_text_note = token_text_note
         self.page_size = page_size
         self.errors: list[str] = []
         self.prompt = self._record("prompt_ids", empty=True)
@@ -93,7 +96,7 @@ class RequestPanel(Vertical):
     def compose(self) -> ComposeResult:
         req = self.doc.first.request
         with VerticalScroll(id="request-head"):
-            yield Static(_request_table(req), id="request-summary")
+            yield Static(_request_table(req, self.token_text_note, "" if self.decoder else "yellow"), id="request-summary")
             for key, title in (("sampling", "sampling"), ("extra", "extra (engine fields)")):
                 items = req.get(key, {})
                 with Collapsible(title=f"{title}: {len(items)}", collapsed=True, id=f"request-{key}"):

@@ -1,4 +1,8 @@
-"""Snapshot -> manifest and ranks -> layers -> sections, and the request record.
+"""Snapshot -> manifest, chain and pages, ranks -> layers -> sections, and the request record.
+
+A delta's chain is a node of its links, bottom first, each with the attention rows it
+holds (``link 1 of 3 · rows 0..2 · base.hsnap``); a file that takes rows from a page store
+has a pages node (count, rows, store). Both are marked once the digest scan proved them.
 
 Small snapshots are built expanded; large ones (thousands of sections) build a
 node's children only when it is first expanded, so the first frame does not wait
@@ -23,7 +27,8 @@ GUIDE = 4  # cells per tree level
 
 
 class SectionTree(Tree):
-    """Node data: ("section", key), ("pane", pane id), ("rank", rank) or ("group", (rank, i))."""
+    """Node data: ("section", key), ("pane", pane id), ("rank", rank), ("group", (rank, i)),
+    ("link", (rank, i)) or ("pages", rank)."""
 
     def __init__(self, doc: Document, **kw) -> None:
         super().__init__(safe(doc.label, "bold"), data=("pane", "identity"), **kw)
@@ -35,6 +40,7 @@ class SectionTree(Tree):
         self._groups: dict[int, list[Group]] = {}
         self._group_nodes: dict[tuple[int, int], TreeNode] = {}
         self._group_of: dict[str, tuple[int, int]] = {}
+        self._chain_nodes: dict[tuple[str, object], TreeNode] = {}  # ("link", (rank, i)) / ("pages", rank) -> node
         self.eager = len(doc.refs) <= EAGER_SECTIONS
 
     @property
@@ -42,13 +48,15 @@ class SectionTree(Tree):
         """Cells the longest section label needs (guides, mark, name, scrollbar)."""
         depth = 3  # root, rank, group
         longest = max([len(self.doc.label), *(len(r.info.name) for r in self.doc.refs)], default=10)
-        return depth * GUIDE + 2 + longest + 3
+        chain = max([0, *(len(text) for _, _, text in self._chain_rows())])
+        return max(depth * GUIDE + 2 + longest, 2 * GUIDE + 2 + chain) + 3
 
     def on_mount(self) -> None:
         doc, root = self.doc, self.root
         if doc.manifest is not None:
             m = doc.manifest
             root.add_leaf(Text(f"manifest · tp {m.tp_size} · position {m.state_position}"), data=("pane", "identity"))
+        self._add_chains(root)
         for rank, snap in sorted(doc.ranks.items()):
             label = Text(f"rank {rank} of {snap.identity.tp_size}")
             if doc.partial:
@@ -58,6 +66,49 @@ class SectionTree(Tree):
             if self.eager:
                 self._populate(node)
         root.expand()
+
+    # -- chains and pages
+    def _chain_rows(self) -> list[tuple[str, object, str]]:
+        """(what, key, label) of every chain node, in tree order: a "chain" node (its "link"
+        nodes follow, inside it, and its "pages" node when it has more than one link),
+        "pages" of a single paged file, or "broken" for a chain that did not open."""
+        doc, out = self.doc, []
+        for rank, chain in sorted(doc.chains.items()):
+            where = f"rank {rank} chain" if doc.multi_rank else "chain"
+            links = doc.links(rank)
+            if not links:
+                out.append(("broken", rank, f"{where} does not open: {type(chain).__name__} (Digests tab)"))
+                continue
+            if len(links) > 1:
+                out.append(("chain", rank, f"{where} · {len(links)} links to position {doc.ranks[rank].state_position}"))
+                out += [("link", (rank, link.index), link.label) for link in links]
+            pages = doc.pages_text(rank)
+            if pages:
+                out.append(("pages", rank, f"rank {rank}: {pages}" if doc.multi_rank else pages))
+        return out
+
+    def _add_chains(self, root: TreeNode) -> None:
+        parent = root
+        for what, key, text in self._chain_rows():
+            if what == "chain":
+                parent = root.add(Text(text), data=("pane", "digests"), expand=True)
+            elif what == "broken":
+                parent = root
+                root.add_leaf(safe(text, "bold red"), data=("pane", "digests"))
+            else:
+                self._chain_nodes[(what, key)] = parent.add_leaf(self._label(text, self._chain_status(what, key)), data=("pane", "digests"))
+            if what == "pages":
+                parent = root
+
+    def _chain_status(self, what: str, key) -> str:
+        return self.doc.link_status(*key) if what == "link" else self.doc.pages_status(key)
+
+    def mark_chain(self, rank: int) -> None:
+        """Show the proof's verdict on ``rank``'s link and pages nodes."""
+        for what, key, text in self._chain_rows():
+            node = self._chain_nodes.get((what, key))
+            if node is not None and (key[0] if what == "link" else key) == rank:
+                node.set_label(self._label(text, self._chain_status(what, key)))
 
     # -- lazy building
     def _populate(self, node: TreeNode) -> None:
