@@ -615,7 +615,8 @@ def drain_main(argv) -> int:
     args = _parse(p, argv)
     say, err = _printers(args)
     try:
-        out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size, api_key=args.api_key)
+        with _Progress(args.url, args.api_key, _drain_progress, err, quiet=args.json):
+            out = drain(args.url, args.output, dedup=args.dedup, page_size=args.page_size, api_key=args.api_key)
     except HsnapError as e:
         return _fail("drain", e)
     if args.json:
@@ -693,8 +694,9 @@ def migrate_main(argv) -> int:
             sys.stdout.flush()
 
     try:
-        mig = move(args.source, args.to, args.rid, args.via, on_chunk=show, tail=args.tail, max_rounds=args.max_rounds, timeout_s=args.timeout,
-                   api_key=args.api_key)
+        with _Progress(args.source, args.api_key, lambda st: _migrate_progress(st, args.rid), err, quiet=args.json):
+            mig = move(args.source, args.to, args.rid, args.via, on_chunk=show, tail=args.tail, max_rounds=args.max_rounds,
+                       timeout_s=args.timeout, api_key=args.api_key)
     except HsnapError as e:
         return _fail("migrate", e)
     src, info = mig.source, mig.run.info or {}
@@ -709,7 +711,56 @@ def migrate_main(argv) -> int:
              f"({src['final_bytes']} bytes, written in {(t.get('final_capture_s', 0) + t.get('final_write_s', 0)) * 1e3:.1f} ms); "
              f"target applied {len(info.get('links', []))} links; {meta.get('completion_tokens')} output tokens, finish "
              f"{json.dumps(meta.get('finish_reason'))}")
+    stopped = t.get("final_capture_s", 0) + t.get("final_write_s", 0) + (info.get("timings") or {}).get("final_apply_s", 0)
+    err.line(f"downtime: the request was stopped {stopped * 1e3:.1f} ms for the final link (capture and write at the source, "
+             f"apply at the target), then admitted at the target")
     return 0
+
+
+class _Progress:
+    """While a long call runs: the server's ``/hsnap/stats`` polled every ``every`` seconds in a thread, and one
+    line on stderr each time what ``render`` makes of it changes (None: nothing to say).  A poll that fails is
+    skipped: progress is a courtesy, the call's own answer is what counts."""
+
+    def __init__(self, url: str, api_key: str | None, render: Callable[[dict], str | None], err, *, every: float = 0.5,
+                 quiet: bool = False) -> None:
+        import threading
+
+        self.url, self.api_key, self.render, self.err, self.every, self.quiet = url, api_key, render, err, every, quiet
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="hsnap-progress", daemon=True)
+        self.last: str | None = None
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.every):
+            try:
+                said = self.render(stats(self.url, timeout=10.0, api_key=self.api_key))
+            except (HsnapError, KeyError, TypeError, ValueError):
+                continue
+            if said and said != self.last and not self.stopped.is_set():
+                self.last = said
+                self.err.line(said)
+
+    def __enter__(self) -> "_Progress":
+        if not self.quiet:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(15.0)
+
+
+def _drain_progress(st: dict) -> str | None:
+    requests = st.get("requests") or {}
+    left = {*requests.get("pending_exports", ()), *requests.get("writing", ()), *requests.get("parked", ())}
+    return f"draining: {len(left)} request{'' if len(left) == 1 else 's'} still to export" if left else None
+
+
+def _migrate_progress(st: dict, rid: str) -> str | None:
+    m = (st.get("migrations") or {}).get(rid)
+    return f"migrating {escape_text(rid)}: pre-copy round {m['rounds']} while it decodes" if m else None
 
 
 def _where(given: str, answered: str | None) -> str:

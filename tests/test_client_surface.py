@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
@@ -223,3 +224,49 @@ def test_hsnap_ls_fits_80_columns_and_says_what_each_request_is(capsys):
         assert capsys.readouterr().out.strip() == f"no request in http://{url}"
     finally:
         httpd.shutdown()
+
+
+class _SlowDrain(BaseHTTPRequestHandler):
+    """A drain that takes a while: its stats show two exports pending, then one, then none; the drain answers once
+    the stats were asked for four times."""
+
+    polls = 0
+
+    def _json(self, answer: dict) -> None:
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        type(self).polls += 1
+        pending = [["a", "b"], ["b"], []][min(type(self).polls - 1, 2)]
+        self._json({"requests": {"pending_exports": pending, "writing": [], "parked": []}})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        deadline = time.monotonic() + 30
+        while type(self).polls < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._json({"ok": True, "dir": "/srv/d", "requests": 2, "items": [
+            {"rid": r, "path": f"/srv/d/{r}.hsnap", "ok": True, "result": {"committed_positions": 9, "bytes": 10}} for r in "ab"]})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_drain_shows_its_progress_on_stderr_while_it_runs(capsys):
+    from http.server import ThreadingHTTPServer
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SlowDrain)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        assert client.drain_main([f"127.0.0.1:{httpd.server_port}", "-o", "/srv/d"]) == 0
+    finally:
+        httpd.shutdown()
+    got = capsys.readouterr()
+    progress = [line for line in got.err.splitlines() if line.startswith("draining:")]
+    assert progress == ["draining: 2 requests still to export", "draining: 1 request still to export"], got.err
+    assert "2 requests, all exported into /srv/d" in got.out
