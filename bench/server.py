@@ -65,6 +65,7 @@ class Round:
     reprefill_first_token_s: float
     gaps_before: list[float]
     gaps_around: list[float]
+    resume_phases: dict = field(default_factory=dict)  # the server's: hsnap_sglang.frontend.resume_phases, + first_forward_s
 
     @property
     def extra_steps(self) -> float | None:
@@ -132,14 +133,24 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
     t_res = time.monotonic()
     run = client.resume(url, str(path), on_chunk=lambda rid, text, ids, e: first.append(time.monotonic() - t_res) if ids and not first else None)
     t = out["timings"]
+    phases = {k: float(v) for k, v in run.info["result"]["timings"].items() if k in RESUME_PHASES}
+    if first and "to_answer_s" in phases:  # the rest, as the client saw it: the first decode step and its way back
+        phases["first_forward_s"] = first[0] - phases["to_answer_s"]
     r = Round(committed=int(out["committed_positions"]), bytes=int(out["bytes"]), pause_call_s=t1 - t0,
               pause_to_durable_s=float(t["pause_to_durable_s"]), write_s=float(t["write_s"]),
               resume_first_token_s=first[0] if first else float("nan"), restore_s=float(run.info["result"]["timings"]["restore_s"]),
-              reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around)
+              reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around, resume_phases=phases)
     log(f"{n} ({r.committed} committed): pause-to-durable {fmt(r.pause_to_durable_s)}, resume->first token {fmt(r.resume_first_token_s)} "
         f"vs re-prefill {fmt(r.reprefill_first_token_s)}; others' gap median {fmt(statistics.median(before)) if before else '-'} "
         f"-> around the export max {fmt(max(around)) if around else '-'}")
+    log("  resume phases: " + ", ".join(f"{k.removesuffix('_s')} {fmt(v)}" for k, v in phases.items()))
     return r
+
+
+# the phases of a resume, in order (hsnap_sglang.frontend.resume_phases; first_forward: the client's first token less
+# the server's answer, i.e. the first decode step, the detokenizer and the stream's way back)
+RESUME_PHASES = ("read_s", "claim_s", "register_s", "queue_s", "restore_s", "admit_s", "answer_s", "to_answer_s")
+PHASE_COLUMNS = RESUME_PHASES + ("first_forward_s",)
 
 
 def fmt(s: float) -> str:
@@ -193,6 +204,17 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out += ["| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |" for r in rows]
     out.append("")
     done = [s for s in sizes if not s.skipped and s.rounds]
+    if any(r.resume_phases for s in done for r in s.rounds):
+        out.append("Where a resume's time goes (median over the rounds; the server's stamps, one monotonic clock; first "
+                   "forward = the client's first token less the server's answer):")
+        out.append("")
+        out.append("| committed positions | " + " | ".join(c.removesuffix("_s").replace("_", " ") for c in PHASE_COLUMNS) + " |")
+        out.append("|---" * (len(PHASE_COLUMNS) + 1) + "|")
+        for s in done:
+            cells = [fmt(statistics.median(v)) if (v := [r.resume_phases[c] for r in s.rounds if c in r.resume_phases]) else "-"
+                     for c in PHASE_COLUMNS]
+            out.append(f"| {statistics.median(r.committed for r in s.rounds):,.0f} | " + " | ".join(cells) + " |")
+        out.append("")
     if done:
         worst = max((r.extra_steps for s in done for r in s.rounds if r.extra_steps is not None), default=None)
         if worst is not None:

@@ -140,11 +140,14 @@ class HsnapFrontend:
         """Claim the snapshot (hsnap_sglang.claims; not with ``again``), register the request's state (seeded), ask
         the scheduler; on refusal take the state and the claim back and raise.  File and store work runs off the
         event loop (its reads are bounded by the store's timeouts)."""
+        t_asked = time.monotonic()
         info = await asyncio.to_thread(read_resume_info, path)
         rid = info["rid"]
         if rid in self.tm.rid_to_state:
             raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
+        t_read = time.monotonic()
         held = None if again else await asyncio.to_thread(claims.claim, path, self.claimant())
+        t_claimed = time.monotonic()
         try:
             obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
                                                    text_in_logprobs=text_in_logprobs, request=request)
@@ -152,7 +155,10 @@ class HsnapFrontend:
             if held is not None:
                 await asyncio.to_thread(_release_claim, *held)
             raise
-        return obj, dict(out.result, client_had=had, claimed=held[0] if held is not None else None)
+        result = dict(out.result, client_had=had, claimed=held[0] if held is not None else None)
+        result["timings"] = resume_phases(dict(result.get("timings") or {}), asked=t_asked, read=t_read, claimed=t_claimed,
+                                          sent=obj.hsnap_sent_at, answered=time.monotonic())
+        return obj, result
 
     def claimant(self) -> dict:
         args = getattr(self.tm, "server_args", None)
@@ -171,6 +177,7 @@ class HsnapFrontend:
         _seed_state(state, info, _streamed_text(tm.tokenizer, info))
         had = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
                "incremental": bool(stream and tm.incremental_streaming_output)}
+        obj.hsnap_sent_at = time.monotonic()
         try:
             out = await self.call(msg)
         except BaseException:
@@ -204,6 +211,18 @@ class HsnapFrontend:
                                                                 stream=stream, text_in_logprobs=text_in_logprobs, request=request)
         result["timings"] = dict(result.get("timings", {}), admitted_at=adm.result.get("admitted_at"))
         return obj, result
+
+
+def resume_phases(timings: dict, *, asked: float, read: float, claimed: float, sent: float, answered: float) -> dict:
+    """A resume's time, phase by phase (seconds): the snapshot's record read in the HTTP process, its claim, the
+    request's registration, the wait for the scheduler to take the message (``queue_s``), the restore, the admission
+    into the running batch, and the answer's way back (``answer_s``); ``to_answer_s`` from asked to answered.  The
+    scheduler's stamps share the host's monotonic clock."""
+    received, admitted = timings.pop("received_at", None), timings.pop("admitted_at", None)
+    phases = {"read_s": read - asked, "claim_s": claimed - read, "register_s": sent - claimed, "to_answer_s": answered - asked}
+    if received is not None and admitted is not None:
+        phases.update(queue_s=received - sent, answer_s=answered - admitted)
+    return dict(timings, **phases)
 
 
 def _release_claim(marker: str, version: str) -> None:

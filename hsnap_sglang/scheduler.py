@@ -772,7 +772,9 @@ class HsnapScheduler:
             "rid": req.rid, "path": msg.path, "snapshot_id": restored.snapshot_id, "committed_positions": int(restored.state_position),
             "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
             "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
-            "timings": {"restore_s": t_restored - t0, "admit_s": time.monotonic() - t_restored}, "tp_size": self.tp_size,
+            # monotonic stamps (one clock for every process of the host): the HTTP process puts its own beside them
+            "timings": {"restore_s": t_restored - t0, "admit_s": time.monotonic() - t_restored, "received_at": t0,
+                        "admitted_at": time.monotonic()}, "tp_size": self.tp_size,
         })
         return None
 

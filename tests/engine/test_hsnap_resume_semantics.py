@@ -291,6 +291,9 @@ def test_hsnap_ls_lists_the_requests_and_metrics_count_hsnaps_operations(server,
     assert any(line.split()[:3] == ["metered", "running", "20"] for line in listed), listed
     run = client.resume(server.url, str(path))
     assert run.final["meta_info"]["finish_reason"]["type"] == "length"
+    t = run.info["result"]["timings"]  # the resume's phases partition its time up to the answer (one monotonic clock)
+    phases = [t[k] for k in ("read_s", "claim_s", "register_s", "queue_s", "restore_s", "admit_s", "answer_s")]
+    assert min(phases) >= 0 and sum(phases) <= t["to_answer_s"] + 1e-3, t
     _refusal(client.resume, server.url, str(path))  # claimed
     after = _scrape(server.url)
     assert _grew(before, after, "hsnap_operations_total", op="export", outcome="ok") == 1
