@@ -53,7 +53,8 @@ from hsnap_format.spec import MAX_PAGE_SIZE
 
 from . import claims, metrics
 from . import auth, confine
-from .containment import MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, record_answer, read_body
+from .containment import (MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_failure, read_body,
+                          record_answer)
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -230,6 +231,37 @@ def _release_claim(marker: str, version: str) -> None:
         claims.release(marker, version)
     except Exception:  # noqa: BLE001 - a claim left behind refuses a later resume by name (again=true resumes it)
         logger.exception("hsnap: taking back the claim %s", marker)
+
+
+DRAIN_ON_SIGTERM_ENV = "HSNAP_DRAIN_ON_SIGTERM"  # a directory (beneath the root) or allowed s3:// prefix
+
+
+def after_sigterm(result, handler, *args, **kwargs):
+    """AFTER ``SignalHandler.sigterm_handler`` (SGLang then waits for every request to finish before it exits): with
+    ``HSNAP_DRAIN_ON_SIGTERM`` set, every request is drained there first — each client's stream ends with
+    ``finish_reason hsnap_export`` naming its snapshot — so SGLang's wait ends at once and a rolling restart loses
+    no request's progress (``hsnap resume NEW_URL DIR`` continues them).  A drain that fails is logged; SGLang's
+    own graceful wait then applies (the requests run to their end)."""
+    target = os.environ.get(DRAIN_ON_SIGTERM_ENV)
+    tm = getattr(handler, "tokenizer_manager", None)
+    if not target or tm is None or getattr(tm, "_hsnap", None) is None:
+        return None
+    asyncio.get_event_loop().create_task(_drain_on_sigterm(tm._hsnap, target))
+    return None
+
+
+async def _drain_on_sigterm(fe: "HsnapFrontend", target: str) -> None:
+    t0 = time.monotonic()
+    try:
+        out = await fe.call(HsnapDrainReqInput(op_id=uuid.uuid4().hex, dir=_local(target, "dir"), dedup=False, page_size=0))
+    except Exception as e:  # noqa: BLE001 - the shutdown goes on (SGLang's graceful wait)
+        log_failure("drain on SIGTERM", e)
+        return
+    items = out.items or []
+    exported = sum(1 for i in items if i.get("ok"))
+    say = logger.info if out.ok else logger.error
+    say("hsnap: SIGTERM: drained %d of %d requests into %s in %.1f ms%s", exported, len(items), target, (time.monotonic() - t0) * 1e3,
+        "" if out.ok else f" ({(out.error or {}).get('message') or 'some refused: they run to their end'})")
 
 
 def around_create_abort_task(original, tm, obj, *args, **kwargs):
@@ -661,4 +693,4 @@ def _abort_when_gone(tm, resumed: list):
     return _delayed_abort(tm, lambda: [obj.rid for obj in resumed])
 
 
-__all__ = ["HsnapFrontend", "install", "before_launch_server", "router", "read_resume_info", "snapshot_entries", "RESUME_HEADER"]
+__all__ = ["HsnapFrontend", "install", "before_launch_server", "after_sigterm", "DRAIN_ON_SIGTERM_ENV", "router", "read_resume_info", "snapshot_entries", "RESUME_HEADER"]

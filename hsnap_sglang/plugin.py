@@ -24,6 +24,8 @@ target                                                             type   what
                                                                           its sockets for 1 ms, not 1 s (links come by store)
 ``SchedulerPoolStatsObserver._session_kv_rows``                    AROUND adds the slots of a request migrating in (held
                                                                           outside any batch) to SGLang's pool accounting
+``SignalHandler.sigterm_handler``                                   AFTER  with ``HSNAP_DRAIN_ON_SIGTERM``: drains every request
+                                                                          there before SGLang's graceful shutdown
 =================================================================  =====  ==============================================
 
 and registers its message types (:mod:`.messages`, msgspec structs of plain values) with SGLang's IPC decoder
@@ -50,6 +52,7 @@ HOOKS: dict[str, tuple[str, str]] = {
     f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
     f"{_TM}.create_abort_task": ("frontend:around_create_abort_task", "AROUND"),
     "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
+    "sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler": ("frontend:after_sigterm", "AFTER"),
     f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._session_kv_rows":
         ("scheduler:around_session_kv_rows", "AROUND"),

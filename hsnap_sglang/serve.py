@@ -119,7 +119,7 @@ def engine_kwargs(**overrides) -> dict:
 ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP_SGLANG_PLUGIN=1), not passed to SGLang
 # hsnap's own flags with a value -> the environment variable each sets (inherited by every process of the server);
 # repeated flags join with "," (HSNAP_ALLOWED_URLS).  Not passed to SGLang.
-HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS"}
+HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS", "--hsnap-drain-on-sigterm": "HSNAP_DRAIN_ON_SIGTERM"}
 HSNAP_SWITCHES = {ENABLE_HSNAP: "HSNAP_SGLANG_PLUGIN", "--hsnap-allow-unauthenticated": "HSNAP_ALLOW_UNAUTHENTICATED"}
 
 
@@ -157,6 +157,9 @@ HSNAP_FLAG_HELP = {
     "--hsnap-root DIR": "the directory every path a client names resolves beneath (HSNAP_ROOT); none: no local path",
     "--hsnap-allow-url s3://BUCKET/PREFIX": "an object-store prefix clients may name (repeatable; HSNAP_ALLOWED_URLS)",
     "--hsnap-allow-unauthenticated": "let the plug-in start on a non-loopback host without an API key",
+    "--hsnap-drain-on-sigterm DIR": "on SIGTERM, drain every request into DIR (beneath the root, or an allowed s3:// prefix) "
+                                    "before SGLang's graceful shutdown: a rolling restart loses no request's progress "
+                                    "(HSNAP_DRAIN_ON_SIGTERM)",
 }
 
 

@@ -30,6 +30,7 @@ import pytest
 
 from hsnap_support import Stream, flush_cache, generate, hsnap_server, paced, payload, prompt, stats, wait_idle
 
+from hsnap_format.tools.cli import main as hsnap_cli
 from hsnap_sglang import client
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -79,7 +80,8 @@ def server(tiny_model_dir, work, hole):
     root.mkdir()
     env = {"HSNAP_ROOT": str(root), "HSNAP_ALLOWED_URLS": "s3://blackhole", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{hole.port}",
            "AWS_ACCESS_KEY_ID": "hsnaptest", "AWS_SECRET_ACCESS_KEY": "hsnaptest-secret", "AWS_REGION": "us-east-1",
-           "HSNAP_S3_TIMEOUT": str(STORE_TIMEOUT_S), "HSNAP_S3_CONNECT_TIMEOUT": "2", "HSNAP_S3_RETRIES": "0"}
+           "HSNAP_S3_TIMEOUT": str(STORE_TIMEOUT_S), "HSNAP_S3_CONNECT_TIMEOUT": "2", "HSNAP_S3_RETRIES": "0",
+           "HSNAP_DRAIN_ON_SIGTERM": "sigterm-drained"}  # the module's last test: SIGTERM drains every request there
     # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): 4 requests at once
     s = hsnap_server(tiny_model_dir, work / "server.log", "--max-total-tokens", str(TOTAL_TOKENS), "--max-mamba-cache-size", "12",
                      "--max-running-requests", "4", "--log-level", "info", "--log-level-http", "warning", "--enable-metrics", env=env)  # hsnap's lines, /metrics
@@ -472,3 +474,35 @@ def test_resume_from_a_store_that_never_answers_leaves_the_http_process_answerin
     assert hole.accepted > accepted and b - a >= STORE_TIMEOUT_S * 0.9, "the store was not stalled on"
     assert got["health_s"] and max(got["health_s"]) < 3.0, got["health_s"]
     assert stats(url)["checks"].get("error") is None
+
+
+# ----------------------------------------------------------------------------- a rolling restart (last: it stops the server)
+
+
+def test_sigterm_drains_every_request_before_the_server_exits(server):
+    """--hsnap-drain-on-sigterm: SGLang's graceful shutdown waits for every request to finish; the plug-in drains
+    them first, so each client's stream ends with its snapshot and the server exits at once, nothing lost."""
+    d = server.root / "sigterm-drained"
+    n, pace = 1200, 0.05  # two requests of 20 + 1,200 positions fit the server's 2,500 together
+    streams = [Stream(server.url, payload(f"term-{i}", prompt(110 + i, 20), n)) for i in range(2)]
+    req = urllib.request.Request(server.url + "/slow_down", data=json.dumps({"forward_sleep_time": pace}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60):  # paced: they are still decoding when the signal lands
+        pass
+    for st in streams:
+        st.start()
+    for st in streams:
+        st.wait_tokens(3)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    for st in streams:
+        st.finish()
+    assert server.proc.wait(timeout=120) is not None
+    exited_s = time.monotonic() - t0
+    for st in streams:
+        finish = st.final["meta_info"]["finish_reason"]
+        assert finish["type"] == "hsnap_export" and finish["path"] == str(d / f"{st.rid}.hsnap"), finish
+        assert hsnap_cli(["verify", finish["path"]]) == 0
+    assert exited_s < (n - 3) * pace, f"{exited_s:.1f} s: SGLang waited for the requests to finish instead"
+    log = server.log_path.read_text(errors="replace")
+    assert "hsnap: SIGTERM: drained 2 of 2 requests into sigterm-drained" in log, log[-3000:]
