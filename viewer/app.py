@@ -2,7 +2,9 @@
 
     hsnap-view PATH [OTHER] [--against REF] [--tokenizer TOK] [--atol X] [--rtol Y]
 
-PATH (and OTHER, for diff mode) is a rank file or a snapshot directory. Snapshots
+PATH (and OTHER, for diff mode) is a rank file or a snapshot directory. PATH alone may
+also be a directory of snapshots — what a drain, a checkpointer or a migration writes —
+which opens as a listing of its entries, each one opened from there. Snapshots
 are read only through hsnap_format's public API, always with pread (a file cut
 short under the viewer gives a message, never SIGBUS); no torch, no SGLang.
 
@@ -21,6 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.message import Message
@@ -32,10 +35,13 @@ from hsnap_format.errors import HsnapError
 from hsnap_format.stores.s3.client import endpoint_shown
 from hsnap_format.stores.s3.options import StorageOptions
 from hsnap_format.stores import store_for
+from hsnap_format.stores.entries import is_one_snapshot
 from hsnap_format.tools.viewmodel import leftover_hint
 
+from .listing import nothing_to_view
 from .model import Document, display_name, try_open
 from .screens.diff import DiffScreen
+from .screens.directory import DirectoryScreen
 from .screens.error import ErrorScreen
 from .screens.help import HelpScreen
 from .screens.loading import LoadingScreen
@@ -71,6 +77,10 @@ class HsnapViewApp(App):
         self.config = config
         self.document: Document | None = None
         self.other: Document | None = None
+        self.directory: str | None = None  # a directory of snapshots: listed, its entries opened from there
+        # documents left on the way back to the listing: closed when the app ends (a scan thread of the screen
+        # left may still be reading them)
+        self.left: list[Document] = []
         self.reference: Reference | None = None
         self.decoder: Callable[[int], str] | None = None
         self.error: tuple[str, BaseException] | None = None  # (display name, error): what stops the app
@@ -86,6 +96,9 @@ class HsnapViewApp(App):
     # -- loading (cheap: headers only; runs before the first frame)
     def _load(self) -> None:
         cfg = self.config
+        if cfg.other is None and not is_one_snapshot(cfg.path):
+            self._load_directory()
+            return
         for attr, path in (("document", cfg.path), ("other", cfg.other)):
             if path is None:
                 continue
@@ -95,23 +108,47 @@ class HsnapViewApp(App):
                 return
             setattr(self, attr, doc)
         if cfg.against is not None:
-            try:
-                self.reference = load_reference(cfg.against, rank=min(self.document.ranks))
-            except Exception as e:  # a bad reference is a warning: the snapshot itself is fine
-                self.warnings.append(f"reference not loaded: {describe_error(e)}")
+            self.reference = self._reference_for(self.document)
         elif self.other is not None:
             other = self.other.ranks.get(min(self.document.ranks), self.other.first)
             self.reference = Reference(self.other.label, other.identity, other.geometry)
-        if callable(cfg.tokenizer):
-            self.decoder = cfg.tokenizer
-        elif cfg.tokenizer:
+        self._load_tokenizer()
+        if not cfg.tokenizer and self.document is not None:
+            self.decoder, self.token_text_note = recorded_model_decoder(self.document.first.identity.model_id)
+
+    def _load_directory(self) -> None:
+        """A directory of snapshots: anything to list? (headers only; the screen lists it verified)"""
+        path = self.config.path
+        try:
+            nothing = nothing_to_view(path)
+        except HsnapError as e:  # it cannot be listed: a store that fails, a directory not readable
+            self.error = (display_name(path), e)
+            return
+        if nothing is not None:
+            self.error = (display_name(path), nothing)
+            return
+        self.directory = path
+        self._load_tokenizer()
+
+    def _load_tokenizer(self) -> None:
+        """The tokenizer asked for by name (once for every snapshot opened)."""
+        tokenizer = self.config.tokenizer
+        if callable(tokenizer):
+            self.decoder = tokenizer
+        elif tokenizer:
             try:
-                self.decoder = load_decoder(cfg.tokenizer)
+                self.decoder = load_decoder(tokenizer)
             except TokenizerUnavailable as e:
                 self.tokenizer_error = str(e)
                 self.warnings.append(f"no token text: {e}")
-        elif self.document is not None:
-            self.decoder, self.token_text_note = recorded_model_decoder(self.document.first.identity.model_id)
+
+    def _reference_for(self, doc: Document, warnings: list[str] | None = None) -> Reference | None:
+        """--against, for the lowest rank of ``doc`` (a failure to load it goes to ``warnings``)."""
+        try:
+            return load_reference(self.config.against, rank=min(doc.ranks))
+        except Exception as e:  # a bad reference is a warning: the snapshot itself is fine
+            (self.warnings if warnings is None else warnings).append(f"reference not loaded: {describe_error(e)}")
+            return None
 
     def on_mount(self) -> None:
         if self.opening:
@@ -149,21 +186,84 @@ class HsnapViewApp(App):
         if self.error is not None:
             self.push_screen(ErrorScreen(*self.error))
             return
+        if self.directory is not None and self.document is None:
+            self.push_screen(DirectoryScreen(self.directory))
+        else:
+            self._show_document()
+        self._show_warnings()
+
+    def _show_document(self) -> None:
         self.push_screen(MainScreen(
             self.document, reference=self.reference, decoder=self.decoder, token_text_note=self.token_text_note,
-            page_size=self.config.page_size,
-            verify_on_open=self.config.verify_on_open, can_diff=self.other is not None,
+            page_size=self.config.page_size, verify_on_open=self.config.verify_on_open, can_diff=self.other is not None,
+            back_to=None if self.directory is None else display_name(self.directory),
         ))
         if self.other is not None:
             self.action_open_diff()
+
+    def _show_warnings(self) -> None:
         for w in self.warnings:
             self.notify(w, severity="warning", markup=False)
+        self.warnings = []
+
+    # -- a directory's entries
+    @work(thread=True, exclusive=True, group="open-entry")
+    def open_entry(self, path: str) -> None:
+        """An entry of the listing, opened off the event loop (its chain's headers, the reference, the tokenizer
+        of the model it records: files to read)."""
+        opened = self.EntryOpened(*try_open(path))
+        if opened.doc is not None:
+            if self.config.against is not None:
+                opened.reference = self._reference_for(opened.doc, opened.warnings)
+            if not self.config.tokenizer:
+                opened.decoder, opened.token_text_note = recorded_model_decoder(opened.doc.first.identity.model_id)
+        self.post_message(opened)  # thread-safe: the app takes it on its loop
+
+    class EntryOpened(Message):
+        """An entry opened (or ``err``), with what it opens with: the reference and the recorded model's tokenizer."""
+
+        def __init__(self, doc: Document | None, err: HsnapError | None) -> None:
+            super().__init__()
+            self.doc, self.err = doc, err
+            self.reference: Reference | None = None
+            self.decoder: Callable[[int], str] | None = None
+            self.token_text_note: str | None = None
+            self.warnings: list[str] = []
+
+    def on_hsnap_view_app_entry_opened(self, message: "HsnapViewApp.EntryOpened") -> None:
+        listing = self.screen if isinstance(self.screen, DirectoryScreen) else None
+        if listing is None:  # left meanwhile (a second enter, help): keep it until the end
+            if message.doc is not None:
+                self.left.append(message.doc)
+            return
+        listing.show_detail()
+        if message.err is not None:
+            self.notify(describe_error(message.err) + _hint(message.err), title="Cannot open", severity="error", markup=False)
+            return
+        self.document, self.reference = message.doc, message.reference
+        if not self.config.tokenizer:
+            self.decoder, self.token_text_note = message.decoder, message.token_text_note
+        self.warnings += message.warnings
+        self._show_document()
+        self._show_warnings()
+
+    def back_to_listing(self) -> None:
+        """From an entry back to the directory's listing (its documents closed when the app ends)."""
+        if not any(isinstance(s, DirectoryScreen) for s in self.screen_stack):
+            return
+        while not isinstance(self.screen, DirectoryScreen):
+            self.pop_screen()
+        self.left += [d for d in (self.document, self.other) if d is not None]
+        self.document = self.other = self.reference = None
+        if not self.config.tokenizer:
+            self.decoder = self.token_text_note = None
+        self.screen.show_detail()
 
     def on_unmount(self) -> None:
         self._close_documents()
 
     def _close_documents(self) -> None:
-        for doc in (self.document, self.other):
+        for doc in (self.document, self.other, *self.left):
             if doc is not None:
                 doc.close()
 

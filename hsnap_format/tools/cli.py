@@ -20,9 +20,11 @@ from ..records import Geometry
 from ..pages import collect_pages
 from ..spec import DTYPES, PAGE_SUFFIX
 from ..stores import store_for
-from ..stores.entries import Listing, is_one_snapshot, list_directory
+from ..stores.entries import is_one_snapshot, list_directory
 from .fit import WIDTH, Column, Printer, relative_to
-from .viewmodel import escape, fmt_bytes, fmt_value_pair, leftover_hint, open_rank_chains, plural, snapshot_summary
+from .viewmodel import ENTRY_KEYS as ENTRY_KEYS  # `hsnap info --json`'s keys of a directory's entry, named here too
+from .viewmodel import (directory_entries, entry_what, error_summary, escape, fmt_bytes, fmt_value_pair, leftover_hint,
+                        open_rank_chains, plural, snapshot_summary)
 
 
 def _heads(n: int) -> str:
@@ -98,7 +100,7 @@ def _chains(snap, path: str):
 def _chain_summary(rank, chain) -> dict:
     """The same keys for a chain that opened and one that was refused (``error``; no links)."""
     if isinstance(chain, HsnapError):
-        return {"rank": rank, "state_position": None, "links": [], "error": _failure(chain)}
+        return {"rank": rank, "state_position": None, "links": [], "error": error_summary(chain)}
     return {"rank": rank, "state_position": chain.state_position, "error": None, "links": [
         {"path": s.path, "state_position": s.state_position, "base_position": s.base_position, "file_length": s.file_length,
          "payload_bytes": s.payload_bytes, "root_digest": s.root_digest, "snapshot_id": s.identity.snapshot_id,
@@ -143,30 +145,9 @@ def _print_chain(rank, chain, out: Printer, beside: str) -> None:
     out.table(CHAIN_COLUMNS, rows, indent="  ")
 
 
-def _entry_summary(path: str, listing: Listing) -> dict:
-    """One entry of a directory of snapshots: its request, position and size (of a checkpoint chain, its newest
-    committed link, how many links it has and which were passed over, and why); every key in every entry, null
-    where it does not apply (``checkpoints`` outside a chain, the snapshot's fields of one that did not open)."""
-    out: dict = dict.fromkeys(ENTRY_KEYS)
-    out["path"] = path
-    chain = next((c for c in listing.chains.values() if (c.path or c.highest) == path), None)
-    if chain is not None:
-        out["checkpoints"] = {"name": chain.name, "links": listing.links.get(chain.name, 0), "newest_committed": chain.path,
-                              "passed_over": [[p, why] for p, why in chain.passed_over]}
-    try:
-        with open_snapshot(path) as snap:
-            ranks = list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
-            out.update(kind="TP set" if isinstance(snap, SnapshotSet) else "snapshot", tp_size=len(ranks),
-                       rid=ranks[0].header["request"]["rid"], state_position=ranks[0].state_position,
-                       bytes=sum(r.file_length for r in ranks), delta=ranks[0].base is not None, paged=ranks[0].pages is not None)
-    except HsnapError as e:
-        out["error"] = _failure(e)
-    return out
-
-
-# `hsnap info --json`: the same keys for a rank file, a TP set and a directory of snapshots (README: Command line)
+# `hsnap info --json`: the same keys for a rank file, a TP set and a directory of snapshots (README: Command line);
+# each of a directory's entries has viewmodel.ENTRY_KEYS (the viewer lists the same entries)
 INFO_KEYS = ("path", "kind", "manifest", "ranks", "chains", "directory", "entries", "pages", "leftovers")
-ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "error")
 
 # A directory's entries: each snapshot, TP set and checkpoint chain's newest committed link
 ENTRY_COLUMNS = (
@@ -178,17 +159,11 @@ ENTRY_COLUMNS = (
 )
 
 
-def _entry_what(e: dict) -> str:
-    if e["checkpoints"]:
-        return f"chain of {plural(e['checkpoints']['links'], 'link')}"
-    return f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
-
-
 def _entry_row(e: dict, out: Printer) -> tuple:
     name = escape(e["path"] if out.wide else os.path.basename(e["path"].rstrip("/")))
     if e["error"]:
         return (name, "-", e["error"]["error"], "-", "-")
-    return (name, escape(e["rid"]), _entry_what(e), e["state_position"], fmt_bytes(e["bytes"]))
+    return (name, escape(e["rid"]), entry_what(e), e["state_position"], fmt_bytes(e["bytes"]))
 
 
 def _entry_detail(e: dict, out: Printer) -> str | None:
@@ -205,8 +180,7 @@ def _entry_detail(e: dict, out: Printer) -> str | None:
 
 def _info_directory(args, out: Printer) -> int:
     """``hsnap info DIR`` of what a drain, a checkpointer or a migration writes: one line per request."""
-    listing = list_directory(args.path)
-    entries = [_entry_summary(p, listing) for p in listing.entries()]
+    listing, entries = directory_entries(args.path)
     if args.json:
         doc = dict.fromkeys(INFO_KEYS)
         doc.update(path=args.path, kind="directory", ranks=[], chains=[], directory=args.path, entries=entries,
@@ -261,10 +235,6 @@ def cmd_info(args) -> int:
     for e in broken:  # a delta whose chain does not hold cannot be restored: say so, and exit 1
         print(f"hsnap info: {type(e).__name__}: {escape(str(e))}{_hint(e)}", file=sys.stderr)
     return 1 if broken else 0
-
-
-def _failure(e: HsnapError) -> dict:
-    return {"error": type(e).__name__, "path": e.path, "field": e.field, "message": str(e)}
 
 
 def _verify_one(path: str, first: bool) -> tuple[int, list[str], list[HsnapError]]:
@@ -326,7 +296,7 @@ def _verify_directory(args) -> int:
     results: list[dict] = []
     for path in listing.entries():
         n, links, failures = _verify_one(path, args.first)
-        results.append({"path": path, "ok": not failures, "sections": n, "links": links, "errors": [_failure(e) for e in failures]})
+        results.append({"path": path, "ok": not failures, "sections": n, "links": links, "errors": [error_summary(e) for e in failures]})
         if not args.json:
             if failures:
                 for failure in failures:
@@ -355,7 +325,7 @@ def cmd_verify(args) -> int:
         return _verify_directory(args)
     n, links, failures = _verify_one(args.path, args.first)
     if args.json:
-        print(json.dumps(_verify_document(args.path, n, links, [_failure(e) for e in failures], [])))
+        print(json.dumps(_verify_document(args.path, n, links, [error_summary(e) for e in failures], [])))
     elif failures:
         for failure in failures:
             print(f"FAILED {type(failure).__name__}: {escape(str(failure))}{_hint(failure)}", file=sys.stderr)

@@ -20,7 +20,8 @@ from ..layout import PAGED_KINDS, ROW_KINDS, first_position, inline_runs, page_r
 from ..manifest import SnapshotSet
 from ..reader import PENDING_FOUND, Snapshot, SectionInfo
 from ..spec import DTYPES, MAGIC, PENDING_MAGIC, PREAMBLE, STAGING_DIR_MARK, TMP_FILE_MARK, TRAILER
-from ..stores import store_for
+from ..stores import open_snapshot, store_for
+from ..stores.entries import Listing, list_directory
 from .stats import Cancelled, is_float
 
 # ---------------------------------------------------------------------------- summaries
@@ -437,9 +438,58 @@ def prove_chain(chain: Chain) -> ChainProof:
     return ChainProof(tuple(link.path for link in chain.links), tuple(map(tuple, links)), tuple(pages), count)
 
 
+# ---------------------------------------------------------------------------- directories of snapshots
+
+# One entry of a directory of snapshots, as `hsnap info DIR --json` and the viewer's listing have it: every key in
+# every entry, null where it does not apply (README: Command line)
+ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "error")
+
+
+def error_summary(e: HsnapError) -> dict:
+    """A typed error as ``--json`` reports it."""
+    return {"error": type(e).__name__, "path": e.path, "field": e.field, "message": str(e)}
+
+
+def entry_summary(path: str, listing: Listing) -> dict:
+    """One entry of a directory of snapshots: its request, position and size (of a checkpoint chain, its newest
+    committed link, how many links it has and which were passed over, and why); every key in every entry, null
+    where it does not apply (``checkpoints`` outside a chain, the snapshot's fields of one that did not open)."""
+    out: dict = dict.fromkeys(ENTRY_KEYS)
+    out["path"] = path
+    chain = next((c for c in listing.chains.values() if (c.path or c.highest) == path), None)
+    if chain is not None:
+        out["checkpoints"] = {"name": chain.name, "links": listing.links.get(chain.name, 0), "newest_committed": chain.path,
+                              "passed_over": [[p, why] for p, why in chain.passed_over]}
+    try:
+        with open_snapshot(path) as snap:
+            ranks = list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
+            out.update(kind="TP set" if isinstance(snap, SnapshotSet) else "snapshot", tp_size=len(ranks),
+                       rid=ranks[0].header["request"]["rid"], state_position=ranks[0].state_position,
+                       bytes=sum(r.file_length for r in ranks), delta=ranks[0].base is not None, paged=ranks[0].pages is not None)
+    except HsnapError as e:
+        out["error"] = error_summary(e)
+    return out
+
+
+def entry_what(e: dict) -> str:
+    """What an :func:`entry_summary` is, in a few words: a snapshot, a TP set of N ranks, a chain of N links."""
+    if e["checkpoints"]:
+        return f"chain of {plural(e['checkpoints']['links'], 'link')}"
+    return f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
+
+
+def directory_entries(path: str, storage_options=None) -> tuple[Listing, list[dict]]:
+    """What a drain, a checkpointer or a migration left in ``path`` — :func:`.stores.entries.list_directory`, the
+    listing a resume reads (each chain's newest link verified whole: every byte of it is read) — and one
+    :func:`entry_summary` per entry, in its order. ``hsnap info DIR`` prints them; the viewer lists them."""
+    listing = list_directory(path, storage_options=storage_options)
+    return listing, [entry_summary(p, listing) for p in listing.entries()]
+
+
 __all__ = [
     "row_runs", "fmt_runs", "fmt_rows", "paged_positions", "open_rank_chains", "ChainProof", "prove_chain",
     "escape", "rank_summary", "snapshot_summary", "fmt_bytes", "plural", "fmt_value", "value_bits", "ulp_distance",
     "fmt_value_pair", "leftover_hint", "SelectionError", "Selection", "parse_selection", "resolve_selection",
     "NORM_FAMILIES", "row_norms", "NormRow", "norm_groups", "PartialSnapshot", "open_partial", "salvageable",
+    "ENTRY_KEYS", "error_summary", "entry_summary", "entry_what", "directory_entries",
 ]

@@ -11,13 +11,15 @@ from textual.widgets import Markdown
 HELP = """\
 # hsnap-view
 
-A read-only viewer for hsnap request snapshots (a rank file or a snapshot directory).
+A read-only viewer for hsnap request snapshots (a rank file or a snapshot directory), and for
+the directories a drain, a checkpointer or a migration writes: a listing of their entries to open.
 
 | key | does |
 |---|---|
 | `1`–`7` | Geometry, Section, Digests, Identity, Request, Hex, Map tabs (the tab shown takes the keys) |
 | arrows, `pgup` `pgdn` `home` `end` | move in the tab shown; tables move sideways by whole columns |
-| `enter` | open the selected section (tree, geometry table, diff table) |
+| `enter` | open the selected section (tree, geometry table, diff table); in a directory's listing, the entry |
+| `escape` | from an entry back to the directory's listing it was opened from |
 | `t` | hide / show the section tree (hidden at start below 100 columns) |
 | `/` | search sections by name or label; `n` / `N` next / previous match |
 | `g` | go to: `[5, 1, 3]` an element, `[100:120, 0, :8]` a slice, `attn.3.k[0, :, :]` another section; on the Request tab a history position |

@@ -90,6 +90,7 @@ class MainScreen(Screen):
     BINDINGS = [
         Binding("question_mark,f1", "app.help", "Help"),  # first: the footer is cut at 80 columns
         Binding("q", "app.quit", "Quit"),
+        Binding("escape", "back", "Back"),  # to the directory's listing it was opened from (hidden otherwise)
         Binding("v", "verify", "Verify"),
         Binding("x", "cancel_verify", "Cancel scan"),
         Binding("d", "diff", "Diff…"),
@@ -111,7 +112,8 @@ class MainScreen(Screen):
     ]
 
     def __init__(self, doc: Document, *, reference: Reference | None = None, decoder: Callable[[int], str] | None = None,
-                 token_text_note: str | None = None, page_size: int = 100, verify_on_open: bool = True, can_diff: bool = False) -> None:
+                 token_text_note: str | None = None, page_size: int = 100, verify_on_open: bool = True, can_diff: bool = False,
+                 back_to: str | None = None) -> None:
         super().__init__()
         self.doc = doc
         self.reference = reference
@@ -120,6 +122,7 @@ class MainScreen(Screen):
         self.page_size = page_size
         self.verify_on_open = verify_on_open
         self.can_diff = can_diff
+        self.back_to = back_to  # the directory listing it was opened from (escape goes back), or None
         self.rank = min(doc.ranks)
         self.matches: list[str] = []
         self.match_index = 0
@@ -231,6 +234,8 @@ class MainScreen(Screen):
     # -- actions
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The footer shows what applies: paging on a paged Request tab, Rank with several ranks."""
+        if action == "back":  # only with a listing to go back to (False: not in the footer at all)
+            return self.back_to is not None
         try:
             pane = self.active_pane
             if action in ("page", "edge_page"):
@@ -274,6 +279,10 @@ class MainScreen(Screen):
         if focused is not None and (keep_tree and focused is tree and tree.display or pane_widget in focused.ancestors_with_self):
             return
         target.focus(scroll_visible=False)
+
+    def action_back(self) -> None:
+        if self.back_to is not None:
+            self.app.back_to_listing()
 
     def action_toggle_tree(self) -> None:
         tree = self.query_one(SectionTree)
