@@ -37,6 +37,7 @@ class HsnapDrainReqInput(BaseReq, kw_only=True):
     dir: str
     dedup: bool = False
     page_size: int = 0
+    why: str = ""  # "sigterm": the shutdown's own drain, logged by the scheduler when done (the HTTP process may be gone)
 
 
 class HsnapCheckpointReqInput(BaseReq, kw_only=True):

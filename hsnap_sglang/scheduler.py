@@ -556,6 +556,10 @@ class HsnapScheduler:
                     d.pages.close()  # its markers: every member is committed (or refused) by now
                 except Exception:  # noqa: BLE001 - a marker left behind expires (its lease); the drain is done
                     logger.exception("hsnap drain %s: closing the page store session", d.op.dir)
+            if d.op.why == "sigterm":  # said here: SGLang's shutdown may stop the HTTP process before it reads the answer
+                exported = sum(1 for i in items if i["ok"])
+                (logger.info if exported == len(items) else logger.error)(
+                    "hsnap: SIGTERM: drained %d of %d requests into %s", exported, len(items), d.op.dir)
             self.answer(d.op, ok=all(i["ok"] for i in items), items=items, result=result)
 
     # ------------------------------------------------------------------ drain
@@ -593,6 +597,8 @@ class HsnapScheduler:
             self.answer(msg, ok=False, error=error_of(err))
             return None
         if not drain.members:
+            if msg.why == "sigterm":
+                logger.info("hsnap: SIGTERM: no request to drain into %s", msg.dir)
             self.answer(msg, ok=True, items=[], result={"dir": msg.dir, "requests": 0})
             return None
         for m in drain.members:

@@ -505,4 +505,5 @@ def test_sigterm_drains_every_request_before_the_server_exits(server):
         assert hsnap_cli(["verify", finish["path"]]) == 0
     assert exited_s < (n - 3) * pace, f"{exited_s:.1f} s: SGLang waited for the requests to finish instead"
     log = server.log_path.read_text(errors="replace")
-    assert "hsnap: SIGTERM: drained 2 of 2 requests into sigterm-drained" in log, log[-3000:]
+    assert "hsnap: SIGTERM: draining every request into sigterm-drained" in log, log[-3000:]
+    assert f"hsnap: SIGTERM: drained 2 of 2 requests into {d}" in log, log[-3000:]  # the scheduler's word, resolved path
