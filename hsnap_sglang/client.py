@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
-from hsnap_format.tools.fit import Printer
+from hsnap_format.tools.fit import Printer, elide_end
 
 __all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
            "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
@@ -184,9 +184,14 @@ class ResumeRun:
         return list(self.final.get("output_ids", []))
 
     @property
+    def results(self) -> dict:
+        """rid -> the resume report of each request resumed (``path``, ``committed_positions``, ``timings``...)."""
+        return {i["result"]["rid"]: i["result"] for i in _items(self.info) if i.get("ok") and "result" in i}
+
+    @property
     def resumed(self) -> dict:
         """rid -> the snapshot (its path on the server's machine) each resumed request was resumed from."""
-        return {i["result"]["rid"]: i["result"]["path"] for i in _items(self.info) if i.get("ok") and "result" in i}
+        return {rid: res["path"] for rid, res in self.results.items()}
 
     @property
     def running(self) -> list:
@@ -482,7 +487,7 @@ def resume_main(argv) -> int:
         return _fail("resume", e)
     view.close()
     if not args.json:
-        for rid, res in _resumed_results(run).items():
+        for rid, res in run.results.items():
             meta = run.finals.get(rid, {}).get("meta_info", {})
             err.line(f"resumed {escape_text(rid)} from {escape_text(res['path'])}: {res['committed_positions']} committed positions "
                      f"({res['bytes_uploaded']} bytes uploaded, restore {res['timings']['restore_s'] * 1e3:.1f} ms); "
@@ -493,10 +498,6 @@ def resume_main(argv) -> int:
     for rid, why in run.aborted.items():  # a continuation cut short is a failure, whatever the HTTP status said
         err.line(f"hsnap resume: {escape_text(rid)} ended aborted, not finished: {escape_text(json.dumps(why))}")
     return 1 if run.aborted else 0
-
-
-def _resumed_results(run: ResumeRun) -> dict:
-    return {i["result"]["rid"]: i["result"] for i in _items(run.info) if i.get("ok") and "result" in i}
 
 
 def _say_interrupted(url: str, interrupted: dict, err: Printer) -> None:
@@ -783,10 +784,6 @@ def requests(url: str, *, timeout: float = 60.0, api_key: str | None = None) -> 
     return list(stats(url, timeout=timeout, api_key=api_key).get("table") or [])
 
 
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
 def ls_main(argv) -> int:
     """list the requests of a server: hsnap ls URL"""
     p = argparse.ArgumentParser(prog="hsnap ls", description="List the requests of a server running the hsnap plug-in: "
@@ -816,7 +813,7 @@ def ls_main(argv) -> int:
     for cells in [[name for name, _ in LS_COLUMNS]] + [
             [escape_text(r["rid"]), r["state"], str(r["prompt_tokens"]), str(r["output_tokens"]),
              "-" if r.get("committed_positions") is None else str(r["committed_positions"]), escape_text(hsnap_state(r))] for r in rows]:
-        print(" ".join(c.ljust(w) if args.wide else _clip(c, w).ljust(w) for c, (_, w) in zip(cells, LS_COLUMNS)).rstrip())
+        print(" ".join(c.ljust(w) if args.wide else elide_end(c, w).ljust(w) for c, (_, w) in zip(cells, LS_COLUMNS)).rstrip())
     states: dict[str, int] = {}
     for r in rows:
         states[r["state"]] = states.get(r["state"], 0) + 1

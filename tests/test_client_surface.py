@@ -54,24 +54,30 @@ EXPORTED = {"rid": "r1", "committed_positions": 41, "prompt_tokens": 30, "output
             "bytes": 123, "snapshot_id": "s-1", "timings": {}}
 
 
-class _NoPlugin(BaseHTTPRequestHandler):
-    """SGLang's server without the plug-in: FastAPI's 404 for a route it does not have."""
+class _JsonHandler(BaseHTTPRequestHandler):
+    """A stand-in server's handler: JSON answers, no access log."""
 
-    def _answer(self):
-        body = b'{"detail":"Not Found"}'
-        self.send_response(404)
+    def answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    do_GET = do_POST = _answer
-
     def log_message(self, *args):
         pass
 
 
-class _Exporting(BaseHTTPRequestHandler):
+class _NoPlugin(_JsonHandler):
+    """SGLang's server without the plug-in: FastAPI's 404 for a route it does not have."""
+
+    def _not_found(self):
+        self.answer(404, b'{"detail":"Not Found"}')
+
+    do_GET = do_POST = _not_found
+
+
+class _Exporting(_JsonHandler):
     """A plug-in's /hsnap/export that answers every export as done, echoing ``keep_running``; its /hsnap/drain finds
     nothing to drain."""
 
@@ -80,14 +86,7 @@ class _Exporting(BaseHTTPRequestHandler):
         answer = {"ok": True, "items": [], "requests": 0, "dir": "/srv/root/drained"} if self.path == "/hsnap/drain" else dict(
             EXPORTED, keep_running=got["keep_running"], seen_path=self.path)
         body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, body)
 
 
 def _serve(handler):
@@ -191,19 +190,12 @@ ROWS = [{"rid": "req-" + "x" * 40, "state": "running", "prompt_tokens": 20, "out
          "checkpoint": None, "migration": None}]
 
 
-class _Listing(BaseHTTPRequestHandler):
-    """A plug-in's /hsnap/stats with two requests, or none when asked at /empty."""
+class _Listing(_JsonHandler):
+    """A plug-in's /hsnap/stats with two requests, or none for the key ``empty``."""
 
     def do_GET(self):
         body = json.dumps({"table": [] if self.headers.get("Authorization") == "Bearer empty" else ROWS}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
+        self.answer(200, body)
 
 
 def test_hsnap_ls_fits_80_columns_and_says_what_each_request_is(capsys):
@@ -226,19 +218,14 @@ def test_hsnap_ls_fits_80_columns_and_says_what_each_request_is(capsys):
         httpd.shutdown()
 
 
-class _SlowDrain(BaseHTTPRequestHandler):
+class _SlowDrain(_JsonHandler):
     """A drain that takes a while: its stats show two exports pending, then one, then none; the drain answers once
     the stats were asked for four times."""
 
     polls = 0
 
     def _json(self, answer: dict) -> None:
-        body = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        self.answer(200, json.dumps(answer).encode())
 
     def do_GET(self):
         type(self).polls += 1
@@ -252,9 +239,6 @@ class _SlowDrain(BaseHTTPRequestHandler):
             time.sleep(0.05)
         self._json({"ok": True, "dir": "/srv/d", "requests": 2, "items": [
             {"rid": r, "path": f"/srv/d/{r}.hsnap", "ok": True, "result": {"committed_positions": 9, "bytes": 10}} for r in "ab"]})
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_drain_shows_its_progress_on_stderr_while_it_runs(capsys):
