@@ -3,7 +3,8 @@
 It sets ``HSNAP_SGLANG_CPU=1`` (inherited by every process the server starts), activates the platform in this
 process, adds the CPU flags below unless given (and ``--disable-overlap-schedule`` while the radix cache is on:
 SGLang's CPU platform cannot run both), for ``--tp N`` sets ``SGLANG_CPU_OMP_THREADS_BIND`` (one core range
-per rank) unless given, and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).
+per rank) unless given, starts SGLang's child processes by ``fork`` (``HSNAP_SGLANG_START_METHOD=spawn``: SGLang's own
+``spawn``; see :func:`use_start_method`) and runs ``sglang.launch_server`` as ``__main__`` (SGLang's code, unchanged).
 ``--enable-hsnap`` (hsnap's flag, not SGLang's) turns on the hsnap plug-in (``HSNAP_SGLANG_PLUGIN=1``);
 ``--hsnap-root DIR`` (``HSNAP_ROOT``) is the directory every client path resolves beneath, ``--hsnap-allow-url
 s3://bucket/prefix`` (repeatable; ``HSNAP_ALLOWED_URLS``) an object-store prefix clients may name
@@ -23,8 +24,8 @@ import os
 import runpy
 import sys
 
-__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "early_exposure_refusal", "engine_kwargs", "hsnap_help", "launch_server_argv", "main",
-           "omp_threads_bind", "take_hsnap_flags"]
+__all__ = ["CPU_DEFAULTS", "HSNAP_FLAG_HELP", "START_METHOD_ENV", "START_METHODS", "early_exposure_refusal", "engine_kwargs", "hsnap_help", "launch_server_argv", "main",
+           "omp_threads_bind", "take_hsnap_flags", "use_start_method"]
 
 # flag -> value (None: a switch).  --max-mamba-cache-size matters: without it SGLang sizes the Mamba pool from free
 # RAM (hundreds of thousands of slots, gigabytes).
@@ -170,8 +171,32 @@ def hsnap_help() -> str:
     lines += [f"  {flag:<{width}}  {what}" for flag, what in HSNAP_FLAG_HELP.items()]
     defaults = " ".join(flag if value is None else f"{flag} {value}" for flag, value in CPU_DEFAULTS.items())
     lines += ["", f"added unless given (hsnap's CPU platform): {defaults}; --disable-overlap-schedule while the radix cache is on",
+              f"SGLang's processes start by fork ({START_METHOD_ENV}=spawn: SGLang's own spawn)",
               "", "SGLang's own options (sglang.launch_server --help) follow.", ""]
     return "\n".join(lines)
+
+
+START_METHOD_ENV = "HSNAP_SGLANG_START_METHOD"
+START_METHODS = ("fork", "spawn")
+
+
+def use_start_method(method: str) -> None:
+    """How SGLang's scheduler and detokenizer processes start.  SGLang forces ``spawn`` (CUDA cannot be forked): each
+    child imports torch, transformers and SGLang again, ~13 CPU-s apiece here, so a server start took ~50 CPU-s and 40 s
+    on two cores.  On CPU there is no device context to lose: ``fork`` (the default here) starts them from this
+    process's imports, made before any thread or torch op (~19 CPU-s, 20 s); ``spawn`` is SGLang's own way."""
+    if method not in START_METHODS:
+        raise SystemExit(f"hsnap_sglang.serve: {START_METHOD_ENV}={method!r}: expected one of {', '.join(START_METHODS)}")
+    if method == "spawn":
+        return
+    import multiprocessing
+
+    set_method = multiprocessing.set_start_method
+
+    def set_chosen(_asked: str, force: bool = False) -> None:  # SGLang's mp.set_start_method("spawn", force=True)
+        set_method(method, force=True)
+
+    multiprocessing.set_start_method = set_chosen
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from hsnap_sglang.cpu import activate
 
     activate()
+    use_start_method(os.environ.get(START_METHOD_ENV) or "fork")
     sys.argv = ["sglang.launch_server", *launch_server_argv(argv)]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
 

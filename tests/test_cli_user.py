@@ -20,6 +20,7 @@ import pytest
 from hsnap_format import AttentionGeometry, Engine, Geometry, MambaGeometry, open_snapshot, write_snapshot
 from hsnap_format import reference as ref
 from hsnap_format.tools.cli import main as hsnap
+from hsnap_testing.terminal import sigint_as_at_a_terminal
 from hsnap_format.tools.export_npy import SAFETENSORS_DTYPES, load_npy_as
 from hsnap_format.spec import DTYPES
 
@@ -84,7 +85,8 @@ def test_ctrl_c_is_exit_130_and_one_line(command):
         sys.exit(main(sys.argv[1:]))
     """).format(patch=SLOW[command])
     args = [str(VEC / "hybrid.hsnap")] * (2 if command == "diff" else 1)
-    p = subprocess.Popen([sys.executable, "-c", child, command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", child, command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=sigint_as_at_a_terminal)
     try:
         assert p.stdout.readline().strip() == "working"
         p.send_signal(signal.SIGINT)

@@ -38,7 +38,8 @@ def dirs(work):
 def servers(tiny_model_dir, work, dirs):
     keyed = hsnap_server(tiny_model_dir, work / "keyed.log", "--api-key", USER, "--admin-api-key", ADMIN,
                          env={"HSNAP_ROOT": str(dirs["root"]), "HSNAP_ALLOWED_URLS": "s3://allowed/snaps"})
-    rootless = hsnap_server(tiny_model_dir, work / "rootless.log", env={"HSNAP_ROOT": ""})
+    # started by SGLang's own spawn (hsnap_sglang.serve forks by default): the suite's one HTTP server that is
+    rootless = hsnap_server(tiny_model_dir, work / "rootless.log", env={"HSNAP_ROOT": "", "HSNAP_SGLANG_START_METHOD": "spawn"})
     start_together(keyed, rootless)
     yield {"keyed": keyed, "rootless": rootless}
     retire(keyed, rootless)

@@ -24,6 +24,8 @@ import pytest
 
 from hsnap_support import PLUGIN_ENV
 
+from hsnap_testing.terminal import sigint_as_at_a_terminal
+
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 DEMO_TIMEOUT_S = 1200
@@ -145,7 +147,7 @@ def test_demo_refuses_an_existing_output_directory(tmp_path):
 def test_ctrl_c_stops_every_server_process(tiny_model_dir, tmp_path):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen(_demo_cmd("--out", str(out), "--model-dir", str(tiny_model_dir)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_at_a_terminal)
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 600

@@ -32,6 +32,7 @@ from hsnap_support import Stream, flush_cache, generate, hsnap_server, paced, pa
 
 from hsnap_format.tools.cli import main as hsnap_cli
 from hsnap_sglang import client
+from hsnap_testing.terminal import sigint_as_at_a_terminal
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -178,7 +179,7 @@ def _wait_running(url: str, rids: set, proc=None, timeout: float = 120.0) -> Non
 def _hsnap_resume(url: str, path: Path, *args: str) -> subprocess.Popen:
     """``hsnap resume`` as a user runs it, in its own process (Ctrl-C is a SIGINT to it)."""
     return subprocess.Popen([sys.executable, "-m", "hsnap_format.tools.cli", "resume", url, str(path), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_at_a_terminal)
 
 
 @pytest.mark.parametrize("many", [False, True], ids=["one-file", "a-directory"])

@@ -255,3 +255,23 @@ def test_the_processes_a_server_starts_wait_passively_on_shared_cores():
     assert _rows(HSNAP_SGLANG_CPU="1")["omp"] == "PASSIVE"
     assert _rows(HSNAP_SGLANG_CPU="1", OMP_WAIT_POLICY="ACTIVE")["omp"] == "ACTIVE"
     assert _rows()["omp"] is None
+
+
+_START_METHOD_PROBE = """
+import multiprocessing, sys
+from hsnap_sglang.serve import use_start_method
+use_start_method(sys.argv[1])
+multiprocessing.set_start_method("spawn", force=True)  # what SGLang's launch does
+print(multiprocessing.get_start_method())
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_serve_starts_sglangs_processes_by_the_chosen_method_over_sglangs_forced_spawn(method):
+    out = subprocess.run([sys.executable, "-c", _START_METHOD_PROBE, method], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == method, out.stderr
+
+
+def test_serve_refuses_an_unknown_start_method_by_name():
+    out = subprocess.run([sys.executable, "-c", _START_METHOD_PROBE, "forkserver"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "HSNAP_SGLANG_START_METHOD='forkserver': expected one of fork, spawn" in out.stderr
