@@ -20,6 +20,7 @@ from hsnap_testing import pools as sp  # noqa: E402
 import hsnap_format as hf  # noqa: E402
 from hsnap_format.chain import compact, open_chain  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
+from hsnap_testing import zygote
 
 KINDS = [("mha", 1), ("mha", 16), ("mla", 1), ("hybrid_linear", 1), ("swa", 1), ("swa_mamba", 1), ("mha_fp8", 1)]
 
@@ -338,7 +339,6 @@ def test_tp2_chain_export_restore_and_compact(tmp_path):
     direct restore and the compacted set is byte-identical to a direct export."""
     import json
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
@@ -346,8 +346,8 @@ def test_tp2_chain_export_restore_and_compact(tmp_path):
         port = str(s.getsockname()[1])
     here = os.path.dirname(os.path.abspath(__file__))
     outs = [str(tmp_path / f"rank-{r}.json") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(here, "chain_tp_child.py"), str(r), "2", port, str(tmp_path / "run"), outs[r]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [zygote.popen([sys.executable, os.path.join(here, "chain_tp_child.py"), str(r), "2", port, str(tmp_path / "run"), outs[r]],
+                          text=True) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]

@@ -20,7 +20,6 @@ import collections
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -38,6 +37,7 @@ from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import export_request, restore_request, transfer  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
 from hsnap_io import slots  # noqa: E402
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KIND = "hybrid_linear"
@@ -267,8 +267,7 @@ def test_two_processes_restore_one_snapshot(tmp_path):
         spec = tmp_path / f"spec-{k}.json"
         spec.write_text(json.dumps({"items": [{"kind": KIND, "page": 1, "path": path, "out": str(out)}] * 3}))
         outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "io_cases.py"), "restore", str(spec)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(zygote.popen([sys.executable, os.path.join(HERE, "io_cases.py"), "restore", str(spec)], text=True))
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]

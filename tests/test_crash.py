@@ -15,7 +15,6 @@ import collections
 import json
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ import crash_child as cc
 import hsnap_format as hf
 from hsnap_format import localfs
 from hsnap_format.stores import gc as hgc
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SINGLE_SEEDS = (0, 1, 2, 3)
@@ -174,8 +174,7 @@ def driver(tmp_path_factory):
     """One process imports SGLang once and runs both the real-pool and the gloo trials."""
     pytest.importorskip("torch")
     out = tmp_path_factory.mktemp("driver")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "crash_child.py"), "pools,gloo", str(out)],
-                          capture_output=True, text=True, timeout=400)
+    proc = zygote.run([sys.executable, os.path.join(HERE, "crash_child.py"), "pools,gloo", str(out)], text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {m: json.load(open(out / m / "result.json")) for m in ("pools", "gloo")}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ from io_cases import CASES, case_id, export_from, record, rows_as_bytes, source 
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_testing import pools as sp  # noqa: E402
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -36,7 +36,7 @@ def exported(tmp_path_factory):
         items.append({"kind": kind, "page": page, "path": path, "out": str(root / f"{cid}.out")})
     spec = root / "spec.json"
     spec.write_text(json.dumps({"items": items}))
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "io_cases.py"), "restore", str(spec)], capture_output=True, text=True, timeout=600)
+    proc = zygote.run([sys.executable, os.path.join(HERE, "io_cases.py"), "restore", str(spec)], text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {i["kind"] + "-p" + str(i["page"]): i for i in items}, expected, fingerprints
 

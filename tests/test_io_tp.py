@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 import hsnap_format as hf  # noqa: E402
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,8 +29,7 @@ def _run_ranks(mode, path, tmp_path, world=2):
     port = str(_free_port())
     outs = [str(tmp_path / f"{mode}-{r}.json") for r in range(world)]
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "tp_child.py"), mode, str(r), str(world), port, str(path), outs[r]],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        zygote.popen([sys.executable, os.path.join(HERE, "tp_child.py"), mode, str(r), str(world), port, str(path), outs[r]], text=True)
         for r in range(world)
     ]
     for p in procs:

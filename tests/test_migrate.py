@@ -23,6 +23,7 @@ from hsnap_testing import pools as sp  # noqa: E402
 import hsnap_format as hf  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, MigrationSource, MigrationTarget  # noqa: E402
+from hsnap_testing import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _child(role: str, spec_path, result, wait: bool = True):
     cmd = [sys.executable, "-m", "hsnap_testing.migration", role, "--spec", str(spec_path), "--result", str(result)]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = zygote.popen(cmd, cwd=ROOT, text=True)
     if wait:
         _wait(p, role)
     return p

@@ -15,7 +15,6 @@ import re
 import signal
 import socket
 import socketserver
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +29,7 @@ from hsnap_format.stores.s3 import S3Store, client as s3client, gc as s3gc, opti
 from hsnap_format.spec import MAGIC, PENDING_MAGIC, PENDING_MARKER, PENDING_MARKER_TEXT  # noqa: E402
 from hsnap_format.reference import state_arrays  # noqa: E402
 from crash_child import tiny  # noqa: E402
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -126,8 +126,7 @@ w.commit(tp_size=2)
 
 def _killed_export(opts, url, kill_rank):
     o = dict(opts, part_bytes=5 << 20, parallel=1, retries=0)
-    p = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, ROOT, json.dumps(o), url, str(kill_rank)],
-                       capture_output=True, text=True, timeout=300)
+    p = zygote.run([sys.executable, "-c", _KILLED_EXPORT, ROOT, json.dumps(o), url, str(kill_rank)], text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 
 from hsnap_testing import tp_pools as rp
+from hsnap_testing import zygote
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -26,8 +26,8 @@ def test_tp1_set_restored_by_a_tp2_gloo_group(tmp_path):
     path = rp.export_set(m, 1, state, tmp_path / "tp1")
     port, world = str(_free_port()), 2
     outs = [str(tmp_path / f"r{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "reshard_tp_child.py"), "qwen35", str(r), str(world), port, path, outs[r]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [zygote.popen([sys.executable, os.path.join(HERE, "reshard_tp_child.py"), "qwen35", str(r), str(world), port, path, outs[r]],
+                          text=True) for r in range(world)]
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]

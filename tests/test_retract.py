@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,7 @@ from hsnap_testing import reqs as sr  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_io.sglang_env import import_sglang  # noqa: E402
+from hsnap_testing import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ["mha", "mla", "swa_mamba", "hybrid_linear"]
@@ -189,7 +189,7 @@ def test_retracted_requests_resume_in_a_fresh_process(tmp_path):
         items.append({"kind": kind, "page": 1, "path": path})
     spec, out = tmp_path / "spec.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"items": items, "out": str(out)}))
-    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
+    zygote.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
     got = json.loads(out.read_text())
     for path, rows in expected.items():
         assert got[path]["pid"] != os.getpid()

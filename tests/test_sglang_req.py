@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -26,6 +25,7 @@ import hsnap_format as hf  # noqa: E402
 from hsnap_sglang import req as hs  # noqa: E402
 from hsnap_sglang.req import fields  # noqa: E402
 from hsnap_sglang.req.record import UnsupportedRequestError  # noqa: E402
+from hsnap_testing import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # SGLang's XGrammarGrammar passes a GrammarMatcher argument xgrammar 0.2.7 deprecates
@@ -241,7 +241,7 @@ def test_fresh_process_round_trips_of_random_reqs(tmp_path):
     spec = tmp_path / "spec.json"
     out = tmp_path / "out.json"
     spec.write_text(json.dumps({"items": items, "out": str(out)}))
-    subprocess.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
+    zygote.run([sys.executable, os.path.join(ROOT, "tests", "io_cases.py"), "resume", str(spec)], check=True, timeout=300)
     got = json.loads(out.read_text())
     assert {g["pid"] for g in got.values()} != {os.getpid()}
     stops, inf_bias = set(), False
