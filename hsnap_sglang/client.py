@@ -38,7 +38,7 @@ from typing import Any, Callable
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 from hsnap_format.tools.fit import Printer, elide_end
 
-__all__ = ["ServerError", "ResumeRun", "Migration", "pause", "resume", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
+__all__ = ["ServerError", "ResumeRun", "GenerateRun", "Migration", "pause", "resume", "generate", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
            "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -286,6 +286,69 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
             except (OSError, ValueError, http.client.HTTPException):
                 pass  # a read the interrupt cut mid-chunk: run.interrupted says what became of each request
         return run
+
+
+HAND_OFF = "hsnap_export"  # the finish reason of a stream whose request was paused or drained into a snapshot
+MAX_HAND_OFFS = 16
+
+
+@dataclass
+class GenerateRun:
+    """What :func:`generate` saw: the request's whole text and output ids across every server it ran in, its last
+    event, and each hand-off as ``(server URL, snapshot path)`` in order."""
+
+    text: str = ""
+    output_ids: list = field(default_factory=list)
+    final: dict = field(default_factory=dict)
+    hand_offs: list = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> dict | None:
+        return (self.final.get("meta_info") or {}).get("finish_reason")
+
+
+def _finish(event: dict) -> dict:
+    return (event.get("meta_info") or {}).get("finish_reason") or {}
+
+
+def generate(url: str, body: dict, *, next_url: str | Callable[[str, str], str] | None = None,
+             on_chunk: Callable[[str, str, list, dict], None] | None = None, max_hand_offs: int = MAX_HAND_OFFS,
+             timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> GenerateRun:
+    """SGLang's streamed ``/generate`` of ``body`` at ``url``, followed across hand-offs: when the stream ends with
+    ``finish_reason {"type": "hsnap_export", "path": ...}`` (the request was paused, drained, or drained by a server
+    going down on SIGTERM), the snapshot is resumed in ``next_url`` (a URL, or ``next_url(server_url, path)`` -> URL;
+    default: the same server) and its events continue the same request, with nothing repeated or missing; up to
+    ``max_hand_offs`` times.  ``on_chunk(rid, new_text, new_ids, event)`` gets what each event adds, as from
+    :func:`resume`.  The server must stream whole text and ids per event (SGLang's default, not
+    ``--incremental-streaming-output``).  A hand-off the next server refuses raises its :class:`ServerError`; the
+    run so far is on the error as ``run``."""
+    run = GenerateRun()
+
+    def take(rid: str, new_text: str, new_ids: list, event: dict) -> None:
+        run.text += new_text
+        run.output_ids += list(new_ids)
+        run.final = event
+        if on_chunk is not None:
+            on_chunk(rid, new_text, new_ids, event)
+
+    with _request(url, "/generate", dict(body, stream=True), timeout, api_key) as r:
+        for event in stream_events(r):
+            if "error" in event:
+                err = event["error"]
+                raise ServerError(url + "/generate", 200, err if isinstance(err, dict) else {"message": str(err)})
+            text, ids = event.get("text") or "", list(event.get("output_ids") or [])
+            take(event["meta_info"]["id"], text[len(run.text):], ids[len(run.output_ids):], event)
+    server = url
+    while _finish(run.final).get("type") == HAND_OFF and len(run.hand_offs) < max_hand_offs:
+        path = _finish(run.final)["path"]
+        server = next_url(server, path) if callable(next_url) else (next_url or server)
+        run.hand_offs.append((server, path))
+        try:
+            resume(server, path, on_chunk=take, seen=(len(run.text), len(run.output_ids)), timeout=timeout, api_key=api_key)
+        except ServerError as e:
+            e.run = run  # type: ignore[attr-defined]
+            raise
+    return run
 
 
 def interrupted_path(entry: str, n: int = 1) -> str:

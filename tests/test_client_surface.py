@@ -254,3 +254,42 @@ def test_a_drain_shows_its_progress_on_stderr_while_it_runs(capsys):
     progress = [line for line in got.err.splitlines() if line.startswith("draining:")]
     assert progress == ["draining: 2 requests still to export", "draining: 1 request still to export"], got.err
     assert "2 requests, all exported into /srv/d" in got.out
+
+
+class _HandingOff(_JsonHandler):
+    """/generate streams two events, the second ending the request with its snapshot (a drain); every /hsnap/resume
+    is refused as already claimed."""
+
+    resumes: list = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/hsnap/resume":
+            type(self).resumes.append(body["path"])
+            return self.answer(409, json.dumps({"error": {"type": "SnapshotClaimedError", "message": "claimed"}}).encode())
+        events = [{"text": "Hel", "output_ids": [1], "meta_info": {"id": "r", "finish_reason": None}},
+                  {"text": "Hello", "output_ids": [1, 2], "meta_info": {"id": "r", "finish_reason": {"type": "hsnap_export", "path": "/snaps/r.hsnap"}}}]
+        data = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_generate_follows_a_hand_off_and_a_refused_one_raises_with_the_run_so_far():
+    httpd = _serve(_HandingOff)
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    try:
+        chunks: list = []
+        with pytest.raises(client.ServerError) as e:
+            client.generate(url, {"text": "x"}, on_chunk=lambda rid, text, ids, ev: chunks.append((rid, text, ids)))
+        assert e.value.error_type == "SnapshotClaimedError" and _HandingOff.resumes == ["/snaps/r.hsnap"]
+        run = e.value.run
+        assert (run.text, run.output_ids, run.hand_offs) == ("Hello", [1, 2], [(url, "/snaps/r.hsnap")])
+        assert chunks == [("r", "Hel", [1]), ("r", "lo", [2])]  # each piece once
+        kept = client.generate(url, {"text": "x"}, max_hand_offs=0)  # not followed: the stream's own end
+        assert kept.finish_reason == {"type": "hsnap_export", "path": "/snaps/r.hsnap"} and kept.hand_offs == []
+        assert _HandingOff.resumes == ["/snaps/r.hsnap"]
+    finally:
+        httpd.shutdown()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hsnap_support import Stream, flush_cache, generate, hsnap_server, paced, payload, prompt, stats, wait_idle
+from hsnap_support import Stream, flush_cache, generate, hsnap_server, paced, payload, prompt, stats, tokens, wait_idle
 
 from hsnap_format.tools.cli import main as hsnap_cli
 from hsnap_sglang import client
@@ -478,6 +478,36 @@ def test_resume_from_a_store_that_never_answers_leaves_the_http_process_answerin
 
 
 # ----------------------------------------------------------------------------- a rolling restart (last: it stops the server)
+
+
+def test_generate_follows_a_drain_into_the_next_server_as_one_exact_stream(server):
+    """client.generate: the stream a drain ends with the request's snapshot goes on from the server it is resumed in
+    (here the same one), as one stream: the same tokens and text as an uninterrupted run, no chunk repeated."""
+    ids, n = prompt(104, 20), 60
+    flush_cache(server.url)
+    reference = generate(server.url, payload("gen-ref", ids, n))
+    flush_cache(server.url)  # the followed run prefills as the reference did
+    d = server.root / "gen-drained"
+    chunks: list = []
+    got: dict = {}
+    with paced(server.url, 0.05):  # 55 tokens take 2.75 s at least: the drain lands while it decodes
+        t = threading.Thread(target=lambda: got.update(run=client.generate(server.url, payload("gen", ids, n), next_url=server.url,
+                                                                          on_chunk=lambda *c: chunks.append(c))), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 120
+        while sum(len(c[2]) for c in chunks) < 5:
+            assert time.monotonic() < deadline and t.is_alive(), got
+            time.sleep(0.05)
+        drained = client.drain(server.url, str(d))
+        t.join(180)
+    run = got["run"]
+    assert drained["ok"] is True and [i["rid"] for i in drained["items"]] == ["gen"]
+    assert run.hand_offs == [(server.url, str(d / "gen.hsnap"))], run.hand_offs
+    assert run.finish_reason["type"] == "length"
+    assert run.output_ids == reference["output_ids"] and tokens(run.final)[0] == tokens(reference)[0]
+    assert run.text == reference["text"] == "".join(c[1] for c in chunks)  # each piece once, in order
+    assert {c[0] for c in chunks} == {"gen"}
+    wait_idle(server.url)
 
 
 def test_sigterm_drains_every_request_before_the_server_exits(server):
