@@ -24,9 +24,14 @@
      equal the reference, the target's forwards for it be decode N-k / extend 0, the
      stream continue without a repeated or missing chunk, the snapshot be bound to the
      CUDA device, and the five snapshots the demo refuses (version, layout, binding,
-     manifest, a flipped byte) be refused with the server unchanged. The request runs
-     alone in every server (GPU kernels are not batch-invariant in general; the CPU
-     demo, `hsnap demo`, runs it beside others).
+     manifest, a flipped byte) be refused with the server unchanged. Then the rolling
+     restart: a second request, y, streamed by ``client.generate`` in the source (paced by
+     SGLang's /slow_down), listed running by ``hsnap ls``, the export counted by the
+     source's ``/metrics`` (``--enable-metrics``); the source's SIGTERM drains y
+     (``HSNAP_DRAIN_ON_SIGTERM``) and y's stream follows its snapshot into the target,
+     whose tokens must equal the reference too. Each request runs alone in every server
+     (GPU kernels are not batch-invariant in general; the CPU demo, `hsnap demo`, runs it
+     beside others).
 
 Prints a small table; exits 1 on any byte, digest or continuation mismatch (a missed
 speed target is printed as MISS but is not a failure). Without CUDA it says so, runs
@@ -46,6 +51,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -351,11 +357,28 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     t0 = time.perf_counter()
     model = build_model_dir(work / "model")
     env, launcher, server_args = where["env"], where["launcher"], where["args"]
-    env = dict(env, HSNAP_ROOT=str(work.resolve()))  # every path the step names lies in its work directory
+    # every path the step names lies in its work directory; the source drains what still runs when it gets SIGTERM
+    env = dict(env, HSNAP_ROOT=str(work.resolve()), HSNAP_DRAIN_ON_SIGTERM="sigterm-drained")
     path = str(work / "x.hsnap")
     n, k = SERVER_N, SERVER_K
-    src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, extra), env, launcher=launcher)
+    src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, [*extra, "--enable-metrics"]), env, launcher=launcher)
     dst = None
+    # y: a client of client.generate that follows its request across the source's SIGTERM into the target, once the
+    # target has resumed x (alone, as the reference ran)
+    target_free, y_run, y_failed = threading.Event(), {}, []
+
+    def next_url(_server: str, _path: str) -> str:
+        if not target_free.wait(startup_timeout + 600):
+            raise Failed("two servers: the target never came up for y's hand-off")
+        return dst.url  # type: ignore[union-attr]
+
+    def follow_y() -> None:
+        try:
+            y_run["run"] = client.generate(src.url, payload("y", n, text=PROMPT_TEXT), next_url=next_url)
+        except Exception as e:  # noqa: BLE001 - reported below
+            y_failed.append(e)
+
+    y_thread = threading.Thread(target=follow_y, daemon=True)
     try:
         src.start(startup_timeout)
         print(f"[servers] source server ready after {src.ready_s:.1f} s", flush=True)
@@ -368,7 +391,12 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
         x.wait_tokens(k)
         out = client.pause(src.url, "x", path)
         x.finish()
-        stopped = src.stop()
+        flush_cache(src.url)
+        _slow_down(src.url, Y_PACE_S)  # y still decodes when SIGTERM lands, however fast the device
+        y_thread.start()
+        listed = _wait_listed(client, src.url, "y", timeout=120)
+        metrics = _scrape(src.url)
+        stopped = src.stop()  # SIGTERM: y is drained, its stream ends with its snapshot
         if stopped["left"] or stopped["exit_code"] is None:
             raise Failed(f"the source server did not stop cleanly: {stopped}")
         with open_snapshot(path) as snap:
@@ -381,8 +409,11 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
         print(f"[servers] target server ready after {dst.ready_s:.1f} s", flush=True)
         run = client.resume(dst.url, path)
         forwards = client.stats(dst.url, "x")["forwards"]
+        target_free.set()
+        y_thread.join(600)
         refusals = refuse(dst.url, negative_snapshots(path, work / "negative"))
     finally:
+        target_free.set()
         for s in (src, dst):
             if s is not None:
                 s.stop()
@@ -408,8 +439,58 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     bad = [r for r in refusals if not r["ok"]]
     if bad:
         raise Failed(f"two servers: snapshots not refused as they should be: {bad}")
+    exported_ok = metrics.get('hsnap_operations_total{op="export",outcome="ok"}', 0.0)
+    print(f"[servers] hsnap ls listed y as {listed.get('state')}; /metrics: exports ok {exported_ok:g}", flush=True)
+    if exported_ok < 1:
+        raise Failed(f"two servers: /metrics does not count the export: {sorted(metrics)[:8]}")
+    if y_failed or "run" not in y_run:
+        raise Failed(f"two servers: y's stream did not follow its hand-off: {y_failed or 'no result'}")
+    y = y_run["run"]
+    y_ids = y.output_ids
+    print(f"[servers] y followed {len(y.hand_offs)} hand-off(s) {y.hand_offs}; {sum(a == b for a, b in zip(y_ids, ref_ids))}/{n} "
+          f"token ids equal to the uninterrupted run; finish {y.finish_reason}", flush=True)
+    if [h[1] for h in y.hand_offs] != [str(work / "sigterm-drained" / "y.hsnap")] or y_ids != ref_ids:
+        raise Failed(f"two servers: y across the source's SIGTERM: hand-offs {y.hand_offs}, ids equal {y_ids == ref_ids}")
     print(f"two servers OK: exported from {where['device']} pools, resumed in a fresh server, bit-identical, decode-only, "
           "every refusal clean", flush=True)
+
+
+def _wait_listed(client, url: str, rid: str, timeout: float) -> dict:
+    """``rid``'s row of ``hsnap ls`` once it decodes (the client call behind it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = [r for r in client.requests(url) if r.get("rid") == rid and r.get("state") == "running"]
+        if rows:
+            return rows[0]
+        time.sleep(0.1)
+    raise Failed(f"two servers: {rid} never listed as running by hsnap ls")
+
+
+Y_PACE_S = 0.1  # seconds each forward of the source sleeps while y runs there (SGLang's /slow_down test route)
+
+
+def _slow_down(url: str, seconds: float | None) -> None:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url + "/slow_down", data=json.dumps({"forward_sleep_time": seconds}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        r.read()
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """The server's Prometheus /metrics: sample name with its labels -> value (hsnap's samples only)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("hsnap_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def print_table(table: list) -> None:
