@@ -8,8 +8,10 @@ zygote is multiprocessing's forkserver with :data:`PRELOAD` imported once per te
 it that has run nothing but those imports, then runs its script as ``__main__`` with its own argv, working directory,
 environment and output files.
 
-Not for a child whose imports, memory or start-up a test measures, nor one whose environment must reach an import
-(``HSNAP_SGLANG_CPU``, ``PYTHONPATH``): those stay :mod:`subprocess` children (:func:`popen` refuses such an env).
+Not for a child whose imports, memory or start-up a test measures.  A child whose environment must reach an import
+and differs there from the zygote's (``HSNAP_SGLANG_CPU``, ``PYTHONPATH``, ``OMP_*``: a test that set one, or a
+worker whose environment changed since the zygote started) gets a fresh interpreter instead (:class:`subprocess.Popen`,
+the same calls).
 """
 
 from __future__ import annotations
@@ -27,27 +29,33 @@ import weakref
 __all__ = ["PRELOAD", "Child", "popen", "run"]
 
 PRELOAD = ["hsnap_testing.zygote_preload"]
-# read at interpreter start or at an import the zygote has already made: a child asking for another value would not
-# get it, so it is refused
+# read at interpreter start or at an import the zygote has already made: a child asking for another value than the
+# zygote started with would not get it from a fork
 _IMPORT_TIME_ENV = ("HSNAP_SGLANG_CPU", "PYTHONPATH", "PYTHONHOME", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")
 
 _context_lock = threading.Lock()
 _context = None
+_zygote_env: dict[str, str | None] = {}
 
 
 def _forkserver():
+    """The forkserver context; the zygote itself starts at the first child, with this process's environment now."""
     global _context
     with _context_lock:
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(PRELOAD)
+            _zygote_env.update({k: os.environ.get(k) for k in _IMPORT_TIME_ENV})
             _context = ctx
         return _context
 
 
 def _child_main(argv: list[str], cwd: str | None, env: dict[str, str], where: str) -> None:
     for fd, name in ((1, "stdout"), (2, "stderr")):
-        f = os.open(os.path.join(where, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            f = os.open(os.path.join(where, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except FileNotFoundError:  # its Child was dropped unwaited (the directory went with it): nobody reads this
+            f = os.open(os.devnull, os.O_WRONLY)
         os.dup2(f, fd)
         os.close(f)
     os.environ.clear()
@@ -115,17 +123,19 @@ class Child:
             self._process.kill()
 
 
-def popen(argv: list[str], *, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None, text: bool = False) -> Child:
+def popen(argv: list[str], *, cwd: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+          text: bool = False) -> "Child | subprocess.Popen":
     """Start ``argv`` (``[sys.executable, script | -m module | -c code, *args]``) as a fork of the zygote; its stdout
-    and stderr go to files in a temporary directory of its own, removed with the :class:`Child`."""
+    and stderr go to files in a temporary directory of its own, removed with the :class:`Child`.  An environment
+    that differs from the zygote's where imports read it: a fresh interpreter, stdout and stderr piped."""
     if not argv or argv[0] != sys.executable:
         raise ValueError(f"zygote: not a Python command of this interpreter: {argv[:2]!r}")
     env = dict(os.environ if env is None else env)
-    differs = [k for k in _IMPORT_TIME_ENV if env.get(k) != os.environ.get(k)]
-    if differs:
-        raise ValueError(f"zygote: {differs} must reach the child's imports: start it with subprocess instead")
+    ctx = _forkserver()
+    if any(env.get(k) != _zygote_env.get(k) for k in _IMPORT_TIME_ENV):
+        return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=text)
     where = tempfile.mkdtemp(prefix="zygote-")
-    process = _forkserver().Process(target=_child_main, args=(argv[1:], None if cwd is None else str(cwd), env, where))
+    process = ctx.Process(target=_child_main, args=(argv[1:], None if cwd is None else str(cwd), env, where))
     process.start()
     return Child(argv, process, where, text)
 

@@ -178,8 +178,8 @@ async def test_cursor_line_never_cuts_a_number(in_fixtures):
         app.screen.select_section("0:attn.2.k")
         await settle(app, pilot)
         grid = app.screen.query_one(ValueGrid)
-        for _ in range(50):  # laid out (a loaded machine can take more than one pause)
-            if grid.cursor_index is not None and grid.scrollable_content_region.width:
+        for _ in range(100):  # laid out and drawn (a loaded machine can take more than one pause)
+            if grid.cursor_index is not None and grid.scrollable_content_region.width and visible(grid).strip():
                 break
             await pilot.pause(0.05)
         top = visible(grid).splitlines()[0].rstrip()
