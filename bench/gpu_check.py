@@ -439,10 +439,10 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     bad = [r for r in refusals if not r["ok"]]
     if bad:
         raise Failed(f"two servers: snapshots not refused as they should be: {bad}")
-    exported_ok = metrics.get('hsnap_operations_total{op="export",outcome="ok"}', 0.0)
+    exported_ok = metrics.get(("hsnap_operations_total", (("op", "export"), ("outcome", "ok"))), 0.0)
     print(f"[servers] hsnap ls listed y as {listed.get('state')}; /metrics: exports ok {exported_ok:g}", flush=True)
     if exported_ok < 1:
-        raise Failed(f"two servers: /metrics does not count the export: {sorted(metrics)[:8]}")
+        raise Failed(f"two servers: /metrics does not count the export: {sorted(k for k in metrics if k[0].startswith('hsnap_'))[:8]}")
     if y_failed or "run" not in y_run:
         raise Failed(f"two servers: y's stream did not follow its hand-off: {y_failed or 'no result'}")
     y = y_run["run"]
@@ -479,18 +479,15 @@ def _slow_down(url: str, seconds: float | None) -> None:
         r.read()
 
 
-def _scrape(url: str) -> dict[str, float]:
-    """The server's Prometheus /metrics: sample name with its labels -> value (hsnap's samples only)."""
+def _scrape(url: str) -> dict:
+    """The server's Prometheus /metrics as {(name, labels as a sorted tuple): value}."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
         text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("hsnap_") and " " in line:
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def print_table(table: list) -> None:

@@ -162,6 +162,13 @@ def stream_events(response) -> Any:
         yield json.loads(body)
 
 
+def _raise_stream_error(where: str, event: dict) -> None:
+    """A streamed event that is an error (the server's typed error in the stream after its 200) as ServerError."""
+    if "error" in event:
+        err = event["error"]
+        raise ServerError(where, 200, err if isinstance(err, dict) else {"message": str(err)})
+
+
 @dataclass
 class ResumeRun:
     """What :func:`resume` saw: the resume report (``info``), every event, and per request the last event."""
@@ -252,9 +259,7 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
         floor: dict[str, tuple[int, int]] = {}
 
         def take(event: dict) -> None:
-            if "error" in event:
-                err = event["error"]
-                raise ServerError(url + route, 200, err if isinstance(err, dict) else {"message": str(err)})
+            _raise_stream_error(url + route, event)
             rid = event["meta_info"]["id"]
             run.events.append(event)
             text, ids = event.get("text") or "", list(event.get("output_ids") or [])
@@ -333,9 +338,7 @@ def generate(url: str, body: dict, *, next_url: str | Callable[[str, str], str] 
 
     with _request(url, "/generate", dict(body, stream=True), timeout, api_key) as r:
         for event in stream_events(r):
-            if "error" in event:
-                err = event["error"]
-                raise ServerError(url + "/generate", 200, err if isinstance(err, dict) else {"message": str(err)})
+            _raise_stream_error(url + "/generate", event)
             text, ids = event.get("text") or "", list(event.get("output_ids") or [])
             take(event["meta_info"]["id"], text[len(run.text):], ids[len(run.output_ids):], event)
     server = url

@@ -140,10 +140,9 @@ def popen(argv: list[str], *, cwd: str | os.PathLike | None = None, env: dict[st
     return Child(argv, process, where, text)
 
 
-def run(argv: list[str], *, cwd=None, env=None, text: bool = False, capture_output: bool = False, check: bool = False,
+def run(argv: list[str], *, cwd=None, env=None, text: bool = False, check: bool = False,
         timeout: float | None = None) -> subprocess.CompletedProcess:
-    """:func:`subprocess.run` through :func:`popen`: the output is always captured (``capture_output`` is accepted for
-    the call sites' sake); a timeout kills the child."""
+    """:func:`subprocess.run` through :func:`popen`, the output always captured; a timeout kills the child."""
     child = popen(argv, cwd=cwd, env=env, text=text)
     try:
         out, err = child.communicate(timeout)
