@@ -6,6 +6,7 @@ and the first output token is not on the last visible line."""
 from __future__ import annotations
 
 import re
+import time
 
 import numpy as np
 import pytest
@@ -159,6 +160,7 @@ async def test_value_grid_marks_a_value_rounded_to_fit(tmp_path):
     assert cell_text(np.float32(0.25), "float32") == "0.25"
     app = make_app(str(path), verify_on_open=False)
     async with app.run_test(size=(120, 30)) as pilot:
+        await settle(app, pilot)  # mounted: the first tab's focus cannot pull the tabs back later
         app.screen.select_section("0:mamba.1.temporal")
         await settle(app, pilot)
         grid = app.screen.query_one(ValueGrid)
@@ -175,13 +177,16 @@ async def test_cursor_line_never_cuts_a_number(in_fixtures):
     """At 80x24 the line above the grid ended in ``(exactly -0.239257``: a number cut short."""
     app = make_app("hybrid.hsnap", verify_on_open=False)
     async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)  # mounted: the first tab's focus cannot pull the tabs back later
         app.screen.select_section("0:attn.2.k")
         await settle(app, pilot)
         grid = app.screen.query_one(ValueGrid)
-        for _ in range(100):  # laid out and drawn (a loaded machine can take more than one pause)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # laid out and drawn (a loaded machine can take more than one pause)
             if grid.cursor_index is not None and grid.scrollable_content_region.width and visible(grid).strip():
                 break
             await pilot.pause(0.05)
+        assert app.screen.active_pane == "section" and visible(grid).strip(), (app.screen.active_pane, grid.region)
         top = visible(grid).splitlines()[0].rstrip()
         v = grid.value_at(grid.cursor_index)
         assert f"= {fmt_value(v, 'bfloat16')}" in top
