@@ -7,6 +7,8 @@
 * :mod:`hsnap_testing.model`: the tiny random-weight hybrid model, its decode loop, cache <-> pool layouts.
 * :mod:`hsnap_testing.migration`: a request migrating between two processes while the tiny model decodes.
 * :mod:`hsnap_testing.zygote`: fresh child processes forked from one that already imported torch and SGLang.
+* :mod:`hsnap_testing.server_zygote`: test servers (``python -m hsnap_sglang.serve``) forked from one that already
+  imported SGLang's server on the CPU platform.
 * :mod:`hsnap_testing.terminal`: a child that Ctrl-C reaches as it does at a terminal.
 
 The top layer: it imports hsnap_format, hsnap_io and hsnap_sglang; none of them imports it.

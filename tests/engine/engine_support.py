@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from hsnap_testing import server_zygote
+
 STARTUP_TIMEOUT_S = float(os.environ.get("HSNAP_ENGINE_STARTUP_TIMEOUT", "420"))
 REQUEST_TIMEOUT_S = 300.0
 
@@ -60,13 +62,14 @@ class Server:
             "--grammar-backend", "none", "--log-level", "warning", *args,
         ]
         self.env = engine_env(**(env or {}))
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | server_zygote.ForkedServer | None = None
         self.ready_after_s: float | None = None
         self.descendants: list[int] = []
 
-    def _launch(self) -> subprocess.Popen:
-        with open(self.log_path, "wb") as log:
-            return subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+    def _launch(self) -> "subprocess.Popen | server_zygote.ForkedServer":
+        """A new session (its own process group), output to the log: forked from the server zygote (SGLang's server
+        already imported; a fresh interpreter with ``HSNAP_TEST_SERVER_ZYGOTE=0``)."""
+        return server_zygote.popen(self.argv, env=self.env, log_path=self.log_path)
 
     def _new_port(self) -> None:
         """Another free port, in ``url`` and ``argv`` (the one picked was taken before the server bound it)."""
