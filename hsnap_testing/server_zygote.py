@@ -11,8 +11,8 @@ zygote reaps it and reports its exit status, so :class:`ForkedServer` answers as
 (``-N`` for a server ended by signal N).
 
 A zygote serves the servers whose environment equals the one it started with, except where only the server reads it
-at run time (``HSNAP_*`` settings of the plug-in, pytest's own ``PYTEST_*``); another environment gets a zygote of its
-own.  ``HSNAP_TEST_SERVER_ZYGOTE=0``: every server a fresh interpreter (:func:`popen` returns a plain Popen).
+at run time (``HSNAP_*`` settings of the plug-in, pytest's ``PYTEST_*``, botocore's ``AWS_*``, SGLang's conv-state
+dtype); another environment gets a zygote of its own.  ``HSNAP_TEST_SERVER_ZYGOTE=0``: every server a fresh interpreter (:func:`popen` returns a plain Popen).
 """
 
 from __future__ import annotations
@@ -34,11 +34,15 @@ __all__ = ["ENABLE_ENV", "ForkedServer", "popen"]
 
 ENABLE_ENV = "HSNAP_TEST_SERVER_ZYGOTE"
 MODULE = "hsnap_sglang.serve"
-# read by the server at run time only: a server may differ from its zygote here
-_RUN_TIME_PREFIXES = ("HSNAP_", "PYTEST_")
+# read by the server at run time only: a server may differ from its zygote here (hsnap's settings, pytest's own,
+# botocore's, SGLang's Mamba conv-state dtype: read when the model config is built)
+_RUN_TIME_PREFIXES = ("HSNAP_", "PYTEST_", "AWS_")
+_RUN_TIME_KEYS = ("SGLANG_MAMBA_CONV_DTYPE",)
 _IMPORT_TIME_KEYS = ("HSNAP_SGLANG_CPU",)
 READY_TIMEOUT_S = 300.0
-_MAX_ZYGOTES = 3  # per test process; a server in yet another environment starts the ordinary way
+# zygotes one test process keeps (~0.5 GB each): past it the least recently used one whose servers have all ended
+# is closed; if every one still has a server running, the new server starts the ordinary way
+_MAX_ZYGOTES = 3
 
 
 def _import_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -48,7 +52,8 @@ def _import_key(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
 
     own = {cpu.SGLANG_CPU_ENV: "1", cpu.ONEDNN_ISA_ENV: cpu.ONEDNN_MAX_ISA, cpu.OMP_WAIT_ENV: cpu.OMP_WAIT}
     return tuple(sorted((k, v) for k, v in env.items()
-                        if (k in _IMPORT_TIME_KEYS or not k.startswith(_RUN_TIME_PREFIXES)) and own.get(k) != v))
+                        if (k in _IMPORT_TIME_KEYS or not (k.startswith(_RUN_TIME_PREFIXES) or k in _RUN_TIME_KEYS))
+                        and own.get(k) != v))
 
 
 # -- the zygote process
@@ -233,6 +238,8 @@ class _Zygote:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self._ready = threading.Event()
         self._failed: str | None = None
+        self.servers: list[ForkedServer] = []
+        self.used = time.monotonic()
         threading.Thread(target=self._await_ready, daemon=True, name="server-zygote-ready").start()
 
     def _await_ready(self) -> None:
@@ -253,7 +260,13 @@ class _Zygote:
             if not chunk:
                 raise RuntimeError(f"server zygote ended: {Path(self.log).read_text(errors='replace')[-3000:]}")
             line += chunk
-        return ForkedServer([sys.executable, "-m", MODULE, *args], conn, json.loads(line)["pid"])
+        server = ForkedServer([sys.executable, "-m", MODULE, *args], conn, json.loads(line)["pid"])
+        self.servers.append(server)
+        return server
+
+    def idle(self) -> bool:
+        """No server of this zygote still runs (the zygote reports their ends: it may go)."""
+        return all(s.poll() is not None for s in self.servers)
 
     def close(self) -> None:
         try:
@@ -279,8 +292,14 @@ def popen(argv: list[str], *, env: dict[str, str], log_path: str | os.PathLike, 
     key = _import_key(env)
     with _lock:
         zygote = _zygotes.get(key)
-        if zygote is None and os.environ.get(ENABLE_ENV, "1") != "0" and len(_zygotes) < _MAX_ZYGOTES:
-            zygote = _zygotes[key] = _Zygote(env)
+        if zygote is None and os.environ.get(ENABLE_ENV, "1") != "0":
+            idle = sorted((z.used, k) for k, z in _zygotes.items() if z.idle())
+            if len(_zygotes) >= _MAX_ZYGOTES and idle:
+                _zygotes.pop(idle[0][1]).close()
+            if len(_zygotes) < _MAX_ZYGOTES:
+                zygote = _zygotes[key] = _Zygote(env)
+        if zygote is not None:
+            zygote.used = time.monotonic()
     if zygote is None:
         with open(log_path, "wb") as log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
