@@ -188,6 +188,9 @@ class HsnapFrontend:
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
             raise _AnsweredError(out.error or {})
+        # its reader, now (no await since the answer): a request that ends while the next snapshot of a directory is
+        # resumed leaves rid_to_state, and a reader made later would not find its state (a 500 on a good resume)
+        obj.hsnap_waiter = tm._wait_one_response(obj, request)
         return obj, out, had
 
 
@@ -647,7 +650,7 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
     from fastapi.responses import JSONResponse, StreamingResponse
     from sglang.srt.entrypoints.http_server import dumps_json
 
-    waiters = [tm._wait_one_response(obj, request) for obj in resumed]
+    waiters = [obj.hsnap_waiter for obj in resumed]  # made as each was registered (_Frontend._registered)
     if not stream:
         outs = [await w.__anext__() for w in waiters]
         return JSONResponse(content=outs[0] if len(outs) == 1 and single else outs, headers=headers)
