@@ -223,6 +223,16 @@ class SnapshotSet:
                 raise MalformedManifestError(fpath, f"rank {entry.rank} {field} (manifest vs rank file)", exp, found)
         return snap
 
+    @classmethod
+    def of_whole_file(cls, snap: Snapshot) -> "SnapshotSet":
+        """A TP 1 snapshot file, already open, as the one-rank set it is (for re-sharding it to another TP size):
+        the manifest it would have, written from the file's own header; the file is not opened again."""
+        if snap.identity.tp_size != 1:
+            raise MalformedManifestError(snap.path, "identity.tp_size", Phrase("1 (a whole state, not one rank's)"), snap.identity.tp_size)
+        manifest = Manifest(snapshot_id=snap.identity.snapshot_id, state_position=snap.state_position, tp_size=1,
+                            ranks=(RankEntry(0, os.path.basename(snap.path), snap.file_length, snap.root_digest),))
+        return cls(os.path.dirname(snap.path) or ".", manifest=manifest, open_file=lambda _path: snap)
+
     def rank(self, r: int) -> Snapshot:
         return self.ranks[r]
 

@@ -107,10 +107,7 @@ def export_request(
     """
     require_type(path, "identity", identity, Identity)  # typed refusals, not AttributeError, for a dict
     require_type(path, "record", record, RequestRecord)
-    require_type(path, "sharding", sharding, Sharding, optional=True)
-    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
-    if sharding is not None:  # format 1.1: this rank's share of the global state (hsnap_io.reshard.describe)
-        view = dataclasses.replace(view, geometry=dataclasses.replace(view.geometry, sharding=sharding))
+    view = _described(view_pools(req_to_token_pool, token_to_kv_pool_allocator), sharding, path)
     slots = request_slots(view, req_pool_idx, record.state_position, swa_start, path)
     identity = complete_identity(identity)
     store = store_for(path, storage_options)
@@ -162,6 +159,15 @@ class CapturedRequest:
         return sum(int(c.nbytes) for chunks in self.sections.values() for c in chunks)
 
 
+def _described(view, sharding, path):
+    """``view`` whose geometry carries ``sharding`` (format 1.1: this rank's share of the global state,
+    :func:`hsnap_io.reshard.describe`), so that a target of another TP size can re-shard what is written."""
+    require_type(path, "sharding", sharding, Sharding, optional=True)
+    if sharding is None:
+        return view
+    return dataclasses.replace(view, geometry=dataclasses.replace(view.geometry, sharding=sharding))
+
+
 def capture_request(
     *,
     req_to_token_pool,
@@ -172,14 +178,16 @@ def capture_request(
     swa_start: int = 0,
     base_position: int = 0,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
+    sharding=None,
 ) -> CapturedRequest:
     """The synchronous half of a (delta) export: the attention rows after ``base_position`` (every
     row when 0), the whole recurrent state of the Mamba slot and the record, as host copies.
     ``base_position`` is the state position of the base the delta will name
-    (:func:`write_captured` checks it against the base it opens)."""
+    (:func:`write_captured` checks it against the base it opens); ``sharding`` as for
+    :func:`export_request`."""
     require_type(None, "identity", identity, Identity)
     require_type(None, "record", record, RequestRecord)
-    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    view = _described(view_pools(req_to_token_pool, token_to_kv_pool_allocator), sharding, None)
     slots = request_slots(view, req_pool_idx, record.state_position, swa_start)
     if base_position:
         if not 0 < base_position <= record.state_position:

@@ -102,7 +102,7 @@ def restore_request(
 
     Across TP sizes: ``sharding`` is the target rank's own description
     (:func:`hsnap_io.reshard.describe` of its model at its TP size). Given it, a snapshot
-    directory written at another TP size is re-sharded (:mod:`hsnap_io.reshard`): this
+    directory (or a TP 1 file: a set of one rank) written at another TP size is re-sharded (:mod:`hsnap_io.reshard`): this
     rank reads each source section it depends on whole (its digest covers every byte), in
     2 MiB pieces hashed as they land, and copies only its heads/channels into the slots,
     after verifying every such section; all the guarantees above hold. The
@@ -160,16 +160,23 @@ def open_source(path, *, rank: int | None = None, identity: Identity | None = No
     """Open ``path`` once for :func:`restore_opened`. ``rank`` defaults to
     ``identity.tp_rank``. With ``sharding`` (this rank's description), a snapshot directory
     written at another TP size than the target's (``identity.tp_size``, else ``tp_size``) is
-    opened whole — manifest and every rank, once — for re-sharding."""
+    opened whole — manifest and every rank, once — for re-sharding; so is a TP 1 file, as the
+    one-rank set it is (:meth:`SnapshotSet.of_whole_file`)."""
     if rank is None and identity is not None:
         rank = identity.tp_rank
     target_tp = identity.tp_size if identity is not None else tp_size
     p = os.fspath(path)
     store = store_for(p, storage_options)
-    if sharding is None or not (store.local and os.path.isdir(p)):  # re-sharding reads a local set's rank files
+    if sharding is None or not store.local:  # re-sharding reads local rank files
         snap, snapset = _open_rank(p, rank, storage_options)
         return _with_chain(OpenSource(p, snap, snapset, rank), store)
-    snapset = store.open(p)  # the manifest and every rank file: the one open of this restore
+    if not os.path.isdir(p):  # one file: a TP 1 snapshot re-shards as the one-rank set it is
+        snap, _ = _open_rank(p, rank, storage_options)
+        if target_tp is None or target_tp == 1 or snap.identity.tp_size != 1:
+            return _with_chain(OpenSource(p, snap, None, rank), store)
+        snapset = SnapshotSet.of_whole_file(snap)
+    else:
+        snapset = store.open(p)  # the manifest and every rank file: the one open of this restore
     try:
         source_tp = snapset.manifest.tp_size
         if target_tp is not None and source_tp != target_tp:

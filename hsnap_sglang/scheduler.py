@@ -166,6 +166,7 @@ class HsnapScheduler:
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
         self.finish_reason = _finish_reason_class()
         self._identity = None
+        self._sharding: tuple | None = None  # (Sharding or None,) once computed
         self.exports = self.resumes = 0
         self.finished: OrderedDict[str, str] = OrderedDict()  # rid -> how it finished (its finish reason's type), newest last
 
@@ -193,6 +194,19 @@ class HsnapScheduler:
 
             self._identity = server_identity(self.sched.server_args, tp_size=self.tp_size, tp_rank=self.tp_rank)
         return self._identity
+
+    def sharding(self):
+        """This rank's ``geometry.sharding`` (:func:`hsnap_io.reshard.describe` of the model at this TP size), for a
+        set of another TP size to be re-sharded as it is resumed; None for a family :mod:`.sharding` has no row for
+        (such a set is refused)."""
+        if self._sharding is None:
+            from hsnap_io.reshard import describe
+
+            from .sharding import tp_model
+
+            model = tp_model(self.sched.model_config.hf_text_config)
+            self._sharding = (describe(model, self.tp_size, self.tp_rank) if model is not None else None,)
+        return self._sharding[0]
 
     def resume_context(self) -> dict[str, Any]:
         """What a request resumed or migrated into this scheduler is checked against and built with (keywords of
@@ -424,7 +438,8 @@ class HsnapScheduler:
         s = self.sched
         return capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
                                req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
-                               identity=dataclasses.replace(self.identity(), snapshot_id=snapshot_id), base_position=base_position)
+                               identity=dataclasses.replace(self.identity(), snapshot_id=snapshot_id), base_position=base_position,
+                               sharding=self.sharding())
 
     def _export_written(self, job: "LinkJob") -> None:
         """A plain export the writer finished (scheduler thread): release the held request, or give it back."""
@@ -487,7 +502,9 @@ class HsnapScheduler:
         from .req.record import req_record
 
         s = self.sched
-        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
+        # the sharding described (format 1.1): a server of another TP size can re-shard what this one writes
+        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+                     sharding=self.sharding())
         identity = self.identity()
         if self.tp_size == 1:
             sid = uuid.uuid4().hex
@@ -755,6 +772,7 @@ class HsnapScheduler:
                 expect_rid=msg.rid,
                 commit=agreement.commit if self.tp_size > 1 else None,
                 room=_Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None,
+                sharding=self.sharding(),
                 **self.resume_context(),
             )
         except HsnapError as e:

@@ -6,6 +6,8 @@ geometries (Qwen3.5-35B-A3B per rank, GQA kv >= tp, MLA, Mamba2 n_groups 1 < tp)
 from __future__ import annotations
 
 
+from pathlib import Path
+
 import pytest
 
 import hsnap_format as hf
@@ -242,3 +244,31 @@ def test_same_tp_takes_the_plain_path(sets):
     got = rp.restored_rows(ps, res)
     for sec, t in got.items():
         assert rp.as_bytes(t) == rp.as_bytes(rp.shard_of(m, 2, 1, sec, sets.states["gqa"][sec]))
+
+
+@pytest.mark.parametrize("name", sorted(rp.MODELS))
+def test_a_whole_tp1_file_reshards_as_its_one_rank_set(sets, name, tmp_path):
+    """A TP 1 snapshot is a file, not a directory (what a TP 1 server writes): it re-shards to TP 2 as the set of one
+    rank it is, byte for byte, read through the one open of the file."""
+    import shutil
+
+    m = rp.MODELS[name]
+    whole = tmp_path / "whole.hsnap"
+    shutil.copyfile(Path(sets(name, 1)) / "rank-0.hsnap", whole)
+    for r in range(2):
+        ps, res = _restore(whole, m, 2, r)
+        for sec, t in rp.restored_rows(ps, res).items():
+            assert rp.as_bytes(t) == rp.as_bytes(rp.shard_of(m, 2, r, sec, sets.states[name][sec])), (name, r, sec)
+        assert res.source_ranks == (0,) and res.source_bytes_read >= res.bytes_uploaded
+
+
+def test_one_rank_file_of_a_set_is_not_a_whole_state(sets, tmp_path):
+    """A rank file of a TP 2 set named alone holds half the state: refused typed, never re-sharded as if whole."""
+    import shutil
+
+    m = rp.MODELS["gqa"]
+    half = tmp_path / "half.hsnap"
+    shutil.copyfile(Path(sets("gqa", 2)) / "rank-0.hsnap", half)
+    _refused(half, m, 4, 0, hf.IncompatibleSnapshotError, "tp_size")
+    with hf.open(str(half)) as snap, pytest.raises(hf.MalformedManifestError, match="a whole state"):
+        hf.SnapshotSet.of_whole_file(snap)

@@ -269,7 +269,10 @@ def test_exported_file_gives_the_layers_to_their_groups_with_the_family_geometry
     assert list(g.attention.layers) == attention != [] and list(g.mamba.layers) == mamba != []
     parallel = arch == "falcon_h1"
     assert g.parallel_layers == (tuple(attention) if parallel else ())
-    assert (version, required) == (((1, 4), ["parallel-layers"]) if parallel else ((1, 0), []))
+    # 1.1: the server describes its rank's share of the state (geometry.sharding), so a server of another TP size
+    # can re-shard the file; FalconH1's parallel layers need 1.4
+    assert (version, required) == (((1, 4), ["parallel-layers"]) if parallel else ((1, 1), []))
+    assert g.sharding is not None and g.sharding.temporal.global_size == heads
     assert g.attention.heads == cfg.num_key_value_heads and not g.attention.swa_layers
     assert [list(c) for c in g.mamba.conv_shapes] == [[heads * head_dim + 2 * groups * state, kernel - 1]]
     assert list(g.mamba.temporal_shape) == [heads, head_dim, state]

@@ -512,6 +512,7 @@ def _negative_files(work: Path) -> dict[str, str]:
     # layout: another GDN head layout than this model's (temporal state 2x32x32 instead of 4x32x16), consistently
     def other_layout(h):
         h["geometry"]["mamba"]["temporal_shape"] = [2, 32, 32]
+        h["geometry"]["sharding"]["temporal"] = {"axis": 0, "global": 2, "parts": [[0, 2, 1]]}  # this rank: all 2 heads
         for s in h["sections"]:
             if s["kind"] == "temporal":
                 s["shape"] = [2, 32, 32]
