@@ -465,6 +465,8 @@ def negative_snapshots(good: str, outdir: Path) -> dict[str, str]:
     h, dv, dk = layout["geometry"]["mamba"]["temporal_shape"]
     other = [h // 2, dv, dk * 2] if h % 2 == 0 else [h * 2, dv, dk // 2]
     layout["geometry"]["mamba"]["temporal_shape"] = other
+    if (layout["geometry"].get("sharding") or {}).get("temporal"):  # described (1.1): this one rank holds all heads
+        layout["geometry"]["sharding"]["temporal"] = {"axis": 0, "global": other[0], "parts": [[0, other[0], 1]]}
     for s in layout["sections"]:
         if s["kind"] == "temporal":
             s["shape"] = list(other)

@@ -1,6 +1,7 @@
 """Module-level names SGLang 0.5.23 binds only for cuda / npu / xpu, given on hsnap's CPU platform right after the
-module executes (by :mod:`hsnap_sglang.cpu.finder`, which wraps the module's loader; nothing else of the module
-changes, and a name the module did bind is left alone).
+module executes (by :mod:`hsnap_sglang.cpu.finder`, which wraps the module's loader; a name the module did bind is
+left alone), and one it binds that cannot load a layout on CPU, wrapped (:data:`WRAP`: the Mamba2 weight loader for
+one SSM group replicated across TP ranks, :func:`replicated_groups_loader`).
 
 ``sglang/srt/layers/attention/mamba/mamba.py`` (``MambaMixer2``, the Mamba2 layer of NemotronH, FalconH1 and
 GraniteMoeHybrid) imports its causal conv under ``if is_cuda(): ... elif is_npu(): ... elif is_xpu(): ...``, so on
@@ -18,7 +19,7 @@ Only the standard library is imported until a listed module executes.
 
 from __future__ import annotations
 
-__all__ = ["FILL_IN", "fill"]
+__all__ = ["FILL_IN", "WRAP", "fill", "replicated_groups_loader"]
 
 PAD_SLOT_ID = -1
 MAMBA2_MIXER = "sglang.srt.layers.attention.mamba.mamba"
@@ -100,11 +101,48 @@ FILL_IN = {
 }
 
 
+def replicated_groups_loader(cpu_loader):
+    """``mamba_v2_sharded_weight_loader`` for a Mamba2 layer whose one SSM group is replicated on every TP rank
+    (``n_groups`` 1 < tp: GraniteMoeHybrid, Granite 4.0-H): SGLang's own loop, without the ``is_cpu()`` branch that pads
+    a checkpoint tensor shorter than the sharded size as Qwen3-Next's q/k/v (a replicated group makes it shorter by
+    design, and that branch indexes a second and third axis the one-dimensional conv bias does not have: IndexError
+    while loading).  Every other shard spec keeps SGLang's loader, CPU branch included."""
+    def make(shard_spec, tp_size: int, tp_rank: int):
+        if not any(duplicate for _, _, duplicate in shard_spec):
+            return cpu_loader(shard_spec, tp_size, tp_rank)
+
+        def loader(param, loaded_weight) -> None:
+            boundary, loaded_boundary = 0, 0
+            for full_dim, extra, duplicate in shard_spec:
+                shard_size = full_dim // tp_size
+                loaded_skip = (0 if duplicate else tp_rank) * shard_size  # a replicated group: every rank reads rank 0's
+                start = loaded_boundary + loaded_skip
+                take = min(shard_size, full_dim - extra - loaded_skip)
+                param.data[boundary : boundary + take, ...] = loaded_weight[start : start + take]
+                boundary += shard_size
+                loaded_boundary += full_dim - extra
+
+        return loader
+
+    return make
+
+
+# module -> {name: wrapper}: a name the module binds, replaced by wrapper(the module's own) after it executes
+WRAP = {
+    MAMBA2_MIXER: {"mamba_v2_sharded_weight_loader": replicated_groups_loader},
+}
+
+
 def fill(module) -> list[str]:
-    """Bind the names :data:`FILL_IN` lists for ``module`` that it left unbound; returns those bound."""
+    """Bind the names :data:`FILL_IN` lists for ``module`` that it left unbound, and wrap the names :data:`WRAP` lists
+    that it bound; returns the names given or wrapped."""
     bound = []
     for name, value in FILL_IN.get(module.__name__, {}).items():
         if name not in vars(module):
             setattr(module, name, value)
+            bound.append(name)
+    for name, wrapper in WRAP.get(module.__name__, {}).items():
+        if name in vars(module):
+            setattr(module, name, wrapper(vars(module)[name]))
             bound.append(name)
     return bound

@@ -1,23 +1,22 @@
-"""A Mamba2 hybrid at TP 2 in the real server, and its state re-sharded between a TP 2 and a TP 1 server.
+"""Mamba2 hybrids at TP 2 in the real server, and their state re-sharded between a TP 2 and a TP 1 server.
 
-The tiny NemotronH has 8 SSM heads in 2 groups: at TP 2 each rank holds 4 heads and one group (the temporal state of
-its heads, and of the conv state the x part of its heads and the B and C of its group).  Two servers with the plug-in
-on, in float32 (conv state too), side by side: A at TP 2 (two scheduler ranks on gloo), B at TP 1.
+Two layouts.  The tiny NemotronH has 8 SSM heads in 2 groups: at TP 2 each rank holds 4 heads and one group (the
+temporal state of its heads; of the conv state the x part of its heads and the B and C of its group).  The tiny
+GraniteMoeHybrid has one group for its 8 heads (Granite 4.0-H's geometry): at TP 2 each rank holds 4 heads and the
+one group whole (SGLang replicates it on every rank; on CPU it loads through hsnap's
+``hsnap_sglang.cpu.fill_in.replicated_groups_loader``: SGLang 0.5.23's own CPU branch of
+``mamba_v2_sharded_weight_loader`` cannot load it).  Per model, two servers with the plug-in on, in float32 (conv
+state too), side by side: A at TP 2 (two scheduler ranks on gloo), B at TP 1.
 
-* ``x`` is paused mid-decode in A into a set of two rank files, and B resumes it: re-sharded 2 -> 1 (the heads and
-  groups of both ranks put side by side in each of x, B and C);
-* ``y`` is paused mid-decode in B into one file, and A resumes it: re-sharded 1 -> 2 (each rank its heads and group).
+* ``x`` is paused mid-decode in A into a set of two rank files, and B resumes it: re-sharded 2 -> 1 (the heads of
+  both ranks side by side; groups side by side, or a replicated group read from one rank);
+* ``y`` is paused mid-decode in B into one file, and A resumes it: re-sharded 1 -> 2 (each rank its heads, and its
+  group or a copy of the one group).
 
 Each request's whole output (before the pause in one server, after it in the other) is compared with transformers'
 own float32 model run on the same weights over the same tokens: every greedy choice, and each chosen token's
-log-probability within ``TOL`` (measured: 2.8e-7 for 2 -> 1, 3.4e-7 for 1 -> 2, over 24 tokens, 7 before the
-pause).  The resumed request recomputes nothing: its forwards in the target are decode steps only.
-
-Not here: one SSM group at TP 2 (GraniteMoeHybrid, Granite 4.0-H's geometry, where SGLang replicates the group on
-every rank).  SGLang 0.5.23 cannot load it on CPU: ``mamba_v2_sharded_weight_loader`` (layers/attention/mamba/
-mamba.py) pads a checkpoint tensor shorter than the replicated size as Qwen3-Next's q/k/v under ``is_cpu()``, and
-the conv bias, one-dimensional, fails there (``loaded_weight.size(1)``: IndexError).  The replicated layout's
-re-sharding is proven on SGLang's own pools in tests/test_reshard.py.
+log-probability within ``TOL`` (measured, 2 -> 1 and 1 -> 2 over 24 tokens, 7 before the pause: NemotronH 2.8e-7 and
+3.4e-7, GraniteMoeHybrid 3.2e-7 and 2.6e-7).  The resumed request recomputes nothing: its forwards in the target are decode steps only.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from hsnap_sglang import client
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-ARCH = "nemotron_h"
+ARCHS = ("nemotron_h", "granitemoehybrid")
 N = 24  # output tokens of each moved request
 K = 6  # of them decoded before its pause
 # max |logprob - transformers'| of a chosen token: float32 TP 1 serves within 1e-5 (test_server_families), and so do
@@ -44,12 +43,12 @@ FLOAT32 = ("--dtype", "float32")
 FLOAT32_ENV = {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
 
 
-@pytest.fixture(scope="module")
-def moved(tiny_arch_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=ARCHS)
+def moved(request, tiny_arch_dir, tmp_path_factory):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("TP 2 on CPU needs two cores (one per rank)")
-    model_dir = tiny_arch_dir(ARCH)
-    work = tmp_path_factory.mktemp("hsnap-mamba2-tp2")
+    model_dir = tiny_arch_dir(request.param)
+    work = tmp_path_factory.mktemp(f"hsnap-mamba2-tp2-{request.param}")
     a = hsnap_server(model_dir, work / "a.log", *FLOAT32, "--tp", "2", env=FLOAT32_ENV)
     b = hsnap_server(model_dir, work / "b.log", *FLOAT32, env=FLOAT32_ENV)
     start_together(a, b)
@@ -69,10 +68,11 @@ def moved(tiny_arch_dir, tmp_path_factory):
         idle = {"a": wait_idle(a.url), "b": wait_idle(b.url)}
     finally:
         retire(a, b)
-    return {"model_dir": model_dir, "paused": paused, "runs": runs, "forwards": forwards, "idle": idle}
+    return {"arch": request.param, "model_dir": model_dir, "paused": paused, "runs": runs, "forwards": forwards, "idle": idle}
 
 
 def test_tp2_pause_writes_two_rank_files_each_with_half_the_heads_and_one_group(moved):
+    """NemotronH: one of its two groups a rank; GraniteMoeHybrid: its one group on both ranks (the same bytes)."""
     ids, report, path, _ = moved["paused"]["x"]
     assert report["tp_size"] == 2
     with hf.open(str(path)) as snap:
@@ -82,9 +82,14 @@ def test_tp2_pause_writes_two_rank_files_each_with_half_the_heads_and_one_group(
             temporal = [s for s in rank.sections if s.kind == "temporal"]
             conv = [s for s in rank.sections if s.kind == "conv"]
             assert temporal and conv
-            # 8 heads of 16 channels, state 32, 2 groups: 4 heads a rank; conv = x (4 x 16) + B and C of one group (2 x 32)
+            # 8 heads of 16 channels, state 32: 4 heads a rank; conv = x (4 x 16) + B and C of one group (2 x 32)
             assert all(tuple(s.shape)[-3:] == (4, 16, 32) for s in temporal), [s.shape for s in temporal]
             assert all(tuple(s.shape)[-2] == 4 * 16 + 2 * 32 for s in conv), [s.shape for s in conv]
+        # the group part of each conv state (B and C, the channels after x): one group replicated is the same bytes on
+        # both ranks; two groups split are two groups (other bytes)
+        groups = [[snap.ranks[r].array(s, verify=True)[..., 4 * 16:, :].tobytes() for s in snap.ranks[r].sections if s.kind == "conv"]
+                  for r in (0, 1)]
+        assert (groups[0] == groups[1]) == (moved["arch"] == "granitemoehybrid")
 
 
 @pytest.mark.parametrize("rid, direction", [("x", "2 -> 1"), ("y", "1 -> 2")])
@@ -97,7 +102,7 @@ def test_resharded_resume_continues_as_transformers_does_decoding_only(moved, ri
     _, decode = reference_logprobs(moved["model_dir"], ids, out_ids, "float32")
     ref = decode.argmax(-1).tolist()
     d = max(abs(lp - decode[j, t].item()) for j, (t, lp) in enumerate(zip(out_ids, out_lp)))
-    print(f"\n{direction}: max |dlogprob| vs transformers float32 over {N} tokens ({report['output_tokens']} before "
+    print(f"\n{moved['arch']} {direction}: max |dlogprob| vs transformers float32 over {N} tokens ({report['output_tokens']} before "
           f"the pause): {d:.2e}")
     assert out_ids == ref
     assert d <= TOL

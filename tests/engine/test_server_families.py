@@ -113,6 +113,15 @@ def sglang_geometries(tiny_arch_dir):
         "        params = c.mamba2_cache_params\n"
         "    out[arch] = {'cls': type(c).__module__, 'mamba_layers': list(params.layers),"
         " 'conv': [list(s) for s in params.shape.conv], 'temporal': list(params.shape.temporal)}\n"
+        # what the server's re-sharding reads of the config (hsnap_sglang.sharding) against SGLang's own shapes, per TP
+        "    from hsnap_io.reshard import state_shape\n"
+        "    from hsnap_sglang.sharding import tp_model\n"
+        "    m = tp_model(c)\n"
+        "    for tp in (1, 2):\n"
+        "        with get_parallel().override(attn_tp_size=tp):\n"
+        "            theirs = c.mamba2_cache_params.shape\n"
+        "        ours = state_shape(m.mamba, tp, m.conv_kernel)\n"
+        "        out[arch][f'tp{tp}'] = [[list(x) for x in theirs.conv], list(theirs.temporal), [list(x) for x in ours.conv], list(ours.temporal)]\n"
         "print(json.dumps(out))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe, json.dumps(dirs)], capture_output=True, text=True, timeout=300,
@@ -124,7 +133,8 @@ def sglang_geometries(tiny_arch_dir):
 @pytest.mark.parametrize("arch", MAMBA2)
 def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_arch_dir, sglang_geometries, arch):
     """The config.json the tiny recipe writes gives SGLang's config class (what sizes its Mamba pool and layers) the
-    same layers and SSM geometry as transformers' (what the reference computes with)."""
+    same layers and SSM geometry as transformers' (what the reference computes with); and the server's re-sharding
+    (hsnap_sglang.sharding) reads that config into SGLang's own state shapes at TP 1 and TP 2."""
     from hsnap_sglang.tiny import load_reference_model
 
     cfg = load_reference_model(tiny_arch_dir(arch)).config
@@ -138,6 +148,9 @@ def test_tiny_mamba2_config_has_one_geometry_for_transformers_and_sglang(tiny_ar
                                                   cfg.mamba_n_groups, cfg.mamba_d_conv)
     assert groups < heads and groups in (1, 2)
     assert sg["temporal"] == [heads, head_dim, state]
+    for tp in ("tp1", "tp2"):  # the server's re-sharding (hsnap_sglang.sharding) reads the config as SGLang does
+        theirs_conv, theirs_temporal, ours_conv, ours_temporal = sg[tp]
+        assert (ours_conv, ours_temporal) == (theirs_conv, theirs_temporal), (tp, sg[tp])
     assert sg["conv"] == [[heads * head_dim + 2 * groups * state, kernel - 1]]
     layer_kinds = getattr(cfg, "layers_block_type", None) or cfg.layer_types
     expected = ([i for i, kind in enumerate(layer_kinds) if kind in ("mamba", "linear_attention")]
