@@ -87,6 +87,16 @@ class Server:
         return b"EADDRINUSE" in log or b"error while attempting to bind on address" in log
 
     def start(self) -> "Server":
+        """Launch and wait until /health answers; whatever ends the wait early (a failed check, an interrupt) leaves
+        no server running behind it."""
+        try:
+            return self._start()
+        except BaseException:
+            if self.proc is not None and self.proc.poll() is None:
+                self._kill_group()
+            raise
+
+    def _start(self) -> "Server":
         t0 = time.monotonic()
         self.proc, retries = self._launch(), 2
         deadline = t0 + STARTUP_TIMEOUT_S
