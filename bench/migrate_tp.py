@@ -40,6 +40,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
+from bench.run import collect_garbage  # noqa: E402
 from bench import reshard as brs  # noqa: E402
 from hsnap_io import export_request, reshard  # noqa: E402
 
@@ -126,7 +127,7 @@ def states(m, n: int) -> list[dict]:
         for j, b in enumerate(p.view().bindings):
             if b.space != "token":
                 shape = tuple(b.buffer.shape[1:])
-                st[b.name] = brs._noise(torch.Size(shape).numel() * b.buffer.element_size(), 7000 + 100 * i + j).view(b.buffer.dtype).view(shape)
+                st[b.name] = brs.noise(torch.Size(shape).numel() * b.buffer.element_size(), 7000 + 100 * i + j).view(b.buffer.dtype).view(shape)
         out.append(st)
     return out
 
@@ -151,7 +152,7 @@ def measure(m, tokens: int, src: int, dst: int, rounds: int, d: str, log=print) 
         links.append(write_link(ranks, os.path.join(c, name), links[-1] if links else None, f"mig-{i}", prompt))
     direct = write_link(ranks, os.path.join(c, "direct"), None, "direct", prompt)
     del ranks
-    gc.collect()
+    collect_garbage()
     final_bytes = sum(os.path.getsize(os.path.join(links[2], f)) for f in os.listdir(links[2]) if f.endswith(".hsnap"))
 
     target = brs.build_pools(m, dst, 0, tokens + 64)
@@ -176,15 +177,15 @@ def measure(m, tokens: int, src: int, dst: int, rounds: int, d: str, log=print) 
 
     # untimed: the migrated request holds exactly the direct re-sharded restore's bytes
     _, tgt, applied = migrate()
-    got = brs._slot_bytes(target, tgt.request)
+    got = brs.slot_bytes(target, tgt.request)
     tgt.release()
     _, res, cp = stop_and_copy()
-    if brs._slot_bytes(target, res) != got:
+    if brs.slot_bytes(target, res) != got:
         raise AssertionError(f"{tokens} tok {src}->{dst}: the migrated request differs from the direct re-sharded restore")
     whole = res.bytes_uploaded
     cp.rollback()
     times = {"final": [], "stop": []}
-    gc.collect()
+    collect_garbage()
     gc.disable()
     try:
         for i in range(rounds + WARMUP):  # the first WARMUP rounds warm up (allocator, page cache)

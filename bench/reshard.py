@@ -39,6 +39,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
+from bench.run import collect_garbage  # noqa: E402
 from hsnap_format import reference as ref  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 
@@ -106,10 +107,10 @@ def build_pools(m: BenchModel, tp: int, rank: int, size: int) -> Pools:
     return Pools(rtp, alloc, kv)
 
 
-def _noise(nbytes: int, salt: int) -> torch.Tensor:
-    from bench.run import _noise_block
+def noise(nbytes: int, salt: int) -> torch.Tensor:
+    from bench.run import noise_block
 
-    block = _noise_block()
+    block = noise_block()
     start = (salt * 4099) % (4099 * 97)
     if nbytes <= 8 * MiB:  # its own storage: a view would keep 8 MiB alive per (small) section
         return block[start : start + nbytes].clone()
@@ -122,7 +123,7 @@ def fill_stale(p: Pools) -> None:
     and every page is faulted in before anything is timed)."""
     for i, b in enumerate(p.view().bindings):
         raw = b.buffer.view(-1).view(torch.uint8)
-        raw.copy_(_noise(raw.numel(), 1000 + i))
+        raw.copy_(noise(raw.numel(), 1000 + i))
 
 
 def global_state(m: BenchModel, tokens: int) -> dict[str, torch.Tensor]:
@@ -132,7 +133,7 @@ def global_state(m: BenchModel, tokens: int) -> dict[str, torch.Tensor]:
     for i, b in enumerate(p.view().bindings):
         shape = (tokens, *b.buffer.shape[1:]) if b.space == "token" else tuple(b.buffer.shape[1:])
         n = torch.Size(shape).numel() * b.buffer.element_size()
-        out[b.name] = _noise(n, i).view(b.buffer.dtype).view(shape)
+        out[b.name] = noise(n, i).view(b.buffer.dtype).view(shape)
     return out
 
 
@@ -209,7 +210,7 @@ class Row:
         return self.plain[mode] / self.resharded[mode]
 
 
-def _slot_bytes(p: Pools, res) -> list[bytes]:
+def slot_bytes(p: Pools, res) -> list[bytes]:
     out = []
     for b in p.view().bindings:
         rows = res.token_indices if b.space == "token" else torch.tensor([res.mamba_pool_idx])
@@ -235,18 +236,18 @@ def measure_pair(m: BenchModel, tokens: int, sets: dict, src: int, dst: int, mod
 
     # untimed: the re-sharded restore lands exactly the plain restore's bytes, in every mode
     _, b, cp = restore(sets[dst], "True")
-    want = _slot_bytes(target, b)
+    want = slot_bytes(target, b)
     cp.rollback()
     for mode in modes:
         _, a, cp = restore(sets[src], mode)
-        if _slot_bytes(target, a) != want or not torch.equal(a.token_indices, b.token_indices):
+        if slot_bytes(target, a) != want or not torch.equal(a.token_indices, b.token_indices):
             raise AssertionError(f"{m.name} {tokens} tok {src}->{dst} {mode}: re-sharded bytes differ from the plain restore's")
         cp.rollback()
     contenders = {f"plain {mode}": (sets[dst], mode) for mode in modes}
     contenders.update({mode: (sets[src], mode) for mode in modes})
     times: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
-    gc.collect()
+    collect_garbage()
     gc.disable()  # as bench.run: a collection of the bench's own heap is not a restore's cost
     try:
         for i in range(rounds + 1):  # round 0 warms up; the order rotates every round

@@ -32,7 +32,6 @@ Writes bench/RESUME.md (``--results`` to change, ``--results ''`` for none).
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -48,6 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
+from bench.run import collect_garbage  # noqa: E402
 
 SIZES = (64, 1024, 8192, 32768)  # 64: a second small point for the crossover fit
 # ~320 M parameters; the GDN part is the reference geometry (hsnap_format.reference)
@@ -138,13 +138,13 @@ def run_size(dec, geom, n: int, d: str, s: Size, rounds_resume: int, rounds_reco
     s.file_length = info.file_length
     pools.free_request(src, slots)
     del src, state
-    gc.collect()
+    collect_garbage()
 
     tgt = build_pools(geom, size=size, mamba_size=2)  # pools that never held the request
     view = view_pools(tgt.req_to_token_pool, tgt.token_to_kv_pool_allocator)
     for r in range(rounds_resume + 1):  # round 0: warm-up (first touch of the target pools)
         cp = PoolCheckpoint(view)
-        gc.collect()
+        collect_garbage()
         t0 = time.perf_counter()
         res = restore_request(path, req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.token_to_kv_pool_allocator,
                               identity=ident, verify=True)
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
             run_size(dec, geom, n, d, s, args.rounds, rounds_recompute, log)
             rate = statistics.median(s.prefill) / n
             log(f"{n} tokens: resume {fmt(statistics.median(s.resume))}, recompute {fmt(statistics.median(s.recompute))}")
-            gc.collect()
+            collect_garbage()
     text = report(sizes, args, params, time.perf_counter() - t_start, load0, os.getloadavg(), rate or 0.0)
     print(text)
     results = os.path.join(REPO, "bench", "RESUME.md") if args.results is None else args.results

@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
+from bench.run import collect_garbage  # noqa: E402
 from hsnap_format import reference as ref  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 
@@ -92,7 +93,7 @@ def _rounds(ops: dict, rounds: int, point: Point, big: bool, url_rounds: int) ->
     while timing (as in bench.run): a collection of the bench's own heap is not the
     operation's cost."""
     names = list(ops)
-    gc.collect()
+    collect_garbage()
     gc.disable()
     try:
         for name in names:

@@ -313,14 +313,12 @@ CONSTANT_PARAM_NOISE = {"qwen3_5": 0.1, "qwen3_5_moe": 0.1, "nemotron_h": 0.1, "
 
 
 def _recipe(arch: str, seed: int) -> dict:
-    import tokenizers
-    import torch
-    import transformers
+    from importlib.metadata import version  # the installed versions, without importing the packages (seconds)
 
     recipe = {
         "recipe_version": RECIPE_VERSION, "arch": arch, "seed": seed, "weights_dtype": "float32",
-        "torch": torch.__version__.split("+")[0], "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
+        "torch": version("torch").split("+")[0], "transformers": version("transformers"),
+        "tokenizers": version("tokenizers"),
     }
     if arch in CONSTANT_PARAM_NOISE:
         recipe["constant_param_noise"] = CONSTANT_PARAM_NOISE[arch]
@@ -366,15 +364,15 @@ def build_model_dir(path: str | os.PathLike, *, arch: str = "qwen3_next", seed: 
     """
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, found {arch!r}")
-    import torch
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
     path = Path(path)
     recipe = _recipe(arch, seed)
     if path.exists():
         if _existing(path, recipe):
             return path
         raise FileExistsError(f"{path}: exists and is not a tiny model built with recipe {recipe}")
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

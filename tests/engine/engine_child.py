@@ -17,7 +17,9 @@ activate()  # before SGLang is imported (torch may already be: the finder goes i
 
 import sglang  # noqa: E402
 
-from hsnap_sglang.serve import engine_kwargs  # noqa: E402
+from hsnap_sglang.serve import engine_kwargs, use_start_method  # noqa: E402
+
+use_start_method("fork")  # as hsnap_sglang.serve: the scheduler starts from this process's imports, not a fresh interpreter
 
 PROMPT_IDS = [54, 74, 71, 401, 503, 270, 464, 223, 76, 478, 318, 285, 320, 71, 307, 465, 431, 16] * 4
 OTHERS = [PROMPT_IDS[::-1][:50], PROMPT_IDS[5:12]]

@@ -1,5 +1,6 @@
 """``sglang.Engine`` (SGLang's own engine: tokenizer manager, scheduler, model runner, detokenizer) serving the tiny
-random-weight Qwen3-Next on hsnap's CPU platform, in a fresh process (engine_child.py), in SGLang's default dtype
+random-weight Qwen3-Next on hsnap's CPU platform, in a fresh process (engine_child.py; its scheduler forked from it, as
+``hsnap_sglang.serve`` starts a server's: 18 instead of 39 CPU-s), in SGLang's default dtype
 (``--dtype auto``: float16 for this float32 checkpoint, ``model_config._get_and_verify_dtype``): greedy decoding is deterministic, a request's tokens and logprobs do not depend on the requests
 batched with it (on a CPU with AVX512-FP16 this needs the platform's oneDNN cap, hsnap_sglang.cpu.ONEDNN_MAX_ISA),
 and the logprobs are those of transformers' float32 model within half-precision rounding.

@@ -111,7 +111,7 @@ def resumed(servers, work, crashed):
         refs = references(s2.url, DEDUP)
         gated = _pause_while_a_link_is_written(s2, work)
     finally:
-        s2.stop()
+        s2.retire()  # stopped in the background: nothing here waits on its exit
     return {"had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards": forwards, "run_d": run_d, "idle": idle,
             "ref_c": ref_c.final, "refs": refs, "gated": gated}
 

@@ -120,7 +120,7 @@ def target(servers, work, source):
         control = tokens(control.final)
         refs = _refs(s2.url, list(OTHERS))
     finally:
-        s2.stop()
+        s2.retire()  # stopped in the background: nothing here waits on its exit
     return {"run": run, "forwards": forwards, "idle": idle, "ref": ref, "control": control, "refs": refs,
             "s2_other": s2_other}
 
@@ -141,7 +141,7 @@ def plain(servers, work, target):
         g1, *xs = _together(s0.url, [payload("g1-ref", g1_ids, n), _x("x-0"), _x("x-1")])
         return {"resumed": resumed, "g1": tokens(g1.final), "x": [tokens(st.final) for st in xs]}
     finally:
-        s0.stop()
+        s0.retire()  # stopped in the background: nothing here waits on its exit
 
 
 def test_sampled_request_resumed_in_a_fresh_server_equals_an_uninterrupted_run(source, target):

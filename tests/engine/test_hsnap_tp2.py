@@ -98,7 +98,7 @@ def tp2(tiny_model_dir, tmp_path_factory):
         flush_cache(dst.url)
         refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
     finally:
-        dst.stop()
+        dst.retire()  # stopped in the background: nothing here waits on its exit
     return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
             "refused": refused, "before": before, "after": after, "greedy": greedy, "src_code": src_code, "src_alive": src_alive,
             "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow}
