@@ -16,7 +16,7 @@ check: venv
 	@.venv/bin/mypy || { echo "make check: mypy found the type errors above"; exit 1; }
 	@.venv/bin/lint-imports --no-cache --no-logo || { echo "make check: an import runs against .importlinter's layers"; exit 1; }
 
-# OMP_WAIT_POLICY: the suite's processes (two workers, their servers) share two cores; OpenMP threads that spin after
+# OMP_WAIT_POLICY: the suite's processes (three workers, their servers) share two cores; OpenMP threads that spin after
 # every parallel region take them from each other (measured: 2.8x the CPU time on the engine modules)
 test: check
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} .venv/bin/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """Periodic checkpoints of a running request: a chain of links in one directory.
 
 A request checkpointed every ``every`` output tokens leaves ``<name>.ck000001.hsnap``,
-``<name>.ck000002.hsnap``, ... beside each other: the first link (and every
+``<name>.ck000002.hsnap``, ... beside each other (files; at TP > 1 each link a TP set directory of that name): the first link (and every
 ``rebase_every``-th after it) a plain snapshot, each other one a delta (spec 5.9) whose base
 is the link before it. Every link is committed atomically under its final name (the
 writer's temporary, fsync, rename: a crash mid-write leaves only a hidden temporary). A
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .errors import HsnapError, Phrase
+from .manifest import SnapshotSet
 from .source import store_at
 
 LINK_RE = re.compile(r"(?P<name>[^/]+?)\.ck(?P<seq>[0-9]{6,})\.hsnap")
@@ -59,12 +60,28 @@ class LinkChoice:
 
 
 def _link_files(store, container: str) -> dict[str, list[tuple[int, str]]]:
+    """name -> ``(seq, path)`` of its links: files, and TP sets (a TP server's links: a directory per link)."""
     out: dict[str, list[tuple[int, str]]] = {}
-    for entry in store.list(container):
-        parsed = parse_link(store.split(entry.path)[1])
+    for path in [e.path for e in store.list(container)] + [d.rstrip("/") for d in store.subdirs(container)]:
+        parsed = parse_link(store.split(path)[1])
         if parsed is not None:
-            out.setdefault(parsed[0], []).append((parsed[1], entry.path))
+            out.setdefault(parsed[0], []).append((parsed[1], path))
     return out
+
+
+def _position(opened) -> int:
+    """The request position a link (an open rank file or TP set) holds."""
+    return opened.manifest.state_position if isinstance(opened, SnapshotSet) else opened.state_position
+
+
+def _check_chains(path: str, opened, storage_options, verify: bool) -> None:
+    """The chain below link ``path`` opens (and ``verify``: verifies whole) — below every rank of a TP set."""
+    from .chain import open_chain
+
+    for rank in sorted(opened.ranks) if isinstance(opened, SnapshotSet) else [None]:
+        with open_chain(path, rank=rank, storage_options=storage_options) as chain:
+            if verify:
+                chain.verify()
 
 
 def choose_links(container: str, *, storage_options=None, verify: bool = True) -> dict[str, LinkChoice]:
@@ -73,9 +90,8 @@ def choose_links(container: str, *, storage_options=None, verify: bool = True) -
     of an early link under a higher number, or a damaged file there, must not win. So each
     link is opened for its ``request.state_position``, and the links are tried from the
     highest position down (the higher number first at equal positions) until one whose
-    chain opens and (``verify``) verifies whole — spec 7.5, 7.6, every byte read."""
-    from .chain import open_chain
-
+    chain opens and (``verify``) verifies whole — spec 7.5, 7.6, every byte read; for a TP set's link, the chain
+    below each of its ranks."""
     store = store_at(container, storage_options)
     out: dict[str, LinkChoice] = {}
     for name, links in sorted(_link_files(store, container).items()):
@@ -84,14 +100,13 @@ def choose_links(container: str, *, storage_options=None, verify: bool = True) -
         for seq, path in links:
             try:
                 with store.open(path) as snap:
-                    ranked.append((snap.state_position, seq, path))
+                    ranked.append((_position(snap), seq, path))
             except HsnapError as e:
                 choice.passed_over.append((path, f"does not open ({type(e).__name__}: {e})"))
         for position, _, path in sorted(ranked, reverse=True):
             try:
-                with open_chain(path, storage_options=storage_options) as chain:
-                    if verify:
-                        chain.verify()
+                with store.open(path) as opened:
+                    _check_chains(path, opened, storage_options, verify)
             except HsnapError as e:
                 choice.passed_over.append((path, f"its chain does not hold ({type(e).__name__}: {e})"))
                 continue

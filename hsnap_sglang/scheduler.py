@@ -374,7 +374,9 @@ class HsnapScheduler:
                     self.admit([req])
                 return
             self.pending.remove(ex)
-            if ex.checkpoint is not None or (ex.migration is not None and ex.keep_running):
+            if ex.checkpoint is not None and self.tp_size > 1:
+                self._write_link_set(ex, req, where)
+            elif ex.checkpoint is not None or (ex.migration is not None and ex.keep_running):
                 self._capture_link(ex, req, where)
             elif ex.migration is not None:
                 migration.finish(self, ex, req, where)
@@ -492,8 +494,8 @@ class HsnapScheduler:
     def _write(self, path: str, req, *, base: str | None = None, pages=None) -> dict:
         """Write ``req`` to ``path``: one file at TP 1; at TP > 1 a set (every rank its rank file, manifest last,
         hsnap_io.tp's protocol over the TP CPU group). The same collectives run on every rank, whatever fails.
-        ``base``: a delta of that link (a checkpoint); ``pages``: full pages into that page store (a dedup drain);
-        both TP 1 only (refused earlier at TP > 1)."""
+        ``base``: a delta of that link (a checkpoint link; at TP > 1 a set, each rank's file a delta of its rank of
+        it); ``pages``: full pages into that page store (a dedup drain; TP 1 only, refused earlier at TP > 1)."""
         import uuid
 
         from hsnap_io.tp import export_request_tp
@@ -525,7 +527,7 @@ class HsnapScheduler:
         manifest = None
         try:
             manifest = export_request_tp(path, identity=dataclasses.replace(identity, snapshot_id=sid), record=record, group=self.group,
-                                         swa_start=swa_start, req_pool_idx=int(req.kv.req_pool_idx), **pools)
+                                         swa_start=swa_start, req_pool_idx=int(req.kv.req_pool_idx), base=base, **pools)
         except HsnapError as e:
             err = e
         agreed = self.agree(err, payload=str(sum(r.length for r in manifest.ranks)) if manifest is not None else "")
@@ -641,8 +643,8 @@ class HsnapScheduler:
             where, req = self.locate(msg.rid)
             if where is None:
                 raise self.absent(msg.rid)
-            if self.tp_size > 1:
-                raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (checkpoints of a TP set are not supported)"), f"TP {self.tp_size}")
+            if self.tp_size > 1 and is_url(msg.dir):
+                raise HsnapError(msg.dir, "dir", Phrase("a local directory: a TP server writes its links through the local file system"), msg.dir)
             if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)
@@ -711,6 +713,32 @@ class HsnapScheduler:
                       timings={"wait_s": t0 - ex.asked, "write_s": capture_s})
         held = ck.held if ex.base is not None and ck.held is not None and ck.held.path == ex.base else ex.base
         self.links.submit(LinkJob(ex, cap, result, capture_s, base=held))
+
+    def _write_link_set(self, ex: Export, req, where: str) -> None:
+        """A TP server's link: a set (every rank its rank file — a delta of its own rank file of the last link —
+        manifest last) written here, in lockstep on every rank, as a TP export is (:meth:`_write`): its collectives
+        run on the scheduler's TP group, which no writer thread may use beside the scheduler.  The decode waits for
+        the write (the capture's cost at TP 1, plus the write's)."""
+        t0 = time.monotonic()
+        try:
+            info = self._write(ex.path, req, base=ex.base)
+        except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
+            err = error_of(typed(e, "export", ex.path))
+        else:
+            err = None
+        if where == "parked":
+            self.parked.pop(ex.rid, None)
+            self.admit([req])  # back into the running batch: it missed no token
+        if err is not None:
+            self._done(ex, error=err)
+            return
+        self.exports += 1
+        t_done = time.monotonic()
+        result = dict(info, rid=ex.rid, keep_running=True, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
+                      output_tokens=len(req.output_ids),
+                      timings={"wait_s": t0 - ex.asked, "write_s": t_done - t0, "pause_to_durable_s": t_done - ex.asked,
+                               "total_s": t_done - ex.asked})
+        self._done(ex, result=result)
 
     def collect_links(self) -> None:
         """The links the writer finished: bookkept and answered here, on the scheduler thread."""

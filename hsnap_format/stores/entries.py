@@ -3,7 +3,7 @@ One listing for every reader of such a directory — the server's resume, ``hsna
 once on a store's primitives.
 
 * snapshots: every ``*.hsnap`` file and TP set (a subdirectory with ``manifest.json``) in it, one level, by name;
-* checkpoint chains: of the links of one request (``<name>.ckNNNNNN.hsnap``) the newest committed one
+* checkpoint chains: of the links of one request (``<name>.ckNNNNNN.hsnap``: files, or TP sets at TP > 1) the newest committed one
   (:func:`hsnap_format.checkpoints.choose_links`: the highest verified position), the others the chain below it;
 * a page store (``pages/``, spec 5.10): its page objects, counted;
 * leftovers: hidden names (a writer's temporaries, staging directories), named for ``hsnap gc``.
@@ -65,6 +65,8 @@ def list_directory(path: str, *, storage_options=None, verify: bool = True) -> L
     for d in store.subdirs(p):
         if hidden(d):
             out.leftovers.append(d)
+        elif (link := parse_link(store.split(d.rstrip("/"))[1])) is not None:  # a TP server's link: a set
+            out.links[link[0]] = out.links.get(link[0], 0) + 1
         elif store.exists(store.join(d, "manifest.json")):
             out.snapshots.append(d)
         elif store.split(d.rstrip("/"))[1] == PAGE_STORE:

@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -108,7 +109,11 @@ def paced(url: str, seconds: float = PACE_S):
     try:
         yield
     finally:
-        slow_down(None)
+        try:
+            slow_down(None)
+        except urllib.error.URLError as e:  # the server is gone (SIGKILLed inside the block): nothing to speed up
+            if not isinstance(e.reason, ConnectionRefusedError):
+                raise
 
 
 def flush_cache(url: str) -> None:

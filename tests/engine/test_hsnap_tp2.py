@@ -2,27 +2,35 @@
 protocol over the scheduler's TP CPU group, manifest last); a fresh TP 2 server resumes the set, each rank its own
 file, exactly; a set one rank cannot restore (its file corrupted) is refused on every rank — the other rank gives
 back what it had allocated (the agreement runs inside the restore's rollback) — with the failing rank's reason.
+Checkpoints of a TP 2 server are chains of sets; after a SIGKILL of the source mid-decode the target resumes the
+newest link exactly.
 
-The source server also shows TP 2 itself on CPU (it was tests/engine/test_tp2.py, with a server of its own):
-``python -m hsnap_sglang.serve --tp 2`` runs two scheduler ranks (gloo all-reduce; one core range per rank through
-SGLANG_CPU_OMP_THREADS_BIND, which the wrapper sets) and serves greedy requests deterministically, within bfloat16
-rounding of transformers' float32 model (tolerance: see test_engine.py; the TP-sharded reductions add their own
-rounding), and stops on SIGTERM with no process left."""
+The servers also show TP 2 itself on CPU: ``python -m hsnap_sglang.serve --tp 2`` runs two scheduler ranks (gloo
+all-reduce; one core range per rank through SGLANG_CPU_OMP_THREADS_BIND, which the wrapper sets) and serves greedy
+requests deterministically, within bfloat16 rounding of transformers' float32 model (tolerance: see test_engine.py;
+the TP-sharded reductions add their own rounding); the target stops on SIGTERM with no process left."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import time
 
 import pytest
 
 from engine_support import PROMPT_IDS, full_distribution, reference_logprobs
 from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
 
+from hsnap_format import open_chain, open_snapshot
+from hsnap_format.checkpoints import choose_links, newest_links, parse_link
 from hsnap_sglang import client
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 N = 48
+CK_PROMPT, CK_N, CK_M = prompt(74, 30), 120, 8
+MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -55,16 +63,13 @@ def tp2(tiny_model_dir, tmp_path_factory):
             out = client.pause(src.url, "x", str(work / "x-set"))
         x.finish()
         other.finish()
+        crashed = _checkpoint_then_sigkill(src, work)
     except BaseException:
         dst.stop()
+        src.stop()
         raise
-    finally:
-        src_code = src.stop()
-    src_alive = src.living_descendants()
     try:
         # a copy of the set whose rank-1 file has one byte flipped inside a state section
-        import shutil
-
         import hsnap_format as hf
 
         bad = work / "x-set-bad"
@@ -94,14 +99,43 @@ def tp2(tiny_model_dir, tmp_path_factory):
         run = client.resume(dst.url, str(work / "x-set"))
         o.finish()
         forwards = stats(dst.url, "x")["forwards"]
+        cut = crashed["c"].events[-1]  # what the client of c had when the source died
+        had = (len(cut.get("text") or ""), len(cut.get("output_ids") or []))
+        chunks: list = []
+        run_c = client.resume(dst.url, str(work / "ck"), seen=had, on_chunk=lambda rid, text, ids, e: chunks.append((text, ids)))
+        forwards_c = stats(dst.url, "c")["forwards"]
         idle = wait_idle(dst.url)
         flush_cache(dst.url)
         refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
+        ref_c = Stream(dst.url, payload("c-ref", CK_PROMPT, CK_N))
+        ref_c.start()
+        ref_c.finish()
     finally:
-        dst.retire()  # stopped in the background: nothing here waits on its exit
+        dst_code = dst.stop()
     return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
-            "refused": refused, "before": before, "after": after, "greedy": greedy, "src_code": src_code, "src_alive": src_alive,
-            "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow}
+            "refused": refused, "before": before, "after": after, "greedy": greedy, "dst_code": dst_code,
+            "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow,
+            "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final}
+
+
+def _checkpoint_then_sigkill(src, work) -> dict:
+    """Request c checkpointed every CK_M tokens in the TP 2 source (each link a set), the source's process group
+    SIGKILLed once three links are committed, mid-decode."""
+    c = Stream(src.url, payload("c", CK_PROMPT, CK_N))
+    with paced(src.url):
+        c.start()
+        c.wait_tokens(2)
+        first = client.checkpoint(src.url, "c", str(work / "ck"), every=CK_M)
+        deadline = time.monotonic() + 120
+        while (during := stats(src.url)["checkpoints"]).get("c", {}).get("links", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(src.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
+        src.proc.wait(timeout=60)
+    c.join(60)
+    deadline = time.monotonic() + 60  # the ranks and the detokenizer die with the group, a moment later
+    while src.living_descendants() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"c": c, "first": first, "during": during, "alive": src.living_descendants(), "log": src.log_tail()}
 
 
 def test_tp2_server_refuses_live_migration_by_name(tp2):
@@ -122,7 +156,51 @@ def test_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_mod
     _, decode = reference_logprobs(tiny_model_dir, PROMPT_IDS, ids, "float32")
     rows = torch.tensor([full_distribution(t) for t in first["meta_info"]["output_top_logprobs"]], dtype=torch.float64)
     assert (rows - decode).abs().max().item() <= 0.25
-    assert tp2["src_code"] is not None and tp2["src_alive"] == []
+    assert tp2["dst_code"] is not None and tp2["dst_alive"] == []  # the target stopped by SIGTERM, no process left
+
+
+def test_tp2_checkpoints_are_sets_resumed_exactly_after_a_sigkill(tp2):
+    """A TP 2 server checkpoints a request: each link a set (a manifest, each rank's file a delta of its own rank
+    of the link before, down to a plain first link), committed whole while the request decodes.  After a SIGKILL of
+    the source mid-decode, a fresh TP 2 server resumes the newest link: at most CK_M tokens (plus a whole-character
+    wait) lost, then tokens and logprobs equal to an uninterrupted run, by decoding only, the client's text
+    continuous."""
+    crashed, work = tp2["crashed"], tp2["work"]
+    why = f"log: {crashed['log'][-800:]}"
+    assert crashed["alive"] == [] and crashed["c"].events[-1]["meta_info"]["finish_reason"] is None, why
+    first = crashed["first"]
+    assert first["tp_size"] == 2 and first["link"] == 1 and first["base"] is None and crashed["during"]["c"]["links"] >= 3
+    links = sorted(n for n in os.listdir(work / "ck") if parse_link(n))
+    assert all(sorted(os.listdir(work / "ck" / n)) == ["manifest.json", "rank-0.hsnap", "rank-1.hsnap"] for n in links), links
+    newest = newest_links(str(work / "ck"))["c"]
+    assert os.path.basename(newest) == links[-1] and len(links) >= 3
+    for rank in (0, 1):
+        with open_chain(newest, rank=rank) as chain:
+            assert len(chain) == len(links) and chain.links[0].base is None
+            assert [link.identity.tp_rank for link in chain.links] == [rank] * len(links)
+            chain.verify()
+            link_outputs = chain.head.request["output_tokens"]
+    assert 0 <= tp2["had"][1] - link_outputs <= CK_M + MAX_TEXT_WAIT, why
+    # a copy whose newest link has one byte of its rank-1 file flipped: the link before it is the newest that holds
+    bad = work / "ck-bad"
+    shutil.copytree(work / "ck", bad)
+    with open_snapshot(str(bad / links[-1] / "rank-1.hsnap")) as snap:  # a state byte: the file opens, its chain fails
+        at = next(sec for sec in snap.sections if sec.kind == "temporal").offset + 7
+    with open(bad / links[-1] / "rank-1.hsnap", "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ 0x10]))
+    choice = choose_links(str(bad))["c"]
+    assert os.path.basename(choice.path) == links[-2] and [os.path.basename(p) for p, _ in choice.passed_over] == [links[-1]]
+    info = tp2["run_c"].info[0]
+    assert info["ok"] and info["path"] == newest and info["result"]["committed_positions"] == len(CK_PROMPT) + link_outputs - 1
+    ref, final = tp2["ref_c"], tp2["run_c"].final
+    assert tokens(final) == tokens(ref)
+    text = (tp2["cut"].get("text") or "") + "".join(t for t, _ in tp2["chunks"])
+    ids = list(tp2["cut"].get("output_ids") or []) + [i for _, chunk in tp2["chunks"] for i in chunk]
+    assert text == ref["text"] and ids == ref["output_ids"]
+    assert tp2["forwards_c"]["extend"] == 0
 
 
 def test_tp2_export_writes_every_rank_and_the_manifest(tp2):
