@@ -693,19 +693,10 @@ class HsnapScheduler:
         ck = ex.checkpoint or ex.migration  # whose links: both keep the last committed one (held) and its position
         try:
             cap = self.capture(req, ex.path, uuid.uuid4().hex, ck.base_position if ex.base is not None else 0)
-        except HsnapError as e:
-            err = error_of(e)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
-            logger.exception("hsnap checkpoint link of %s failed", ex.rid)
-            err = error_dict(PluginError(ex.path, "export", detail=f"{type(e).__name__}: {e}"))
-        else:
-            err = None
-        if where == "parked":
-            self.parked.pop(ex.rid, None)
-            self.admit([req])  # back into the running batch: it missed no token
-        if err is not None:
-            self._done(ex, error=err)
+            self._link_taken(ex, req, where, error_of(typed(e, "export", ex.path)))
             return
+        self._link_taken(ex, req, where, None)
         capture_s = time.monotonic() - t0
         result = dict(rid=ex.rid, keep_running=True, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),
                       output_tokens=len(req.output_ids), committed_positions=int(cap.record.state_position),
@@ -713,6 +704,15 @@ class HsnapScheduler:
                       timings={"wait_s": t0 - ex.asked, "write_s": capture_s})
         held = ck.held if ex.base is not None and ck.held is not None and ck.held.path == ex.base else ex.base
         self.links.submit(LinkJob(ex, cap, result, capture_s, base=held))
+
+    def _link_taken(self, ex: Export, req, where: str, error: dict | None) -> None:
+        """After a link's capture or write: a parked request goes back into the running batch (it missed no token);
+        a failure is answered (the request decodes on)."""
+        if where == "parked":
+            self.parked.pop(ex.rid, None)
+            self.admit([req])
+        if error is not None:
+            self._done(ex, error=error)
 
     def _write_link_set(self, ex: Export, req, where: str) -> None:
         """A TP server's link: a set (every rank its rank file — a delta of its own rank file of the last link —
@@ -723,15 +723,9 @@ class HsnapScheduler:
         try:
             info = self._write(ex.path, req, base=ex.base)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
-            err = error_of(typed(e, "export", ex.path))
-        else:
-            err = None
-        if where == "parked":
-            self.parked.pop(ex.rid, None)
-            self.admit([req])  # back into the running batch: it missed no token
-        if err is not None:
-            self._done(ex, error=err)
+            self._link_taken(ex, req, where, error_of(typed(e, "export", ex.path)))
             return
+        self._link_taken(ex, req, where, None)
         self.exports += 1
         t_done = time.monotonic()
         result = dict(info, rid=ex.rid, keep_running=True, found_in=ex.found_in, prompt_tokens=len(req.origin_input_ids),

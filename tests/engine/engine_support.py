@@ -131,6 +131,16 @@ class Server:
             pass
         self.proc.wait(timeout=30)
 
+    def crash(self, timeout: float = 60.0) -> list[int]:
+        """SIGKILL to the server's process group (its own session), as a machine failure would: reaped, then up to
+        ``timeout`` s for its scheduler and detokenizer, which die with the group a moment later.  Returns the pids
+        still living (none expected)."""
+        self._kill_group()
+        deadline = time.monotonic() + timeout
+        while self.living_descendants() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.living_descendants()
+
     def log_tail(self, n: int = 3000) -> str:
         try:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")

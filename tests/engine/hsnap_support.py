@@ -200,6 +200,16 @@ def stats(url: str, rid: str | None = None) -> dict:
     return client.stats(url, rid)
 
 
+def wait_links(url: str, rid: str, n: int, timeout: float = 120.0, stream: "Stream | None" = None) -> dict:
+    """Until ``rid``'s checkpoints count ``n`` committed links in /hsnap/stats; returns the stats' ``checkpoints``.
+    Fails after ``timeout`` s, or once ``stream`` (the request's) has ended first."""
+    deadline = time.monotonic() + timeout
+    while (ck := stats(url)["checkpoints"]).get(rid, {}).get("links", 0) < n:
+        assert time.monotonic() < deadline and not (stream is not None and stream.done.is_set()), ck
+        time.sleep(0.05)
+    return ck
+
+
 def wait_idle(url: str, timeout: float = 120.0) -> dict:
     """The server's hsnap stats once it runs nothing (its idle checks included)."""
     deadline = time.monotonic() + timeout

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import threading
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from engine_support import retire
-from hsnap_support import Stream, hsnap_server, linkgate_env, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, hsnap_server, linkgate_env, paced, payload, prompt, references, start_together, stats, tokens, wait_idle, wait_links
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -79,19 +78,13 @@ def crashed(servers, work):
         c.wait_tokens(kill_at)
         # the link writer runs off the scheduler's path and may trail the decode by a link or two: kill once 3 are
         # written (the request, 160 tokens, decodes on meanwhile)
-        deadline = time.monotonic() + 60
-        while (during := stats(s1.url)["checkpoints"]).get("c", {}).get("links", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(s1.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
-        s1.proc.wait(timeout=60)
+        during = wait_links(s1.url, "c", 3, stream=c)
+        alive = s1.crash()
         c.join(60)
-        deadline = time.monotonic() + 60  # the scheduler and detokenizer die with the group, a moment later
-        while s1.living_descendants() and time.monotonic() < deadline:
-            time.sleep(0.2)
     finally:
         s1.stop()
     return {"seed": seed, "drained": drained, "idle": idle, "shared": shared, "c": c, "first": first, "kill_at": kill_at,
-            "during": during, "alive": s1.living_descendants(), "log": s1.log_tail()}
+            "during": during, "alive": alive, "log": s1.log_tail()}
 
 
 @pytest.fixture(scope="module")

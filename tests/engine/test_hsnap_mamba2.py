@@ -37,16 +37,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import threading
-import time
 import urllib.request
 
 import pytest
 
 from engine_support import retire
 from hsnap_support import (Stream, error_of, flush_cache, hsnap_server, paced, payload, prompt, start_together, stats, tokens,
-                           wait_idle)
+                           wait_idle, wait_links)
 
 from hsnap_format import open_chain
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -134,17 +132,9 @@ def _scenario(servers, work, arch: str) -> dict:
         p.wait_tokens(6)
         out["paused"] = client.pause(a.url, "p", str(d / "p.hsnap"))
         out["p"] = p.finish()
-        deadline = time.monotonic() + 300
-        while stats(a.url)["checkpoints"].get("c", {}).get("links", 0) < 3:
-            assert time.monotonic() < deadline and not c.done.is_set(), stats(a.url)["checkpoints"]
-            time.sleep(0.05)
-        os.killpg(a.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
-        a.proc.wait(timeout=60)
+        wait_links(a.url, "c", 3, timeout=300, stream=c)
+        out["alive"] = a.crash()
         c.join(60)
-        deadline = time.monotonic() + 60  # the scheduler and detokenizer die with the group, a moment later
-        while a.living_descendants() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        out["alive"] = a.living_descendants()
         out["c"] = c
         # c. in B: p from its file, c from its chain's newest link (the client giving what its cut stream had)
         out["p_run"] = client.resume(b.url, str(d / "p.hsnap"), on_chunk=_CutAfter(b.url, "p"))

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import time
 
 import pytest
 
 from engine_support import PROMPT_IDS, full_distribution, reference_logprobs
-from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle, wait_links
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import choose_links, newest_links, parse_link
@@ -126,16 +124,10 @@ def _checkpoint_then_sigkill(src, work) -> dict:
         c.start()
         c.wait_tokens(2)
         first = client.checkpoint(src.url, "c", str(work / "ck"), every=CK_M)
-        deadline = time.monotonic() + 120
-        while (during := stats(src.url)["checkpoints"]).get("c", {}).get("links", 0) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(src.proc.pid, signal.SIGKILL)  # the server's own process group (started with a new session)
-        src.proc.wait(timeout=60)
+        during = wait_links(src.url, "c", 3, stream=c)
+        alive = src.crash()
     c.join(60)
-    deadline = time.monotonic() + 60  # the ranks and the detokenizer die with the group, a moment later
-    while src.living_descendants() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return {"c": c, "first": first, "during": during, "alive": src.living_descendants(), "log": src.log_tail()}
+    return {"c": c, "first": first, "during": during, "alive": alive, "log": src.log_tail()}
 
 
 def test_tp2_server_refuses_live_migration_by_name(tp2):
