@@ -495,7 +495,8 @@ class HsnapScheduler:
         """Write ``req`` to ``path``: one file at TP 1; at TP > 1 a set (every rank its rank file, manifest last,
         hsnap_io.tp's protocol over the TP CPU group). The same collectives run on every rank, whatever fails.
         ``base``: a delta of that link (a checkpoint link; at TP > 1 a set, each rank's file a delta of its rank of
-        it); ``pages``: full pages into that page store (a dedup drain; TP 1 only, refused earlier at TP > 1)."""
+        it); ``pages``: full pages into that page store (a dedup drain; at TP > 1 each rank's session puts its own
+        rank's pages into the one page store beside the sets)."""
         import uuid
 
         from hsnap_io.tp import export_request_tp
@@ -527,7 +528,7 @@ class HsnapScheduler:
         manifest = None
         try:
             manifest = export_request_tp(path, identity=dataclasses.replace(identity, snapshot_id=sid), record=record, group=self.group,
-                                         swa_start=swa_start, req_pool_idx=int(req.kv.req_pool_idx), base=base, **pools)
+                                         swa_start=swa_start, req_pool_idx=int(req.kv.req_pool_idx), base=base, pages=pages, **pools)
         except HsnapError as e:
             err = e
         agreed = self.agree(err, payload=str(sum(r.length for r in manifest.ranks)) if manifest is not None else "")
@@ -570,7 +571,7 @@ class HsnapScheduler:
             items = [d.items[m.rid] for m in d.members]
             result = {"dir": d.op.dir, "requests": len(items)}
             if d.pages is not None:
-                result["dedup"] = _dedup_report(d.pages, items)
+                result["dedup"] = _dedup_report(d.pages.page_size, self._page_totals(d.pages), items)
                 try:
                     d.pages.close()  # its markers: every member is committed (or refused) by now
                 except Exception:  # noqa: BLE001 - a marker left behind expires (its lease); the drain is done
@@ -595,8 +596,8 @@ class HsnapScheduler:
                 rids.append(req.rid)
         drain = Drain(msg, [])
         try:
-            if msg.dedup and self.tp_size > 1:
-                raise HsnapError(msg.dir, "dedup", Phrase("a TP 1 server (a dedup drain of a TP set is not supported)"), f"TP {self.tp_size}")
+            if msg.dedup and self.tp_size > 1 and is_url(msg.dir):
+                raise HsnapError(msg.dir, "dir", Phrase("a local directory: a TP server writes its sets through the local file system"), msg.dir)
             # made beneath the root (no symlink followed) only when something goes in it: an idle drain writes nothing
             confine.resolve(msg.dir, "dir", confine.DIR, create=bool(rids) and not is_url(msg.dir))
             if msg.dedup and rids:
@@ -860,6 +861,16 @@ class HsnapScheduler:
 
     # ------------------------------------------------------------------ the TP agreement
 
+    def _page_totals(self, pages) -> dict[str, int]:
+        """A drain's page store session's counts, summed over the ranks (a collective at TP > 1: each rank put its own
+        rank's pages)."""
+        st = pages.stats
+        mine = {"pages_put": st.pages_put, "pages_reused": st.pages_reused, "bytes_put": st.bytes_put, "bytes_reused": st.bytes_reused}
+        if self.tp_size == 1:
+            return mine
+        ranks = [json.loads(p) for p in self.agree(None, payload=json.dumps(mine)).payloads]
+        return {k: sum(int(r[k]) for r in ranks) for k in mine}
+
     def agree(self, error: BaseException | None, payload: str = "") -> "_Outcome":
         """Collective over the TP CPU group (every rank calls it at the same point): each rank's error (class name
         and message, as JSON in a fixed-size byte tensor: no pickle) and a short payload; the first failing rank's
@@ -1097,14 +1108,14 @@ def _checkpoint_state(ck: Checkpointing) -> dict:
             "links": ck.written, "write_s": ck.write_s, "writer_s": ck.writer_s, "merged": ck.merged}
 
 
-def _dedup_report(pages, items: list) -> dict:
-    """What a dedup drain wrote against what single snapshots would have: each file plus every page object it
-    references (put now or reused), summed over the requests."""
-    st = pages.stats
+def _dedup_report(page_size: int, totals: dict[str, int], items: list) -> dict:
+    """What a dedup drain wrote against what single snapshots would have: each file (every rank's) plus every page
+    object it references (put now or reused), summed over the requests (and ranks: ``totals``)."""
     files = sum(int(i["result"]["bytes"]) for i in items if i["ok"])
-    return {"page_size": pages.page_size, "pages_put": st.pages_put, "pages_reused": st.pages_reused,
-            "page_bytes_put": st.bytes_put, "page_bytes_reused": st.bytes_reused, "file_bytes": files,
-            "bytes_written": files + st.bytes_put, "single_bytes": files + st.bytes_put + st.bytes_reused}
+    put, reused = totals["bytes_put"], totals["bytes_reused"]
+    return {"page_size": page_size, "pages_put": totals["pages_put"], "pages_reused": totals["pages_reused"],
+            "page_bytes_put": put, "page_bytes_reused": reused, "file_bytes": files,
+            "bytes_written": files + put, "single_bytes": files + put + reused}
 
 
 def _check_target_free(path: str) -> None:

@@ -181,8 +181,19 @@ class ForkedServer:
         self.args, self._conn, self.pid = args, conn, pid
         self.returncode: int | None = None
         self._buf = b""
+        # one reader of the zygote's report at a time, as Popen's waitpid lock: a retiring thread's wait() and the
+        # test's poll() (a zygote's idle check) met on a socket the other had just closed (EBADF)
+        self._reading = threading.Lock()
 
     def _collect(self, timeout: float | None) -> None:
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):  # a poll while another waits: None
+            return
+        try:
+            self._read_report(timeout)
+        finally:
+            self._reading.release()
+
+    def _read_report(self, timeout: float | None) -> None:
         end = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if end is None else max(0.0, end - time.monotonic())

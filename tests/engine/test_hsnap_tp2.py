@@ -28,6 +28,9 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 N = 48
 CK_PROMPT, CK_N, CK_M = prompt(74, 30), 120, 8
+PAGE = 16
+SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
+DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
 MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -102,9 +105,24 @@ def tp2(tiny_model_dir, tmp_path_factory):
         chunks: list = []
         run_c = client.resume(dst.url, str(work / "ck"), seen=had, on_chunk=lambda rid, text, ids, e: chunks.append((text, ids)))
         forwards_c = stats(dst.url, "c")["forwards"]
+        # a dedup drain of the TP 2 server: every running request a set in one directory, the full pages of attention
+        # rows of each rank stored once in its page store; resumed from it here
+        streams = {rid: Stream(dst.url, payload(rid, ids_, n)) for rid, (ids_, n) in DRAINED.items()}
+        with paced(dst.url):
+            for st in streams.values():
+                st.start()
+            for st in streams.values():
+                st.wait_tokens(4)
+            drained = client.drain(dst.url, str(work / "drained"), dedup=True, page_size=PAGE)
+        for st in streams.values():
+            st.finish()
+        before_d = {rid: stats(dst.url, rid)["forwards"]["extend"] for rid in DRAINED}  # each one's prefill here
+        run_d = client.resume(dst.url, str(work / "drained"))
+        extends_d = {rid: stats(dst.url, rid)["forwards"]["extend"] - before_d[rid] for rid in DRAINED}
         idle = wait_idle(dst.url)
         flush_cache(dst.url)
         refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
+        refs.update(references(dst.url, DRAINED))  # as they ran: the two together
         ref_c = Stream(dst.url, payload("c-ref", CK_PROMPT, CK_N))
         ref_c.start()
         ref_c.finish()
@@ -113,7 +131,8 @@ def tp2(tiny_model_dir, tmp_path_factory):
     return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
             "refused": refused, "before": before, "after": after, "greedy": greedy, "dst_code": dst_code,
             "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow,
-            "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final}
+            "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final,
+            "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d}
 
 
 def _checkpoint_then_sigkill(src, work) -> dict:
@@ -223,3 +242,29 @@ def test_tp2_one_rank_refusing_refuses_on_every_rank_without_side_effect(tp2):
     assert "rank-1.hsnap" in e.error["path"]
     keep = lambda s: {"pools": s["pools"], "requests": s["requests"]}  # noqa: E731
     assert keep(tp2["before"]) == keep(tp2["after"]) and tp2["after"]["checks"]["pool_leak"] is False
+
+
+def test_tp2_dedup_drain_writes_a_set_per_request_pages_once_and_each_resumes_exactly(tp2):
+    """A dedup drain of a TP 2 server: each running request a set in the directory (a manifest and both ranks'
+    files), its stream ended with its path; each rank's full pages of attention rows in the one page store beside
+    them, the shared prompt's pages put once per rank and referenced by both requests (the answer sums the ranks);
+    the directory resumed in the same server continues each exactly, decoding only."""
+    d = tp2["drained"]
+    assert d["ok"] and sorted(i["rid"] for i in d["items"]) == sorted(DRAINED), d
+    for item in d["items"]:
+        assert item["ok"] and item["result"]["tp_size"] == 2, item
+        assert sorted(os.listdir(item["path"])) == ["manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
+        stream = tp2["drained_streams"][item["rid"]]
+        assert stream.final["meta_info"]["finish_reason"]["path"] == item["path"]
+    dd = d["dedup"]
+    full_pages = {i["rid"]: i["result"]["committed_positions"] // PAGE for i in d["items"]}
+    shared = len(SHARED) // PAGE
+    assert dd["page_size"] == PAGE and dd["pages_put"] == 2 * (shared + sum(n - shared for n in full_pages.values())), dd
+    assert dd["pages_reused"] == 2 * shared * (len(DRAINED) - 1), dd  # each rank: the prompt's pages reused once
+    pages = [p for p in (tp2["work"] / "drained" / "pages").iterdir() if p.is_file()]
+    assert len(pages) == dd["pages_put"] and sum(p.stat().st_size for p in pages) == dd["page_bytes_put"]
+    run = tp2["run_d"]
+    assert sorted(run.finals) == sorted(DRAINED)
+    for rid in DRAINED:
+        assert tokens(run.finals[rid]) == tp2["refs"][rid], rid
+        assert tp2["extends_d"][rid] == 0, rid  # resumed by decoding: no extend since the drain
