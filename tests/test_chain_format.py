@@ -375,7 +375,7 @@ def test_cli_info_of_a_tp2_chain(tp_chain):
     assert rc == 0, err
     assert "chain (rank 0): 3 links to position 5" in out and "chain (rank 1): 3 links to position 5" in out
     rc, out, err = _cli("verify", tp_chain / "chain-tp2-delta-2")
-    assert rc == 0 and "with 4 links of its chain" in out, err
+    assert rc == 0 and "with 2 links of its chain, each of 2 ranks" in out, err
 
 
 @pytest.mark.parametrize("what", ["an empty directory", "a snapshot directory's shape without a manifest"])

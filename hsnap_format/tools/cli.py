@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import posixpath
 import sys
 
 import numpy as np
@@ -18,7 +19,7 @@ from ..errors import HsnapError
 from ..manifest import SnapshotSet
 from ..records import Geometry
 from ..pages import collect_pages
-from ..spec import DTYPES, PAGE_SUFFIX
+from ..spec import DTYPES, PAGE_SUFFIX, RANK_FILE_RE
 from ..stores import store_for
 from ..stores.entries import is_one_snapshot, list_directory
 from .fit import WIDTH, Column, Printer, relative_to
@@ -284,7 +285,12 @@ def _verify_document(path: str, sections: int, links: list[str], errors: list[di
 
 
 def _print_ok(out: Printer, path: str, n: int, links: list[str]) -> None:
-    chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
+    # below a set's head every rank has its chain: count the links (sets), not their rank files
+    sets = {posixpath.dirname(p) for p in links}
+    if links and all(RANK_FILE_RE.match(posixpath.basename(p)) for p in links) and len(sets) < len(links):
+        chain = f" (with {plural(len(sets), 'link')} of its chain, each of {len(links) // len(sets)} ranks)"
+    else:
+        chain = f" (with {plural(len(links), 'link')} of its chain)" if links else ""
     verified = f": {n} sections verified"
     out.line(f"OK {out.path(escape(path), WIDTH - 3 - len(verified))}{verified}{chain}")
 
