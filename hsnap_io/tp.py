@@ -36,7 +36,7 @@ from hsnap_format import CommitInfo, HsnapError, Identity, Manifest, RequestReco
 from hsnap_format.errors import Phrase, require_type
 from hsnap_format import localfs
 from hsnap_format.spec import NAME_RE, STAGING_DIR_MARK, rank_file_name
-from hsnap_format.stores import is_url, store_for
+from hsnap_format.stores import store_for
 
 from .export import export_request
 from .restore import restore_request
@@ -80,8 +80,10 @@ def export_rank_tp(path, *, identity: Identity, record: RequestRecord, group=Non
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if (identity.tp_rank, identity.tp_size) != (rank, world):
         raise HsnapError(path, "identity.tp_rank/tp_size", (rank, world), (identity.tp_rank, identity.tp_size))
-    if is_url(os.fspath(path)):
-        return _export_rank_tp_url(os.fspath(path).rstrip("/"), identity=identity, record=record, group=group, rank=rank, world=world, **kw)
+    store = store_for(os.fspath(path), kw.get("storage_options"))
+    if not store.local:  # an object store: its set writer, no staging directory
+        return _export_rank_tp_store(store, os.fspath(path).rstrip("/"), identity=identity, record=record, group=group, rank=rank,
+                                     world=world, **kw)
     if not NAME_RE.match(identity.snapshot_id):
         raise HsnapError(path, "identity.snapshot_id", "[A-Za-z0-9._-]{1,128} (names the staging directory)", identity.snapshot_id)
     final = os.path.abspath(os.fspath(path))
@@ -121,13 +123,12 @@ def export_rank_tp(path, *, identity: Identity, record: RequestRecord, group=Non
     return manifest, CommitInfo(os.path.join(final, rank_file_name(rank)), info.file_length, info.payload_bytes, info.root_digest, info.digests)
 
 
-def _export_rank_tp_url(url: str, *, identity: Identity, record: RequestRecord, group, rank: int, world: int,
-                        **kw) -> tuple[Manifest | None, CommitInfo]:
+def _export_rank_tp_store(store, url: str, *, identity: Identity, record: RequestRecord, group, rank: int, world: int,
+                          **kw) -> tuple[Manifest | None, CommitInfo]:
     """The same protocol under an ``s3://`` prefix (the store's set writer): rank 0 puts the set's pending marker,
     every rank uploads its own rank object, all agree, rank 0 puts the manifest (the commit; the marker goes).  A
     failure after the marker commits nothing and leaves what was uploaded beside the marker, as a set writer killed
     mid-write does: ``hsnap gc`` proves each object unfinished before it removes it."""
-    store = store_for(url, kw.get("storage_options"))
     writer, error = None, None
     if rank == 0:
         try:
@@ -138,7 +139,7 @@ def _export_rank_tp_url(url: str, *, identity: Identity, record: RequestRecord, 
         raise error or RankFailedError(url, "pending marker", "put by rank 0", Phrase("rank 0 failed"))
     info = None
     try:
-        info = export_request(f"{url}/{rank_file_name(rank)}", identity=identity, record=record, **kw)
+        info = export_request(store.join(url, rank_file_name(rank)), identity=identity, record=record, **kw)
     except BaseException as e:  # noqa: BLE001
         error = e
     all_ok = _agree(error is None, group, url)

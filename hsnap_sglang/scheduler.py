@@ -642,8 +642,6 @@ class HsnapScheduler:
             where, req = self.locate(msg.rid)
             if where is None:
                 raise self.absent(msg.rid)
-            if self.tp_size > 1 and is_url(msg.dir):
-                raise HsnapError(msg.dir, "dir", Phrase("a local directory (a TP server's checkpoints go to the local file system)"), msg.dir)
             if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
             if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)

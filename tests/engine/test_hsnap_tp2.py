@@ -30,6 +30,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 N = 48
 CK_PROMPT, CK_N, CK_M = prompt(74, 30), 120, 8
 S_IDS, S_N = prompt(78, 24), 40
+K_IDS, K_N = prompt(79, 24), 40
 PAGE = 16
 SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
 DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
@@ -130,6 +131,18 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         before_s = stats(dst.url, "s")["forwards"]["extend"]
         run_s = client.resume(dst.url, s_url)
         extend_s = stats(dst.url, "s")["forwards"]["extend"] - before_s
+        # checkpoints of the TP 2 server under an s3:// prefix: each link a set there; the request then paused, the
+        # prefix resumed from its newest link (the chain checked below both ranks)
+        k_url = f"s3://{store['bucket']}/ck"
+        k_stream = Stream(dst.url, payload("k", K_IDS, K_N))
+        with paced(dst.url):
+            k_stream.start()
+            k_stream.wait_tokens(2)
+            k_first = client.checkpoint(dst.url, "k", k_url, every=4)
+            wait_links(dst.url, "k", 2, stream=k_stream)
+            k_paused = client.pause(dst.url, "k", str(work / "k-final"))
+        k_stream.finish()
+        run_k = client.resume(dst.url, k_url)
         options = {"endpoint_url": store["env"]["AWS_ENDPOINT_URL"], "key": store["env"]["AWS_ACCESS_KEY_ID"],
                    "secret": store["env"]["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1"}
         s3_objects = sorted(e.path.rsplit("/", 1)[1] for e in store_for(s_url, options).list(s_url))
@@ -141,6 +154,7 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         refs = references(dst.url, {"x": (ids, N), "other": (prompt(72, 21), 60), "o": (prompt(73, 30), 70)})
         refs.update(references(dst.url, DRAINED))  # as they ran: the two together
         refs.update(references(dst.url, {"s": (S_IDS, S_N)}))
+        refs.update(references(dst.url, {"k": (K_IDS, K_N)}))
         ref_c = Stream(dst.url, payload("c-ref", CK_PROMPT, CK_N))
         ref_c.start()
         ref_c.finish()
@@ -151,7 +165,8 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
             "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow,
             "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final,
             "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d,
-            "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects}}
+            "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects},
+            "k": {"url": k_url, "first": k_first, "paused": k_paused, "run": run_k}}
 
 
 def _checkpoint_then_sigkill(src, work) -> dict:
@@ -298,3 +313,15 @@ def test_tp2_pause_into_an_object_store_writes_a_set_and_resumes_exactly(tp2):
     assert s3["stream"].final["meta_info"]["finish_reason"]["path"] == s3["url"]
     assert s3["objects"] == ["manifest.json", "rank-0.hsnap", "rank-1.hsnap"]
     assert tokens(s3["run"].final) == tp2["refs"]["s"] and s3["extend"] == 0
+
+
+def test_tp2_checkpoints_into_an_object_store_prefix_resume_from_the_newest_link(tp2):
+    """A TP 2 server's checkpoints under an ``s3://`` prefix: each link a set there; after the request left (paused
+    elsewhere), the prefix resumes from its newest link — a delta set whose chain is checked below both ranks —
+    and the request continues exactly from there."""
+    k = tp2["k"]
+    assert k["first"]["tp_size"] == 2 and k["first"]["path"].startswith(k["url"] + "/") and k["first"]["link"] == 1
+    info = k["run"].info[0]
+    assert info["ok"] and parse_link(info["path"].rstrip("/").rsplit("/", 1)[1])[1] >= 2, info
+    assert info["result"]["committed_positions"] <= len(K_IDS) + k["paused"]["output_tokens"] - 1  # a link, not the pause
+    assert tokens(k["run"].final) == tp2["refs"]["k"]
