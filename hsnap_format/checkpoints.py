@@ -74,12 +74,14 @@ def _position(opened) -> int:
     return opened.manifest.state_position if isinstance(opened, SnapshotSet) else opened.state_position
 
 
-def _check_chains(path: str, opened, storage_options, verify: bool) -> None:
-    """The chain below link ``path`` opens (and ``verify``: verifies whole) — below every rank of a TP set."""
-    from .chain import open_chain
+def _check_chains(path: str, opened, store, verify: bool) -> None:
+    """The chain below the open link ``path`` opens (and ``verify``: verifies whole) — below every rank of a TP
+    set, from the link already open (as compaction opens a set's chains)."""
+    from .chain import chain_below
 
-    for rank in sorted(opened.ranks) if isinstance(opened, SnapshotSet) else [None]:
-        with open_chain(path, rank=rank, storage_options=storage_options) as chain:
+    heads = sorted(opened.ranks.items()) if isinstance(opened, SnapshotSet) else [(None, opened)]
+    for rank, head in heads:
+        with chain_below(head, location=path, rank=rank, store=store) as chain:
             if verify:
                 chain.verify()
 
@@ -106,7 +108,7 @@ def choose_links(container: str, *, storage_options=None, verify: bool = True) -
         for position, _, path in sorted(ranked, reverse=True):
             try:
                 with store.open(path) as opened:
-                    _check_chains(path, opened, storage_options, verify)
+                    _check_chains(path, opened, store, verify)
             except HsnapError as e:
                 choice.passed_over.append((path, f"its chain does not hold ({type(e).__name__}: {e})"))
                 continue

@@ -151,7 +151,7 @@ def _export_rank_tp_store(store, url: str, *, identity: Identity, record: Reques
             error = e
     if not _agree(error is None and all_ok, group, url):
         raise error or RankFailedError(url, "export", "every rank written", Phrase("another rank failed; nothing committed"))
-    return manifest, CommitInfo(info.path, info.file_length, info.payload_bytes, info.root_digest, info.digests)
+    return manifest, info  # already under its final name: an object store has no staging directory
 
 
 def restore_request_tp(path, *, identity: Identity, group=None, **kw) -> RestoredRequest:
