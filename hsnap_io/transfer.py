@@ -15,7 +15,8 @@ view) is copied in directly (one slice copy for a run, else ``index_copy_``).
 pinned host staging buffers on a side stream, so the device-to-host copy of
 chunk i+1 overlaps the digest and write of chunk i; host memory stays at two
 staging buffers whatever the snapshot size. Restore copies mapped file bytes into
-a pinned buffer, uploads them with cupy on the side stream (double-buffered), and
+a pinned buffer (on a few threads: :func:`host_copy`), uploads them with cupy on
+the side stream (double-buffered), and
 scatters into the slots on that stream, every call under the pools' device.
 
 Both engines gather and scatter rows as raw integer words (:func:`raw_rows`), never
@@ -28,7 +29,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterator
@@ -43,6 +46,29 @@ DEFAULT_STAGING_BYTES = 64 << 20
 # Measured on the reference geometry (bench/run.py): 2 MiB beats 64 MiB by ~25% CPU
 # time at 1 GiB and avoids faulting in a fresh 64 MiB buffer per export.
 HOST_CHUNK_BYTES = 2 << 20
+# CUDA restore's host copy (mapped file -> pinned staging) in pieces on a few threads (numpy's copy releases the GIL):
+# one core's memcpy, ~7 GB/s on an H200 machine, held that restore at 0.13x of the host-to-device bandwidth
+# (bench/gpu_check.py, the engine-alone row).
+COPY_PIECE_BYTES = 8 << 20
+COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
+_copiers: ThreadPoolExecutor | None = None
+_copiers_lock = threading.Lock()
+
+
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for two 1-D byte arrays of one length, split over up to ``COPY_THREADS`` threads when large."""
+    global _copiers
+    n = len(dst)
+    pieces = min(COPY_THREADS, n // COPY_PIECE_BYTES)
+    if pieces < 2:
+        np.copyto(dst, src)
+        return
+    with _copiers_lock:
+        if _copiers is None:
+            _copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="hsnap-copy")
+    step = -(-n // pieces)
+    for f in [_copiers.submit(np.copyto, dst[a:a + step], src[a:a + step]) for a in range(0, n, step)]:
+        f.result()
 
 
 def _row_chunks(n_rows: int, row_bytes: int, staging_bytes: int) -> Iterator[tuple[int, int]]:
@@ -324,7 +350,7 @@ class CudaEngine:
                 self.ready[slot].synchronize()  # the upload that used this pinned buffer is done
             nbytes = (b - a) * row_bytes
             host = self.pinned[slot][:nbytes].numpy()
-            np.copyto(host, src[a * row_bytes : b * row_bytes])  # page-cache -> pinned
+            host_copy(host, src[a * row_bytes : b * row_bytes])  # page-cache -> pinned
             dev = self._dev[slot]
             cp.cuda.runtime.memcpyAsync(
                 dev.data_ptr(), host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice, self.stream.cuda_stream

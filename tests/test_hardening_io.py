@@ -414,3 +414,11 @@ def test_engine_device_is_the_one_device_of_every_buffer():
     for mixed in (["cuda:0", "cuda:1"], ["cpu", "cuda:0"]):
         with pytest.raises(UnsupportedPoolError, match="one device"):
             transfer.pool_device(mixed)
+
+
+@pytest.mark.parametrize("n", [0, 1, transfer.COPY_PIECE_BYTES * 2 - 1, transfer.COPY_PIECE_BYTES * 2, transfer.COPY_PIECE_BYTES * 5 + 3])
+def test_host_copy_copies_every_byte_in_pieces(n):
+    src = np.frombuffer(np.random.default_rng(n).bytes(n), dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    transfer.host_copy(dst, src)
+    assert np.array_equal(dst, src)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hsnap_support import Stream, generate, payload, prompt
+from hsnap_support import Stream, generate, payload, prompt, stats
 from mutation import http_routes as mh  # the fuzz target, its fixture and checks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -194,23 +194,33 @@ def test_hostile_abandoned_json_is_a_typed_follow_refusal(server, bystander, kin
     assert_serving(server, bystander)
 
 
-def test_follows_are_bounded_in_number_and_wait(server, bystander):
+def test_follows_are_bounded_in_number_and_wait(server, fx, bystander):
     status, out = post(server, "follow", _raw({"dir": "fz/f-long", "timeout_s": 601}))
     assert assert_typed_refusal(status, out)["field"] == "timeout_s"
-    answers = []
+    held: list = []
 
-    def follow(k):
-        answers.append(post(server, "follow", _raw({"dir": f"fz/f-{k}", "timeout_s": 4})))
+    def hold(k):
+        held.append(post(server, "follow", _raw({"dir": f"fz/hold-{k}", "timeout_s": 300})))
 
-    threads = [threading.Thread(target=follow, args=(k,)) for k in range(6)]
-    for t in threads:
+    holders = [threading.Thread(target=hold, args=(k,)) for k in range(4)]
+    for t in holders:
         t.start()
-    for t in threads:
+    deadline = time.monotonic() + 120  # four follows running (the scheduler lists them), however slow this machine
+    while len(stats(server.url)["follows"]) < 4:
+        assert time.monotonic() < deadline and not held, held
+        time.sleep(0.2)
+    extra = [post(server, "follow", _raw({"dir": f"fz/extra-{k}", "timeout_s": 4})) for k in range(2)]
+    busy = [json.loads(out)["error"] for status, out in extra if status == 429]
+    assert len(busy) == 2 and all(e["type"] == "ServerBusyError" for e in busy), extra
+    for k in range(4):  # the source gives up: each held follow ends with its typed reason, long before its 300 s
+        (fx.root / "fz" / f"hold-{k}").mkdir(exist_ok=True)
+        (fx.root / "fz" / f"hold-{k}" / "abandoned.json").write_text(json.dumps({"reason": "test", "type": "MigrationError", "links": 0}))
+    for t in holders:
         t.join(120)
-    busy = [json.loads(out)["error"] for status, out in answers if status == 429]
-    waited = [json.loads(out)["error"] for status, out in answers if status == 504]
-    assert len(busy) == 2 and all(e["type"] == "ServerBusyError" for e in busy), answers
-    assert len(waited) == 4
+    ended = [json.loads(out)["error"] for status, out in held if status == 504]
+    assert len(ended) == 4 and all(e["type"] == "MigrationError" for e in ended), held
+    status, out = post(server, "follow", _raw({"dir": "fz/after", "timeout_s": 2}))  # the slots were given back
+    assert assert_typed_refusal(status, out, statuses=(504,))["expected"] == "committed within 2.0 s"
     assert_serving(server, bystander)
 
 
