@@ -55,6 +55,7 @@ from . import claims, metrics
 from . import auth, confine
 from .containment import (MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_failure, read_body,
                           record_answer)
+from .detokenize import replay_info
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -118,6 +119,7 @@ class HsnapFrontend:
     def __init__(self, tm) -> None:
         self.tm = tm
         self.waiting: dict[str, asyncio.Future] = {}
+        self.text_skip: dict[str, int] = {}  # rid -> characters its first output repeats (detokenize.around_handle_batch_output)
 
     async def call(self, msg) -> HsnapReqOutput:
         """Send one hsnap request to the scheduler and wait for its answer (several may be in flight)."""
@@ -171,22 +173,30 @@ class HsnapFrontend:
         the scheduler's answer and what the client had (the first event repeats it: /generate's events carry the
         text so far)."""
         tm, rid = self.tm, info["rid"]
+        handoff = await asyncio.to_thread(replay_info, tm.tokenizer, info)  # O(output tokens) decodes: off the event loop
+        if rid in tm.rid_to_state:
+            raise RequestBusyError(getattr(msg, "path", None), "request.rid", Phrase("a rid no request of this server has"), rid)
         obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
         tm._init_req_state(obj, request)
         state = tm.rid_to_state[rid]
         state.hsnap_registered_at = time.monotonic()  # an earlier stream's delayed abort spares it (around_create_abort_task)
-        _seed_state(state, info, _streamed_text(tm.tokenizer, info))
+        _seed_state(state, info, handoff.text)
         had = {"text_chars": len(state.get_text()), "output_ids": len(state.output_ids),
                "incremental": bool(stream and tm.incremental_streaming_output)}
+        msg.detokenizer = [handoff.surr, handoff.read]  # the scheduler's window: the one an uninterrupted stream has
+        if handoff.pending:
+            self.text_skip[rid] = handoff.pending
         obj.hsnap_sent_at = time.monotonic()
         try:
             out = await self.call(msg)
         except BaseException:
             tm.rid_to_state.pop(rid, None)
+            self.text_skip.pop(rid, None)
             raise
         if not out.ok:
             if tm.rid_to_state.get(rid) is state:
                 del tm.rid_to_state[rid]
+            self.text_skip.pop(rid, None)
             raise _AnsweredError(out.error or {})
         # its reader, now (no await since the answer): a request that ends while the next snapshot of a directory is
         # resumed leaves rid_to_state, and a reader made later would not find its state (a 500 on a good resume)
@@ -386,38 +396,6 @@ def _seed_state(state, info: dict, text: str) -> None:
     for name, value in info["input"].items():
         if value:
             setattr(state, name, list(value))
-
-
-def _streamed_text(tokenizer, info: dict) -> str:
-    """The text the client received for the output tokens of the snapshot, computed as SGLang's detokenizer
-    computed it: its own incremental algorithm (``DetokenizerManager._decode_batch_token_id_output``) fed one token
-    per message, then the export's finishing message (which flushes what is pending)."""
-    if tokenizer is None or not info["output_ids"]:
-        return ""
-    from types import SimpleNamespace
-
-    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
-    from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
-
-    d = DetokenizerManager.__new__(DetokenizerManager)
-    d.tokenizer, d.decode_status, d.disable_tokenizer_batch_decode = tokenizer, {}, False
-    d.is_tool_call_parser_gpt_oss, d.tool_close_token_ids = False, ()
-    try:
-        d.vocab_size = len(tokenizer)
-    except TypeError:
-        d.vocab_size = getattr(tokenizer, "vocab_size", None)
-    sp = info["sampling"]
-    skip, spaces = bool(sp.get("skip_special_tokens", True)), bool(sp.get("spaces_between_special_tokens", True))
-    prompt, outputs = info["prompt_ids"], info["output_ids"]
-    read = len(prompt)
-    surr = max(read - INIT_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
-    messages = [(prompt[surr:] + outputs[:1], None)] + [([t], None) for t in outputs[1:]] + [([], {"type": "hsnap_export"})]
-    pieces = []
-    for ids, finished in messages:
-        msg = SimpleNamespace(rids=["hsnap"], decoded_texts=[""], decode_ids=[ids], read_offsets=[read - surr], finished_reasons=[finished],
-                              no_stop_trim=[False], skip_special_tokens=[skip], spaces_between_special_tokens=[spaces])
-        pieces.append(d._decode_batch_token_id_output(msg)[0])
-    return "".join(pieces)
 
 
 def snapshot_entries(path: str) -> list[str]:

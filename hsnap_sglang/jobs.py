@@ -38,7 +38,6 @@ class Export:
     drain: "Drain | None" = None
     req: Any = None  # the Req, once found
     parked: bool = False  # taken out of the running batch (overlap), to be exported or given back
-    waited: int = 0  # boundaries passed because the text ended mid-character
     found_in: str = ""  # where the request was when the export was asked for
     checkpoint: "Checkpointing | None" = None  # a link of a request's checkpoints (keep_running)
     base: str | None = None  # the link it is a delta of (None: plain)

@@ -27,6 +27,7 @@ class HsnapResumeReqInput(BaseReq, kw_only=True):
 
     op_id: str
     path: str
+    detokenizer: Optional[List[int]] = None  # [surr, read]: the detokenization window (hsnap_sglang.detokenize)
 
 
 class HsnapDrainReqInput(BaseReq, kw_only=True):
@@ -76,6 +77,7 @@ class HsnapAdmitReqInput(BaseReq, kw_only=True):
 
     op_id: str
     admit: bool = True
+    detokenizer: Optional[List[int]] = None  # [surr, read]: the detokenization window (hsnap_sglang.detokenize)
 
 
 class HsnapStatsReqInput(BaseReq, kw_only=True):

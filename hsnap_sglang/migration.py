@@ -460,7 +460,7 @@ def on_admit(hs, msg) -> None:
     req, f = got
     if msg.admit:
         t0 = time.monotonic()
-        hs.admit([req], resumed=True)
+        hs.admit([req], resumed=True, detokenizer=msg.detokenizer)
         hs.resumes += 1
         hs.answer(msg, ok=True, result={"rid": msg.rid, "admitted_at": time.monotonic(), "admit_s": time.monotonic() - t0})
         return

@@ -18,6 +18,10 @@ target                                                             type   what
                                                                           waiting HTTP calls (:mod:`.frontend`)
 ``TokenizerManager.create_abort_task``                             AROUND a stream's delayed abort (2 s after it ends) spares
                                                                           a request resumed here since (same rid)
+``TokenizerManager._handle_batch_output``                          AROUND drops, from a resumed request's first output, the
+                                                                          characters its client already had (:mod:`.detokenize`)
+``DetokenizerManager._decode_batch_token_id_output``               AROUND an exported request's last message is decoded as a
+                                                                          streaming step: no U+FFFD flush (:mod:`.detokenize`)
 ``http_server.launch_server``                                      BEFORE adds the ``/hsnap/*`` routes to SGLang's
                                                                           FastAPI app
 ``Scheduler.maybe_sleep_on_idle``                                  AROUND an idle scheduler following a migration polls
@@ -51,6 +55,9 @@ HOOKS: dict[str, tuple[str, str]] = {
     f"{_SCHED}.process_batch_result": ("scheduler:around_process_batch_result", "AROUND"),
     f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
     f"{_TM}.create_abort_task": ("frontend:around_create_abort_task", "AROUND"),
+    f"{_TM}._handle_batch_output": ("detokenize:around_handle_batch_output", "AROUND"),
+    "sglang.srt.managers.detokenizer_manager.DetokenizerManager._decode_batch_token_id_output":
+        ("detokenize:around_decode_batch_token_id_output", "AROUND"),
     "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
     "sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler": ("frontend:after_sigterm", "AFTER"),
     f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),

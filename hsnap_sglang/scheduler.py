@@ -44,6 +44,7 @@ from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFini
 from . import confine, metrics, migration
 from .containment import contained_handler, guarded, log_failure, typed
 from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
+from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
@@ -51,7 +52,6 @@ logger = logging.getLogger("hsnap_sglang")
 
 
 
-MAX_TEXT_WAIT = 32  # decode steps an export waits at most for the text to end on a whole character
 MAX_COUNTED_RIDS = 4096  # per-rid forward counts kept (oldest forgotten first)
 MAX_FINISHED_RIDS = 4096  # rids of requests that finished here lately: an export of one answers "finished", not "unknown"
 DEDUP_PAGE_SIZE = 64  # positions per page object of a dedup drain (the pool's own page is 1 on CPU: a file per token)
@@ -352,13 +352,6 @@ class HsnapScheduler:
             self._done(ex, error=error_dict(RequestFinishedError(ex.path, "request", Phrase("a request still decoding at the export boundary"),
                                                                  Phrase(f"finished: {json.dumps(why)}" if why else "gone"))))
         elif where in ("running", "parked") and not self._in_flight(req):  # snapshot_req refuses anything uncommitted
-            if not _text_complete(req, self.sched.tokenizer) and ex.waited < MAX_TEXT_WAIT:
-                ex.waited += 1  # mid-character: one more token (never sends a client half a character)
-                if where == "parked":
-                    self.parked.pop(ex.rid, None)
-                    ex.parked = False
-                    self.admit([req])
-                return
             if ex.checkpoint is None and ex.rid in self.links.in_flight:
                 # a pause/drain/export of a checkpointed request: its link on the way is committed first (and
                 # answered), so no link is written after this export and the final snapshot follows the last link
@@ -808,7 +801,7 @@ class HsnapScheduler:
             self.answer(msg, ok=False, error=error_of(err))
             return None
         t_restored = time.monotonic()
-        self.admit([req], resumed=True)
+        self.admit([req], resumed=True, detokenizer=msg.detokenizer)
         self.resumes += 1
         restored = req.hsnap_restored
         self.answer(msg, ok=True, result={
@@ -821,15 +814,16 @@ class HsnapScheduler:
         })
         return None
 
-    def admit(self, reqs: list, *, resumed: bool = False) -> None:
+    def admit(self, reqs: list, *, resumed: bool = False, detokenizer: list[int] | None = None) -> None:
         """Put requests whose KV and Mamba state are in their slots into the running batch as decoding requests.
 
         SGLang's own PD-decode admission: ``ScheduleBatch.init_new`` + ``prepare_for_prebuilt`` (decode metadata of
         a request with its KV in place; ``seq_lens`` = committed positions), the last output token stashed in the
         ``FutureMap`` (the relay every decode step reads its input from), then ``merge_batch``.  The penalizers
         (frequency/presence/repetition penalties, min_new_tokens) are fed the earlier output tokens as decoding would
-        have fed them.  A resumed request re-anchors the detokenizer on its last tokens and stays out of the radix
-        tree (its history was not prefilled here; releasing it frees exactly its own slots)."""
+        have fed them.  A resumed request's detokenization window is ``detokenizer`` (the HTTP process replayed the
+        source's, :mod:`.detokenize`) and it stays out of the radix tree (its history was not prefilled here;
+        releasing it frees exactly its own slots)."""
         from sglang.srt.managers.overlap_utils import RelayPayload
         from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET, ScheduleBatch
 
@@ -838,7 +832,7 @@ class HsnapScheduler:
             if resumed:
                 s.init_req_max_new_tokens(req)
                 req.skip_radix_cache_insert = True
-                _anchor_detokenizer(req, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+                anchor_detokenizer(req, detokenizer, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
         for req in reqs:  # one batch per request: the penalizers are fed its own history
             batch = ScheduleBatch.init_new([req], s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache, s.model_config,
                                            s.enable_overlap, s.spec_algorithm)
@@ -1120,19 +1114,6 @@ def _check_target_free(path: str) -> None:
         raise SnapshotExistsError(path, "path", "no file or directory", Phrase("one exists"))
 
 
-def _text_complete(req, tokenizer) -> bool:
-    """Whether the request's text ends on a whole character: SGLang's detokenizer holds back (streams only the
-    printable part of) a token sequence that ends inside a multi-byte character, and would flush it as U+FFFD when
-    the request ends.  An export at such a boundary would end the client's stream with a replacement character the
-    uninterrupted stream never has; so the export waits for the next whole-character boundary."""
-    if tokenizer is None or not len(req.output_ids):
-        return True
-    sp = req.sampling_params
-    tail = (list(req.origin_input_ids_unpadded) + list(req.output_ids))[-8:]
-    text = tokenizer.decode(tail, skip_special_tokens=sp.skip_special_tokens, spaces_between_special_tokens=sp.spaces_between_special_tokens)
-    return not text.endswith("\ufffd")
-
-
 def _remaining(req) -> int | None:
     m = req.sampling_params.max_new_tokens
     return None if m is None else max(0, int(m) - len(req.output_ids))
@@ -1142,22 +1123,6 @@ def _private_tokens(req, page_size: int) -> int:
     from sglang.srt.mem_cache.common import kv_private_tokens
 
     return int(kv_private_tokens(req.kv, page_size))
-
-
-def _anchor_detokenizer(req, offset: int) -> None:
-    """A fresh detokenizer (the target's) learns a request at its first output message: ``decode_ids`` from
-    ``send_decode_id_offset`` on, the first ``read_offset - surr_offset`` of them as context only.  Give it the last
-    ``offset`` tokens of the committed text as context, so it emits exactly the text of the new tokens."""
-    history = list(req.origin_input_ids_unpadded) + list(req.output_ids)
-    n = max(1, min(offset, len(req.origin_input_ids_unpadded), len(history)))
-    req.surr_and_decode_ids = history[-n:]
-    req.cur_decode_ids_len = len(req.output_ids)
-    req.read_offset = len(req.origin_input_ids_unpadded)
-    req.surr_offset = req.read_offset - n
-    req.send_decode_id_offset = 0
-    req.send_token_offset = len(req.output_ids)  # the client has every output token up to the snapshot
-    req.send_output_token_logprobs_offset = len(req.output_ids)
-    req.decoded_text = ""
 
 
 __all__ = ["HsnapScheduler", "install", "after_ingest", "around_process_batch_result", "drain_path"]

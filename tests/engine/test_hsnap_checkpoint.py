@@ -37,7 +37,6 @@ SHARED = prompt(51, 2 * PAGE)  # two full pages shared by the three drained requ
 DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  # 3 x 40 prompt tokens: one prefill chunk
 CK_PROMPT, CK_N, CK_M = prompt(71, 30), 160, 8
 GATED_N = 300
-MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +77,8 @@ def crashed(servers, work):
         c.wait_tokens(kill_at)
         # the link writer runs off the scheduler's path and may trail the decode by a link or two: kill once 3 are
         # written (the request, 160 tokens, decodes on meanwhile)
-        during = wait_links(s1.url, "c", 3, stream=c)
+        wait_links(s1.url, "c", 3, stream=c)
+        during = stats(s1.url)["checkpoints"]  # the links committed before the kill (a later one may commit meanwhile)
         alive = s1.crash()
         c.join(60)
     finally:
@@ -155,8 +155,10 @@ def test_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resume
         assert len(chain) == len(links) and chain.links[0].base is None
         chain.verify()
         link_outputs = chain.head.request["output_tokens"]
-    # at most CK_M tokens (plus the wait for a whole character) lost to the crash
-    assert 0 <= resumed["had"][1] - link_outputs <= CK_M + MAX_TEXT_WAIT, why
+    # every link committed before the kill survived it; the tokens lost are those decoded since the newest one (the
+    # writer never holds the decode back: CK_M when it keeps up, more on a loaded machine - bench/CHECKPOINT.md)
+    assert link_outputs >= crashed["during"]["c"]["last_output_tokens"], why
+    assert 0 <= resumed["had"][1] - link_outputs, why
     info = resumed["run_c"].info[0]
     assert info["ok"] and info["path"] == newest and info["result"]["committed_positions"] == len(CK_PROMPT) + link_outputs - 1
     # tokens and logprobs identical to an uninterrupted run; the client's text continues with nothing repeated or missing

@@ -34,7 +34,6 @@ K_IDS, K_N = prompt(79, 24), 40
 PAGE = 16
 SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
 DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
-MAX_TEXT_WAIT = 32  # hsnap_sglang.scheduler: boundaries a link may wait for the text to end on a whole character
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -177,7 +176,8 @@ def _checkpoint_then_sigkill(src, work) -> dict:
         c.start()
         c.wait_tokens(2)
         first = client.checkpoint(src.url, "c", str(work / "ck"), every=CK_M)
-        during = wait_links(src.url, "c", 3, stream=c)
+        wait_links(src.url, "c", 3, stream=c)
+        during = stats(src.url)["checkpoints"]  # the links committed before the kill
         alive = src.crash()
     c.join(60)
     return {"c": c, "first": first, "during": during, "alive": alive, "log": src.log_tail()}
@@ -225,7 +225,10 @@ def test_tp2_checkpoints_are_sets_resumed_exactly_after_a_sigkill(tp2):
             assert [link.identity.tp_rank for link in chain.links] == [rank] * len(links)
             chain.verify()
             link_outputs = chain.head.request["output_tokens"]
-    assert 0 <= tp2["had"][1] - link_outputs <= CK_M + MAX_TEXT_WAIT, why
+    # every link committed before the kill survived it; at TP > 1 a link is written in lockstep (the decode waits
+    # for it), so at most a link's worth of tokens, and the one being written, are lost
+    assert link_outputs >= crashed["during"]["c"]["last_output_tokens"], why
+    assert 0 <= tp2["had"][1] - link_outputs <= 2 * CK_M, why
     # a copy whose newest link has one byte of its rank-1 file flipped: the link before it is the newest that holds
     bad = work / "ck-bad"
     shutil.copytree(work / "ck", bad)
