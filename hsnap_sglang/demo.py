@@ -51,7 +51,7 @@ __all__ = ["main", "run_demo", "format_report", "DemoError", "DemoServer", "Stre
 N, K = 128, 10
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick brown"
 # the other requests: (prompt seed, prompt tokens, output tokens); long enough to be decoding around the export/resume
-SOURCE_OTHERS = {"other-1": (1, 40, 48), "other-2": (2, 30, 64)}
+SOURCE_OTHERS = {"other-1": (1, 40, 112), "other-2": (2, 30, 112)}  # long enough to decode beside x however slow its prefill
 TARGET_OTHERS = {"other-3": (3, 36, 64)}
 # SGLang holds 3 Mamba slots per running request here (its log says so): 12 slots -> x and both others at once
 SOURCE_CAPACITY = {"--max-total-tokens": "4096", "--max-mamba-cache-size": "12", "--max-running-requests": "4"}

@@ -150,11 +150,22 @@ def anchor_detokenizer(req, window: list[int] | None, offset: int) -> None:
     req.surr_and_decode_ids = history[surr:]
     req.cur_decode_ids_len = len(req.output_ids)
     req.surr_offset, req.read_offset = surr, read  # SGLang sends read - surr as the context length
+    req.hsnap_detokenizer_window = (surr, read)  # a snapshot of it records SGLang's own form instead (sglang_form)
     req.send_decode_id_offset = 0
     req.send_token_offset = len(req.output_ids)  # the client has every output token up to the snapshot
     req.send_output_token_logprobs_offset = len(req.output_ids)
     req.decoded_text = ""
 
 
-__all__ = ["HandoffText", "anchor_detokenizer", "EXPORT_FINISH", "initial_window", "replay", "replay_info", "around_decode_batch_token_id_output",
+def sglang_form(req) -> dict:
+    """The detokenizer fields of ``req`` as SGLang itself holds them for a request that was never handed off (its
+    first window in the prompt, every id sent so far): what a snapshot of a request anchored by
+    :func:`anchor_detokenizer` records — in the ranges a record's reader checks — since every resume anchors anew."""
+    prompt, outputs = len(req.origin_input_ids_unpadded), len(req.output_ids)
+    surr, read = initial_window(prompt)
+    return {"surr_offset": surr, "read_offset": read, "cur_decode_ids_len": outputs,
+            "send_decode_id_offset": read - surr + min(int(req.send_token_offset), outputs), "decoded_text": ""}
+
+
+__all__ = ["HandoffText", "anchor_detokenizer", "sglang_form", "EXPORT_FINISH", "initial_window", "replay", "replay_info", "around_decode_batch_token_id_output",
            "around_handle_batch_output", "drop_pending"]

@@ -20,6 +20,7 @@ from hsnap_format.errors import Phrase
 
 from hsnap_io.sglang_env import import_sglang
 
+from ..detokenize import sglang_form
 from .fields import CARRIED, ENGINE_VERSION, FORMAT, FORMAT_KEY, REFUSED, TABLES, sglang_attributes, unclassified
 from .values import MAX_PLAIN, TOKEN_ID_LIMIT, Bounds, InvalidValue, component_type, json_text, short_repr, unpack
 
@@ -350,6 +351,8 @@ def req_record(req, *, path=None) -> tuple[RequestRecord, int]:
 
     check_req(req, path=path)  # token ids in 0..vocab_size-1 (<= 2**31) before the int32 casts below
     attrs = sglang_attributes(req)
+    if getattr(req, "hsnap_detokenizer_window", None) is not None and "Req" in attrs:  # a resumed request: SGLang's form
+        attrs["Req"].update({k: v for k, v in sglang_form(req).items() if k in attrs["Req"]})
     sp, lp, kv = req.sampling_params, req.logprob, req.kv
     extra: dict[str, Any] = {FORMAT_KEY: FORMAT}
     for cls, values in attrs.items():
