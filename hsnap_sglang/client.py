@@ -38,7 +38,7 @@ from typing import Any, Callable
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 from hsnap_format.tools.fit import Printer, elide_end
 
-__all__ = ["ServerError", "ResumeRun", "GenerateRun", "Migration", "pause", "resume", "generate", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats",
+__all__ = ["ServerError", "ResumeRun", "GenerateRun", "Migration", "pause", "resume", "generate", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats", "attach", "report_items",
            "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -193,7 +193,7 @@ class ResumeRun:
     @property
     def results(self) -> dict:
         """rid -> the resume report of each request resumed (``path``, ``committed_positions``, ``timings``...)."""
-        return {i["result"]["rid"]: i["result"] for i in _items(self.info) if i.get("ok") and "result" in i}
+        return {i["result"]["rid"]: i["result"] for i in report_items(self.info) if i.get("ok") and "result" in i}
 
     @property
     def resumed(self) -> dict:
@@ -238,9 +238,19 @@ def resume(url: str, path: str, *, on_chunk: Callable[[str, str, list, dict], No
                      on_start=on_start, on_interrupt=on_interrupt)
 
 
+def attach(url: str, rid: str, *, on_chunk: Callable[[str, str, list, dict], None] | None = None,
+           seen: tuple[int, int] | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> ResumeRun:
+    """Read the rest of request ``rid`` that the server at ``url`` resumed by itself (``HSNAP_RESUME_ON_START``: a
+    rolling restart) and holds for its client; ``on_chunk`` and ``seen`` as for :func:`resume` (the events carry the
+    text and ids so far: ``seen`` is what this client already has).  One client per request: a second attach is
+    refused (``RequestBusyError``), as is a rid the server does not hold (``UnknownRequestError``)."""
+    return _read_run(url, "/hsnap/attach", {"rid": rid, "stream": True}, on_chunk=on_chunk, stream=True, seen=seen or (0, 0),
+                     timeout=timeout, api_key=api_key)
+
+
 def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen, timeout: float, api_key: str | None = None,
               on_start: Callable[[Any], None] | None = None, on_interrupt: Callable[[ResumeRun], dict] | None = None) -> ResumeRun:
-    """A /hsnap/resume or /hsnap/follow call's events (see :func:`resume`)."""
+    """A /hsnap/resume, /hsnap/follow or /hsnap/attach call's events (see :func:`resume`)."""
     with _request(url, route, body, timeout, api_key) as r:
         header = r.headers.get(RESUME_HEADER)
         run = ResumeRun(info=json.loads(header) if header else None)
@@ -253,7 +263,7 @@ def _read_run(url: str, route: str, body: dict, *, on_chunk, stream: bool, seen,
                 run.finals[event["meta_info"]["id"]] = event
             return run
         # what each request's client already had (its first event repeats it: events carry the text and ids so far)
-        had = {i["result"]["rid"]: i["result"].get("client_had", {}) for i in _items(run.info) if i.get("ok")}
+        had = {i["result"]["rid"]: i["result"].get("client_had", {}) for i in report_items(run.info) if i.get("ok")}
         # per request: where the next event's addition starts in the whole stream, and what the client has
         at: dict[str, tuple[int, int]] = {}
         floor: dict[str, tuple[int, int]] = {}
@@ -316,17 +326,22 @@ def _finish(event: dict) -> dict:
     return (event.get("meta_info") or {}).get("finish_reason") or {}
 
 
+HAND_OFF_WAIT_S = 300.0  # how long generate waits for the next server to answer (a rolling restart's new one starting)
+
+
 def generate(url: str, body: dict, *, next_url: str | Callable[[str, str], str] | None = None,
              on_chunk: Callable[[str, str, list, dict], None] | None = None, max_hand_offs: int = MAX_HAND_OFFS,
-             timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> GenerateRun:
+             timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None, wait_s: float = HAND_OFF_WAIT_S) -> GenerateRun:
     """SGLang's streamed ``/generate`` of ``body`` at ``url``, followed across hand-offs: when the stream ends with
     ``finish_reason {"type": "hsnap_export", "path": ...}`` (the request was paused, drained, or drained by a server
     going down on SIGTERM), the snapshot is resumed in ``next_url`` (a URL, or ``next_url(server_url, path)`` -> URL;
     default: the same server) and its events continue the same request, with nothing repeated or missing; up to
     ``max_hand_offs`` times.  ``on_chunk(rid, new_text, new_ids, event)`` gets what each event adds, as from
     :func:`resume`.  The server must stream whole text and ids per event (SGLang's default, not
-    ``--incremental-streaming-output``).  A hand-off the next server refuses raises its :class:`ServerError`; the
-    run so far is on the error as ``run``."""
+    ``--incremental-streaming-output``).  A next server that does not answer yet (a rolling restart: the new server
+    is starting) is asked again for up to ``wait_s``; one that resumed the snapshot by itself
+    (``HSNAP_RESUME_ON_START``: the resume is refused as claimed) is attached to (:func:`attach`).  A hand-off the
+    next server refuses otherwise raises its :class:`ServerError`; the run so far is on the error as ``run``."""
     run = GenerateRun()
 
     def take(rid: str, new_text: str, new_ids: list, event: dict) -> None:
@@ -346,12 +361,39 @@ def generate(url: str, body: dict, *, next_url: str | Callable[[str, str], str] 
         path = _finish(run.final)["path"]
         server = next_url(server, path) if callable(next_url) else (next_url or server)
         run.hand_offs.append((server, path))
+        rid = run.final["meta_info"]["id"]
         try:
-            resume(server, path, on_chunk=take, seen=(len(run.text), len(run.output_ids)), timeout=timeout, api_key=api_key)
+            _continue_in(server, path, rid, take, (len(run.text), len(run.output_ids)), timeout, api_key, wait_s)
         except ServerError as e:
             e.run = run  # type: ignore[attr-defined]
             raise
     return run
+
+
+def _continue_in(server: str, path: str, rid: str, take, seen: tuple[int, int], timeout: float, api_key: str | None,
+                 wait_s: float) -> None:
+    """Resume ``path`` in ``server`` (waiting up to ``wait_s`` for it to answer), or attach to ``rid`` there when the
+    server resumed it by itself."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resume(server, path, on_chunk=take, seen=seen, timeout=timeout, api_key=api_key)
+            return
+        except ServerError as e:
+            if e.error_type != "SnapshotClaimedError":
+                raise
+            try:
+                attach(server, rid, on_chunk=take, seen=seen, timeout=timeout, api_key=api_key)
+                return
+            except ServerError as a:
+                if a.error_type != "UnknownRequestError" or time.monotonic() > deadline:
+                    raise e from None  # claimed, and not held here: another client or server has it
+        except HsnapIOError as e:
+            if e.field != "connect" or time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def interrupted_path(entry: str, n: int = 1) -> str:
@@ -487,7 +529,7 @@ def _printers(args) -> tuple[Printer, Printer]:
     return Printer(wide=args.wide), Printer(wide=args.wide, file=sys.stderr)
 
 
-def _items(info) -> list:
+def report_items(info) -> list:
     """The resume report as a list of ``{path, ok, result | error}`` (one snapshot: a list of one)."""
     return info if isinstance(info, list) else [info] if info else []
 
@@ -603,7 +645,7 @@ class _ResumeView:
         self.count = 0
 
     def plan(self, info) -> None:
-        items = _items(info)
+        items = report_items(info)
         ok = [i for i in items if i.get("ok")]
         self.count = len(ok) if items and not (isinstance(info, dict) and info.get("truncated")) else int((info or {}).get("resumed", 0))
         self.many = isinstance(info, list) or bool(isinstance(info, dict) and info.get("truncated")) or self.args.output_dir is not None

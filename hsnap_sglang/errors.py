@@ -120,9 +120,15 @@ ENDPOINT_SHOWN = "<the object store>"
 
 
 def capped(text: str, limit: int = ECHO_CHARS) -> str:
-    """``text`` cut to ``limit`` characters, saying how long it was; no store endpoint in it."""
+    """``text`` cut to ``limit`` characters, saying how long it was; no store endpoint in it; a lone surrogate (a
+    client's ``"\ud800"``, which no UTF-8 answer can carry) written as its escape."""
     text = _ENDPOINT.sub(ENDPOINT_SHOWN, text) if "://" in text else text
-    return text if len(text) <= limit else f"{text[:limit]}…({len(text)} chars)"
+    text = text if len(text) <= limit else f"{text[:limit]}…({len(text)} chars)"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _plain(v: Any, depth: int = 0) -> Any:

@@ -51,7 +51,7 @@ from hsnap_format import HsnapError, open_snapshot
 from hsnap_format.errors import MalformedError, Phrase
 from hsnap_format.spec import MAX_PAGE_SIZE
 
-from . import claims, metrics
+from . import claims, metrics, restart
 from . import auth, confine
 from .containment import (MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_failure, read_body,
                           record_answer)
@@ -615,6 +615,18 @@ def router():
         headers = {RESUME_HEADER: header if len(header) <= _HEADER_LIMIT else json.dumps({"truncated": True, "rid": result.get("rid")})}
         return await _respond(fe.tm, [obj], request, stream=stream, headers=headers, single=True)
 
+    @r.post("/attach")
+    @_contained("attach")
+    async def attach(request: Request):
+        body = await _body(request)
+        rid, stream = check_rid("rid", body.get("rid")), body.get("stream", True)
+        if type(stream) is not bool:
+            return _bad("stream", "true or false", stream)
+        held = restart.take(rid)  # typed 404 / 409: not held here, or another client has it
+        info = {"path": held.path, "ok": True, "result": {"rid": rid, "attached": True,
+                                                          "client_had": {"text_chars": 0, "output_ids": 0, "incremental": False}}}
+        return await _attached(held, stream=stream, headers={RESUME_HEADER: json.dumps(info, separators=(",", ":"), default=str)})
+
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     for route in r.routes:  # admin operations: SGLang's middleware asks for the admin key (else the API key)
@@ -664,6 +676,37 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
                 t.cancel()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers, background=_abort_when_gone(tm, resumed))
+
+
+ATTACH_POLL_S = 0.02  # how often an attached stream looks for the held request's next event
+
+
+async def _attached(held, *, stream: bool, headers: dict):
+    """A request held since the server resumed it at start (:mod:`.restart`): its latest event (the text and ids so
+    far), then each newer one until it ends.  The request is the server's: a client that goes away leaves it
+    running (it may attach again only if it had not attached)."""
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from sglang.srt.entrypoints.http_server import dumps_json
+
+    if not stream:
+        while not held.done:
+            await asyncio.sleep(ATTACH_POLL_S)
+        return JSONResponse(content=held.event, headers=headers)
+
+    async def events():
+        last = None
+        while True:
+            done = held.done  # first: a request marked done already holds its last event
+            ev = held.event
+            if ev is not None and ev is not last:
+                last = ev
+                yield b"data: " + dumps_json(ev) + b"\n\n"
+            if done and ev is last:
+                break
+            await asyncio.sleep(ATTACH_POLL_S)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 def _abort_when_gone(tm, resumed: list):

@@ -24,6 +24,8 @@ target                                                             type   what
                                                                           streaming step: no U+FFFD flush (:mod:`.detokenize`)
 ``http_server.launch_server``                                      BEFORE adds the ``/hsnap/*`` routes to SGLang's
                                                                           FastAPI app
+``http_server._wait_and_warmup``                                   AFTER  with ``HSNAP_RESUME_ON_START``: resumes every snapshot
+                                                                          there once the server is ready (:mod:`.restart`)
 ``Scheduler.maybe_sleep_on_idle``                                  AROUND an idle scheduler following a migration polls
                                                                           its sockets for 1 ms, not 1 s (links come by store)
 ``SchedulerPoolStatsObserver._session_kv_rows``                    AROUND adds the slots of a request migrating in (held
@@ -60,6 +62,7 @@ HOOKS: dict[str, tuple[str, str]] = {
         ("detokenize:around_decode_batch_token_id_output", "AROUND"),
     "sglang.srt.entrypoints.http_server.launch_server": ("frontend:before_launch_server", "BEFORE"),
     "sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler": ("frontend:after_sigterm", "AFTER"),
+    "sglang.srt.entrypoints.http_server._wait_and_warmup": ("restart:after_wait_and_warmup", "AFTER"),
     f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._session_kv_rows":
         ("scheduler:around_session_kv_rows", "AROUND"),

@@ -120,7 +120,8 @@ def engine_kwargs(**overrides) -> dict:
 ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP_SGLANG_PLUGIN=1), not passed to SGLang
 # hsnap's own flags with a value -> the environment variable each sets (inherited by every process of the server);
 # repeated flags join with "," (HSNAP_ALLOWED_URLS).  Not passed to SGLang.
-HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS", "--hsnap-drain-on-sigterm": "HSNAP_DRAIN_ON_SIGTERM"}
+HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS", "--hsnap-drain-on-sigterm": "HSNAP_DRAIN_ON_SIGTERM",
+                     "--hsnap-resume-on-start": "HSNAP_RESUME_ON_START"}
 HSNAP_SWITCHES = {ENABLE_HSNAP: "HSNAP_SGLANG_PLUGIN", "--hsnap-allow-unauthenticated": "HSNAP_ALLOW_UNAUTHENTICATED"}
 
 
@@ -161,6 +162,9 @@ HSNAP_FLAG_HELP = {
     "--hsnap-drain-on-sigterm DIR": "on SIGTERM, drain every request into DIR (beneath the root, or an allowed s3:// prefix) "
                                     "before SGLang's graceful shutdown: a rolling restart loses no request's progress "
                                     "(HSNAP_DRAIN_ON_SIGTERM)",
+    "--hsnap-resume-on-start DIR": "once ready, resume every snapshot in DIR and hold each request for its client "
+                                   "(POST /hsnap/attach; client.generate attaches): a rolling restart's new server "
+                                   "(HSNAP_RESUME_ON_START)",
 }
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 # tests/engine/hsnap_support.py: the live server and the streaming client the engine tests use
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "engine"))
 
-ROUTES = ("export", "drain", "checkpoint", "resume", "migrate", "follow", "stats")
+ROUTES = ("export", "drain", "checkpoint", "resume", "migrate", "follow", "attach", "stats")
 LIVE_RID = "fuzz-live"
 BYSTANDER_N = 120
 BOUND_MARGIN_S = 30.0  # an answer may take its own timeout plus this on a loaded two-core machine
@@ -183,6 +183,8 @@ def body(seed: int, i: int, fx: Fixture) -> tuple[str, str, bytes, float]:
     elif route == "migrate":
         obj = {"rid": _rid(rng, fx), "dir": rng.choice([_path(rng, fx, i), rng.choice(fx.containers)]), "tail": _number(rng, [0, 2, 16]),
                "max_rounds": _number(rng, [1, 2, 8, 1001]), "timeout_s": _number(rng, [0.2, 0.5, 1, 86401]), "fsync": rng.choice([False, True, 0])}
+    elif route == "attach":  # this server resumed nothing at start: every rid is one it does not hold (a typed 404)
+        obj = {"rid": _rid(rng, fx), "stream": rng.choice([True, False, "x", None])}
     else:  # follow
         obj = {"dir": rng.choice([rng.choice(fx.containers), _path(rng, fx, i)]), "rid": rng.choice([None, _rid(rng, fx)]),
                "stream": rng.choice([False, True, "x"]), "timeout_s": _number(rng, [0.2, 0.5, 1, 601, 86400])}

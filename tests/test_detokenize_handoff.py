@@ -178,3 +178,17 @@ def test_an_out_of_range_window_falls_back_to_the_last_tokens():
     req = Req([3, 4, 5, 6, 7, 8], [9, 10])
     detokenize.anchor_detokenizer(req, [2, 99], 5)
     assert req.surr_and_decode_ids == [6, 7, 8, 9, 10] and req.read_offset - req.surr_offset == 5
+
+
+def test_an_anchored_request_records_sglangs_own_detokenizer_fields():
+    """A resumed request's window lies past its prompt; its snapshot records SGLang's first window instead (every resume
+    anchors anew), within the ranges a record's reader checks; a request never handed off records its own."""
+    req = Req(list(range(3, 9)), [20, 21, 22])
+    req.send_token_offset = 3
+    assert detokenize.sglang_form(req) == {}  # never streamed: nothing set, nothing to change
+    req.next_message()
+    assert detokenize.sglang_form(req) == {}  # SGLang's own first window
+    detokenize.anchor_detokenizer(req, [7, 9], 5)
+    form = detokenize.sglang_form(req)
+    assert form == {"surr_offset": 1, "read_offset": 6, "cur_decode_ids_len": 3, "send_decode_id_offset": 8, "decoded_text": ""}
+    assert form["send_decode_id_offset"] <= len(req.origin_input_ids_unpadded) - form["surr_offset"] + form["cur_decode_ids_len"]

@@ -196,8 +196,6 @@ REQ_FIELDS: dict[str, Field] = {
     "return_hidden_states_mode": rederived("derived from return_hidden_states (refused unless False)"),
     "cache_request_handle": rederived("CacheRequestHandle(rid, attempt 0), as the constructor builds it"),
     "hsnap_restored": irrelevant("set by resume_req: what the restore did (slots, bytes uploaded, snapshot id)"),
-    "hsnap_detokenizer_window": irrelevant("set by a resume's anchor_detokenizer: a snapshot records SGLang's own form of the "
-                                           "detokenizer fields instead, and every resume anchors anew"),
     "time_stats": irrelevant(_STATS),
     "has_log_time_stats": irrelevant(_STATS),
     "metrics_collector": irrelevant("the target's metrics collector (resume_req(**req_kwargs))"),

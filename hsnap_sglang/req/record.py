@@ -351,7 +351,7 @@ def req_record(req, *, path=None) -> tuple[RequestRecord, int]:
 
     check_req(req, path=path)  # token ids in 0..vocab_size-1 (<= 2**31) before the int32 casts below
     attrs = sglang_attributes(req)
-    if getattr(req, "hsnap_detokenizer_window", None) is not None and "Req" in attrs:  # a resumed request: SGLang's form
+    if "Req" in attrs:  # a resumed request's anchored detokenizer fields: SGLang's own form (detokenize.sglang_form)
         attrs["Req"].update({k: v for k, v in sglang_form(req).items() if k in attrs["Req"]})
     sp, lp, kv = req.sampling_params, req.logprob, req.kv
     extra: dict[str, Any] = {FORMAT_KEY: FORMAT}

@@ -18,7 +18,7 @@ from mutation import http_routes as mh  # the fuzz target, its fixture and check
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
-ROUTES = ("export", "drain", "checkpoint", "resume", "migrate", "follow")
+ROUTES = ("export", "drain", "checkpoint", "resume", "migrate", "follow", "attach")
 TEN_MB = "x" * (10 << 20)
 BYSTANDER_N = 200  # tokens per bystander request (they follow one another through the module)
 
@@ -102,10 +102,11 @@ HOSTILE_VALUES = {
     "int": 7, "list": ["a"], "object": {"a": 1}, "nan": float("nan"), "infinity": float("inf"), "bool": True,
 }
 FIELDS = {"export": ("rid", "path"), "drain": ("dir",), "checkpoint": ("rid", "dir"), "resume": ("path",), "migrate": ("rid", "dir"),
-          "follow": ("dir", "rid")}
+          "follow": ("dir", "rid"), "attach": ("rid",)}
 VALID = {"export": {"rid": "bystander-not", "path": "fz/e.hsnap"}, "drain": {"dir": "fz/drained"},
          "checkpoint": {"rid": "nope", "dir": "fz/ck", "every": 4}, "resume": {"path": "fz/none.hsnap"},
-         "migrate": {"rid": "nope", "dir": "fz/mig", "timeout_s": 1}, "follow": {"dir": "fz/fol", "timeout_s": 1}}
+         "migrate": {"rid": "nope", "dir": "fz/mig", "timeout_s": 1}, "follow": {"dir": "fz/fol", "timeout_s": 1},
+         "attach": {"rid": "nope"}}
 
 
 def test_nul_byte_in_drain_dir_is_a_typed_400_and_the_server_keeps_serving(server, bystander):
@@ -122,6 +123,16 @@ def test_hostile_field_values_over_every_route_are_typed_refusals(server, bystan
             status, out = post(server, route, _raw(dict(VALID[route], **{field: value})))
             assert_typed_refusal(status, out, statuses=(400, 403, 413)), (field, name)
             assert len(out) < 20_000, (field, name, len(out))  # a capped echo, never the 10 MB back
+    assert_serving(server, bystander)
+
+
+@pytest.mark.parametrize("route", ["resume", "follow", "attach"])
+def test_a_lone_surrogate_where_a_flag_belongs_is_a_typed_400_echoed_escaped(server, bystander, route):
+    """A value refused by type is echoed in the answer: a lone surrogate (no UTF-8 answer can carry it) is written as
+    its escape, not turned into a 500."""
+    status, out = post(server, route, _raw(dict(VALID[route], stream="x\ud800")))
+    err = assert_typed_refusal(status, out)
+    assert err["field"] == "stream" and err["found"] == "x\\ud800", err
     assert_serving(server, bystander)
 
 

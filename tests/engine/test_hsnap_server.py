@@ -154,8 +154,9 @@ def migrated(servers, work, store):
         m.start()
         m.wait_tokens(6)
         dst_before = stats(dst)["pools"]
-        out["mig"] = client.move(src, dst, "mg", str(work / "mig"), tail=MG_TAIL, max_rounds=MG_ROUNDS, timeout_s=120,
-                                 last_source_event_at=m.last_token_at)
+        with paced(src, 0.02):  # the 94 tokens left take 1.9 s at least: the migration ends while mg decodes, on any load
+            out["mig"] = client.move(src, dst, "mg", str(work / "mig"), tail=MG_TAIL, max_rounds=MG_ROUNDS, timeout_s=120,
+                                     last_source_event_at=m.last_token_at)
         out["m"], out["other"] = m.finish(), other.finish()
         out["forwards"] = stats(dst, "mg")["forwards"]
         out["dst_idle"], out["src_idle"] = wait_idle(dst), wait_idle(src)
@@ -433,16 +434,18 @@ def drained(servers, work, radix):
     o4.start()
     o4.wait_tokens(3)
     chunks = []
-    run = client.resume(s3.url, str(work / "drain"), on_chunk=lambda rid, text, ids, e: chunks.append((rid, text, list(ids))))
+    with paced(s3.url, 0.02):  # a step at least 20 ms: one event per token, however loaded the machine (compared below)
+        run = client.resume(s3.url, str(work / "drain"), on_chunk=lambda rid, text, ids, e: chunks.append((rid, text, list(ids))))
     o4.finish()
     forwards = {rid: stats(s3.url, rid)["forwards"] for rid in DRAINED}
     idle = wait_idle(s3.url)
     flush_cache(s3.url)
     refs = {rid: Stream(s3.url, payload(f"{rid}-ref", ids, n)) for rid, (ids, n) in DRAINED.items()}
-    for r in refs.values():  # together: their streams are compared with the drained ones', event by event
-        r.start()
-    for r in refs.values():
-        r.finish()
+    with paced(s3.url, 0.02):
+        for r in refs.values():  # together: their streams are compared with the drained ones', event by event
+            r.start()
+        for r in refs.values():
+            r.finish()
     o4_ref = _ref(s3.url, "o4", *OTHERS["o4"])
     return {"server": s3, "out": out, "streams": streams, "code": code, "alive": alive, "run": run, "chunks": chunks,
             "forwards": forwards, "idle": idle, "refs": refs, "o4": o4, "o4_ref": o4_ref,
