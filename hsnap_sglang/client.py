@@ -387,9 +387,8 @@ def _continue_in(server: str, path: str, rid: str, take, seen: tuple[int, int], 
             try:
                 attach(server, rid, on_chunk=take, seen=seen, timeout=timeout, api_key=api_key)
                 return
-            except ServerError as a:
-                if a.error_type != "UnknownRequestError" or time.monotonic() > deadline:
-                    raise e from None  # claimed, and not held here: another client or server has it
+            except ServerError:
+                raise e from None  # claimed, and not held there: another client or server has it
         except HsnapIOError as e:
             if e.field != "connect" or time.monotonic() > deadline:
                 raise

@@ -622,6 +622,9 @@ def router():
         rid, stream = check_rid("rid", body.get("rid")), body.get("stream", True)
         if type(stream) is not bool:
             return _bad("stream", "true or false", stream)
+        deadline = time.monotonic() + restart.READY_WAIT_S
+        while restart.resuming() and restart.held(rid) is None and time.monotonic() < deadline:
+            await asyncio.sleep(ATTACH_POLL_S)  # the resume at start claimed its snapshots and has not yet reported
         held = restart.take(rid)  # typed 404 / 409: not held here, or another client has it
         info = {"path": held.path, "ok": True, "result": {"rid": rid, "attached": True,
                                                           "client_had": {"text_chars": 0, "output_ids": 0, "incremental": False}}}

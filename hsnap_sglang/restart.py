@@ -46,6 +46,13 @@ class Held:
 
 _held: dict[str, Held] = {}
 _lock = threading.Lock()
+_resuming = threading.Event()  # set from the start of the resume until its report names what it holds
+
+
+def resuming() -> bool:
+    """Whether the resume of the directory is under way and has not yet said which requests it holds (an attach of
+    a rid not held yet waits for it: the snapshot's claim comes before the report)."""
+    return _resuming.is_set()
 
 
 def held(rid: str) -> Held | None:
@@ -120,10 +127,11 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
         items = client.report_items(report)
         with _lock:
             for item in items:
-                if item.get("ok"):
+                if item.get("ok") and "result" in item:
                     rid = item["result"]["rid"]
                     _held[rid] = Held(rid, item.get("path"))
                     mine.append(rid)
+        _resuming.clear()  # after: an attach waiting on it finds its request held
         refused = [f"{i.get('path')}: {(i.get('error') or {}).get('type')}" for i in items if not i.get("ok")]
         logger.info("hsnap: resumed %d snapshot(s) from %s at start, held for their clients%s", len(mine), target,
                     f"; refused {len(refused)}: {', '.join(refused)}" if refused else "")
@@ -142,6 +150,7 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
         logger.error("hsnap: %s: this server never answered at %s; nothing resumed from %s", RESUME_ON_START_ENV, url, target)
         return
     logger.info("hsnap: resuming every snapshot in %s (%s)", target, RESUME_ON_START_ENV)
+    _resuming.set()
     try:
         client.resume(url, target, on_chunk=event, on_start=started, timeout=STREAM_TIMEOUT_S, api_key=api_key)
     except client.ServerError as e:  # nothing there, or every snapshot claimed by a client first
@@ -149,6 +158,7 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
     except Exception:  # noqa: BLE001 - hsnap may fail, the server may not
         logger.exception("hsnap: resuming %s at start", target)
     finally:
+        _resuming.clear()
         with _lock:  # the stream ended: each request ended (or was aborted) with it
             now = time.monotonic()
             for rid in mine:
@@ -157,4 +167,4 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
                     h.done, h.ended_at = True, now
 
 
-__all__ = ["RESUME_ON_START_ENV", "KEEP_FINISHED_S", "Held", "held", "take", "own_url", "after_wait_and_warmup", "resume_all"]
+__all__ = ["RESUME_ON_START_ENV", "KEEP_FINISHED_S", "Held", "held", "take", "resuming", "own_url", "after_wait_and_warmup", "resume_all"]

@@ -258,15 +258,19 @@ def test_a_drain_shows_its_progress_on_stderr_while_it_runs(capsys):
 
 class _HandingOff(_JsonHandler):
     """/generate streams two events, the second ending the request with its snapshot (a drain); every /hsnap/resume
-    is refused as already claimed."""
+    is refused as already claimed, and the request is not held for an attach either."""
 
     resumes: list = []
+    attaches: list = []
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/hsnap/resume":
             type(self).resumes.append(body["path"])
             return self.answer(409, json.dumps({"error": {"type": "SnapshotClaimedError", "message": "claimed"}}).encode())
+        if self.path == "/hsnap/attach":  # claimed by another client: this server does not hold it
+            type(self).attaches.append(body["rid"])
+            return self.answer(404, json.dumps({"error": {"type": "UnknownRequestError", "message": "not held"}}).encode())
         events = [{"text": "Hel", "output_ids": [1], "meta_info": {"id": "r", "finish_reason": None}},
                   {"text": "Hello", "output_ids": [1, 2], "meta_info": {"id": "r", "finish_reason": {"type": "hsnap_export", "path": "/snaps/r.hsnap"}}}]
         data = "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
@@ -285,6 +289,7 @@ def test_generate_follows_a_hand_off_and_a_refused_one_raises_with_the_run_so_fa
         with pytest.raises(client.ServerError) as e:
             client.generate(url, {"text": "x"}, on_chunk=lambda rid, text, ids, ev: chunks.append((rid, text, ids)))
         assert e.value.error_type == "SnapshotClaimedError" and _HandingOff.resumes == ["/snaps/r.hsnap"]
+        assert _HandingOff.attaches == ["r"]  # the server might have resumed it itself: asked once, then the refusal
         run = e.value.run
         assert (run.text, run.output_ids, run.hand_offs) == ("Hello", [1, 2], [(url, "/snaps/r.hsnap")])
         assert chunks == [("r", "Hel", [1]), ("r", "lo", [2])]  # each piece once

@@ -105,7 +105,7 @@ def test_plugin_on_registers_through_sglangs_hook_registry(probes):
     assert state["ipc_types"] == ["HsnapAdmitReqInput", "HsnapCheckpointReqInput", "HsnapDrainReqInput", "HsnapExportReqInput",
                                   "HsnapFollowReqInput", "HsnapMigrateReqInput", "HsnapReqOutput", "HsnapResumeReqInput", "HsnapStatsReqInput"]
     assert state["roundtrip"] == ["HsnapExportReqInput", True, "/p", {"type": "X", "status": 404}]
-    assert state["routes"] == ["/hsnap/checkpoint", "/hsnap/drain", "/hsnap/export", "/hsnap/follow", "/hsnap/migrate", "/hsnap/resume",
+    assert state["routes"] == ["/hsnap/attach", "/hsnap/checkpoint", "/hsnap/drain", "/hsnap/export", "/hsnap/follow", "/hsnap/migrate", "/hsnap/resume",
                                "/hsnap/stats"]
 
 
