@@ -58,17 +58,21 @@ def initial_window(prompt_len: int) -> tuple[int, int]:
 
 
 def replay(tokenizer, prompt: Sequence[int], outputs: Sequence[int], *, skip_special_tokens: bool = True,
-           spaces_between_special_tokens: bool = True) -> HandoffText:
+           spaces_between_special_tokens: bool = True, batch_decode: bool | None = None) -> HandoffText:
     """The detokenizer's state after ``outputs``, computed by SGLang's own incremental algorithm
-    (``DetokenizerManager._decode_batch_token_id_output``) fed one token per message.  Without a tokenizer (a server
-    started with ``--skip-tokenizer-init``) there is no text: an empty state at SGLang's first window."""
+    (``DetokenizerManager._decode_batch_token_id_output``) fed one token per message, decoding as this server's
+    detokenizer does (``batch_decode``: not ``--disable-tokenizer-batch-decode``; None: this process's serving
+    settings, else batched).  Without a tokenizer (a server started with ``--skip-tokenizer-init``) there is no
+    text: an empty state at SGLang's first window."""
     surr0, read0 = initial_window(len(prompt))
     if tokenizer is None or not outputs:
         return HandoffText("", surr0, read0, 0)
     from sglang.srt.managers.detokenizer_manager import DetokenizerManager
 
     d = DetokenizerManager.__new__(DetokenizerManager)  # its decoding state and methods only: no sockets
-    d.tokenizer, d.decode_status, d.disable_tokenizer_batch_decode = tokenizer, {}, False
+    if batch_decode is None:
+        batch_decode = not _serving_disables_batch_decode()
+    d.tokenizer, d.decode_status, d.disable_tokenizer_batch_decode = tokenizer, {}, not batch_decode
     d.is_tool_call_parser_gpt_oss, d.tool_close_token_ids = False, ()
     try:
         d.vocab_size = len(tokenizer)
@@ -83,6 +87,15 @@ def replay(tokenizer, prompt: Sequence[int], outputs: Sequence[int], *, skip_spe
         pieces.append(d._decode_batch_token_id_output(msg)[0])
     s = d.decode_status[rid]
     return HandoffText("".join(pieces), surr0 + s.surr_offset, surr0 + s.read_offset, s.sent_offset - s.decoded_text_len)
+
+
+def _serving_disables_batch_decode() -> bool:
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        return bool(get_serving().disable_tokenizer_batch_decode)
+    except Exception:  # noqa: BLE001 - outside a server (a library call, a test): SGLang's default
+        return False
 
 
 def replay_info(tokenizer, info: dict) -> HandoffText:

@@ -122,6 +122,7 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
     from . import client
 
     mine: list[str] = []
+    expected = [0]  # a report too long for its header names no rid, only how many: held from each one's first event
 
     def started(report: Any) -> None:
         items = client.report_items(report)
@@ -131,7 +132,10 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
                     rid = item["result"]["rid"]
                     _held[rid] = Held(rid, item.get("path"))
                     mine.append(rid)
-        _resuming.clear()  # after: an attach waiting on it finds its request held
+        if isinstance(report, dict) and report.get("truncated"):
+            expected[0] = int(report.get("resumed", 0))
+        else:
+            _resuming.clear()  # after: an attach waiting on it finds its request held
         refused = [f"{i.get('path')}: {(i.get('error') or {}).get('type')}" for i in items if not i.get("ok")]
         logger.info("hsnap: resumed %d snapshot(s) from %s at start, held for their clients%s", len(mine), target,
                     f"; refused {len(refused)}: {', '.join(refused)}" if refused else "")
@@ -142,6 +146,8 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
             if h is None or h.rid not in mine:  # a report too long for its header names no rid: its first event does
                 h = _held[rid] = Held(rid)
                 mine.append(rid)
+                if len(mine) >= expected[0]:
+                    _resuming.clear()
             h.event = ev
             if ((ev.get("meta_info") or {}).get("finish_reason")) is not None:
                 h.done, h.ended_at = True, time.monotonic()
