@@ -242,8 +242,9 @@ def attach(url: str, rid: str, *, on_chunk: Callable[[str, str, list, dict], Non
            seen: tuple[int, int] | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> ResumeRun:
     """Read the rest of request ``rid`` that the server at ``url`` resumed by itself (``HSNAP_RESUME_ON_START``: a
     rolling restart) and holds for its client; ``on_chunk`` and ``seen`` as for :func:`resume` (the events carry the
-    text and ids so far: ``seen`` is what this client already has).  One client per request: a second attach is
-    refused (``RequestBusyError``), as is a rid the server does not hold (``UnknownRequestError``)."""
+    text and ids so far: ``seen`` is what this client already has).  One client at a time: an attach while another
+    client reads the request, or after one read it to its end, is refused (``RequestBusyError``; a client that went
+    away mid-stream frees it), as is a rid the server does not hold (``UnknownRequestError``)."""
     return _read_run(url, "/hsnap/attach", {"rid": rid, "stream": True}, on_chunk=on_chunk, stream=True, seen=seen or (0, 0),
                      timeout=timeout, api_key=api_key)
 

@@ -687,7 +687,7 @@ ATTACH_POLL_S = 0.02  # how often an attached stream looks for the held request'
 async def _attached(held, *, stream: bool, headers: dict):
     """A request held since the server resumed it at start (:mod:`.restart`): its latest event (the text and ids so
     far), then each newer one until it ends.  The request is the server's: a client that goes away leaves it
-    running (it may attach again only if it had not attached)."""
+    running, and it may be attached to again (one client at a time)."""
     from fastapi.responses import JSONResponse, StreamingResponse
     from sglang.srt.entrypoints.http_server import dumps_json
 
@@ -697,17 +697,22 @@ async def _attached(held, *, stream: bool, headers: dict):
         return JSONResponse(content=held.event, headers=headers)
 
     async def events():
-        last = None
-        while True:
-            done = held.done  # first: a request marked done already holds its last event
-            ev = held.event
-            if ev is not None and ev is not last:
-                last = ev
-                yield b"data: " + dumps_json(ev) + b"\n\n"
-            if done and ev is last:
-                break
-            await asyncio.sleep(ATTACH_POLL_S)
-        yield b"data: [DONE]\n\n"
+        last, ended = None, False
+        try:
+            while True:
+                done = held.done  # first: a request marked done already holds its last event
+                ev = held.event
+                if ev is not None and ev is not last:
+                    last = ev
+                    yield b"data: " + dumps_json(ev) + b"\n\n"
+                if done and ev is last:
+                    break
+                await asyncio.sleep(ATTACH_POLL_S)
+            yield b"data: [DONE]\n\n"
+            ended = True
+        finally:
+            if not ended:
+                restart.release(held)  # the client went away mid-stream: another may attach
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 

@@ -61,16 +61,23 @@ def held(rid: str) -> Held | None:
 
 
 def take(rid: str) -> Held:
-    """The held request ``rid`` for one client (a second attach is refused: the first client reads it)."""
+    """The held request ``rid`` for one client (refused while another client reads it, or after one read it to its
+    end; :func:`release` frees it when its client goes away mid-stream)."""
     with _lock:
         _forget_old(time.monotonic())
         h = _held.get(rid)
         if h is None:
             raise UnknownRequestError(None, "rid", Phrase("a request this server resumed at start and holds for its client"), rid)
         if h.attached:
-            raise RequestBusyError(None, "rid", Phrase("a held request no other client has attached"), rid)
+            raise RequestBusyError(None, "rid", Phrase("a held request no other client is attached to"), rid)
         h.attached = True
         return h
+
+
+def release(h: Held) -> None:
+    """The client of ``h`` went away before its end: the next attach may take it."""
+    with _lock:
+        h.attached = False
 
 
 def _forget_old(now: float) -> None:
@@ -173,4 +180,4 @@ def resume_all(url: str, target: str, api_key: str | None) -> None:
                     h.done, h.ended_at = True, now
 
 
-__all__ = ["RESUME_ON_START_ENV", "KEEP_FINISHED_S", "Held", "held", "take", "resuming", "own_url", "after_wait_and_warmup", "resume_all"]
+__all__ = ["RESUME_ON_START_ENV", "KEEP_FINISHED_S", "Held", "held", "take", "release", "resuming", "own_url", "after_wait_and_warmup", "resume_all"]

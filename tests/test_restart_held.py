@@ -45,6 +45,8 @@ def test_a_named_report_holds_each_request_and_attach_takes_it_once(fake_resume)
     assert (h.path, h.done, h.event["output_ids"]) == ("/r/a.hsnap", True, [0, 1])
     with pytest.raises(RequestBusyError):
         restart.take("a")
+    restart.release(h)  # its client went away mid-stream: another may attach
+    assert restart.take("a") is h
     with pytest.raises(UnknownRequestError):
         restart.take("b")  # claimed by a client first: not held here
 
