@@ -43,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.results import publish  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
@@ -274,12 +275,7 @@ def main(argv=None) -> int:
             log(f"{n} tokens: resume {fmt(statistics.median(s.resume))}, recompute {fmt(statistics.median(s.recompute))}")
             collect_garbage()
     text = report(sizes, args, params, time.perf_counter() - t_start, load0, os.getloadavg(), rate or 0.0)
-    print(text)
-    results = os.path.join(REPO, "bench", "RESUME.md") if args.results is None else args.results
-    if results:
-        with open(results, "w") as f:
-            f.write(text + "\n")
-        print(f"\nwrote {results}")
+    publish(text, args.results, "RESUME.md")
     return 0
 
 

@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
 from hsnap_sglang.demo import DemoServer, Stream, payload, prompt_ids, server_args, server_env  # noqa: E402
 
@@ -115,12 +116,7 @@ def main(argv=None) -> int:
     text = "\n".join(["# Rolling restart (bench/rolling_restart.py)", "",
                       f"Machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; the tiny Qwen3-Next, hsnap's CPU platform.", "",
                       "| what | figure |", "|---|---|", *[f"| {a} | {b} |" for a, b in rows], ""])
-    print(text)
-    results = os.path.join(REPO, "bench", "ROLLING.md") if args.results is None else args.results
-    if results:
-        with open(results, "w") as f:
-            f.write(text + "\n")
-        print(f"wrote {results}")
+    publish(text, args.results, "ROLLING.md")
     return 0 if not lost else 1
 
 

@@ -43,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
 from hsnap_sglang.demo import DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
@@ -280,12 +281,7 @@ def main(argv=None) -> int:
         finally:
             srv.stop()
         text = report(sizes, args, srv, time.monotonic() - t_start, load0, os.getloadavg())
-    print(text)
-    results = os.path.join(REPO, "bench", "SERVER.md") if args.results is None else args.results
-    if results:
-        with open(results, "w") as f:
-            f.write(text + "\n")
-        print(f"\nwrote {results}")
+    publish(text, args.results, "SERVER.md")
     return 0
 
 

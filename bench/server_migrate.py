@@ -39,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
 from hsnap_sglang.demo import DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
@@ -205,12 +206,7 @@ def main(argv=None) -> int:
             src.stop()
             dst.stop()
         text = report(results, skipped, args, time.monotonic() - t_start, [src.ready_s or 0, dst.ready_s or 0], load0, os.getloadavg())
-    print(text)
-    out = os.path.join(REPO, "bench", "SERVER_MIGRATE.md") if args.results is None else args.results
-    if out:
-        with open(out, "w") as f:
-            f.write(text + "\n")
-        print(f"\nwrote {out}")
+    publish(text, args.results, "SERVER_MIGRATE.md")
     return 0
 
 
