@@ -38,7 +38,7 @@ from typing import Any, Callable
 from hsnap_format.errors import HsnapError, HsnapIOError, escape_text
 from hsnap_format.tools.fit import Printer, elide_end
 
-__all__ = ["ServerError", "ResumeRun", "GenerateRun", "Migration", "pause", "resume", "generate", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats", "attach", "report_items",
+__all__ = ["ServerError", "ResumeRun", "GenerateRun", "Migration", "HAND_OFF", "pause", "resume", "generate", "pause_back", "interrupted_path", "drain", "checkpoint", "migrate", "follow", "move", "stats", "attach", "report_items",
            "stream_events", "requests", "ls_main", "pause_main", "resume_main", "drain_main", "checkpoint_main", "migrate_main"]
 
 DEFAULT_TIMEOUT_S = 600.0

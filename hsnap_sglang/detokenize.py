@@ -34,10 +34,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Sequence
 
+from .client import HAND_OFF
+
 logger = logging.getLogger(__name__)
-
-EXPORT_FINISH = "hsnap_export"  # the finish reason's type that ends an exported request's stream (scheduler.py)
-
 
 @dataclass(frozen=True)
 class HandoffText:
@@ -112,7 +111,7 @@ def around_decode_batch_token_id_output(original, detokenizer, recv_obj, *args, 
     SGLang drops a finished request's."""
     reasons = recv_obj.finished_reasons
     try:
-        exported = [i for i, r in enumerate(reasons) if isinstance(r, dict) and r.get("type") == EXPORT_FINISH]
+        exported = [i for i, r in enumerate(reasons) if isinstance(r, dict) and r.get("type") == HAND_OFF]
     except Exception:  # noqa: BLE001 - hsnap may fail, the detokenizer may not
         exported = []
     if not exported:
@@ -153,18 +152,20 @@ def drop_pending(skips: dict[str, int], recv_obj) -> None:
             strs[i] = strs[i][n:]
 
 
-def anchor_detokenizer(req, window: list[int] | None, offset: int) -> None:
+def anchor_detokenizer(req, window: list[int] | None) -> None:
     """A fresh detokenizer (the target's) learns a request at its first output message: ``decode_ids`` from
     ``send_decode_id_offset`` on, the first ``read_offset - surr_offset`` of them as context only.  Give it the window
     an uninterrupted detokenizer has after the committed tokens (``window`` = [surr, read] as positions in prompt +
     output ids, :func:`replay`), so that it decodes the same ids at every later step; without one (an
-    older HTTP process), the last ``offset`` tokens as context."""
+    older HTTP process), SGLang's first-window number of last tokens as context."""
+    from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET
+
     history = list(req.origin_input_ids_unpadded) + list(req.output_ids)
     prompt = len(req.origin_input_ids_unpadded)
     if window is not None and len(window) == 2 and 0 <= int(window[0]) <= int(window[1]) <= len(history):
         surr, read = int(window[0]), int(window[1])
     else:
-        n = max(1, min(offset, prompt, len(history)))
+        n = max(1, min(INIT_INCREMENTAL_DETOKENIZATION_OFFSET, prompt, len(history)))
         surr, read = len(history) - n, len(history)
     req.surr_and_decode_ids = history[surr:]
     req.cur_decode_ids_len = len(req.output_ids)
@@ -188,5 +189,5 @@ def sglang_form(req) -> dict:
             "send_decode_id_offset": read - surr + min(int(req.send_token_offset), outputs), "decoded_text": ""}
 
 
-__all__ = ["HandoffText", "anchor_detokenizer", "sglang_form", "EXPORT_FINISH", "initial_window", "replay", "replay_info", "around_decode_batch_token_id_output",
+__all__ = ["HandoffText", "anchor_detokenizer", "sglang_form", "initial_window", "replay", "replay_info", "around_decode_batch_token_id_output",
            "around_handle_batch_output", "drop_pending"]

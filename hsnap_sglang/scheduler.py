@@ -44,6 +44,7 @@ from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFini
 from . import confine, metrics, migration
 from .containment import contained_handler, guarded, log_failure, typed
 from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
+from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
                        HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
@@ -135,7 +136,7 @@ def _finish_reason_class():
             self.path, self.snapshot_id, self.committed, self.migration = path, snapshot_id, committed, migration
 
         def to_json(self):
-            out = {"type": "hsnap_export", "path": self.path, "snapshot_id": self.snapshot_id, "committed_positions": self.committed}
+            out = {"type": HAND_OFF, "path": self.path, "snapshot_id": self.snapshot_id, "committed_positions": self.committed}
             if self.migration is not None:
                 out["migration"] = self.migration  # the container a target follows: the request goes on there
             return out
@@ -825,14 +826,14 @@ class HsnapScheduler:
         source's, :mod:`.detokenize`) and it stays out of the radix tree (its history was not prefilled here;
         releasing it frees exactly its own slots)."""
         from sglang.srt.managers.overlap_utils import RelayPayload
-        from sglang.srt.managers.schedule_batch import INIT_INCREMENTAL_DETOKENIZATION_OFFSET, ScheduleBatch
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
 
         s = self.sched
         for req in reqs:
             if resumed:
                 s.init_req_max_new_tokens(req)
                 req.skip_radix_cache_insert = True
-                anchor_detokenizer(req, detokenizer, INIT_INCREMENTAL_DETOKENIZATION_OFFSET)
+                anchor_detokenizer(req, detokenizer)
         for req in reqs:  # one batch per request: the penalizers are fed its own history
             batch = ScheduleBatch.init_new([req], s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache, s.model_config,
                                            s.enable_overlap, s.spec_algorithm)

@@ -22,7 +22,7 @@ import_sglang()
 
 from sglang.srt.managers.detokenizer_manager import DetokenizerManager  # noqa: E402
 
-from hsnap_sglang import detokenize  # noqa: E402
+from hsnap_sglang import client, detokenize  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +86,11 @@ def stream(d, req: Req, outputs, text: str, *, hook=None, skips=None, finish=Non
 def handed_off(tokenizer, prompt, outputs, k: int) -> tuple[list[str], list[str]]:
     """The client's text through the source (k outputs, the last message ending the stream with the export) and
     then through the target."""
-    export = {"type": detokenize.EXPORT_FINISH, "path": "x.hsnap"}
+    export = {"type": client.HAND_OFF, "path": "x.hsnap"}
     src = stream(fresh(tokenizer), Req(prompt, []), outputs[:k], "", hook=detokenize.around_decode_batch_token_id_output, finish=export)
     handoff = detokenize.replay(tokenizer, prompt, outputs[:k])
     req = Req(prompt, outputs[:k])
-    detokenize.anchor_detokenizer(req, [handoff.surr, handoff.read], 5)
+    detokenize.anchor_detokenizer(req, [handoff.surr, handoff.read])
     skips = {"r": handoff.pending} if handoff.pending else {}
     tgt = stream(fresh(tokenizer), req, outputs[k:], handoff.text, skips=skips, finish={"type": "length", "length": len(outputs)})
     assert handoff.text == src[-1]  # what the target seeds the client's state with is what the source sent
@@ -165,7 +165,7 @@ def test_without_the_hooks_the_split_character_is_lost(tokenizer):
     first, second = vocab.get("Ã"), vocab.get("©")
     if first is None or second is None:
         pytest.skip("the tiny tokenizer has no single-byte tokens for 0xC3 / 0xA9")
-    src = stream(fresh(tokenizer), Req(ids, []), [*ids, first], "", finish={"type": detokenize.EXPORT_FINISH})
+    src = stream(fresh(tokenizer), Req(ids, []), [*ids, first], "", finish={"type": client.HAND_OFF})
     assert src[-1].endswith("\ufffd")
 
 
@@ -176,7 +176,7 @@ def test_replay_without_a_tokenizer_is_an_empty_text_at_sglangs_first_window():
 
 def test_an_out_of_range_window_falls_back_to_the_last_tokens():
     req = Req([3, 4, 5, 6, 7, 8], [9, 10])
-    detokenize.anchor_detokenizer(req, [2, 99], 5)
+    detokenize.anchor_detokenizer(req, [2, 99])
     assert req.surr_and_decode_ids == [6, 7, 8, 9, 10] and req.read_offset - req.surr_offset == 5
 
 
@@ -188,7 +188,7 @@ def test_an_anchored_request_records_sglangs_own_detokenizer_fields():
     assert detokenize.sglang_form(req) == {}  # never streamed: nothing set, nothing to change
     req.next_message()
     assert detokenize.sglang_form(req) == {}  # SGLang's own first window
-    detokenize.anchor_detokenizer(req, [7, 9], 5)
+    detokenize.anchor_detokenizer(req, [7, 9])
     form = detokenize.sglang_form(req)
     assert form == {"surr_offset": 1, "read_offset": 6, "cur_decode_ids_len": 3, "send_decode_id_offset": 8, "decoded_text": ""}
     assert form["send_decode_id_offset"] <= len(req.origin_input_ids_unpadded) - form["surr_offset"] + form["cur_decode_ids_len"]
