@@ -55,6 +55,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1")
 LONG = 1000  # max_new_tokens of every moved request: it never ends before the move lands (cut by an abort after)
 MORE = 8  # tokens a moved request decodes in B before it is aborted
+# each forward of B sleeps this long while a moved request runs there: its LONG tokens take 50 s at least, so the
+# abort after MORE lands first on any load (unpaced, a loaded machine once streamed B's events late enough that the
+# request reached its length before the cut was sent)
+CUT_PACE_S = 0.05
 CK_EVERY = 4
 MG_IDS, CK_IDS, P_IDS = prompt(81, 30), prompt(82, 26), prompt(83, 22)
 # B: other capacities than A's (engine_support.Server's: 4096 tokens, 8 Mamba slots, 4 running)
@@ -117,8 +121,9 @@ def _scenario(servers, work, arch: str) -> dict:
         m.start()
         m.wait_tokens(4)
         cut = _CutAfter(b.url, "mg")
-        out["mig"] = client.move(a.url, b.url, "mg", str(d / "mig"), tail=2, max_rounds=2, timeout_s=120, on_chunk=cut,
-                                 last_source_event_at=m.last_token_at)
+        with paced(b.url, CUT_PACE_S):
+            out["mig"] = client.move(a.url, b.url, "mg", str(d / "mig"), tail=2, max_rounds=2, timeout_s=120, on_chunk=cut,
+                                     last_source_event_at=m.last_token_at)
         out["m"] = m.finish()
         out["mg_forwards"] = stats(b.url, "mg")["forwards"]
         out["mig_idle"] = (wait_idle(a.url), wait_idle(b.url))
@@ -137,11 +142,13 @@ def _scenario(servers, work, arch: str) -> dict:
         c.join(60)
         out["c"] = c
         # c. in B: p from its file, c from its chain's newest link (the client giving what its cut stream had)
-        out["p_run"] = client.resume(b.url, str(d / "p.hsnap"), on_chunk=_CutAfter(b.url, "p"))
+        with paced(b.url, CUT_PACE_S):
+            out["p_run"] = client.resume(b.url, str(d / "p.hsnap"), on_chunk=_CutAfter(b.url, "p"))
         out["p_forwards"] = stats(b.url, "p")["forwards"]
         last = c.events[-1]
         out["c_had"] = (len(last.get("text") or ""), len(last.get("output_ids") or []))
-        out["c_run"] = client.resume(b.url, str(d / "ck"), seen=out["c_had"], on_chunk=_CutAfter(b.url, "c"))
+        with paced(b.url, CUT_PACE_S):
+            out["c_run"] = client.resume(b.url, str(d / "ck"), seen=out["c_had"], on_chunk=_CutAfter(b.url, "c"))
         out["c_forwards"] = stats(b.url, "c")["forwards"]
         out["b_idle"] = wait_idle(b.url)
         finals = {"mg": (MG_IDS, out["mig"].run.final), "p": (P_IDS, out["p_run"].final), "c": (CK_IDS, out["c_run"].final)}
@@ -328,7 +335,8 @@ def lfm2(servers, work):
         out["paused"] = client.pause(url, "l", str(d / "l.hsnap"))
     out["l"] = stream.finish()
     out["forwards_before"] = stats(url, "l")["forwards"]  # a server counts a rid's forwards across its export
-    out["run"] = client.resume(url, str(d / "l.hsnap"), on_chunk=_CutAfter(url, "l"))
+    with paced(url, CUT_PACE_S):
+        out["run"] = client.resume(url, str(d / "l.hsnap"), on_chunk=_CutAfter(url, "l"))
     out["forwards_after"] = stats(url, "l")["forwards"]
     out["idle"] = wait_idle(url)
     out["ref"] = _references(url, {"l": (P_IDS, len(tokens(out["run"].final)[0]))})["l"]
