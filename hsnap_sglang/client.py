@@ -431,14 +431,20 @@ def pause_back(url: str, run: ResumeRun, *, api_key: str | None = None) -> dict:
 
 
 def migrate(url: str, rid: str, dir: str, *, tail: int = 16, max_rounds: int = 8, timeout_s: float = 60.0, fsync: bool = False,  # noqa: A002
-            timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:
+            relay_to: str | None = None, timeout: float = DEFAULT_TIMEOUT_S, api_key: str | None = None) -> dict:
     """Migrate request ``rid`` out of the server at ``url`` through ``dir`` (a directory both servers reach, or
     ``s3://``), which a target server follows (:func:`follow`): pre-copy rounds while it decodes, then, once the
     target applied the last round and at most ``tail`` rows are left, the request is stopped, the final link
     written and its slots released; its client's stream ends with ``finish_reason {"type": "hsnap_export",
-    "migration": dir}``.  Returns the source's report (``rounds``, ``final_rows``, ``timings``...)."""
-    return _json(url, "/hsnap/migrate", {"rid": rid, "dir": dir, "tail": tail, "max_rounds": max_rounds, "timeout_s": timeout_s,
-                                         "fsync": fsync}, timeout, api_key)
+    "migration": dir}``.  Returns the source's report (``rounds``, ``final_rows``, ``timings``...).
+
+    ``relay_to``: the target server (one the source's operator allowed, ``--hsnap-allow-peer``).  The source then
+    has the target follow ``dir`` itself and relays the target's stream into the request's own: its client's stream
+    does not end at the hand-off but goes on to the request's finish (``hsnap_sglang.relay``); no :func:`follow`."""
+    body = {"rid": rid, "dir": dir, "tail": tail, "max_rounds": max_rounds, "timeout_s": timeout_s, "fsync": fsync}
+    if relay_to is not None:
+        body["relay_to"] = server_url(relay_to)
+    return _json(url, "/hsnap/migrate", body, timeout, api_key)
 
 
 def follow(url: str, dir: str, *, rid: str | None = None, on_chunk: Callable[[str, str, list, dict], None] | None = None,  # noqa: A002
@@ -793,9 +799,14 @@ def migrate_main(argv) -> int:
     p.add_argument("--tail", type=int, default=16, help="stop the request once at most this many rows are left (default 16)")
     p.add_argument("--max-rounds", type=int, default=8, help="pre-copy rounds at most (default 8)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds either side waits for the other's next step")
+    p.add_argument("--relay", action="store_true", help="the source relays the target's stream into the request's own "
+                   "(its client's stream goes on; the target must be among the source's --hsnap-allow-peer): only the "
+                   "source's report is printed")
     p.add_argument("--json", action="store_true", help="both reports as JSON (no text)")
     args = _parse(p, argv)
     say, err = _printers(args)
+    if args.relay:
+        return _migrate_relayed(args, err)
 
     def show(rid, text, ids, event):
         if not args.json:
@@ -823,6 +834,25 @@ def migrate_main(argv) -> int:
     stopped = t.get("final_capture_s", 0) + t.get("final_write_s", 0) + (info.get("timings") or {}).get("final_apply_s", 0)
     err.line(f"downtime: the request was stopped {stopped * 1e3:.1f} ms for the final link (capture and write at the source, "
              f"apply at the target), then admitted at the target")
+    return 0
+
+
+def _migrate_relayed(args, err) -> int:
+    """``hsnap migrate --relay``: the source's report (the request's own client keeps its stream)."""
+    try:
+        with _Progress(args.source, args.api_key, lambda st: _migrate_progress(st, args.rid), err, quiet=args.json):
+            src = migrate(args.source, args.rid, args.via, tail=args.tail, max_rounds=args.max_rounds, timeout_s=args.timeout,
+                          relay_to=args.to, api_key=args.api_key)
+    except HsnapError as e:
+        return _fail("migrate", e)
+    if args.json:
+        print(json.dumps({"source": src}, indent=2, sort_keys=True))
+        return 0
+    t = src.get("timings", {})
+    err.line(f"migrated {escape_text(src['rid'])} via {escape_text(src['dir'])} to {escape_text((src.get('relay') or {}).get('target', '?'))}: "
+             f"{len(src['rounds'])} pre-copy rounds ({src['precopy_bytes']} bytes), then {src['final_rows']} rows + state in the "
+             f"final link ({(t.get('final_capture_s', 0) + t.get('final_write_s', 0)) * 1e3:.1f} ms); its client's stream goes on "
+             f"through the source")
     return 0
 
 

@@ -26,10 +26,12 @@ import stat
 
 from hsnap_format.errors import HsnapError, Phrase
 
-__all__ = ["ROOT_ENV", "ALLOWED_URLS_ENV", "ConfinementError", "READ", "FILE", "DIR", "configured_root", "allowed_urls", "resolve"]
+__all__ = ["ROOT_ENV", "ALLOWED_URLS_ENV", "ALLOWED_PEERS_ENV", "ConfinementError", "READ", "FILE", "DIR", "configured_root", "allowed_urls",
+           "allowed_peers", "peer_origin", "resolve", "resolve_peer"]
 
 ROOT_ENV = "HSNAP_ROOT"
 ALLOWED_URLS_ENV = "HSNAP_ALLOWED_URLS"
+ALLOWED_PEERS_ENV = "HSNAP_ALLOWED_PEERS"  # servers this one may call (a relayed migration's target), comma-separated
 
 # what the client's path names: READ a snapshot, a set or a directory of them (nothing created); FILE a snapshot
 # to be created (its directory must exist); DIR a directory hsnap writes into (created, with its parents, on demand)
@@ -87,6 +89,56 @@ def _resolve_url(url: str, field: str, env) -> str:
     if not any(bucket == b and parts[: len(p)] == p for b, p in allowed):
         raise ConfinementError(_shown(url), field, Phrase(f"a URL beneath an allowed prefix ({ALLOWED_URLS_ENV})"), Phrase("outside them"))
     return url
+
+
+_NO_PEERS = Phrase(f"an allowed peer server: start the server with --hsnap-allow-peer http://host:port or {ALLOWED_PEERS_ENV}")
+
+
+def peer_origin(url: str) -> str | None:
+    """``http(s)://host[:port][/]`` as ``scheme://host:port`` (host lower-case, the default port written); None for
+    anything else — user info, a path, a query or fragment, whitespace or a control character: a server URL names a
+    server and nothing more."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or any(ord(c) <= 0x20 or c in "\\\x7f" for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    host = parts.hostname
+    if parts.scheme not in ("http", "https") or not host or "@" in parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment:
+        return None
+    if url.endswith("?") or url.endswith("#"):
+        return None
+    port = port if port is not None else 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def allowed_peers(env=None) -> list[str]:
+    """The allowed peer servers as origins (:func:`peer_origin`); entries of another form are left out."""
+    out = []
+    for entry in (os.environ if env is None else env).get(ALLOWED_PEERS_ENV, "").split(","):
+        origin = peer_origin(entry.strip()) if entry.strip() else None
+        if origin is not None:
+            out.append(origin)
+    return out
+
+
+def resolve_peer(url, field: str, env=None) -> str:
+    """The origin of the server ``url`` names, if the operator allowed it (``--hsnap-allow-peer``), else
+    ConfinementError (a typed 403): a client makes this server call only the servers its operator named."""
+    allowed = allowed_peers(env)
+    origin = peer_origin(url)
+    shown = None if origin is None else f"peer {origin.split('://', 1)[1]}"  # not as a URL: errors mask those as store endpoints
+    if not allowed:
+        raise ConfinementError(shown, field, _NO_PEERS, Phrase("none configured"))
+    if origin is None:
+        raise ConfinementError(None, field, Phrase("http(s)://host:port (no user, path or query)"), Phrase("another form"))
+    if origin not in allowed:
+        raise ConfinementError(shown, field, Phrase(f"a peer server the operator allowed ({ALLOWED_PEERS_ENV})"), Phrase("not among them"))
+    return origin
 
 
 def _shown(url: str) -> str:

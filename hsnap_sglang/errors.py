@@ -64,6 +64,24 @@ class ServerBusyError(HsnapError):
     """A bounded resource of the server is in use to its limit (concurrent follows): retry later."""
 
 
+class RelayError(HsnapError):
+    """A relayed migration's target (another server) refused the follow, could not be reached, or its stream broke
+    before the request finished there; ``remote`` is the target's own error when it sent one."""
+
+    status_code = 502  # what SGLang's /generate stream puts in its error event's "code"
+
+    def __init__(self, path, field, expected=None, found=None, *, detail=None, remote: dict | None = None) -> None:
+        super().__init__(path, field, expected, found, detail=detail)
+        self.remote = remote
+
+    def __reduce__(self):
+        return (_relay_error, (self.path, self.field, self.expected, self.found, self.detail, self.remote))
+
+
+def _relay_error(path, field, expected, found, detail, remote) -> "RelayError":
+    return RelayError(path, field, expected, found, detail=detail, remote=remote)
+
+
 class RemoteRankError(HsnapError):
     """Another TP rank refused; ``remote`` is its error (:func:`error_dict`), which the HTTP answer carries."""
 
@@ -97,7 +115,8 @@ STATUS: dict[str, int] = {
     "TruncatedError": 400,
     "BadMagicError": 400,
     "RemoteIOError": 502,
-    "MigrationError": 504,  # the other side of a live migration did not do its part in time (or gave up)
+    "MigrationError": 504,
+    "RelayError": 502,  # the peer server a migration relays from refused or went away  # the other side of a live migration did not do its part in time (or gave up)
     "PluginError": 500,
     "BadRequestError": 400,
     "ServerBusyError": 429,
@@ -159,6 +178,8 @@ def error_dict(e: BaseException, **extra) -> dict:
     if isinstance(e, HsnapError):
         d.update(path=_plain(e.path), field=_plain(e.field), expected=_plain(e.expected), found=_plain(e.found),
                  detail=None if e.detail is None else capped(str(e.detail), MESSAGE_CHARS))
+        if isinstance(e, RelayError) and e.remote:
+            d["remote"] = {k: _plain(e.remote.get(k)) for k in ("type", "status", "message", "field") if k in e.remote}
         if isinstance(e, hf_errors.IncompatibleSnapshotError):
             d["differences"] = [[_plain(f), _plain(x), _plain(y)] for f, x, y in e.differences[:32]]
     d.update(extra)
@@ -170,5 +191,5 @@ def error_of(e: BaseException) -> dict:
     return dict(e.remote) if isinstance(e, RemoteRankError) else error_dict(e)
 
 
-__all__ = ["RequestError", "unknown_request", "MAX_RIDS_NAMED", "UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "RemoteRankError", "capped", "STATUS", "status_of", "error_dict",
+__all__ = ["RequestError", "unknown_request", "MAX_RIDS_NAMED", "UnknownRequestError", "RequestFinishedError", "RequestBusyError", "PluginError", "BadRequestError", "ServerBusyError", "RelayError", "RemoteRankError", "capped", "STATUS", "status_of", "error_dict",
            "error_of"]

@@ -52,7 +52,7 @@ from hsnap_format.errors import MalformedError, Phrase
 from hsnap_format.spec import MAX_PAGE_SIZE
 
 from . import claims, metrics, restart
-from . import auth, confine
+from . import auth, confine, relay
 from .containment import (MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, check_rid, contained_route, log_failure, read_body,
                           record_answer)
 from .detokenize import replay_info
@@ -120,6 +120,8 @@ class HsnapFrontend:
         self.tm = tm
         self.waiting: dict[str, asyncio.Future] = {}
         self.text_skip: dict[str, int] = {}  # rid -> characters its first output repeats (detokenize.around_handle_batch_output)
+        self.relays: dict[str, Any] = {}  # rid -> relay.Relay: its stream goes on with a migration target's
+        self.relayable: dict[int, Any] = {}  # id -> a request's input object whose stream a relay can continue (relay.relayed)
 
     async def call(self, msg) -> HsnapReqOutput:
         """Send one hsnap request to the scheduler and wait for its answer (several may be in flight)."""
@@ -575,7 +577,7 @@ def router():
         body = await _body(request)
         rid, d = body.get("rid"), body.get("dir")
         tail, rounds, timeout_s, fsync = body.get("tail", 16), body.get("max_rounds", 8), body.get("timeout_s", 60), body.get("fsync", False)
-        check_rid("rid", rid)
+        rid = check_rid("rid", rid)
         d = check_path("dir", d, what="a directory or s3:// prefix the target follows (string)")
         if type(tail) is not int or not 0 <= tail <= 1 << 20:
             return _bad("tail", "rows left at most when the request stops, 0..1048576", tail)
@@ -585,8 +587,25 @@ def router():
             return _bad("timeout_s", f"seconds a round may wait for the target, (0, {MAX_FOLLOW_TIMEOUT_S:g}]", timeout_s)
         if type(fsync) is not bool:
             return _bad("fsync", "true or false", fsync)
-        out = await _frontend().call(HsnapMigrateReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=_local(d, "dir"), tail=tail, max_rounds=rounds,
-                                                          timeout_s=float(timeout_s), fsync=fsync))
+        relay_to = body.get("relay_to")
+        if relay_to is not None and type(relay_to) is not str:
+            return _bad("relay_to", "the target server's URL, http(s)://host:port (string), or null", relay_to)
+        fe, container = _frontend(), _local(d, "dir")
+        opened = None
+        if relay_to is not None:  # the target follows first (this process reads its stream for the request's client)
+            opened = await relay.open_relay(fe, rid, confine.resolve_peer(relay_to, "relay_to"), d, container, timeout_s=float(timeout_s))
+        try:
+            out = await fe.call(HsnapMigrateReqInput(op_id=uuid.uuid4().hex, rid=rid, dir=container, tail=tail, max_rounds=rounds,
+                                                     timeout_s=float(timeout_s), fsync=fsync))
+        except BaseException:
+            if opened is not None:
+                await relay.drop(fe, opened)
+            raise
+        if opened is not None:
+            if out.ok:
+                out.result = dict(out.result, relay={"target": opened.target})
+            else:
+                await relay.drop(fe, opened)
         return _answer_response(out)
 
     @r.post("/follow")
@@ -643,7 +662,9 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
     from fastapi.responses import JSONResponse, StreamingResponse
     from sglang.srt.entrypoints.http_server import dumps_json
 
-    waiters = [obj.hsnap_waiter for obj in resumed]  # made as each was registered (_Frontend._registered)
+    fe = getattr(tm, "_hsnap", None)
+    # made as each was registered (_Frontend._registered); a relayed migration out of here may continue each
+    waiters = [obj.hsnap_waiter if fe is None else relay.relayed(fe, obj, obj.hsnap_waiter) for obj in resumed]
     if not stream:
         outs = [await w.__anext__() for w in waiters]
         return JSONResponse(content=outs[0] if len(outs) == 1 and single else outs, headers=headers)
@@ -655,6 +676,8 @@ async def _respond(tm, resumed: list, request, *, stream: bool, headers: dict, s
             try:
                 async for out in w:
                     await queue.put(out)
+            except HsnapError as e:  # a relayed migration's target went away (typed)
+                await queue.put({"error": error_dict(e)})
             except ValueError as e:  # a disconnect or an abort, as /generate reports it
                 await queue.put({"error": {"message": str(e), "type": "invalid_request_error"}})
             finally:

@@ -17,6 +17,10 @@ Names and what they count (every ``op`` is a route: export, drain, checkpoint, r
 ``hsnap_resume_to_first_token_seconds``    a resume asked for → the first event of its stream
 ``hsnap_migration_stop_seconds``           a migration's source: request stopped → final link durable
 ``hsnap_checkpoint_link_lag_seconds``      a checkpoint link: due → committed (written off the decode path)
+``hsnap_relays_total{outcome}``            relayed migrations (:mod:`.relay`) by how they ended: ``finished`` (the
+                                           target's stream relayed to the request's finish), ``broken`` (the
+                                           target's stream broke first), ``client gone``, ``refused`` (the target
+                                           did not follow), ``dropped`` (the migration did not happen)
 =========================================  ====================================================================
 """
 
@@ -59,6 +63,7 @@ def _create() -> dict[str, Any]:
         "first_token": seconds("hsnap_resume_to_first_token_seconds", "a resume asked for to the first event of its stream"),
         "migration_stop": seconds("hsnap_migration_stop_seconds", "a migration's source: request stopped to final link durable"),
         "link_lag": seconds("hsnap_checkpoint_link_lag_seconds", "a checkpoint link: due to committed"),
+        "relays": Counter("hsnap_relays_total", "relayed migrations, by how they ended", ("outcome",)),
     }
 
 
@@ -119,4 +124,11 @@ def observe(name: str, seconds: float) -> None:
         m[name].observe(seconds)
 
 
-__all__ = ["MULTIPROC_ENV", "observe_answer", "observe"]
+def count(name: str, label: str) -> None:
+    """One more of a counter with one label (``relays`` by outcome)."""
+    m = _metrics()
+    if m is not None:
+        m[name].labels(label).inc()
+
+
+__all__ = ["MULTIPROC_ENV", "observe_answer", "observe", "count"]

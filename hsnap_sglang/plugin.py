@@ -18,6 +18,8 @@ target                                                             type   what
                                                                           waiting HTTP calls (:mod:`.frontend`)
 ``TokenizerManager.create_abort_task``                             AROUND a stream's delayed abort (2 s after it ends) spares
                                                                           a request resumed here since (same rid)
+``TokenizerManager.generate_request``                              AROUND a request's stream may go on with a relayed
+                                                                          migration's target's (:mod:`.relay`)
 ``TokenizerManager._handle_batch_output``                          AROUND drops, from a resumed request's first output, the
                                                                           characters its client already had (:mod:`.detokenize`)
 ``DetokenizerManager._decode_batch_token_id_output``               AROUND an exported request's last message is decoded as a
@@ -57,6 +59,7 @@ HOOKS: dict[str, tuple[str, str]] = {
     f"{_SCHED}.process_batch_result": ("scheduler:around_process_batch_result", "AROUND"),
     f"{_TM}.init_request_dispatcher": ("frontend:install", "AFTER"),
     f"{_TM}.create_abort_task": ("frontend:around_create_abort_task", "AROUND"),
+    f"{_TM}.generate_request": ("relay:around_generate_request", "AROUND"),
     f"{_TM}._handle_batch_output": ("detokenize:around_handle_batch_output", "AROUND"),
     "sglang.srt.managers.detokenizer_manager.DetokenizerManager._decode_batch_token_id_output":
         ("detokenize:around_decode_batch_token_id_output", "AROUND"),

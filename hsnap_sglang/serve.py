@@ -8,7 +8,8 @@ per rank) unless given, starts SGLang's child processes by ``fork`` (``HSNAP_SGL
 ``--enable-hsnap`` (hsnap's flag, not SGLang's) turns on the hsnap plug-in (``HSNAP_SGLANG_PLUGIN=1``);
 ``--hsnap-root DIR`` (``HSNAP_ROOT``) is the directory every client path resolves beneath, ``--hsnap-allow-url
 s3://bucket/prefix`` (repeatable; ``HSNAP_ALLOWED_URLS``) an object-store prefix clients may name
-(:mod:`hsnap_sglang.confine`), ``--hsnap-allow-unauthenticated`` (``HSNAP_ALLOW_UNAUTHENTICATED=1``) lets the
+(:mod:`hsnap_sglang.confine`), ``--hsnap-allow-peer http://host:port`` (repeatable; ``HSNAP_ALLOWED_PEERS``) a server
+a relayed migration may call (:mod:`hsnap_sglang.relay`), ``--hsnap-allow-unauthenticated`` (``HSNAP_ALLOW_UNAUTHENTICATED=1``) lets the
 plug-in start on a non-loopback host with no API key (:mod:`hsnap_sglang.auth`).  Equivalent by hand::
 
     HSNAP_SGLANG_CPU=1 python -m sglang.launch_server --model-path DIR --device cpu \\
@@ -119,9 +120,10 @@ def engine_kwargs(**overrides) -> dict:
 
 ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP_SGLANG_PLUGIN=1), not passed to SGLang
 # hsnap's own flags with a value -> the environment variable each sets (inherited by every process of the server);
-# repeated flags join with "," (HSNAP_ALLOWED_URLS).  Not passed to SGLang.
+# repeated flags join with "," (the allow-lists).  Not passed to SGLang.
 HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS", "--hsnap-drain-on-sigterm": "HSNAP_DRAIN_ON_SIGTERM",
-                     "--hsnap-resume-on-start": "HSNAP_RESUME_ON_START"}
+                     "--hsnap-resume-on-start": "HSNAP_RESUME_ON_START", "--hsnap-allow-peer": "HSNAP_ALLOWED_PEERS"}
+_JOINED = ("HSNAP_ALLOWED_URLS", "HSNAP_ALLOWED_PEERS")  # repeatable flags: their values joined with ","
 HSNAP_SWITCHES = {ENABLE_HSNAP: "HSNAP_SGLANG_PLUGIN", "--hsnap-allow-unauthenticated": "HSNAP_ALLOW_UNAUTHENTICATED"}
 
 
@@ -144,7 +146,7 @@ def take_hsnap_flags(argv: list[str], env: dict) -> list[str]:
             out.append(a)
         i += 1
     for var, vals in values.items():
-        env[var] = ",".join(vals) if var == "HSNAP_ALLOWED_URLS" else vals[-1]
+        env[var] = ",".join(vals) if var in _JOINED else vals[-1]
     root = env.get("HSNAP_ROOT")
     if root:
         if not os.path.isdir(root):
@@ -159,6 +161,9 @@ HSNAP_FLAG_HELP = {
     "--hsnap-root DIR": "the directory every path a client names resolves beneath (HSNAP_ROOT); none: no local path",
     "--hsnap-allow-url s3://BUCKET/PREFIX": "an object-store prefix clients may name (repeatable; HSNAP_ALLOWED_URLS)",
     "--hsnap-allow-unauthenticated": "let the plug-in start on a non-loopback host without an API key",
+    "--hsnap-allow-peer http://HOST:PORT": "a server this one may call for a client: a relayed migration's target "
+                                           "(repeatable; HSNAP_ALLOWED_PEERS; the key sent: HSNAP_PEER_API_KEY, else "
+                                           "this server's own)",
     "--hsnap-drain-on-sigterm DIR": "on SIGTERM, drain every request into DIR (beneath the root, or an allowed s3:// prefix) "
                                     "before SGLang's graceful shutdown: a rolling restart loses no request's progress "
                                     "(HSNAP_DRAIN_ON_SIGTERM)",

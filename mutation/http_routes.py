@@ -183,6 +183,9 @@ def body(seed: int, i: int, fx: Fixture) -> tuple[str, str, bytes, float]:
     elif route == "migrate":
         obj = {"rid": _rid(rng, fx), "dir": rng.choice([_path(rng, fx, i), rng.choice(fx.containers)]), "tail": _number(rng, [0, 2, 16]),
                "max_rounds": _number(rng, [1, 2, 8, 1001]), "timeout_s": _number(rng, [0.2, 0.5, 1, 86401]), "fsync": rng.choice([False, True, 0])}
+        if rng.random() < 0.3:  # no peer is allowed here: each is refused (403 / 400) before the request is touched
+            obj["relay_to"] = rng.choice([None, "http://127.0.0.1:9", "ftp://h:1", "http://u@h:1", "http://h:1/x?y", "a\x00b", "\ud800", 5,
+                                          ["http://h:1"], "x" * 9000])
     elif route == "attach":  # this server resumed nothing at start: every rid is one it does not hold (a typed 404)
         obj = {"rid": _rid(rng, fx), "stream": rng.choice([True, False, "x", None])}
     else:  # follow

@@ -68,10 +68,11 @@ def test_serve_exits_on_an_exposed_host_before_sglang_is_imported(tmp_path):
 def test_serve_flags_become_the_environment_and_leave_sglang_argv(tmp_path):
     env: dict = {}
     argv = take_hsnap_flags(["--enable-hsnap", "--hsnap-root", str(tmp_path), "--model-path", "m", "--hsnap-allow-url=s3://a/p",
-                             "--hsnap-allow-url", "s3://b", "--hsnap-allow-unauthenticated", "--port", "1"], env)
+                             "--hsnap-allow-url", "s3://b", "--hsnap-allow-unauthenticated", "--port", "1",
+                             "--hsnap-allow-peer", "http://10.0.0.2:30000", "--hsnap-allow-peer=http://10.0.0.3:30000"], env)
     assert argv == ["--model-path", "m", "--port", "1"]
     assert env == {"HSNAP_SGLANG_PLUGIN": "1", "HSNAP_ROOT": str(tmp_path), "HSNAP_ALLOWED_URLS": "s3://a/p,s3://b",
-                   "HSNAP_ALLOW_UNAUTHENTICATED": "1"}
+                   "HSNAP_ALLOW_UNAUTHENTICATED": "1", "HSNAP_ALLOWED_PEERS": "http://10.0.0.2:30000,http://10.0.0.3:30000"}
 
 
 def test_serve_help_starts_with_hsnaps_own_flags_then_sglangs(monkeypatch, capsys):

@@ -70,6 +70,15 @@ def _other(url, rid):
     return Stream(url, payload(rid, ids, n))
 
 
+def _reference_streams(url: str, runs: dict[str, tuple[list[int], int]]) -> dict[str, Stream]:
+    """Uninterrupted streamed runs of ``runs`` ({rid: (prompt ids, output tokens)}) side by side (bfloat16: a request's
+    numbers do not depend on its batch), finished."""
+    streams = {rid: Stream(url, payload(f"{rid}-ref", ids, n)) for rid, (ids, n) in runs.items()}
+    for st in streams.values():
+        st.start()
+    return {rid: st.finish() for rid, st in streams.items()}
+
+
 def _ref(url, rid, ids, n):
     return tokens(generate(url, payload(f"{rid}-ref", ids, n)))
 
@@ -80,9 +89,11 @@ def servers(tiny_model_dir, work, store):
     env = store["env"]
     # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): S2 runs the 3 drained at once
     s2 = hsnap_server(tiny_model_dir, work / "s2.log", "--max-mamba-cache-size", "12", env=env)
-    ov = hsnap_server(tiny_model_dir, work / "overlap.log", radix=False, overlap=True, env=env)
     s3 = hsnap_server(tiny_model_dir, work / "s3.log", "--max-mamba-cache-size", "13", "--max-total-tokens", "3500",
                       "--max-running-requests", "6", env=env)
+    # O may relay migrations to S3 and S2 (the servers it may call for a client: its operator's list)
+    ov = hsnap_server(tiny_model_dir, work / "overlap.log", radix=False, overlap=True,
+                      env={**env, "HSNAP_ALLOWED_PEERS": f"{s3.url},{s2.url}"})
     start_together(s2, ov, s3)
     yield {"s2": s2, "overlap": ov, "s3": s3}
     retire(s2, ov, s3)
@@ -208,26 +219,24 @@ def migrated(servers, work, store):
         out["lone_abandoned"] = json.loads((work / "lone" / "abandoned.json").read_text())
         out["lone_idle"] = wait_idle(src)
         lengths = dict({rid: n for rid, (_, n) in MG.items()}, **{"mg-lone": len(lone.events[-1]["output_ids"])})
-        ref_streams = {rid: Stream(src, payload(f"{rid}-ref", ids, lengths[rid])) for rid, (ids, _) in MG.items()}  # together: bf16
-        for st in ref_streams.values():
-            st.start()
-        out["ref_streams"] = {rid: st.finish() for rid, st in ref_streams.items()}
+        out["ref_streams"] = _reference_streams(src, {rid: (ids, lengths[rid]) for rid, (ids, _) in MG.items()})
         out["refs"] = {rid: tokens(st.final) for rid, st in out["ref_streams"].items()}
     except BaseException as e:  # noqa: BLE001 - the migration tests fail on it; the overlap fixture goes on
         out["error"] = e
     return out
 
 
-def _migrated(migrated) -> dict:
-    if "error" in migrated:
-        raise migrated["error"]
-    return migrated
+def _succeeded(fixture: dict) -> dict:
+    """A scenario fixture's outcome, or the error that stopped it (raised in each of its tests)."""
+    if "error" in fixture:
+        raise fixture["error"]
+    return fixture
 
 
 def test_live_migration_between_two_servers_continues_exactly(migrated):
     """Tokens and logprobs of the migrated request equal its uninterrupted run, bit for bit; the request beside it
     in the source is unaffected; on the target it only decoded (no forward recomputed its history)."""
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     run, src = mg["mig"].run, mg["mig"].source
     assert tokens(run.final) == mg["refs"]["mg"]
     assert tokens(mg["other"].final) == mg["refs"]["mg-other"]
@@ -242,7 +251,7 @@ def test_live_migration_precopies_while_decoding_and_stops_for_the_tail(migrated
     """The source wrote link-0000 (the plain snapshot) and deltas while the request decoded, each after the target had
     applied the one before (.applied markers), and stopped it only for the rows decoded since the last round (at
     most ``tail``, unless the round budget ran out); the target applied every link in order."""
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     src, info = mg["mig"].source, mg["mig"].run.info
     rounds = src["rounds"]
     assert 1 <= len(rounds) <= MG_ROUNDS
@@ -265,7 +274,7 @@ def test_live_migration_precopies_while_decoding_and_stops_for_the_tail(migrated
 
 
 def test_live_migration_through_an_object_store(migrated):
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     mig = mg["mig_s3"]
     assert tokens(mig.run.final) == mg["refs"]["mg-s3"]
     assert mig.source["final"].startswith("s3://") and mg["s3m"].final["meta_info"]["finish_reason"]["migration"].startswith("s3://")
@@ -274,7 +283,7 @@ def test_live_migration_through_an_object_store(migrated):
 
 
 def test_live_migration_stream_continues_without_repeated_or_missing_text(migrated):
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     run = mg["mig"].run
     had = run.info["client_had"]
     assert had["output_ids"] == mg["mig"].source["output_tokens"]
@@ -287,14 +296,14 @@ def test_live_migration_stream_continues_without_repeated_or_missing_text(migrat
 def test_live_migration_leaves_both_servers_consistent(migrated):
     """SGLang's own pool accounting agrees on both sides: the source released exactly the request's slots; the
     target held the applied links as session-held until admission, then as a running request, then freed them."""
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     for idle in (mg["src_idle"], mg["dst_idle"], mg["lone_idle"]):
         assert idle["checks"]["pool_leak"] is False and idle["checks"]["req_rows_ok"] is True
     assert mg["dst_idle"]["requests"]["running"] == [] and mg["dst_idle"]["follows"] == [] and mg["dst_idle"]["arrived"] == []
 
 
 def test_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrated):
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     e = mg.get("unfed")
     assert e is not None and e.error_type == "MigrationError" and e.status == 504, e
     assert "link-0000.hsnap" in str(e)
@@ -303,7 +312,7 @@ def test_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrated):
 
 
 def test_migration_the_source_refuses_ends_the_follow_at_once(migrated):
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     e, pools = mg["refused"]
     assert e.error_type == "UnknownRequestError" and e.status == 404
     follow = e.follow_error  # not its 120 s timeout: the source's reason, from abandoned.json
@@ -316,7 +325,7 @@ def test_migration_the_target_refuses_ends_the_source_at_once(migrated):
     """The target refuses the first link (it was told to expect another request): no slot taken, refused.json says
     why; the source stops pre-copying on that (its reason names the target's refusal, not its own timeout) and the
     request decodes on there (compared with its reference below)."""
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     follow, src = mg["wrong_follow"], mg["wrong_error"]
     assert follow is not None and follow.error_type == "IncompatibleSnapshotError" and "request.rid" in str(follow), follow
     assert src is not None and src.error_type == "MigrationError" and "refused by the target" in str(src), src
@@ -325,7 +334,7 @@ def test_migration_the_target_refuses_ends_the_source_at_once(migrated):
 
 
 def test_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migrated):
-    mg = _migrated(migrated)
+    mg = _succeeded(migrated)
     e = mg.get("lone_error")
     assert e is not None and e.error_type == "MigrationError" and e.status == 504, e
     lone = mg["lone"].events[-1]
@@ -335,11 +344,115 @@ def test_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migr
     assert "applied within" in mg["lone_abandoned"]["reason"] and mg["lone_abandoned"]["links"] == 1
 
 
+# ----------------------------------------------------------------------------- a relayed migration (O -> S3)
+
+
+RL = {"rl": (prompt(95, 28), 120), "rl-whole": (prompt(96, 22), 200), "rl-busy": (prompt(97, 24), 60)}
+RL_PACE_S = 0.03  # O's forwards while the relayed migrations run: each request decodes for seconds after its migrate call
+
+
+def _until_running(url: str, rid: str) -> None:
+    deadline = time.monotonic() + 120
+    while rid not in stats(url)["requests"]["running"]:
+        assert time.monotonic() < deadline, f"{rid} never ran"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def relayed(servers, work, migrated):
+    """Relayed migrations out of O (the source relays the target's stream into the request's own): ``rl`` streamed
+    and ``rl-whole`` not streamed, both to S3; a target the operator did not allow; a target that refuses the follow
+    (S2, running a request of that rid).  Uninterrupted references in O.  (Before O stops.)"""
+    src, dst, other = servers["overlap"].url, servers["s3"].url, servers["s2"].url
+    out: dict = {"dst": dst}
+    try:
+        rl = Stream(src, payload("rl", *RL["rl"]))
+        whole: dict = {}
+        body = payload("rl-whole", *RL["rl-whole"])
+        whole_thread = threading.Thread(target=lambda: whole.update(final=generate(src, body)), daemon=True)
+        busy_here, busy_there = Stream(src, payload("rl-busy", *RL["rl-busy"])), Stream(other, payload("rl-busy", *RL["rl-busy"]))
+        with paced(src, RL_PACE_S), paced(other, 0.05):
+            rl.start()
+            whole_thread.start()
+            busy_here.start()
+            busy_there.start()
+            rl.wait_tokens(6)
+            busy_there.wait_tokens(1)
+            _until_running(src, "rl-whole")
+            out["not_allowed"] = error_of(client.migrate, src, "rl", str(work / "rl-no"), relay_to="http://127.0.0.1:9", timeout_s=120)
+            out["refused"] = error_of(client.migrate, src, "rl-busy", str(work / "rl-busy"), relay_to=other, timeout_s=120)
+            out["report"] = client.migrate(src, "rl", str(work / "rl"), relay_to=dst, tail=2, max_rounds=4, timeout_s=120)
+            out["whole_report"] = client.migrate(src, "rl-whole", str(work / "rl-whole"), relay_to=dst, tail=2, timeout_s=120)
+        out["rl"], out["busy_here"], out["busy_there"] = rl.finish(), busy_here.finish(), busy_there.finish()
+        whole_thread.join(300)
+        out["whole"] = whole["final"]
+        out["forwards"] = stats(dst, "rl")["forwards"]
+        out["idle"] = (wait_idle(src), wait_idle(dst))
+        out["dirs"] = {name: sorted(os.listdir(work / name)) if (work / name).exists() else None for name in ("rl-no", "rl-busy", "rl")}
+        out["refs"] = {rid: st.final for rid, st in _reference_streams(src, RL).items()}
+    except BaseException as e:  # noqa: BLE001 - the relay tests fail on it; the overlap fixture goes on
+        out["error"] = e
+    return out
+
+
+def test_relayed_migration_continues_the_clients_own_stream_to_the_finish(relayed):
+    """The client's /generate stream on O goes on through the hand-off to the request's finish on S3: the same rid
+    in every event, no finish reason before the last, no text or id taken back, repeated or missing, and the whole
+    run (tokens, logprobs, text, finish) the uninterrupted run's; on S3 it only decoded."""
+    r = _succeeded(relayed)
+    report, events = r["report"], r["rl"].events
+    assert report["relay"] == {"target": r["dst"]}
+    assert {e["meta_info"]["id"] for e in events} == {"rl"}
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+    final, ref = events[-1], r["refs"]["rl"]
+    assert final["meta_info"]["finish_reason"] == ref["meta_info"]["finish_reason"] and final["meta_info"]["finish_reason"]["type"] == "length"
+    assert tokens(final) == tokens(ref)
+    assert final["text"] == ref["text"]
+    assert "".join(text for text, _ in deltas(events)) == ref["text"]  # deltas asserts nothing was taken back
+    assert [i for _, ids in deltas(events) for i in ids] == ref["output_ids"]
+    assert r["forwards"] == {"decode": RL["rl"][1] - report["output_tokens"], "extend": 0}
+    assert report["output_tokens"] >= 6 and len(report["rounds"]) >= 1
+
+
+def test_relayed_migration_of_a_request_that_does_not_stream_answers_with_the_targets_final(relayed):
+    r = _succeeded(relayed)
+    got, ref = r["whole"], r["refs"]["rl-whole"]
+    assert r["whole_report"]["relay"] == {"target": r["dst"]}
+    assert got["meta_info"]["finish_reason"]["type"] == "length" and tokens(got) == tokens(ref) and got["text"] == ref["text"]
+
+
+def test_relay_to_a_server_the_operator_did_not_allow_is_refused_before_anything(relayed):
+    r = _succeeded(relayed)
+    e = r["not_allowed"]
+    assert e is not None and e.error_type == "ConfinementError" and e.status == 403 and "HSNAP_ALLOWED_PEERS" in str(e), e
+    assert r["dirs"]["rl-no"] is None  # nothing written, the request went on (and migrated later)
+
+
+def test_relay_to_a_target_that_refuses_the_follow_leaves_the_request_running_here(relayed):
+    """S2 runs a request of that rid: it refuses the follow; the source refuses the migrate (502, the target's own
+    refusal attached) before starting anything, and the request runs to its finish on O, as uninterrupted."""
+    r = _succeeded(relayed)
+    e = r["refused"]
+    assert e is not None and e.error_type == "RelayError" and e.status == 502, e
+    assert e.error.get("remote", {}).get("type") == "RequestBusyError", e.error
+    assert r["dirs"]["rl-busy"] is None
+    here = r["busy_here"].final
+    assert here["meta_info"]["finish_reason"]["type"] == "length" and tokens(here) == tokens(r["refs"]["rl-busy"])
+    assert r["busy_there"].final["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_relayed_migrations_leave_both_servers_consistent(relayed):
+    r = _succeeded(relayed)
+    for idle in r["idle"]:
+        assert idle["checks"]["pool_leak"] is False and idle["checks"]["req_rows_ok"] is True, idle["checks"]
+        assert idle["requests"]["running"] == [] and idle["follows"] == [] and idle["arrived"] == []
+
+
 # ----------------------------------------------------------------------------- overlap scheduler (O -> S3)
 
 
 @pytest.fixture(scope="module")
-def overlap(servers, work, store, migrated):
+def overlap(servers, work, store, migrated, relayed):
     """Its rids are ov-*: S3 resumes requests of S2 too.  (After ``migrated``: this one stops O.)"""
     src, dst = servers["overlap"], servers["s3"].url
     ck_url = f"s3://{store['bucket']}/ck-overlap.hsnap"
