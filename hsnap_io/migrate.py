@@ -292,7 +292,7 @@ class MigrationTarget:
         self.request = restored
         self._resharded = source.resharded
         self._keep(source.snapset if source.resharded else source.snap, source)
-        return AppliedLink(path, restored.state_position, restored.state_position, restored.bytes_uploaded, _is_final(path))
+        return AppliedLink(path, restored.state_position, restored.state_position, restored.bytes_uploaded, is_final_link(path))
 
     def _keep(self, snap: Snapshot, owner) -> None:
         if self._owned is not None:
@@ -344,7 +344,9 @@ class MigrationTarget:
         try:
             last = self._last
             if not isinstance(opened, SnapshotSet):
-                raise ChainError(p, "manifest", Phrase(f"a set of deltas of the set applied last ({last.path})"), Phrase("a single snapshot file"))
+                if len(last.ranks) != 1 or opened.identity.tp_size != 1:
+                    raise ChainError(p, "manifest", Phrase(f"a set of deltas of the set applied last ({last.path})"), Phrase("a single snapshot file"))
+                opened = SnapshotSet.of_whole_file(opened)  # a TP 1 source's delta, as the one-rank set it is (as its first link)
             plans = check_delta_set(opened, last, self.view, identity=self.identity, target=self.sharding, target_tp=self.identity.tp_size)
             head = opened.ranks[0]
             self._check_capacity(head)
@@ -448,7 +450,7 @@ class MigrationTarget:
         token = torch.cat([req.token_indices, fresh])
         self.request = dataclasses.replace(req, token_indices=token, record=record, state_position=new,
                                            snapshot_id=snap.identity.snapshot_id, bytes_uploaded=req.bytes_uploaded + uploaded)
-        return AppliedLink(path, new, new - old, uploaded, _is_final(path))
+        return AppliedLink(path, new, new - old, uploaded, is_final_link(path))
 
     def _extend_slots(self, old: int, new: int, checkpoint: PoolCheckpoint, path) -> torch.Tensor:
         """Token slots for positions ``old..new`` of the request, allocated as SGLang extends a
@@ -573,8 +575,10 @@ def marker_reason(store, path: str) -> str:
     return " ".join(str(said)[:1000].split())
 
 
-def _is_final(path: str) -> bool:
-    return os.path.basename(path.rstrip("/")) == FINAL_NAME
+def is_final_link(path: str) -> bool:
+    """``path`` is a container's final link, or a rank file of it (a TP set's ``final.hsnap/rank-N.hsnap``)."""
+    p = os.fspath(path).rstrip("/")
+    return os.path.basename(p) == FINAL_NAME or os.path.basename(os.path.dirname(p)) == FINAL_NAME
 
 
-__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]
+__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "is_final_link", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]

@@ -21,7 +21,15 @@ server and a library process (:class:`hsnap_io.migrate.MigrationTarget`) interop
   forward is a decode.  Until then its slots are reported to SGLang's own pool accounting as held (the strict idle
   memory check counts them), and a refused or abandoned migration gives every slot back.
 
-TP 1 servers only (a TP server refuses by name); the library migrates across TP sizes.
+At TP > 1, on either side (and across TP sizes: a target re-shards each link as it applies it, hsnap_io.migrate's
+re-sharding path), every link is a TP set — each source rank writes its rank file, a delta of its own rank file of
+the round before, manifest last — written in lockstep on the scheduler thread (the set's collectives run on the TP
+group, which no writer thread may use), so each round's write is on the decode path there.  What a watcher thread or
+the clock sees (a round applied, a refusal, a link committed, a timeout) differs from rank to rank; one small
+collective per scheduler iteration while a migration or follow is under way makes every rank act on the same view:
+the source's rank 0's, and for a target the links every rank has seen (each rank applies the same link in the same
+iteration; a failure on one is a refusal on all).  The container is a local directory there (TP sets are re-sharded
+from local rank files).
 """
 
 from __future__ import annotations
@@ -31,13 +39,13 @@ import logging
 import math
 import time
 
-from hsnap_format import HsnapError, SnapshotExistsError
+from hsnap_format import HsnapError, SnapshotExistsError, SnapshotSet
 from hsnap_format.errors import Phrase
 from hsnap_format.stores import store_for
 
 from . import confine
 from .containment import MAX_FOLLOWS, guarded, typed
-from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict
+from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict, error_of
 from .jobs import Export, Following, Migrating, Watch
 
 logger = logging.getLogger("hsnap_sglang")
@@ -79,9 +87,7 @@ def on_migrate(hs, msg) -> None:
     used = None
     try:
         used = next((store.join(msg.dir, n) for n in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME, REFUSED_NAME) if store.exists(store.join(msg.dir, n))), None)
-        if hs.tp_size > 1:
-            raise HsnapError(msg.dir, "rid", Phrase("a TP 1 server (live migration of a TP set is not supported in the server)"),
-                             f"TP {hs.tp_size}")
+        _check_tp_container(hs, store, msg.dir)
         if where is None:
             raise hs.absent(msg.rid)
         if hs.busy(msg.rid) or msg.rid in hs.migrations:
@@ -92,7 +98,7 @@ def on_migrate(hs, msg) -> None:
             confine.resolve(msg.dir, "dir", confine.DIR, create=True)  # made beneath the root, no symlink followed
     except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
         err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "migrate", msg.dir)
-        if used is None:  # a fresh container: a target already following it learns at once that nothing will come
+        if used is None and hs.tp_rank == 0:  # a fresh container: a target already following it learns at once that nothing will come
             _say_abandoned(store, msg.dir, error_dict(err), 0)
         hs.answer(msg, ok=False, error=error_dict(err))
         return
@@ -109,23 +115,53 @@ def on_migrate(hs, msg) -> None:
                               migration=m))
 
 
+def _check_tp_container(hs, store, container: str) -> None:
+    """A TP server migrates through a local directory: its links are TP sets, re-sharded from local rank files."""
+    if hs.tp_size > 1 and not store.local:
+        raise HsnapError(container, "dir", Phrase("a local directory (a TP server's links are TP sets of local rank files)"),
+                         Phrase(f"an object-store prefix at TP {hs.tp_size}"))
+
+
+SEEN_NOTHING, SEEN_APPLIED, SEEN_REFUSED = 0, 1, 2  # what a migration's watcher saw of its last round
+
+
+def _round_seen(m: Migrating, now: float) -> list:
+    """This rank's view of a migration: [SEEN_*, past its timeout]."""
+    from hsnap_io.migrate import REFUSED_NAME
+
+    hit = m.watch.hit if m.watch is not None else None
+    return [SEEN_NOTHING if hit is None else SEEN_REFUSED if hit.endswith(REFUSED_NAME) else SEEN_APPLIED, now - m.since > m.timeout_s]
+
+
+def views(hs, local: list) -> list[list]:
+    """Every rank's ``local`` (a short JSON list), in rank order: at TP > 1 one collective, which every rank calls at
+    the same point of the same iteration (the jobs it lists are the same on every rank; what each saw differs)."""
+    if hs.tp_size == 1:
+        return [local]
+    return [json.loads(p) if p else [] for p in hs.agree(None, payload=json.dumps(local, separators=(",", ":"))).payloads]
+
+
 def advance_migrations(hs) -> None:
     """At a scheduler iteration: for every migration whose last round the target applied, the next round or the
     final link (queued as an export: it runs at the request's next committed boundary); a migration whose request
-    finished, or whose target is silent past ``timeout_s``, is given up.  Each migration is contained: one that
-    fails (a hostile container file, a store error) is given up with the typed reason; the others go on."""
+    finished, or whose target is silent past ``timeout_s``, is given up.  At TP > 1 every rank acts on rank 0's
+    view.  Each migration is contained: one that fails (a hostile container file, a store error) is given up with
+    the typed reason; the others go on."""
     now = time.monotonic()
-    for rid, m in list(hs.migrations.items()):
+    jobs = list(hs.migrations.items())
+    seen = views(hs, [_round_seen(m, now) for _, m in jobs])[0]
+    for (rid, m), (kind, late) in zip(jobs, seen):
         try:
-            _advance_migration(hs, rid, m, now)
+            _advance_migration(hs, rid, m, kind, late)
         except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
             if hs.migrations.get(rid) is m:
                 guarded("giving a migration up", abandon, hs, m, rid, typed(e, "migrate", m.container))
 
 
-def _advance_migration(hs, rid: str, m: Migrating, now: float) -> None:
+def _advance_migration(hs, rid: str, m: Migrating, seen: int, late: bool) -> None:
     from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, MigrationError, marker_reason
 
+    now = time.monotonic()
     where, req = hs.locate(rid)
     if req is None or req.finished():
         why = req.finished_reason.to_json() if req is not None and req.finished_reason is not None else None
@@ -134,17 +170,20 @@ def _advance_migration(hs, rid: str, m: Migrating, now: float) -> None:
         return
     if m.queued:
         return
-    if m.watch is not None and m.watch.hit is not None and m.watch.hit.endswith(REFUSED_NAME):
-        abandon(hs, m, rid, MigrationError(m.watch.hit, "target", Phrase("a target applying the links"),
-                                           Phrase(f"refused by the target: {marker_reason(m.store, m.watch.hit)}")), say=False)
+    if seen == SEEN_REFUSED:
+        marker = m.store.join(m.container, REFUSED_NAME)
+        abandon(hs, m, rid, MigrationError(marker, "target", Phrase("a target applying the links"),
+                                           Phrase(f"refused by the target: {marker_reason(m.store, marker)}")), say=False)
         return
-    if m.watch is None or m.watch.hit is None:
-        if now - m.since > m.timeout_s:
+    if seen == SEEN_NOTHING:
+        if late:
             abandon(hs, m, rid, MigrationError(m.links[-1] + APPLIED_SUFFIX, "target", Phrase(f"the round applied within {m.timeout_s} s"),
                                                Phrase("not applied: no target follows, or it is stuck")))
         return
     if where not in ("running", "parked") or rid in hs.links.in_flight or hs.links.full():
         return  # the writer is busy with other links: the round goes at a later boundary
+    if m.watch is not None:
+        m.watch.cancel()  # (at TP > 1 this rank's own watcher may not have seen it yet)
     m.watch = None
     left = int(req.kv.kv_committed_len) - m.base_position
     final = left <= m.tail or len(m.links) >= m.max_rounds
@@ -186,9 +225,14 @@ def finish(hs, ex, req, where: str) -> None:
     t_stop = time.monotonic()
     sid = uuid.uuid4().hex
     try:
-        cap = hs.capture(req, ex.path, sid, m.base_position)
-        t_captured = time.monotonic()
-        written = write_captured(ex.path, cap, base=m.held, fsync=m.fsync)
+        if hs.tp_size > 1:  # a TP set, in lockstep on every rank (its collectives): the capture is the write
+            written = hs.write_snapshot(ex.path, req, base=m.links[-1])
+            t_captured = t_stop
+            sid, final_bytes = written["snapshot_id"], int(written["bytes"])
+        else:
+            cap = hs.capture(req, ex.path, sid, m.base_position)
+            t_captured = time.monotonic()
+            final_bytes = int(write_captured(ex.path, cap, base=m.held, fsync=m.fsync).info.file_length)
     except Exception as e:  # noqa: BLE001 - the request decodes on here; the caller gets the reason
         if not isinstance(e, HsnapError):
             logger.exception("hsnap migration of %s: the final link failed", ex.rid)
@@ -199,7 +243,7 @@ def finish(hs, ex, req, where: str) -> None:
         abandon(hs, m, ex.rid, e)
         return
     t_committed = time.monotonic()
-    committed = int(cap.record.state_position)
+    committed = int(req.kv.kv_committed_len)
     info = {"path": str(ex.path), "snapshot_id": sid, "committed_positions": committed, "migration": m.container}
     hs.release_exported(req, info)
     del hs.migrations[ex.rid]
@@ -208,7 +252,7 @@ def finish(hs, ex, req, where: str) -> None:
         "rid": ex.rid, "dir": m.container, "final": str(ex.path), "rounds": m.rounds, "committed_positions": committed,
         "output_tokens": len(req.output_ids), "prompt_tokens": len(req.origin_input_ids), "final_rows": committed - m.base_position,
         "rows_left_at_stop": m.left_at_stop,
-        "final_bytes": int(written.info.file_length), "precopy_bytes": sum(r["bytes"] for r in m.rounds),
+        "final_bytes": final_bytes, "precopy_bytes": sum(r["bytes"] for r in m.rounds), "tp_size": hs.tp_size,
         "stopped_checkpoints": m.stopped_checkpoints,
         "timings": {"total_s": t_committed - m.started, "precopy_s": t_stop - m.started, "final_capture_s": t_captured - t_stop,
                     "final_write_s": t_committed - t_captured, "stopped_at": t_stop, "final_committed_at": t_committed,
@@ -230,7 +274,7 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
         if parked is not None and not parked.finished():
             hs.admit([parked])
     error = error if error is not None else error_dict(err)
-    if say:  # (not to a target that refused: it knows)
+    if say and hs.tp_rank == 0:  # (not to a target that refused: it knows; one rank says it)
         _say_abandoned(m.store, m.container, error, len(m.links))
     hs.answer(m.op, ok=False, error=error)
 
@@ -256,9 +300,6 @@ def on_follow(hs, msg) -> None:
 
     s = hs.sched
     try:
-        if hs.tp_size > 1:
-            raise HsnapError(msg.dir, "dir", Phrase("a TP 1 server (following a migration into a TP set is not supported in the server)"),
-                             f"TP {hs.tp_size}")
         confine.resolve(msg.dir, "dir", confine.DIR)  # the HTTP edge checked it; again where it is read and written
         if len(hs.follows) >= MAX_FOLLOWS:  # each holds a watcher thread and, as links come, slots
             raise ServerBusyError(msg.dir, "follow", Phrase(f"at most {MAX_FOLLOWS} follows at once in this server"),
@@ -268,8 +309,10 @@ def on_follow(hs, msg) -> None:
         if msg.rid is not None and (hs.locate(msg.rid)[0] is not None or msg.rid in hs.arrived):
             raise RequestBusyError(msg.dir, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
         store = store_for(msg.dir)
+        _check_tp_container(hs, store, msg.dir)
+        # this rank's sharding: a link of another TP size (a TP set) is re-sharded as it is applied
         target = MigrationTarget(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                                 identity=hs.identity())
+                                 identity=hs.identity(), sharding=hs.sharding())
     except HsnapError as e:
         hs.answer(msg, ok=False, error=error_dict(e))
         return
@@ -280,36 +323,47 @@ def on_follow(hs, msg) -> None:
 
 
 def advance_follows(hs) -> None:
-    """At a scheduler iteration: apply the next link of every followed migration that has one committed.  Each
-    follow is contained: one that fails is refused with the typed reason (its slots given back); the others go on."""
+    """At a scheduler iteration: apply the next link of every followed migration that has one committed.  At TP > 1
+    a link is applied once every rank's watcher has seen it (all in this iteration) and a follow times out on rank
+    0's clock.  Each follow is contained: one that fails is refused with the typed reason (its slots given back);
+    the others go on."""
     now = time.monotonic()
-    for op_id, f in list(hs.follows.items()):
+    jobs = list(hs.follows.items())
+    seen = views(hs, [[f.watch is not None and f.watch.hit is not None, now > f.deadline] for _, f in jobs])
+    for i, (op_id, f) in enumerate(jobs):
         try:
-            _advance_follow(hs, op_id, f, now)
+            _advance_follow(hs, op_id, f, all(rank[i][0] for rank in seen), seen[0][i][1])
         except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
             if hs.follows.get(op_id) is f:
                 guarded("refusing a follow", fail_follow, hs, op_id, typed(e, "follow", f.container))
 
 
-def _advance_follow(hs, op_id: str, f: Following, now: float) -> None:
+def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> None:
     from hsnap_io.migrate import LINK_NAME, MigrationError
 
-    if f.watch.hit is None:
-        if now > f.deadline:
+    if not seen:
+        if late:
             f.watch.cancel()
             fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
                                                   Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
         return
     t0 = time.monotonic()
+    err: BaseException | None = None
+    applied = None
     try:
         _make_room(hs, f)
         applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
     except HsnapError as e:
-        fail_follow(hs, op_id, e)
-        return
+        err = e
     except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the apply
         logger.exception("hsnap follow of %s failed", f.container)
-        fail_follow(hs, op_id, PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}"))
+        err = PluginError(f.container, "follow", detail=f"{type(e).__name__}: {e}")
+    # every rank applied the link, or the follow is refused on every rank (the first failing rank's reason)
+    agreed = hs.agree(err, payload="applied" if applied is not None else "")
+    if agreed.error is None and len(set(agreed.payloads)) > 1:
+        agreed.error = PluginError(f.container, "follow", detail="the TP ranks did not all find the link committed")
+    if agreed.error is not None:
+        fail_follow(hs, op_id, agreed.error)
         return
     if applied is None:  # seen, then gone: look again
         f.watch = Watch(f.store, f.target.next_names(f.container))
@@ -327,13 +381,13 @@ def _advance_follow(hs, op_id: str, f: Following, now: float) -> None:
 def _accept(hs, f: Following, snap, record) -> None:
     """The request itself, checked with the first link (before the whole history is uploaded) and the final one
     (what is bound): a record the target could not run is refused before anything is allocated."""
-    from hsnap_io.migrate import FINAL_NAME
+    from hsnap_io.migrate import is_final_link
 
     from .req import prepare_req, target_worker_ipc
     from .req.bind import check_tracking_capacity, mamba_tracking_slots
 
     first = f.target.request is None
-    final = snap.path.rstrip("/").endswith(FINAL_NAME)
+    final = is_final_link(snap.path)  # (a TP set's: ``snap`` is one of its rank files)
     if not (first or final):
         return
     s = hs.sched
@@ -360,9 +414,10 @@ def _make_room(hs, f: Following) -> None:
 
     path = f.watch.hit
     try:
-        with f.store.open(path) as snap:
+        with f.store.open(path) as opened:  # a TP set: every rank file holds the same positions
+            snap = next(iter(opened.ranks.values())) if isinstance(opened, SnapshotSet) else opened
             position = int(snap.state_position)
-    except (HsnapError, OSError):
+    except (HsnapError, OSError, StopIteration):
         return  # the apply refuses it, by name
     view = view_pools(s.req_to_token_pool, s.token_to_kv_pool_allocator)
     page = view.geometry.attention.page_size if view.geometry.attention is not None else 1
@@ -387,13 +442,16 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     restored, prepared = f.target.request, f.prepared
     req = prepared.req
     root = s.tree_cache.root_node_handle(req.extra_key) if s.tree_cache is not None else None
+    err: BaseException | None = None
     try:
         with pool_lock(s.req_to_token_pool):
             binder(req, prepared.carried["ReqKvInfo"], root, s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool))(restored)
     except Exception as e:  # noqa: BLE001 - checked before the final link was applied; if it fails anyway: give it all back
-        f.target.release()
         err = e if isinstance(e, HsnapError) else PluginError(f.container, "follow", detail=f"binding: {type(e).__name__}: {e}")
-        hs.answer(f.op, ok=False, error=error_dict(err))
+    agreed = hs.agree(err)  # at TP > 1 the request arrives on every rank or on none
+    if agreed.error is not None:
+        f.target.release()
+        hs.answer(f.op, ok=False, error=error_of(agreed.error))
         return
     f.target.close()
     if prepared.grammar is not None:
@@ -418,12 +476,12 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
     f = hs.follows.pop(op_id)
     if f.watch is not None:
         f.watch.cancel()
-    error = error_dict(err)
+    error = error_of(err)
     try:
         f.target.release()
     finally:
         try:
-            if not f.store.exists(f.store.join(f.container, ABANDONED_NAME)) and not f.store.exists(f.store.join(f.container, REFUSED_NAME)):
+            if hs.tp_rank == 0 and not f.store.exists(f.store.join(f.container, ABANDONED_NAME)) and not f.store.exists(f.store.join(f.container, REFUSED_NAME)):
                 if f.store.local:
                     f.store.makedirs(f.container)
                 f.target.refuse(f.container, error)
@@ -434,10 +492,12 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
 
 def expire_arrivals(hs) -> None:
     """A migrated request whose admission never comes (the follow's HTTP caller went away before the answer reached
-    it) is given back after ``timeout_s``: its slots are not held for ever."""
+    it) is given back after ``timeout_s``: its slots are not held for ever (at TP > 1 on rank 0's clock)."""
     now = time.monotonic()
-    for rid, (req, f) in list(hs.arrived.items()):
-        if now - f.arrived_at > f.timeout_s:
+    jobs = list(hs.arrived.items())
+    late = views(hs, [now - f.arrived_at > f.timeout_s for _, (_, f) in jobs])[0]
+    for (rid, (req, f)), expired in zip(jobs, late):
+        if expired:
             logger.warning("hsnap follow of %s: %s was never admitted within %.0f s; its slots are given back", f.container, rid, f.timeout_s)
             del hs.arrived[rid]
             guarded("releasing an unadmitted request", _release_unadmitted, hs, req)

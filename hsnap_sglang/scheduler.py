@@ -366,8 +366,8 @@ class HsnapScheduler:
                     self.admit([req])
                 return
             self.pending.remove(ex)
-            if ex.checkpoint is not None and self.tp_size > 1:
-                self._write_link_set(ex, req, where)
+            if self.tp_size > 1 and (ex.checkpoint is not None or (ex.migration is not None and ex.keep_running)):
+                self._write_link_set(ex, req, where)  # a checkpoint link or a pre-copy round of a TP set
             elif ex.checkpoint is not None or (ex.migration is not None and ex.keep_running):
                 self._capture_link(ex, req, where)
             elif ex.migration is not None:
@@ -459,7 +459,7 @@ class HsnapScheduler:
     def _export(self, ex: Export, req, where: str) -> None:
         t0 = time.monotonic()
         try:
-            info = self._write(ex.path, req, base=ex.base, pages=ex.drain.pages if ex.drain is not None else None)
+            info = self.write_snapshot(ex.path, req, base=ex.base, pages=ex.drain.pages if ex.drain is not None else None)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
             err = error_of(typed(e, "export", ex.path))  # an unexpected one: logged once, a typed PluginError
         else:
@@ -483,7 +483,7 @@ class HsnapScheduler:
                                "pause_to_durable_s": t_written - ex.asked, "total_s": t_done - ex.asked})
         self._done(ex, result=result)
 
-    def _write(self, path: str, req, *, base: str | None = None, pages=None) -> dict:
+    def write_snapshot(self, path: str, req, *, base: str | None = None, pages=None) -> dict:
         """Write ``req`` to ``path``: one file at TP 1; at TP > 1 a set (every rank its rank file, manifest last,
         hsnap_io.tp's protocol over the TP CPU group; a local directory or an ``s3://`` prefix). The same collectives run on every rank, whatever fails.
         ``base``: a delta of that link (a checkpoint link; at TP > 1 a set, each rank's file a delta of its rank of
@@ -707,12 +707,12 @@ class HsnapScheduler:
 
     def _write_link_set(self, ex: Export, req, where: str) -> None:
         """A TP server's link: a set (every rank its rank file — a delta of its own rank file of the last link —
-        manifest last) written here, in lockstep on every rank, as a TP export is (:meth:`_write`): its collectives
+        manifest last) written here, in lockstep on every rank, as a TP export is (:meth:`write_snapshot`): its collectives
         run on the scheduler's TP group, which no writer thread may use beside the scheduler.  The decode waits for
         the write (the capture's cost at TP 1, plus the write's)."""
         t0 = time.monotonic()
         try:
-            info = self._write(ex.path, req, base=ex.base)
+            info = self.write_snapshot(ex.path, req, base=ex.base)
         except Exception as e:  # noqa: BLE001 - never take the scheduler down; the request keeps running
             self._link_taken(ex, req, where, error_of(typed(e, "export", ex.path)))
             return

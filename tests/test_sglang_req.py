@@ -393,3 +393,23 @@ def test_a_failure_building_the_req_leaves_the_target_untouched(tmp_path):
     with pytest.raises(TypeError):
         _resume(target, tmp_path / "r.hsnap", req_kwargs={"no_such_constructor_argument": 1})
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(target)) == []
+
+
+def test_binding_refuses_a_state_of_another_step_than_the_requests_record(tmp_path):
+    """The KV rows restored hold the prompt and every output but the last: a record one step off (a stale link's,
+    once: a TP set's final link taken for an earlier one) would decode on from the wrong token.  Refused, typed,
+    before the request is touched."""
+    from types import SimpleNamespace
+
+    from hsnap_sglang.req.bind import binder
+
+    ps, req = _source("hybrid_linear")
+    committed = len(req.origin_input_ids) + len(req.output_ids) - 1
+    import dataclasses
+
+    kv_before = {f.name: getattr(req.kv, f.name) for f in dataclasses.fields(req.kv)}
+    for off in (-1, 1):
+        restored = SimpleNamespace(state_position=committed + off, req_pool_idx=0, mamba_pool_idx=None, swa_evict_floor=0)
+        with pytest.raises(hf.IncompatibleSnapshotError, match="state_position"):
+            binder(req, {}, None, ps.req_to_token_pool, 0)(restored)
+        assert {f.name: getattr(req.kv, f.name) for f in dataclasses.fields(req.kv)} == kv_before

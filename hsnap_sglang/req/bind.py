@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hsnap_format import CapacityError
+from hsnap_format.errors import IncompatibleSnapshotError
 
 from .values import component_type
 
@@ -39,6 +40,12 @@ def binder(req, kvx: Mapping[str, Any], root, req_to_token_pool, tracking: int, 
     gives every allocation back and leaves ``req`` as it was."""
 
     def bind(restored) -> None:
+        # the state restored is the request's: at a decode boundary its KV rows hold the prompt and every output
+        # but the last (the next step's input); a record of another step (a stale link's) would decode on silently wrong
+        expected = len(req.origin_input_ids) + len(req.output_ids) - 1
+        if int(restored.state_position) != expected:
+            raise IncompatibleSnapshotError(None, [("state_position", f"prompt + output - 1 = {expected} (the request's record)",
+                                                    int(restored.state_position))])
         track = None
         if tracking:
             # fresh radix-tracking slots, as HybridReqToTokenPool.alloc gives a new request: no

@@ -11,7 +11,9 @@ state too), side by side: A at TP 2 (two scheduler ranks on gloo), B at TP 1.
 * ``x`` is paused mid-decode in A into a set of two rank files, and B resumes it: re-sharded 2 -> 1 (the heads of
   both ranks side by side; groups side by side, or a replicated group read from one rank);
 * ``y`` is paused mid-decode in B into one file, and A resumes it: re-sharded 1 -> 2 (each rank its heads, and its
-  group or a copy of the one group).
+  group or a copy of the one group);
+* ``xm`` is live-migrated A -> B and ``ym`` B -> A while they decode: every link (pre-copy rounds, the final one)
+  re-sharded by the target as it is applied.
 
 Each request's whole output (before the pause in one server, after it in the other) is compared with transformers'
 own float32 model run on the same weights over the same tokens: every greedy choice, and each chosen token's
@@ -35,7 +37,8 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ARCHS = ("nemotron_h", "granitemoehybrid")
 N = 24  # output tokens of each moved request
-K = 6  # of them decoded before its pause
+K = 6  # of them decoded before its pause (or its live migration's start)
+NM = 48  # output tokens of each live-migrated request
 # max |logprob - transformers'| of a chosen token: float32 TP 1 serves within 1e-5 (test_server_families), and so do
 # both re-sharded continuations (TP 2's all-reduces sum the row-parallel products in another order)
 TOL = 1e-5
@@ -65,10 +68,24 @@ def moved(request, tiny_arch_dir, tmp_path_factory):
             paused[rid] = (ids, report, path, stream)
         runs = {"x": client.resume(b.url, str(paused["x"][2])), "y": client.resume(a.url, str(paused["y"][2]))}
         forwards = {"x": stats(b.url, "x")["forwards"], "y": stats(a.url, "y")["forwards"]}
+        # live migrations across TP sizes: xm A -> B (each link a set of two rank files, re-sharded 2 -> 1 by B as it
+        # applies it), ym B -> A (each link one file, re-sharded 1 -> 2 by each rank of A)
+        migrated = {}
+        for source, target, rid, seed in ((a, b, "xm", 83), (b, a, "ym", 84)):
+            ids = prompt(seed, 37)
+            stream = Stream(source.url, payload(rid, ids, NM))
+            with paced(source.url):  # the NM - K tokens after the move's start take 4.2 s at least: it ends while the request decodes
+                stream.start()
+                stream.wait_tokens(K)
+                move = client.move(source.url, target.url, rid, str(work / f"{rid}-mig"), tail=2, max_rounds=2, timeout_s=120)
+            stream.finish()
+            migrated[rid] = (ids, move, stream)
+            forwards[rid] = stats(target.url, rid)["forwards"]
         idle = {"a": wait_idle(a.url), "b": wait_idle(b.url)}
     finally:
         retire(a, b)
-    return {"arch": request.param, "model_dir": model_dir, "paused": paused, "runs": runs, "forwards": forwards, "idle": idle}
+    return {"arch": request.param, "model_dir": model_dir, "paused": paused, "runs": runs, "forwards": forwards, "idle": idle,
+            "migrated": migrated}
 
 
 def test_tp2_pause_writes_two_rank_files_each_with_half_the_heads_and_one_group(moved):
@@ -107,6 +124,26 @@ def test_resharded_resume_continues_as_transformers_does_decoding_only(moved, ri
     assert out_ids == ref
     assert d <= TOL
     assert moved["forwards"][rid] == {"decode": N - report["output_tokens"], "extend": 0}
+
+
+@pytest.mark.parametrize("rid, direction", [("xm", "2 -> 1"), ("ym", "1 -> 2")])
+def test_live_migration_across_tp_sizes_continues_as_transformers_does_decoding_only(moved, rid, direction):
+    """Pre-copy rounds and the final link written at the source's TP size, each re-sharded by the target as it is
+    applied (rank by rank at TP 2, in step): every greedy choice of the whole output is transformers' and each
+    log-probability within TOL; the target only decoded."""
+    ids, move, stream = moved["migrated"][rid]
+    src, run = move.source, move.run
+    assert stream.final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    assert src["tp_size"] == (2 if rid == "xm" else 1) and len(src["rounds"]) >= 1
+    out_ids, out_lp = tokens(run.final)
+    assert len(out_ids) == NM and run.final["meta_info"]["finish_reason"]["type"] == "length"
+    _, decode = reference_logprobs(moved["model_dir"], ids, out_ids, "float32")
+    d = max(abs(lp - decode[j, t].item()) for j, (t, lp) in enumerate(zip(out_ids, out_lp)))
+    print(f"\n{moved['arch']} live {direction}: max |dlogprob| vs transformers float32 over {NM} tokens ({src['output_tokens']} "
+          f"before the stop, {len(src['rounds'])} rounds): {d:.2e}")
+    assert out_ids == decode.argmax(-1).tolist()
+    assert d <= TOL
+    assert moved["forwards"][rid] == {"decode": NM - src["output_tokens"], "extend": 0}
 
 
 def test_both_servers_idle_with_no_leak_after_the_moves(moved):

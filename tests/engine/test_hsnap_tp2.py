@@ -3,7 +3,8 @@ protocol over the scheduler's TP CPU group, manifest last); a fresh TP 2 server 
 file, exactly; a set one rank cannot restore (its file corrupted) is refused on every rank — the other rank gives
 back what it had allocated (the agreement runs inside the restore's rollback) — with the failing rank's reason.
 Checkpoints of a TP 2 server are chains of sets; after a SIGKILL of the source mid-decode the target resumes the
-newest link exactly.
+newest link exactly.  A request live-migrated from one TP 2 server to the other (every link a set, applied by both
+target ranks in step) continues exactly.
 
 The servers also show TP 2 itself on CPU: ``python -m hsnap_sglang.serve --tp 2`` runs two scheduler ranks (gloo
 all-reduce; one core range per rank through SGLANG_CPU_OMP_THREADS_BIND, which the wrapper sets) and serves greedy
@@ -18,7 +19,7 @@ import shutil
 import pytest
 
 from engine_support import PROMPT_IDS, full_distribution, reference_logprobs
-from hsnap_support import Stream, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle, wait_links
+from hsnap_support import Stream, error_of, flush_cache, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle, wait_links
 
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import choose_links, newest_links, parse_link
@@ -31,6 +32,7 @@ N = 48
 CK_PROMPT, CK_N, CK_M = prompt(74, 30), 120, 8
 S_IDS, S_N = prompt(78, 24), 40
 K_IDS, K_N = prompt(79, 24), 40
+M_IDS, M_N = prompt(80, 26), 160  # live-migrated TP 2 -> TP 2
 PAGE = 16
 SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
 DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
@@ -59,14 +61,21 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
             other.start()
             x.start()
             x.wait_tokens(8)
-            try:  # live migration is TP 1 in the server: refused by name, the request unaffected (it is paused next)
-                client.migrate(src.url, "x", str(work / "mig"), timeout_s=5)
-                tp_migrate = None
-            except client.ServerError as e:
-                tp_migrate = e
             out = client.pause(src.url, "x", str(work / "x-set"))
         x.finish()
         other.finish()
+        # a live migration TP 2 -> TP 2: every link a set (each rank's file a delta of its own rank of the round
+        # before), applied by each target rank as it comes, in step; the client's stream relayed by the source
+        m = Stream(src.url, payload("m", M_IDS, M_N))
+        with paced(src.url, 0.05):  # the 156 tokens after the move's start take 7.8 s at least: it ends while m decodes
+            m.start()
+            m.wait_tokens(4)
+            moved = client.move(src.url, dst.url, "m", str(work / "mig"), tail=2, max_rounds=3, timeout_s=120)
+        m.finish()
+        forwards_m = stats(dst.url, "m")["forwards"]
+        mig_idle = (wait_idle(src.url), wait_idle(dst.url))
+        mig_files = sorted(os.listdir(work / "mig"))
+        mig_link0 = sorted(os.listdir(work / "mig" / "link-0000.hsnap"))
         crashed = _checkpoint_then_sigkill(src, work)
     except BaseException:
         dst.stop()
@@ -92,11 +101,8 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         except client.ServerError as e:
             refused = e
         after = wait_idle(dst.url)
-        try:
-            client.follow(dst.url, str(work / "mig"), timeout_s=5)
-            tp_follow = None
-        except client.ServerError as e:
-            tp_follow = e
+        mig_s3 = f"s3://{store['bucket']}/mig-tp2"  # a TP server's links are sets of local rank files: both sides refuse
+        tp_s3 = (error_of(client.migrate, dst.url, "no-such-rid", mig_s3, timeout_s=5), error_of(client.follow, dst.url, mig_s3, timeout_s=5))
         o = Stream(dst.url, payload("o", prompt(73, 30), 70))
         o.start()
         o.wait_tokens(2)
@@ -154,6 +160,7 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         refs.update(references(dst.url, DRAINED))  # as they ran: the two together
         refs.update(references(dst.url, {"s": (S_IDS, S_N)}))
         refs.update(references(dst.url, {"k": (K_IDS, K_N)}))
+        refs.update(references(dst.url, {"m": (M_IDS, M_N)}))
         ref_c = Stream(dst.url, payload("c-ref", CK_PROMPT, CK_N))
         ref_c.start()
         ref_c.finish()
@@ -161,7 +168,8 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         dst_code = dst.stop()
     return {"work": work, "out": out, "x": x, "other": other, "o": o, "run": run, "forwards": forwards, "refs": refs, "idle": idle,
             "refused": refused, "before": before, "after": after, "greedy": greedy, "dst_code": dst_code,
-            "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s, "tp_migrate": tp_migrate, "tp_follow": tp_follow,
+            "dst_alive": dst.living_descendants(), "src_ready_s": src.ready_after_s,
+            "tp_s3": tp_s3, "mig": {"moved": moved, "stream": m, "forwards": forwards_m, "idle": mig_idle, "files": mig_files, "link0": mig_link0},
             "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final,
             "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d,
             "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects},
@@ -183,12 +191,31 @@ def _checkpoint_then_sigkill(src, work) -> dict:
     return {"c": c, "first": first, "during": during, "alive": alive, "log": src.log_tail()}
 
 
-def test_tp2_server_refuses_live_migration_by_name(tp2):
-    """Live migration in the server is TP 1 (the library migrates across TP sizes): a TP 2 server
-    refuses both sides at once, by name, before touching the request or the pools."""
-    for e in (tp2["tp_migrate"], tp2["tp_follow"]):
-        assert e is not None and e.status == 400 and "a TP 1 server" in str(e.expected) and e.found == "TP 2", e
-    assert tokens(tp2["run"].final) == tp2["refs"]["x"]  # x, asked to migrate first, paused and resumed exactly
+def test_tp2_live_migration_to_a_tp2_server_continues_exactly(tp2):
+    """TP 2 -> TP 2 live: pre-copy rounds and the final link are sets (a rank file each, manifest last), applied by
+    both target ranks in step; the request continues in the target bit for bit as its uninterrupted run there, with
+    decode steps only; both servers' pool accounting agrees afterwards."""
+    mig = tp2["mig"]
+    src, run = mig["moved"].source, mig["moved"].run
+    assert src["tp_size"] == 2 and len(src["rounds"]) >= 1
+    assert mig["stream"].final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+    assert run.final["meta_info"]["finish_reason"]["type"] == "length"
+    assert tokens(run.final) == tp2["refs"]["m"]
+    assert mig["forwards"] == {"decode": M_N - src["output_tokens"], "extend": 0}
+    assert [a["committed_positions"] for a in run.info["links"]] == [r["committed_positions"] for r in src["rounds"]] + [
+        src["committed_positions"]]
+    rounds = [f"link-{i:04d}.hsnap" for i in range(len(src["rounds"]))]
+    assert mig["files"] == sorted(rounds + [r + ".applied" for r in rounds] + ["final.hsnap"])
+    assert "rank-0.hsnap" in mig["link0"] and "rank-1.hsnap" in mig["link0"]
+    for idle in mig["idle"]:
+        assert idle["checks"]["pool_leak"] is False and idle["checks"]["req_rows_ok"] is True, idle["checks"]
+        assert idle["follows"] == [] and idle["arrived"] == [] and idle["migrations"] == {}
+    assert tokens(tp2["run"].final) == tp2["refs"]["x"]  # x, paused before the migration, resumed exactly
+
+
+def test_tp2_migration_through_an_object_store_is_refused_by_name_on_both_sides(tp2):
+    for e in tp2["tp_s3"]:
+        assert e is not None and e.status == 400 and "a local directory" in str(e.error.get("expected")), e
 
 
 def test_tp2_serves_greedy_deterministically_close_to_transformers(tp2, tiny_model_dir):
