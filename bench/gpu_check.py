@@ -30,7 +30,9 @@
      SGLang's /slow_down), listed running by ``hsnap ls``, the export counted by the
      source's ``/metrics`` (``--enable-metrics``); the source's SIGTERM drains y
      (``HSNAP_DRAIN_ON_SIGTERM``) and y's stream follows its snapshot into the target,
-     whose tokens must equal the reference too. Each request runs alone in every server
+     whose tokens must equal the reference too. Before that, z is live-migrated from the source to
+     the target while it decodes, its client's stream relayed by the source (``relay_to``): its
+     whole stream must equal the reference, decode-only on the target. Each request runs alone in every server
      (GPU kernels are not batch-invariant in general; the CPU demo, `hsnap demo`, runs it
      beside others).
 
@@ -387,8 +389,10 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     env = dict(env, HSNAP_ROOT=str(work.resolve()), HSNAP_DRAIN_ON_SIGTERM="sigterm-drained")
     path = str(work / "x.hsnap")
     n, k = SERVER_N, SERVER_K
-    src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, [*extra, "--enable-metrics"]), env, launcher=launcher)
-    dst = None
+    # the target is made first: its URL is the one peer the source may relay a live migration to
+    dst = DemoServer("target", model, work / "target.log", server_args(GPU_TARGET, extra), env, launcher=launcher)
+    src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, [*extra, "--enable-metrics"]),
+                     dict(env, HSNAP_ALLOWED_PEERS=dst.url), launcher=launcher)
     # y: a client of client.generate that follows its request across the source's SIGTERM into the target, once the
     # target has resumed x (alone, as the reference ran)
     target_free, y_run, y_failed = threading.Event(), {}, []
@@ -396,7 +400,7 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     def next_url(_server: str, _path: str) -> str:
         if not target_free.wait(startup_timeout + 600):
             raise Failed("two servers: the target never came up for y's hand-off")
-        return dst.url  # type: ignore[union-attr]
+        return dst.url
 
     def follow_y() -> None:
         try:
@@ -418,7 +422,17 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
         out = client.pause(src.url, "x", path)
         x.finish()
         flush_cache(src.url)
-        _slow_down(src.url, Y_PACE_S)  # y still decodes when SIGTERM lands, however fast the device
+        dst.start(startup_timeout)
+        print(f"[servers] target server ready after {dst.ready_s:.1f} s", flush=True)
+        _slow_down(src.url, Y_PACE_S)  # z and y still decode when the migration and SIGTERM land, however fast the device
+        # z: live-migrated to the target while it decodes, its client's stream relayed by the source (CUDA links both
+        # ways: pre-copy rounds exported from GPU pools, applied into the target's)
+        z = Stream(src.url, payload("z", n, text=PROMPT_TEXT))
+        z.start()
+        z.wait_tokens(k)
+        moved = client.migrate(src.url, "z", str(work / "z-mig"), tail=2, timeout_s=120, relay_to=dst.url)
+        z.finish()
+        z_forwards = client.stats(dst.url, "z")["forwards"]
         y_thread.start()
         listed = _wait_listed(client, src.url, "y", timeout=120)
         metrics = _scrape(src.url)
@@ -430,9 +444,6 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
             device = snap.identity.device
         if not device.startswith(where["device"]):
             raise Failed(f"the snapshot is bound to device {device!r}, not {where['device']}: the export did not run on its pools")
-        dst = DemoServer("target", model, work / "target.log", server_args(GPU_TARGET, extra), env, launcher=launcher)
-        dst.start(startup_timeout)
-        print(f"[servers] target server ready after {dst.ready_s:.1f} s", flush=True)
         run = client.resume(dst.url, path)
         forwards = client.stats(dst.url, "x")["forwards"]
         target_free.set()
@@ -441,8 +452,7 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     finally:
         target_free.set()
         for s in (src, dst):
-            if s is not None:
-                s.stop()
+            s.stop()
     ref_ids, ref_lps = tokens(ref.final)
     ids, lps = tokens(run.final)
     k_out = int(out["output_tokens"])
@@ -469,6 +479,16 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     print(f"[servers] hsnap ls listed y as {listed.get('state')}; /metrics: exports ok {exported_ok:g}", flush=True)
     if exported_ok < 1:
         raise Failed(f"two servers: /metrics does not count the export: {sorted(k for k in metrics if k[0].startswith('hsnap_'))[:8]}")
+    z_ids = tokens(z.final)
+    handed = [e for e in z.events[:-1] if (e.get("meta_info") or {}).get("finish_reason") is not None]  # a hand-off the client saw
+    print(f"[servers] z live-migrated with its stream relayed: {len(moved['rounds'])} pre-copy round(s), the final link "
+          f"{moved['final_bytes']} bytes; {sum(a == b for a, b in zip(z_ids[0], ref_ids))}/{n} token ids equal; target forwards "
+          f"{z_forwards}; finish {z.final['meta_info']['finish_reason']}", flush=True)
+    if z_ids != (ref_ids, ref_lps) or handed or z.final["meta_info"]["finish_reason"]["type"] != "length":
+        raise Failed(f"two servers: z's relayed live migration: ids equal {z_ids[0] == ref_ids}, logprobs equal {z_ids[1] == ref_lps}, "
+                     f"events with a finish before the last {len(handed)}, finish {z.final['meta_info']['finish_reason']}")
+    if z_forwards != {"decode": n - int(moved["output_tokens"]), "extend": 0}:
+        raise Failed(f"two servers: the target's forwards for z were {z_forwards}, expected decode only")
     if y_failed or "run" not in y_run:
         raise Failed(f"two servers: y's stream did not follow its hand-off: {y_failed or 'no result'}")
     y = y_run["run"]

@@ -3,6 +3,7 @@ token the source streamed to the first token the target streams — against stop
 
     python -m bench.server_migrate                        # 1k / 8k committed tokens (32k as far as --budget allows)
     python -m bench.server_migrate --sizes 1024 --rounds 1
+    python -m bench.server_migrate --tp 2,1               # a TP 2 source, a TP 1 target (bench/SERVER_MIGRATE_TP2-1.md)
 
 Two real servers (``python -m hsnap_sglang.serve --enable-hsnap``: SGLang's ``launch_server`` with the plug-in on
 hsnap's CPU platform; the tiny random-weight Qwen3-Next of ``hsnap_sglang.tiny``, bfloat16, radix cache on, chunked
@@ -111,12 +112,17 @@ def fmt(s) -> str:
 
 
 def report(results: list[dict], skipped: dict, args, wall: float, ready: list[float], load0, load1) -> str:
-    lines = ["# Live migration between two SGLang servers (python -m bench.server_migrate)", "",
+    tps, tpd = args.tp
+    title = "" if (tps, tpd) == (1, 1) else f", TP {tps} → TP {tpd}"
+    lines = [f"# Live migration between two SGLang servers{title} (python -m bench.server_migrate{' --tp %d,%d' % (tps, tpd) if title else ''})", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores; load average {load0[0]:.1f} at the start, {load1[0]:.1f} at the end; "
              f"{wall:.0f} s in all; servers ready after {ready[0]:.1f} s and {ready[1]:.1f} s  ",
              "Servers: `python -m hsnap_sglang.serve --enable-hsnap` (SGLang's launch_server, hsnap's CPU platform), tiny random-weight "
              "qwen3_next (2 attention + 2 GDN layers), bfloat16, radix cache on, chunked prefill 1,024; the migration container a local "
-             "directory, links not fsynced (`fsync: false`, the default: the target reads them at once).  ",
+             "directory, links not fsynced (`fsync: false`, the default: the target reads them at once)"
+             + (f"; the source at TP {tps}, the target at TP {tpd} (each rank on its own core range: on this machine two "
+                "servers' ranks share 2 cores; at TP > 1 each link is a TP set written in lockstep on the source's scheduler "
+                "thread, a target of another TP size re-shards it)" if title else "") + ".  ",
              f"Per round and method a fresh request x: {K} outputs on the source, then moved, {AFTER} more on the target; nothing else runs. "
              "Downtime: the client's gap from the source's last token event to the target's first (one clock). Median over the rounds, "
              "every round in brackets.", "",
@@ -158,8 +164,13 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--budget", type=float, default=600.0, help="seconds in all, server starts included (default 600)")
-    ap.add_argument("--results", default=None, help="markdown output (default bench/SERVER_MIGRATE.md; '' for none)")
+    ap.add_argument("--tp", type=lambda v: tuple(int(x) for x in v.split(",")), default=(1, 1), metavar="SRC,DST",
+                    help="the source's and the target's TP sizes (default 1,1)")
+    ap.add_argument("--results", default=None, help="markdown output (default bench/SERVER_MIGRATE.md, at other TP sizes "
+                    "bench/SERVER_MIGRATE_TP<src>-<dst>.md; '' for none)")
     args = ap.parse_args(argv)
+    if len(args.tp) != 2 or min(args.tp) < 1:
+        ap.error("--tp takes two sizes: SRC,DST")
     t_start = time.monotonic()
     load0 = os.getloadavg()
 
@@ -174,8 +185,9 @@ def main(argv=None) -> int:
         d = Path(tmp)
         model = build_model_dir(d / "model")
         sargs = [a if a != "128" else "1024" for a in server_args(CAPACITY)]  # 1,024-token prefill chunks
-        src = DemoServer("source", model, d / "source.log", sargs, server_env(root=d))
-        dst = DemoServer("target", model, d / "target.log", sargs, server_env(root=d))
+        tp_args = [[] if n == 1 else ["--tp", str(n)] for n in args.tp]
+        src = DemoServer("source", model, d / "source.log", sargs + tp_args[0], server_env(root=d))
+        dst = DemoServer("target", model, d / "target.log", sargs + tp_args[1], server_env(root=d))
         try:
             import threading
 
@@ -206,7 +218,7 @@ def main(argv=None) -> int:
             src.stop()
             dst.stop()
         text = report(results, skipped, args, time.monotonic() - t_start, [src.ready_s or 0, dst.ready_s or 0], load0, os.getloadavg())
-    publish(text, args.results, "SERVER_MIGRATE.md")
+    publish(text, args.results, "SERVER_MIGRATE.md" if args.tp == (1, 1) else f"SERVER_MIGRATE_TP{args.tp[0]}-{args.tp[1]}.md")
     return 0
 
 

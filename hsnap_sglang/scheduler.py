@@ -588,8 +588,6 @@ class HsnapScheduler:
                 rids.append(req.rid)
         drain = Drain(msg, [])
         try:
-            if msg.dedup and self.tp_size > 1 and is_url(msg.dir):
-                raise HsnapError(msg.dir, "dir", Phrase("a local directory (a TP server's dedup drain goes to the local file system)"), msg.dir)
             # made beneath the root (no symlink followed) only when something goes in it: an idle drain writes nothing
             confine.resolve(msg.dir, "dir", confine.DIR, create=bool(rids) and not is_url(msg.dir))
             if msg.dedup and rids:

@@ -36,6 +36,7 @@ M_IDS, M_N = prompt(80, 26), 160  # live-migrated TP 2 -> TP 2
 PAGE = 16
 SHARED = prompt(75, 2 * PAGE)  # a system prompt: two full pages every drained request holds
 DRAINED = {"d1": (SHARED + prompt(76, 8), 40), "d2": (SHARED + prompt(77, 12), 44)}
+DRAINED_S3 = {"e1": DRAINED["d1"], "e2": DRAINED["d2"]}  # the same requests, drained under an s3:// prefix
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
@@ -125,6 +126,19 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
             drained = client.drain(dst.url, str(work / "drained"), dedup=True, page_size=PAGE)
         for st in streams.values():
             st.finish()
+        # the same dedup drain under an s3:// prefix (a real SeaweedFS): each request a set of rank objects there,
+        # each rank's full pages in the one page store beside them; resumed from the prefix
+        e_url = f"s3://{store['bucket']}/drained-tp2"
+        e_streams = {rid: Stream(dst.url, payload(rid, ids_, n)) for rid, (ids_, n) in DRAINED_S3.items()}
+        with paced(dst.url):
+            for st in e_streams.values():
+                st.start()
+            for st in e_streams.values():
+                st.wait_tokens(4)
+            drained_s3 = client.drain(dst.url, e_url, dedup=True, page_size=PAGE)
+        for st in e_streams.values():
+            st.finish()
+        run_e = client.resume(dst.url, e_url)
         # a pause of the TP 2 server into an object store: a set under an s3:// prefix, resumed from its URL here
         s_url = f"s3://{store['bucket']}/s-set"
         s_stream = Stream(dst.url, payload("s", S_IDS, S_N))
@@ -172,6 +186,7 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
             "tp_s3": tp_s3, "mig": {"moved": moved, "stream": m, "forwards": forwards_m, "idle": mig_idle, "files": mig_files, "link0": mig_link0},
             "crashed": crashed, "had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards_c": forwards_c, "ref_c": ref_c.final,
             "drained": drained, "drained_streams": streams, "run_d": run_d, "extends_d": extends_d,
+            "drained_s3": {"url": e_url, "answer": drained_s3, "streams": e_streams, "run": run_e},
             "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects},
             "k": {"url": k_url, "first": k_first, "paused": k_paused, "run": run_k}}
 
@@ -332,6 +347,25 @@ def test_tp2_dedup_drain_writes_a_set_per_request_pages_once_and_each_resumes_ex
     for rid in DRAINED:
         assert tokens(run.finals[rid]) == tp2["refs"][rid], rid
         assert tp2["extends_d"][rid] == 0, rid  # resumed by decoding: no extend since the drain
+
+
+def test_tp2_dedup_drain_into_an_object_store_puts_each_ranks_pages_once_and_resumes_exactly(tp2):
+    """The dedup drain of a TP 2 server under an ``s3://`` prefix: each request a set there (rank objects, manifest
+    last), each rank's full pages put once into the page store beside them; the prefix resumed, each request as its
+    uninterrupted run (the same requests as the local drain's, so the same references)."""
+    e = tp2["drained_s3"]
+    d = e["answer"]
+    assert d["ok"] and sorted(i["rid"] for i in d["items"]) == sorted(DRAINED_S3), d
+    assert all(i["result"]["tp_size"] == 2 and i["path"].startswith(e["url"] + "/") for i in d["items"]), d
+    shared = len(SHARED) // PAGE
+    full_pages = {i["rid"]: i["result"]["committed_positions"] // PAGE for i in d["items"]}
+    assert d["dedup"]["pages_put"] == 2 * (shared + sum(n - shared for n in full_pages.values())), d["dedup"]
+    assert d["dedup"]["pages_reused"] == 2 * shared * (len(DRAINED_S3) - 1), d["dedup"]
+    run = e["run"]
+    assert sorted(run.finals) == sorted(DRAINED_S3)
+    for rid, same in (("e1", "d1"), ("e2", "d2")):
+        assert e["streams"][rid].final["meta_info"]["finish_reason"]["type"] == "hsnap_export"
+        assert tokens(run.finals[rid]) == tp2["refs"][same], rid
 
 
 def test_tp2_pause_into_an_object_store_writes_a_set_and_resumes_exactly(tp2):
