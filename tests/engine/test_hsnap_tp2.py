@@ -117,27 +117,11 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
         forwards_c = stats(dst.url, "c")["forwards"]
         # a dedup drain of the TP 2 server: every running request a set in one directory, the full pages of attention
         # rows of each rank stored once in its page store; resumed from it here
-        streams = {rid: Stream(dst.url, payload(rid, ids_, n)) for rid, (ids_, n) in DRAINED.items()}
-        with paced(dst.url):
-            for st in streams.values():
-                st.start()
-            for st in streams.values():
-                st.wait_tokens(4)
-            drained = client.drain(dst.url, str(work / "drained"), dedup=True, page_size=PAGE)
-        for st in streams.values():
-            st.finish()
+        drained, streams = _dedup_drained(dst.url, DRAINED, str(work / "drained"))
         # the same dedup drain under an s3:// prefix (a real SeaweedFS): each request a set of rank objects there,
         # each rank's full pages in the one page store beside them; resumed from the prefix
         e_url = f"s3://{store['bucket']}/drained-tp2"
-        e_streams = {rid: Stream(dst.url, payload(rid, ids_, n)) for rid, (ids_, n) in DRAINED_S3.items()}
-        with paced(dst.url):
-            for st in e_streams.values():
-                st.start()
-            for st in e_streams.values():
-                st.wait_tokens(4)
-            drained_s3 = client.drain(dst.url, e_url, dedup=True, page_size=PAGE)
-        for st in e_streams.values():
-            st.finish()
+        drained_s3, e_streams = _dedup_drained(dst.url, DRAINED_S3, e_url)
         run_e = client.resume(dst.url, e_url)
         # a pause of the TP 2 server into an object store: a set under an s3:// prefix, resumed from its URL here
         s_url = f"s3://{store['bucket']}/s-set"
@@ -189,6 +173,21 @@ def tp2(tiny_model_dir, tmp_path_factory, store):
             "drained_s3": {"url": e_url, "answer": drained_s3, "streams": e_streams, "run": run_e},
             "s3": {"url": s_url, "paused": paused_s3, "stream": s_stream, "run": run_s, "extend": extend_s, "objects": s3_objects},
             "k": {"url": k_url, "first": k_first, "paused": k_paused, "run": run_k}}
+
+
+def _dedup_drained(url: str, requests: dict, into: str) -> tuple[dict, dict]:
+    """``requests`` streamed together in the server, each drained (dedup, PAGE-position pages) into ``into`` after 4
+    outputs: the drain's answer and the finished streams."""
+    streams = {rid: Stream(url, payload(rid, ids, n)) for rid, (ids, n) in requests.items()}
+    with paced(url):
+        for st in streams.values():
+            st.start()
+        for st in streams.values():
+            st.wait_tokens(4)
+        drained = client.drain(url, into, dedup=True, page_size=PAGE)
+    for st in streams.values():
+        st.finish()
+    return drained, streams
 
 
 def _checkpoint_then_sigkill(src, work) -> dict:
