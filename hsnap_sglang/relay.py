@@ -14,6 +14,9 @@ the finish reason of the run — until the target's stream ends.  The client's c
   target's follow ends (abandoned.json) or its request is aborted as any stream's whose client went away.
 * The source's SGLang holds a stream's locks (the model-update reader lock) for the stream's whole life: the relay
   takes over only after the source's stream has ended there, so a weight update here waits for no relayed stream.
+* A SIGTERMed source serves its relayed streams to their end before it exits: SGLang's watchdog waits for the
+  requests (a migration not yet handed off is one), then stops the schedulers and the HTTP server, whose graceful
+  shutdown waits for the responses still open — a relayed stream needs no scheduler.  (A SIGKILL cuts them.)
 * Not for a batch request (several prompts in one call; its rids are not relayable) or several tokenizer workers
   (the migrate call must reach the process that streams the request).
 """
@@ -279,3 +282,4 @@ def around_generate_request(original, tm, obj, *args, **kwargs):
     responses = original(tm, obj, *args, **kwargs)
     fe = getattr(tm, "_hsnap", None)
     return responses if fe is None else relayed(fe, obj, responses)
+

@@ -60,6 +60,7 @@ PREFIX = prompt(51, 600)
 TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
 RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
+OV_RL = (prompt(64, 20), 120)  # relayed from S3 while O stops
 # long enough that none finishes before its migration does (a request that finishes first is given up: another test)
 MG = {"mg": (prompt(91, 30), 100), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 600)}  # mg-s3: room for an upload under load
 MG_TAIL, MG_ROUNDS = 2, 4
@@ -474,15 +475,35 @@ def overlap(servers, work, store, migrated, relayed):
     ck_stream.finish()
     other.finish()
     src_idle = wait_idle(src.url)
-    refs = references(src.url, {"x": (OV_X, OV_N), "other": OV_OTHER, "ck": OV_CK})  # uninterrupted, in O itself
-    src.stop()
+    refs = references(src.url, {"x": (OV_X, OV_N), "other": OV_OTHER, "ck": OV_CK, "rl": OV_RL})  # uninterrupted, in O itself
+    # O stops (SIGTERM) while it relays a migrated request's stream from S3: it serves the relay to its end first
+    rl = Stream(src.url, payload("ov-rl", *OV_RL))
+    with paced(src.url, 0.03):
+        rl.start()
+        rl.wait_tokens(4)
+        # S3: the relayed rest (~110 tokens) takes 13 s at least, past SGLang's 5 s shutdown poll and its schedulers' exit
+        with paced(dst, 0.12):
+            client.migrate(src.url, "ov-rl", str(work / "ov-rl"), relay_to=dst, tail=2, timeout_s=120)
+            sigterm_at = time.monotonic()
+            stop_code = src.stop(timeout=120)
+    rl.finish()
     run = client.resume(dst, str(work / "x-overlap.hsnap"))
     ck_run = client.resume(dst, ck_url)
     # the prefix: of its links, the newest (the chain below it checked) — the link just resumed, so again on purpose
     ck_dir_run = client.resume(dst, ck_dir, again=True)
     forwards = stats(dst, "ov-x")["forwards"]
     return {"cks": cks, "ck_dir_run": ck_dir_run, "x": x, "out": out, "run": run, "forwards": forwards, "refs": refs, "other": other, "ck": ck, "ck_stream": ck_stream,
-            "ck_run": ck_run, "src_idle": src_idle}
+            "ck_run": ck_run, "src_idle": src_idle, "rl": rl, "sigterm_at": sigterm_at, "stop_code": stop_code}
+
+
+def test_a_source_stopped_by_sigterm_serves_its_relayed_stream_to_the_finish_first(overlap):
+    """The relayed stream's request has left O, its client has not: O, SIGTERMed, serves it to its finish on S3
+    (events for seconds after the SIGTERM; SGLang's graceful shutdown stops the schedulers, then the HTTP server,
+    which waits for its open responses), then exits by itself."""
+    rl, ref = overlap["rl"], overlap["refs"]["rl"]
+    assert rl.final["meta_info"]["finish_reason"]["type"] == "length" and tokens(rl.final) == ref
+    assert overlap["stop_code"] is not None  # exited by itself, not killed
+    assert sum(t > overlap["sigterm_at"] for t in rl.times) >= 10  # relayed after the SIGTERM
 
 
 def test_overlap_scheduler_export_waits_for_the_batch_in_flight(overlap):
