@@ -84,6 +84,7 @@ import torch
 from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, RequestRecord, Snapshot, SnapshotExistsError, SnapshotSet
 from hsnap_format.chain import Chain, LinkFacts, check_link, check_ref
 from hsnap_format.errors import ChainError, Phrase, UnsupportedFeatureError, require_type
+from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME
 from hsnap_format.records import Sharding
 from hsnap_format.stores import store_for
 
@@ -97,11 +98,6 @@ from .slots import RestoredRequest, alloc_token_slots, pool_lock, raise_upload_f
 from .statecheck import PoolCheckpoint
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
 
-LINK_NAME = "link-{:04d}.hsnap"  # the pre-copy rounds, in order: link-0000 plain, the others deltas
-FINAL_NAME = "final.hsnap"  # the last delta, written after the source stopped the request
-APPLIED_SUFFIX = ".applied"  # put by a following target beside each round it applied: the source stops once it sees it
-ABANDONED_NAME = "abandoned.json"  # put by a source that gives the migration up (the request finished, was refused...)
-REFUSED_NAME = "refused.json"  # put by a target that refused a link (MigrationTarget.refuse): the source gives up at once
 
 
 class MigrationError(HsnapError):

@@ -220,11 +220,24 @@ class HsnapFrontend:
         result = dict(out.result)
         info = result.pop("info")
         rid = info["rid"]
-        if rid in tm.rid_to_state:  # a request of that rid arrived here meanwhile: give the migrated one back
-            await self.call(HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=False))
-            raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
-        obj, adm, result["client_had"] = await self._registered(info, HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True),
-                                                                stream=stream, text_in_logprobs=text_in_logprobs, request=request)
+        give_back = HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=False)
+        # the hand-off happens once: the final link is claimed as a resume claims its snapshot (a resume of it
+        # elsewhere is then refused by name); if one resumed it first, the migrated request is given back
+        try:
+            held = await asyncio.to_thread(claims.claim, result["final"], self.claimant())
+        except BaseException:
+            await self.call(give_back)
+            raise
+        try:
+            if rid in tm.rid_to_state:  # a request of that rid arrived here meanwhile: give the migrated one back
+                await self.call(give_back)
+                raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
+            obj, adm, result["client_had"] = await self._registered(info, HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True),
+                                                                    stream=stream, text_in_logprobs=text_in_logprobs, request=request)
+        except BaseException:
+            await asyncio.to_thread(_release_claim, *held)
+            raise
+        result["claimed"] = held[0]
         result["timings"] = dict(result.get("timings", {}), admitted_at=adm.result.get("admitted_at"))
         return obj, result
 

@@ -141,3 +141,38 @@ def test_diff_compares_the_states_a_chain_stands_for_unless_asked_for_bytes(buil
     assert code == 1 and "attn.1.k" in out
     code, out, _ = run("diff", "--bytes", tmp_path / "full.hsnap", head)  # the files as they are: 45 rows against 12
     assert code == 1 and "shape-mismatch" in out
+
+
+def test_a_live_migrations_container_is_one_entry_its_final_link_with_the_rounds_below(tmp_path):
+    """A migration's container (link-0000, link-0001 deltas, final.hsnap): one request, not three snapshots — a resume
+    of the directory resumes the hand-off alone (never an earlier round beside it: a second copy of the request);
+    ``hsnap info`` says what it is and how it ended, ``hsnap verify`` proves the final link with its rounds."""
+    d = tmp_path / "mig"
+    d.mkdir()
+    ps, req = cc.source("hybrid_linear")
+    cc.export_chain(ps, req, "hybrid_linear", d, names=("link-0000.hsnap", "link-0001.hsnap", "final.hsnap"))
+    (d / "link-0000.hsnap.applied").write_bytes(b"")
+    (d / "link-0001.hsnap.applied").write_bytes(b"")
+    assert snapshot_entries(str(d)) == [str(d / "final.hsnap")]
+    code, out, err = run("info", "--wide", d)
+    assert code == 0, err
+    assert out.splitlines()[0] == f"directory {d}: 0 snapshots, 0 checkpoint chains, 1 live migration"
+    assert row(out, str(d / "final.hsnap"))[1:3] == ["req-1", "migration, 2 rounds + final: handed off"]
+    code, out, err = run("verify", d)
+    assert code == 0 and "with 2 links of its chain" in out, out + err
+    from hsnap_format.tools.viewmodel import directory_entries
+    from hsnap_view.listing import listing_rows, listing_summary
+
+    listing, entries = directory_entries(str(d))
+    assert listing_summary(listing, entries)[-1] == "1 live migration"  # the viewer counts as hsnap info does
+    assert "a live migration's final link (2 pre-copy rounds below it), handed off" in listing_rows(str(d), listing, entries)[0].detail
+    # given up before its final link (the request decoded on at the source): the newest round is the entry
+    (d / "final.hsnap").unlink()
+    (d / "abandoned.json").write_text('{"reason": "the round applied within 60 s: not applied", "links": 2}')
+    assert snapshot_entries(str(d)) == [str(d / "link-0001.hsnap")]
+    code, out, _ = run("info", d, "--json")
+    assert code == 0 and json.loads(out)["entries"][0]["migration"] == {"rounds": 2, "final": False, "outcome": "abandoned"}
+    # a drain of requests named "final" and "link-0001" (no link-0000): snapshots, as they were
+    (d / "link-0000.hsnap").unlink()
+    assert sorted(Path(p).name for p in snapshot_entries(str(d))) == ["link-0001.hsnap"]
+    assert list_directory(str(d)).migration is None

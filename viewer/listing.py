@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hsnap_format.stores.entries import PAGE_STORE, Listing, list_directory
 from hsnap_format.tools.fit import Column
-from hsnap_format.tools.viewmodel import entry_what, escape, fmt_bytes, plural
+from hsnap_format.tools.viewmodel import entry_counts, entry_what, escape, fmt_bytes, plural
 
 from .model import display_name
 
@@ -84,6 +84,10 @@ def _entry_row(e: dict, directory: str) -> ListingRow:
         passed = len([p for p, _ in ck["passed_over"] if p != e["path"]])
         detail = (f"{name}: the newest committed link of {escape(ck['name'])}'s {plural(ck['links'], 'checkpoint link')}, "
                   f"{about}" + (f"; {passed} newer passed over (below)" if passed else ""))
+    elif e["migration"]:
+        m = e["migration"]
+        detail = (f"{name}: a live migration's {'final link' if m['final'] else 'newest round'} "
+                  f"({plural(m['rounds'], 'pre-copy round')} {'below it' if m['final'] else 'in all'}), {m['outcome']}, {about}")
     else:
         detail = f"{name}: {'a TP set' if e['kind'] == 'TP set' else 'a snapshot'} of {about}"
     if e["delta"]:
@@ -128,8 +132,7 @@ def listing_rows(directory: str, listing: Listing, entries: list[dict]) -> list[
 
 def listing_summary(listing: Listing, entries: list[dict]) -> list[str]:
     """The parts of the line above the table, as ``hsnap info DIR`` counts them."""
-    chains = sum(e["checkpoints"] is not None for e in entries)
-    parts = [plural(len(entries) - chains, "snapshot"), plural(chains, "checkpoint chain")]
+    parts = entry_counts(entries)
     passed = sum(len(e["checkpoints"]["passed_over"]) for e in entries if e["checkpoints"])
     if passed:
         parts.append(f"{passed} passed over")

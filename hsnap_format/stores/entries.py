@@ -5,6 +5,9 @@ once on a store's primitives.
 * snapshots: every ``*.hsnap`` file and TP set (a subdirectory with ``manifest.json``) in it, one level, by name;
 * checkpoint chains: of the links of one request (``<name>.ckNNNNNN.hsnap``: files, or TP sets at TP > 1) the newest committed one
   (:func:`hsnap_format.checkpoints.choose_links`: the highest verified position), the others the chain below it;
+* a live migration's container (:mod:`hsnap_format.migrations`; one with ``link-0000.hsnap``): its rounds are the
+  chain below its ``final.hsnap`` — one entry, the final link (or, while none is committed, the highest round), and
+  its outcome (``abandoned.json``, ``refused.json``);
 * a page store (``pages/``, spec 5.10): its page objects, counted;
 * leftovers: hidden names (a writer's temporaries, staging directories), named for ``hsnap gc``.
 """
@@ -15,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..checkpoints import LinkChoice, choose_links, parse_link
+from ..migrations import ABANDONED_NAME, FINAL_NAME, LINK_NAME, REFUSED_NAME, parse_round
 from ..spec import PAGE_SUFFIX
 from . import store_for
 
@@ -32,11 +36,34 @@ class Listing:
     pages: int = 0  # page objects in its page store
     page_bytes: int = 0
     leftovers: list[str] = field(default_factory=list)
+    migration: "MigrationListing | None" = None  # a live migration's container
 
     def entries(self) -> list[str]:
-        """What a resume of the directory resumes: each snapshot, and each chain's newest committed link (or, when
-        none holds, its highest-numbered one, so that its refusal names it)."""
-        return sorted(self.snapshots + [c.path or c.highest for c in self.chains.values()])
+        """What a resume of the directory resumes: each snapshot, each chain's newest committed link (or, when
+        none holds, its highest-numbered one, so that its refusal names it), and a migration's final link (or its
+        highest round)."""
+        return sorted(self.snapshots + [c.path or c.highest for c in self.chains.values()]
+                      + ([self.migration.entry] if self.migration is not None else []))
+
+
+@dataclass
+class MigrationListing:
+    """What a live migration's container holds: its rounds in order, its final link, how it ended."""
+
+    rounds: list[str]
+    final: str | None
+    abandoned: bool
+    refused: bool
+
+    @property
+    def entry(self) -> str:
+        return self.final or self.rounds[-1]
+
+    @property
+    def outcome(self) -> str:
+        """``handed off`` (the final link committed), ``abandoned`` (the source gave up: the request ran on there),
+        ``refused`` (the target refused a link), or ``in progress``."""
+        return "handed off" if self.final else "refused" if self.refused else "abandoned" if self.abandoned else "in progress"
 
 
 def is_one_snapshot(path: str, storage_options=None) -> bool:
@@ -55,16 +82,39 @@ def list_directory(path: str, *, storage_options=None, verify: bool = True) -> L
     p = path if store.local else path.rstrip("/")
     out = Listing(path)
     hidden = lambda f: store.split(f)[1].startswith(".")  # noqa: E731 - temporaries, staging directories
-    for f in (e.path for e in store.list(p)):
+    files, dirs = [e.path for e in store.list(p)], store.subdirs(p)
+    names = {store.split(x.rstrip("/"))[1] for x in files + dirs}
+    rounds: dict[int, str] = {}
+    final = None
+    migration = LINK_NAME.format(0) in names  # a migration's container: its first round is there
+
+    def migration_link(x: str) -> bool:
+        nonlocal final
+        name = store.split(x.rstrip("/"))[1]
+        if not migration:
+            return False
+        if (n := parse_round(name)) is not None:
+            rounds[n] = x
+        elif name == FINAL_NAME:
+            final = x
+        else:
+            return False
+        return True
+
+    for f in files:
         if hidden(f):
             out.leftovers.append(f)
+        elif migration_link(f):
+            continue
         elif (link := parse_link(store.split(f)[1])) is not None:
             out.links[link[0]] = out.links.get(link[0], 0) + 1
         elif f.endswith(".hsnap"):
             out.snapshots.append(f)
-    for d in store.subdirs(p):
+    for d in dirs:
         if hidden(d):
             out.leftovers.append(d)
+        elif migration_link(d):  # a TP server's link: a set
+            continue
         elif (link := parse_link(store.split(d.rstrip("/"))[1])) is not None:  # a TP server's link: a set
             out.links[link[0]] = out.links.get(link[0], 0) + 1
         elif store.exists(store.join(d, "manifest.json")):
@@ -72,6 +122,8 @@ def list_directory(path: str, *, storage_options=None, verify: bool = True) -> L
         elif store.split(d.rstrip("/"))[1] == PAGE_STORE:
             pages = [e for e in store.list(d) if e.path.endswith(PAGE_SUFFIX)]
             out.pages, out.page_bytes = len(pages), sum(e.size or 0 for e in pages)
+    if migration:
+        out.migration = MigrationListing([rounds[n] for n in sorted(rounds)], final, ABANDONED_NAME in names, REFUSED_NAME in names)
     out.snapshots.sort()
     out.leftovers.sort()
     out.chains = choose_links(p, storage_options=storage_options, verify=verify)
@@ -85,4 +137,4 @@ def snapshot_entries(path: str, storage_options=None) -> list[str]:
     return list_directory(path, storage_options=storage_options).entries()
 
 
-__all__ = ["Listing", "PAGE_STORE", "is_one_snapshot", "list_directory", "snapshot_entries"]
+__all__ = ["Listing", "MigrationListing", "PAGE_STORE", "is_one_snapshot", "list_directory", "snapshot_entries"]

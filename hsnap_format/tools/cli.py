@@ -24,7 +24,7 @@ from ..stores import store_for
 from ..stores.entries import is_one_snapshot, list_directory
 from .fit import WIDTH, Column, Printer, relative_to
 from .viewmodel import ENTRY_KEYS as ENTRY_KEYS  # `hsnap info --json`'s keys of a directory's entry, named here too
-from .viewmodel import (directory_entries, entry_what, error_summary, escape, fmt_bytes, fmt_value_pair, leftover_hint,
+from .viewmodel import (directory_entries, entry_counts, entry_what, error_summary, escape, fmt_bytes, fmt_value_pair, leftover_hint,
                         open_rank_chains, plural, snapshot_summary)
 
 
@@ -188,8 +188,7 @@ def _info_directory(args, out: Printer) -> int:
                    pages={"count": listing.pages, "bytes": listing.page_bytes}, leftovers=listing.leftovers)
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        chains = sum(e["checkpoints"] is not None for e in entries)
-        parts = [plural(len(entries) - chains, "snapshot"), plural(chains, "checkpoint chain")]
+        parts = entry_counts(entries)
         if listing.pages:
             parts.append(f"page store pages/: {plural(listing.pages, 'page')}, {fmt_bytes(listing.page_bytes)}")
         out.line(f"directory {out.path(escape(args.path))}: {', '.join(parts)}")

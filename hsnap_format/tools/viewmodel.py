@@ -442,7 +442,7 @@ def prove_chain(chain: Chain) -> ChainProof:
 
 # One entry of a directory of snapshots, as `hsnap info DIR --json` and the viewer's listing have it: every key in
 # every entry, null where it does not apply (README: Command line)
-ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "error")
+ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "migration", "error")
 
 
 def error_summary(e: HsnapError) -> dict:
@@ -460,6 +460,9 @@ def entry_summary(path: str, listing: Listing) -> dict:
     if chain is not None:
         out["checkpoints"] = {"name": chain.name, "links": listing.links.get(chain.name, 0), "newest_committed": chain.path,
                               "passed_over": [[p, why] for p, why in chain.passed_over]}
+    mig = listing.migration
+    if mig is not None and mig.entry == path:
+        out["migration"] = {"rounds": len(mig.rounds), "final": mig.final is not None, "outcome": mig.outcome}
     try:
         with open_snapshot(path) as snap:
             ranks = list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
@@ -475,7 +478,18 @@ def entry_what(e: dict) -> str:
     """What an :func:`entry_summary` is, in a few words: a snapshot, a TP set of N ranks, a chain of N links."""
     if e["checkpoints"]:
         return f"chain of {plural(e['checkpoints']['links'], 'link')}"
+    if e["migration"]:
+        m = e["migration"]
+        return f"migration, {plural(m['rounds'], 'round')}{' + final' if m['final'] else ''}: {m['outcome']}"
     return f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
+
+
+def entry_counts(entries: list[dict]) -> list[str]:
+    """How many of each kind a directory's entries are (``hsnap info DIR`` and the viewer say it the same way)."""
+    chains = sum(e["checkpoints"] is not None for e in entries)
+    migrations = sum(e["migration"] is not None for e in entries)
+    parts = [plural(len(entries) - chains - migrations, "snapshot"), plural(chains, "checkpoint chain")]
+    return parts + ([plural(migrations, "live migration")] if migrations else [])
 
 
 def directory_entries(path: str, storage_options=None) -> tuple[Listing, list[dict]]:
@@ -491,5 +505,5 @@ __all__ = [
     "escape", "rank_summary", "snapshot_summary", "fmt_bytes", "plural", "fmt_value", "value_bits", "ulp_distance",
     "fmt_value_pair", "leftover_hint", "SelectionError", "Selection", "parse_selection", "resolve_selection",
     "NORM_FAMILIES", "row_norms", "NormRow", "norm_groups", "PartialSnapshot", "open_partial", "salvageable",
-    "ENTRY_KEYS", "error_summary", "entry_summary", "entry_what", "directory_entries",
+    "ENTRY_KEYS", "error_summary", "entry_summary", "entry_what", "entry_counts", "directory_entries",
 ]

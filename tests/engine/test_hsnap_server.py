@@ -60,7 +60,7 @@ PREFIX = prompt(51, 600)
 TAIL_A, TAIL_B, TAIL_P = prompt(52, 9), prompt(53, 11), prompt(54, 5)
 RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
-OV_RL = (prompt(64, 20), 120)  # relayed from S3 while O stops
+OV_RL = (prompt(64, 20), 90)  # relayed from S3 while O stops
 # long enough that none finishes before its migration does (a request that finishes first is given up: another test)
 MG = {"mg": (prompt(91, 30), 100), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 600)}  # mg-s3: room for an upload under load
 MG_TAIL, MG_ROUNDS = 2, 4
@@ -174,6 +174,7 @@ def migrated(servers, work, store):
         out["dst_idle"], out["src_idle"] = wait_idle(dst), wait_idle(src)
         out["dst_before"] = dst_before
         out["files"] = sorted(os.listdir(work / "mig"))
+        out["final_again"] = error_of(client.resume, dst, str(work / "mig" / "final.hsnap"))  # handed off once: claimed
         # the same through the object store (a real SeaweedFS): the servers of two hosts would share nothing else
         s3m = Stream(src, payload("mg-s3", *MG["mg-s3"]))
         s3m.start()
@@ -266,12 +267,21 @@ def test_live_migration_precopies_while_decoding_and_stops_for_the_tail(migrated
     # the decode went on during the pre-copy: the request committed more positions than link-0000 holds
     assert src["committed_positions"] > rounds[0]["committed_positions"]
     names = [f"link-{i:04d}.hsnap" for i in range(len(rounds))]
-    assert mg["files"] == sorted(names + [f + ".applied" for f in names] + ["final.hsnap"])
+    assert mg["files"] == sorted(names + [f + ".applied" for f in names] + ["final.hsnap", "final.hsnap.claimed"])
     applied = info["links"]
     assert [os.path.basename(a["link"]) for a in applied] == names + ["final.hsnap"]
     assert [a["committed_positions"] for a in applied] == positions
     assert applied[-1]["rows"] == src["final_rows"]  # the downtime path uploads the tail only
     assert sum(a["rows"] for a in applied) == src["committed_positions"]
+
+
+def test_a_migrated_request_is_handed_off_once(migrated):
+    """The target claimed the final link as it admitted the request (``final.hsnap.claimed``, as a resume claims its
+    snapshot): resuming it again elsewhere is refused by name, not a second copy of the request."""
+    mg = _succeeded(migrated)
+    e = mg["final_again"]
+    assert e is not None and e.error_type == "SnapshotClaimedError" and e.status == 409, e
+    assert mg["mig"].run.info["claimed"].endswith("final.hsnap.claimed")
 
 
 def test_live_migration_through_an_object_store(migrated):
@@ -481,7 +491,7 @@ def overlap(servers, work, store, migrated, relayed):
     with paced(src.url, 0.03):
         rl.start()
         rl.wait_tokens(4)
-        # S3: the relayed rest (~110 tokens) takes 13 s at least, past SGLang's 5 s shutdown poll and its schedulers' exit
+        # S3: the relayed rest (~80 tokens) takes 9.6 s at least, past SGLang's 5 s shutdown poll and its schedulers' exit
         with paced(dst, 0.12):
             client.migrate(src.url, "ov-rl", str(work / "ov-rl"), relay_to=dst, tail=2, timeout_s=120)
             sigterm_at = time.monotonic()

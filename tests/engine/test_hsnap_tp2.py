@@ -219,7 +219,7 @@ def test_tp2_live_migration_to_a_tp2_server_continues_exactly(tp2):
     assert [a["committed_positions"] for a in run.info["links"]] == [r["committed_positions"] for r in src["rounds"]] + [
         src["committed_positions"]]
     rounds = [f"link-{i:04d}.hsnap" for i in range(len(src["rounds"]))]
-    assert mig["files"] == sorted(rounds + [r + ".applied" for r in rounds] + ["final.hsnap"])
+    assert mig["files"] == sorted(rounds + [r + ".applied" for r in rounds] + ["final.hsnap", "final.hsnap.claimed"])
     assert "rank-0.hsnap" in mig["link0"] and "rank-1.hsnap" in mig["link0"]
     for idle in mig["idle"]:
         assert idle["checks"]["pool_leak"] is False and idle["checks"]["req_rows_ok"] is True, idle["checks"]
