@@ -1,4 +1,4 @@
-"""The names in a live migration's container (a directory or ``s3://`` prefix): what ``hsnap_io.migrate`` writes and
+"""The names in a live migration's container (spec 8.4; a directory or ``s3://`` prefix): what ``hsnap_io.migrate`` writes and
 a listing of the container recognises (:mod:`hsnap_format.stores.entries`).
 
 * ``link-NNNN.hsnap``: the pre-copy rounds in order, ``link-0000`` a plain snapshot, each later one a delta of the
