@@ -15,22 +15,14 @@ import socket
 import time
 
 from hsnap_format import HsnapError, SnapshotExistsError
-from hsnap_format.controljson import loads_bounded
 from hsnap_format.errors import Phrase
 from hsnap_format.stores import store_for
 
-CLAIM_SUFFIX = ".claimed"
-_CLAIM_BYTES = 4096  # a marker is a few hundred bytes; a bigger one is not ours and is not read whole
+from hsnap_format.claims import CLAIM_SUFFIX, claim_path, read_claim
 
 
 class SnapshotClaimedError(HsnapError):
     """The snapshot was already resumed (its claim marker exists): resuming it again duplicates the request."""
-
-
-def claim_path(snapshot: str) -> str:
-    """``<snapshot>.claimed``: beside the file, or beside a TP set's directory (never inside it)."""
-    p = os.fspath(snapshot)
-    return p.rstrip("/") + CLAIM_SUFFIX
 
 
 def claim(snapshot: str, who: dict) -> tuple[str, str]:
@@ -45,7 +37,7 @@ def claim(snapshot: str, who: dict) -> tuple[str, str]:
     except SnapshotExistsError:
         raise SnapshotClaimedError(snapshot, "claim", Phrase(f"a snapshot not resumed yet (no {CLAIM_SUFFIX} marker; "
                                                             "resume again on purpose: again=true / hsnap resume --again)"),
-                                   Phrase(_claimant(store, marker))) from None
+                                   Phrase(_claimant(store, snapshot))) from None
 
 
 def release(marker: str, version: str) -> None:
@@ -53,15 +45,12 @@ def release(marker: str, version: str) -> None:
     store_for(marker).remove(marker, version=version)
 
 
-def _claimant(store, marker: str) -> str:
+def _claimant(store, snapshot: str) -> str:
     """Who holds the claim, as the marker says (its fields only, never its bytes as they are)."""
-    try:
-        got = loads_bounded(store.read_bytes(marker, _CLAIM_BYTES)[0], marker, "claim", max_bytes=_CLAIM_BYTES, max_depth=4)
-        who = got.get("claimed_by") or {}
-        return (f"claimed by {str(who.get('server', '?'))[:200]} (host {str(who.get('host', '?'))[:100]}, pid {who.get('pid')!s:.12}) "
-                f"at {str(got.get('claimed_at', '?'))[:40]}")
-    except (HsnapError, ValueError, AttributeError, OSError):
+    got = read_claim(store, snapshot)
+    if not got or got.get("unreadable"):
         return f"claimed (its {CLAIM_SUFFIX} marker is not readable as a claim)"
+    return f"claimed by {got['server']} (host {got['host'][:100]}, pid {got['pid']!s:.12}) at {got['at']}"
 
 
 def claimant_identity(server: str) -> dict:

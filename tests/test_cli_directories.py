@@ -154,10 +154,18 @@ def test_a_live_migrations_container_is_one_entry_its_final_link_with_the_rounds
     (d / "link-0000.hsnap.applied").write_bytes(b"")
     (d / "link-0001.hsnap.applied").write_bytes(b"")
     assert snapshot_entries(str(d)) == [str(d / "final.hsnap")]
+    (d / "final.hsnap.claimed").write_text(json.dumps({"claimed_by": {"server": "10.0.0.2:30000", "host": "node-b", "pid": 4242},
+                                                       "claimed_at": "2026-12-04T20:00:00Z", "claimed_at_unix": 1.0}))
     code, out, err = run("info", "--wide", d)
     assert code == 0, err
     assert out.splitlines()[0] == f"directory {d}: 0 snapshots, 0 checkpoint chains, 1 live migration"
     assert row(out, str(d / "final.hsnap"))[1:3] == ["req-1", "migration, 2 rounds + final: handed off"]
+    assert "resumed by 10.0.0.2:30000 (host node-b) at 2026-12-04T20:00:00Z" in out  # the target that admitted it
+    code, out, _ = run("info", d, "--json")
+    assert json.loads(out)["entries"][0]["claimed"] == {"server": "10.0.0.2:30000", "host": "node-b", "pid": 4242, "at": "2026-12-04T20:00:00Z"}
+    (d / "final.hsnap.claimed").write_bytes(b"\x00secret bytes \xff" * 10)  # not a claim: said so, its bytes never shown
+    code, out, _ = run("info", d)
+    assert code == 0 and "claimed (its marker is not readable as a claim)" in out and "secret" not in out
     code, out, err = run("verify", d)
     assert code == 0 and "with 2 links of its chain" in out, out + err
     from hsnap_format.tools.viewmodel import directory_entries

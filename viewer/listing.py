@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hsnap_format.stores.entries import PAGE_STORE, Listing, list_directory
 from hsnap_format.tools.fit import Column
-from hsnap_format.tools.viewmodel import entry_counts, entry_what, escape, fmt_bytes, plural
+from hsnap_format.tools.viewmodel import claim_said, entry_counts, entry_what, escape, fmt_bytes, plural
 
 from .model import display_name
 
@@ -94,6 +94,8 @@ def _entry_row(e: dict, directory: str) -> ListingRow:
         detail += "; a delta: it opens with the chain below it"
     if e["paged"]:
         detail += f"; its full pages are in the page store {PAGE_STORE}/"
+    if e["claimed"]:
+        detail += f"; {claim_said(e['claimed'])}"
     return ListingRow((name, rid, entry_what(e), str(e["state_position"]), size), detail, e["path"], style)
 
 

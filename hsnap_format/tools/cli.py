@@ -24,7 +24,7 @@ from ..stores import store_for
 from ..stores.entries import is_one_snapshot, list_directory
 from .fit import WIDTH, Column, Printer, relative_to
 from .viewmodel import ENTRY_KEYS as ENTRY_KEYS  # `hsnap info --json`'s keys of a directory's entry, named here too
-from .viewmodel import (directory_entries, entry_counts, entry_what, error_summary, escape, fmt_bytes, fmt_value_pair, leftover_hint,
+from .viewmodel import (claim_said, directory_entries, entry_counts, entry_what, error_summary, escape, fmt_bytes, fmt_value_pair, leftover_hint,
                         open_rank_chains, plural, snapshot_summary)
 
 
@@ -168,15 +168,18 @@ def _entry_row(e: dict, out: Printer) -> tuple:
 
 
 def _entry_detail(e: dict, out: Printer) -> str | None:
-    """What a row of the directory's table leaves out: why its entry did not open, or its chain's newer links that
-    were passed over (``hsnap verify DIR`` says why)."""
+    """What a row of the directory's table leaves out: why its entry did not open, its chain's newer links that were
+    passed over (``hsnap verify DIR`` says why), who resumed it already (its claim)."""
     if e["error"]:
         return f"{e['error']['error']}: {escape(e['error']['message'])}"
+    said = []
     passed = e["checkpoints"]["passed_over"] if e["checkpoints"] else []
     if passed:
         names = ", ".join(escape(p if out.wide else os.path.basename(p)) for p, _ in passed)
-        return f"{len(passed)} passed over: {names}"
-    return None
+        said.append(f"{len(passed)} passed over: {names}")
+    if e["claimed"]:
+        said.append(claim_said(e["claimed"]))
+    return "; ".join(said) or None
 
 
 def _info_directory(args, out: Printer) -> int:

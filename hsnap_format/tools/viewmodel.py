@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from ..chain import Chain, chain_below
+from ..claims import read_claim
 from ..errors import BadMagicError, HsnapError, TruncatedError
 from ..errors import escape_text as escape  # one rule for the CLI, the viewer and error messages
 from ..layout import PAGED_KINDS, ROW_KINDS, first_position, inline_runs, page_range
@@ -442,7 +443,8 @@ def prove_chain(chain: Chain) -> ChainProof:
 
 # One entry of a directory of snapshots, as `hsnap info DIR --json` and the viewer's listing have it: every key in
 # every entry, null where it does not apply (README: Command line)
-ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "migration", "error")
+ENTRY_KEYS = ("path", "kind", "tp_size", "rid", "state_position", "bytes", "delta", "paged", "checkpoints", "migration", "claimed",
+              "error")
 
 
 def error_summary(e: HsnapError) -> dict:
@@ -463,6 +465,7 @@ def entry_summary(path: str, listing: Listing) -> dict:
     mig = listing.migration
     if mig is not None and mig.entry == path:
         out["migration"] = {"rounds": len(mig.rounds), "final": mig.final is not None, "outcome": mig.outcome}
+    out["claimed"] = read_claim(store_for(path), path)  # resumed already (spec 8.3): by whom, when
     try:
         with open_snapshot(path) as snap:
             ranks = list(snap.ranks.values()) if isinstance(snap, SnapshotSet) else [snap]
@@ -482,6 +485,13 @@ def entry_what(e: dict) -> str:
         m = e["migration"]
         return f"migration, {plural(m['rounds'], 'round')}{' + final' if m['final'] else ''}: {m['outcome']}"
     return f"TP set of {e['tp_size']} ranks" if e["kind"] == "TP set" else "snapshot"
+
+
+def claim_said(claim: dict) -> str:
+    """An entry's claim in words: who resumed it and when."""
+    if claim.get("unreadable"):
+        return "claimed (its marker is not readable as a claim)"
+    return f"resumed by {escape(claim['server'] or '?')} (host {escape(claim['host'] or '?')}) at {escape(claim['at'] or '?')}"
 
 
 def entry_counts(entries: list[dict]) -> list[str]:
@@ -505,5 +515,5 @@ __all__ = [
     "escape", "rank_summary", "snapshot_summary", "fmt_bytes", "plural", "fmt_value", "value_bits", "ulp_distance",
     "fmt_value_pair", "leftover_hint", "SelectionError", "Selection", "parse_selection", "resolve_selection",
     "NORM_FAMILIES", "row_norms", "NormRow", "norm_groups", "PartialSnapshot", "open_partial", "salvageable",
-    "ENTRY_KEYS", "error_summary", "entry_summary", "entry_what", "entry_counts", "directory_entries",
+    "ENTRY_KEYS", "error_summary", "entry_summary", "entry_what", "entry_counts", "claim_said", "directory_entries",
 ]
