@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 ARCHS = ("nemotron_h", "granitemoehybrid")
 N = 24  # output tokens of each moved request
 K = 6  # of them decoded before its pause (or its live migration's start)
-NM = 48  # output tokens of each live-migrated request
+NM = 64  # output tokens of each live-migrated request
 # max |logprob - transformers'| of a chosen token: float32 TP 1 serves within 1e-5 (test_server_families), and so do
 # both re-sharded continuations (TP 2's all-reduces sum the row-parallel products in another order)
 TOL = 1e-5
@@ -74,7 +74,7 @@ def moved(request, tiny_arch_dir, tmp_path_factory):
         for source, target, rid, seed in ((a, b, "xm", 83), (b, a, "ym", 84)):
             ids = prompt(seed, 37)
             stream = Stream(source.url, payload(rid, ids, NM))
-            with paced(source.url):  # the NM - K tokens after the move's start take 4.2 s at least: it ends while the request decodes
+            with paced(source.url):  # the NM - K tokens after the move's start take 5.8 s at least: it ends while the request decodes
                 stream.start()
                 stream.wait_tokens(K)
                 move = client.move(source.url, target.url, rid, str(work / f"{rid}-mig"), tail=2, max_rounds=2, timeout_s=120)

@@ -358,7 +358,9 @@ def test_migration_no_target_follows_is_given_up_and_the_request_decodes_on(migr
 # ----------------------------------------------------------------------------- a relayed migration (O -> S3)
 
 
-RL = {"rl": (prompt(95, 28), 120), "rl-whole": (prompt(96, 22), 200), "rl-busy": (prompt(97, 24), 60)}
+# long enough, paced, that each is still decoding when its migrate call lands on a loaded machine (rl-whole migrates
+# after rl; S2's rl-busy must still run when O asks S2 to follow it)
+RL = {"rl": (prompt(95, 28), 200), "rl-whole": (prompt(96, 22), 400), "rl-busy": (prompt(97, 24), 200)}
 RL_PACE_S = 0.03  # O's forwards while the relayed migrations run: each request decodes for seconds after its migrate call
 
 
@@ -488,7 +490,7 @@ def overlap(servers, work, store, migrated, relayed):
     refs = references(src.url, {"x": (OV_X, OV_N), "other": OV_OTHER, "ck": OV_CK, "rl": OV_RL})  # uninterrupted, in O itself
     # O stops (SIGTERM) while it relays a migrated request's stream from S3: it serves the relay to its end first
     rl = Stream(src.url, payload("ov-rl", *OV_RL))
-    with paced(src.url, 0.03):
+    with paced(src.url, 0.06):  # the 86 tokens left take 5 s at least: the relayed migration lands while it decodes
         rl.start()
         rl.wait_tokens(4)
         # S3: the relayed rest (~80 tokens) takes 9.6 s at least, past SGLang's 5 s shutdown poll and its schedulers' exit
