@@ -11,6 +11,7 @@ a listing of the container recognises (:mod:`hsnap_format.stores.entries`).
 
 from __future__ import annotations
 
+import os
 import re
 
 LINK_NAME = "link-{:04d}.hsnap"  # the pre-copy rounds, in order: link-0000 plain, the others deltas
@@ -28,4 +29,10 @@ def parse_round(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-__all__ = ["LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME", "parse_round"]
+def is_final_link(path: str) -> bool:
+    """``path`` is a container's final link, or a rank file of it (a TP set's ``final.hsnap/rank-N.hsnap``)."""
+    p = os.fspath(path).rstrip("/")
+    return os.path.basename(p) == FINAL_NAME or os.path.basename(os.path.dirname(p)) == FINAL_NAME
+
+
+__all__ = ["LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME", "parse_round", "is_final_link"]

@@ -84,7 +84,7 @@ import torch
 from hsnap_format import CapacityError, CommitInfo, HsnapError, Identity, RequestRecord, Snapshot, SnapshotExistsError, SnapshotSet
 from hsnap_format.chain import Chain, LinkFacts, check_link, check_ref
 from hsnap_format.errors import ChainError, Phrase, UnsupportedFeatureError, require_type
-from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME
+from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, is_final_link
 from hsnap_format.records import Sharding
 from hsnap_format.stores import store_for
 
@@ -569,12 +569,6 @@ def marker_reason(store, path: str) -> str:
     if isinstance(said, dict):
         return " ".join(f"{said.get('type') or 'given up'}: {said.get('reason', '')}".split())[:1000]
     return " ".join(str(said)[:1000].split())
-
-
-def is_final_link(path: str) -> bool:
-    """``path`` is a container's final link, or a rank file of it (a TP set's ``final.hsnap/rank-N.hsnap``)."""
-    p = os.fspath(path).rstrip("/")
-    return os.path.basename(p) == FINAL_NAME or os.path.basename(os.path.dirname(p)) == FINAL_NAME
 
 
 __all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "is_final_link", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]

@@ -108,9 +108,7 @@ def peer_origin(url: str) -> str | None:
     except ValueError:
         return None
     host = parts.hostname
-    if parts.scheme not in ("http", "https") or not host or "@" in parts.netloc or parts.path not in ("", "/") or parts.query or parts.fragment:
-        return None
-    if url.endswith("?") or url.endswith("#"):
+    if parts.scheme not in ("http", "https") or not host or "@" in parts.netloc or parts.path not in ("", "/") or "?" in url or "#" in url:
         return None
     port = port if port is not None else 443 if parts.scheme == "https" else 80
     return f"{parts.scheme}://{f'[{host}]' if ':' in host else host}:{port}"

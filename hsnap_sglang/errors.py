@@ -70,16 +70,12 @@ class RelayError(HsnapError):
 
     status_code = 502  # what SGLang's /generate stream puts in its error event's "code"
 
-    def __init__(self, path, field, expected=None, found=None, *, detail=None, remote: dict | None = None) -> None:
-        super().__init__(path, field, expected, found, detail=detail)
+    def __init__(self, path, field, expected=None, found=None, detail=None, remote: dict | None = None) -> None:
+        super().__init__(path, field, expected, found, detail)
         self.remote = remote
 
     def __reduce__(self):
-        return (_relay_error, (self.path, self.field, self.expected, self.found, self.detail, self.remote))
-
-
-def _relay_error(path, field, expected, found, detail, remote) -> "RelayError":
-    return RelayError(path, field, expected, found, detail=detail, remote=remote)
+        return (type(self), (self.path, self.field, self.expected, self.found, self.detail, self.remote))
 
 
 class RemoteRankError(HsnapError):
@@ -115,8 +111,8 @@ STATUS: dict[str, int] = {
     "TruncatedError": 400,
     "BadMagicError": 400,
     "RemoteIOError": 502,
-    "MigrationError": 504,
-    "RelayError": 502,  # the peer server a migration relays from refused or went away  # the other side of a live migration did not do its part in time (or gave up)
+    "MigrationError": 504,  # the other side of a live migration did not do its part in time (or gave up)
+    "RelayError": 502,  # the peer server a migration relays from refused or went away
     "PluginError": 500,
     "BadRequestError": 400,
     "ServerBusyError": 429,

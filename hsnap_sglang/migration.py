@@ -41,6 +41,7 @@ import time
 
 from hsnap_format import HsnapError, SnapshotExistsError, SnapshotSet
 from hsnap_format.errors import Phrase
+from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, is_final_link
 from hsnap_format.stores import store_for
 
 from . import confine
@@ -80,7 +81,6 @@ def on_migrate(hs, msg) -> None:
     except HsnapError as e:
         hs.answer(msg, ok=False, error=error_dict(e))
         return
-    from hsnap_io.migrate import ABANDONED_NAME, FINAL_NAME, LINK_NAME, REFUSED_NAME
 
     where, req = hs.locate(msg.rid)
     store = store_for(msg.dir)
@@ -127,8 +127,6 @@ SEEN_NOTHING, SEEN_APPLIED, SEEN_REFUSED = 0, 1, 2  # what a migration's watcher
 
 def _round_seen(m: Migrating, now: float) -> list:
     """This rank's view of a migration: [SEEN_*, past its timeout]."""
-    from hsnap_io.migrate import REFUSED_NAME
-
     hit = m.watch.hit if m.watch is not None else None
     return [SEEN_NOTHING if hit is None else SEEN_REFUSED if hit.endswith(REFUSED_NAME) else SEEN_APPLIED, now - m.since > m.timeout_s]
 
@@ -159,7 +157,7 @@ def advance_migrations(hs) -> None:
 
 
 def _advance_migration(hs, rid: str, m: Migrating, seen: int, late: bool) -> None:
-    from hsnap_io.migrate import APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, MigrationError, marker_reason
+    from hsnap_io.migrate import MigrationError, marker_reason
 
     now = time.monotonic()
     where, req = hs.locate(rid)
@@ -196,8 +194,6 @@ def _advance_migration(hs, rid: str, m: Migrating, seen: int, late: bool) -> Non
 
 def round_done(hs, ex, result, error) -> None:
     """A pre-copy round committed (or failed) by the link writer: watch for the target applying it (or refusing)."""
-    from hsnap_io.migrate import APPLIED_SUFFIX, REFUSED_NAME
-
     m = ex.migration
     if hs.migrations.get(ex.rid) is not m:
         return  # given up meanwhile (answered then)
@@ -281,8 +277,6 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
 
 def _say_abandoned(store, container: str, error: dict, links: int) -> None:
     """``abandoned.json``: why, for a target following ``container`` (it gives back what it applied)."""
-    from hsnap_io.migrate import ABANDONED_NAME
-
     try:
         if store.local:
             store.makedirs(container)
@@ -339,7 +333,7 @@ def advance_follows(hs) -> None:
 
 
 def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> None:
-    from hsnap_io.migrate import LINK_NAME, MigrationError
+    from hsnap_io.migrate import MigrationError
 
     if not seen:
         if late:
@@ -381,8 +375,6 @@ def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> Non
 def _accept(hs, f: Following, snap, record) -> None:
     """The request itself, checked with the first link (before the whole history is uploaded) and the final one
     (what is bound): a record the target could not run is refused before anything is allocated."""
-    from hsnap_io.migrate import is_final_link
-
     from .req import prepare_req, target_worker_ipc
     from .req.bind import check_tracking_capacity, mamba_tracking_slots
 
@@ -471,8 +463,6 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
 def fail_follow(hs, op_id: str, err: BaseException) -> None:
     """The follow ends refused: every slot of the links applied so far given back; ``refused.json`` tells the source
     (it stops pre-copying at once) unless the source itself gave up; the caller gets the reason."""
-    from hsnap_io.migrate import ABANDONED_NAME, REFUSED_NAME
-
     f = hs.follows.pop(op_id)
     if f.watch is not None:
         f.watch.cancel()

@@ -83,39 +83,26 @@ def list_directory(path: str, *, storage_options=None, verify: bool = True) -> L
     out = Listing(path)
     hidden = lambda f: store.split(f)[1].startswith(".")  # noqa: E731 - temporaries, staging directories
     files, dirs = [e.path for e in store.list(p)], store.subdirs(p)
-    names = {store.split(x.rstrip("/"))[1] for x in files + dirs}
-    rounds: dict[int, str] = {}
-    final = None
+    name = lambda x: store.split(x.rstrip("/"))[1]  # noqa: E731
+    names = {name(x) for x in files + dirs}
     migration = LINK_NAME.format(0) in names  # a migration's container: its first round is there
-
-    def migration_link(x: str) -> bool:
-        nonlocal final
-        name = store.split(x.rstrip("/"))[1]
-        if not migration:
-            return False
-        if (n := parse_round(name)) is not None:
-            rounds[n] = x
-        elif name == FINAL_NAME:
-            final = x
-        else:
-            return False
-        return True
-
+    of_migration = lambda x: migration and (parse_round(name(x)) is not None or name(x) == FINAL_NAME)  # noqa: E731 - files or TP sets
+    linked: list[str] = []  # the migration's rounds and final link
     for f in files:
         if hidden(f):
             out.leftovers.append(f)
-        elif migration_link(f):
-            continue
-        elif (link := parse_link(store.split(f)[1])) is not None:
+        elif of_migration(f):
+            linked.append(f)
+        elif (link := parse_link(name(f))) is not None:
             out.links[link[0]] = out.links.get(link[0], 0) + 1
         elif f.endswith(".hsnap"):
             out.snapshots.append(f)
     for d in dirs:
         if hidden(d):
             out.leftovers.append(d)
-        elif migration_link(d):  # a TP server's link: a set
-            continue
-        elif (link := parse_link(store.split(d.rstrip("/"))[1])) is not None:  # a TP server's link: a set
+        elif of_migration(d):
+            linked.append(d)
+        elif (link := parse_link(name(d))) is not None:  # a TP server's link: a set
             out.links[link[0]] = out.links.get(link[0], 0) + 1
         elif store.exists(store.join(d, "manifest.json")):
             out.snapshots.append(d)
@@ -123,7 +110,9 @@ def list_directory(path: str, *, storage_options=None, verify: bool = True) -> L
             pages = [e for e in store.list(d) if e.path.endswith(PAGE_SUFFIX)]
             out.pages, out.page_bytes = len(pages), sum(e.size or 0 for e in pages)
     if migration:
-        out.migration = MigrationListing([rounds[n] for n in sorted(rounds)], final, ABANDONED_NAME in names, REFUSED_NAME in names)
+        rounds = sorted((x for x in linked if name(x) != FINAL_NAME), key=lambda x: parse_round(name(x)) or 0)
+        final = next((x for x in linked if name(x) == FINAL_NAME), None)
+        out.migration = MigrationListing(rounds, final, ABANDONED_NAME in names, REFUSED_NAME in names)
     out.snapshots.sort()
     out.leftovers.sort()
     out.chains = choose_links(p, storage_options=storage_options, verify=verify)
