@@ -10,6 +10,7 @@ import atexit
 import dataclasses
 import logging
 import queue
+import re
 import threading
 import time
 from typing import Any
@@ -20,6 +21,8 @@ from .containment import typed
 from .errors import error_dict, error_of
 
 logger = logging.getLogger("hsnap_sglang")
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 LOCAL_POLL_S = 0.0005  # how often a watcher looks for a marker or link in a directory (a stat)
 REMOTE_POLL_S = 0.01  # ... under an s3:// prefix (a HEAD request)
@@ -83,6 +86,7 @@ class LinkJob:
     error: Any = None
     writer_s: float = 0.0
     done: Any = None  # threading.Event, set once written (or failed)
+    fsync: bool = True  # False: a file only this process reads back (a retraction's), renamed into place unsynced
 
 
 class LinkWriter:
@@ -134,7 +138,7 @@ class LinkWriter:
         try:
             if self.before_write is not None:
                 self.before_write(job)
-            job.info = write_captured(job.ex.path, job.capture, base=job.base)
+            job.info = write_captured(job.ex.path, job.capture, base=job.base, fsync=job.fsync)
         except HsnapError as e:
             job.error = error_of(e)
         except Exception as e:  # noqa: BLE001 - a link that cannot be written stops its checkpoints (logged)
@@ -240,3 +244,10 @@ class Following:
     applied: list = dataclasses.field(default_factory=list)
     started: float = 0.0
     arrived_at: float = 0.0  # the final link applied and the Req bound: admitted by the HTTP process within timeout_s
+
+
+def safe_file_name(rid: str) -> str:
+    """``rid`` where it is a safe file name, else ``rid-<its hash>``: what a drain, checkpoints and retractions name files by."""
+    import xxhash
+
+    return rid if _SAFE_NAME.fullmatch(rid) else f"rid-{xxhash.xxh3_64_hexdigest(rid.encode())}"

@@ -21,6 +21,9 @@ Names and what they count (every ``op`` is a route: export, drain, checkpoint, r
                                            target's stream relayed to the request's finish), ``broken`` (the
                                            target's stream broke first), ``client gone``, ``refused`` (the target
                                            did not follow), ``dropped`` (the migration did not happen)
+``hsnap_retractions_total{outcome}``       requests SGLang retracted, with ``HSNAP_RETRACT_DIR`` (:mod:`.retraction`):
+                                           ``to_disk`` (held, its file written), ``restored`` (back decoding from
+                                           its file), ``recomputed`` (left to SGLang's new prefill)
 =========================================  ====================================================================
 """
 
@@ -64,6 +67,7 @@ def _create() -> dict[str, Any]:
         "migration_stop": seconds("hsnap_migration_stop_seconds", "a migration's source: request stopped to final link durable"),
         "link_lag": seconds("hsnap_checkpoint_link_lag_seconds", "a checkpoint link: due to committed"),
         "relays": Counter("hsnap_relays_total", "relayed migrations, by how they ended", ("outcome",)),
+        "retractions": Counter("hsnap_retractions_total", "retracted requests, by what hsnap did with them", ("outcome",)),
     }
 
 

@@ -34,6 +34,12 @@ target                                                             type   what
                                                                           outside any batch) to SGLang's pool accounting
 ``SignalHandler.sigterm_handler``                                   AFTER  with ``HSNAP_DRAIN_ON_SIGTERM``: drains every request
                                                                           there before SGLang's graceful shutdown
+``ScheduleBatch.release_req``                                      AROUND with ``HSNAP_RETRACT_DIR``: a retracted (or preempted)
+                                                                          request is copied to host memory before SGLang
+                                                                          frees its slots (:mod:`.retraction`)
+``Scheduler._add_request_to_queue``                                AROUND ... and held by hsnap while its file is written
+                                                                          and until it fits again, not queued for a prefill
+``Scheduler.abort_request``                                        AROUND ... an abort of a held request reaches SGLang's own
 =================================================================  =====  ==============================================
 
 and registers its message types (:mod:`.messages`, msgspec structs of plain values) with SGLang's IPC decoder
@@ -67,6 +73,9 @@ HOOKS: dict[str, tuple[str, str]] = {
     "sglang.srt.managers.tokenizer_manager.SignalHandler.sigterm_handler": ("frontend:after_sigterm", "AFTER"),
     "sglang.srt.entrypoints.http_server._wait_and_warmup": ("restart:after_wait_and_warmup", "AFTER"),
     f"{_SCHED}.maybe_sleep_on_idle": ("scheduler:around_maybe_sleep_on_idle", "AROUND"),
+    "sglang.srt.managers.schedule_batch.ScheduleBatch.release_req": ("scheduler:around_release_req", "AROUND"),
+    f"{_SCHED}._add_request_to_queue": ("scheduler:around_add_request_to_queue", "AROUND"),
+    f"{_SCHED}.abort_request": ("scheduler:around_abort_request", "AROUND"),
     "sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._session_kv_rows":
         ("scheduler:around_session_kv_rows", "AROUND"),
 }

@@ -80,6 +80,7 @@ def load_retracted(
     token_to_kv_pool_allocator,
     identity: Identity | None,
     tree_cache=None,
+    room=None,
     **restore_kwargs,
 ):
     """Give a request retracted by :func:`retract_to_disk` fresh slots holding its
@@ -92,6 +93,8 @@ def load_retracted(
     :func:`hsnap_io.restore_request` refuses. On a target with Mamba ping-pong track
     buffers the request gets fresh track slots, as SGLang's re-admission gives them. A
     failure after allocation gives every allocation back and leaves ``req`` retracted.
+    ``room``: as for :func:`~hsnap_sglang.req.resume_req` (a radix cache frees what is missing,
+    only once every check passed). ``req.hsnap_restored`` says what was uploaded.
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
@@ -106,7 +109,10 @@ def load_retracted(
         fpath = source.snap.path
         if not req.is_retracted or req.kv.req_pool_idx is not None:
             raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
-        check_target(source, view, identity)
+        if room is None:
+            check_target(source, view, identity)
+        else:
+            room.fits(source)
         record = read_record(source.snap, fpath)
         checks = [
             ("request.rid", req.rid, record.rid),
@@ -122,11 +128,14 @@ def load_retracted(
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):
+            if room is not None:
+                room.make(source)
             check_tracking_capacity(req_to_token_pool, tracking, fpath)
-            restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                            identity=identity, bind=binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
     req.is_retracted = False
     req.already_computed = 0
+    req.hsnap_restored = restored
     return req
 
 

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from collections import OrderedDict
 from typing import Any
@@ -41,9 +40,9 @@ from hsnap_format.stores import is_url, store_for
 
 from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of,
                      unknown_request)
-from . import confine, metrics, migration
+from . import confine, metrics, migration, retraction
 from .containment import contained_handler, guarded, log_failure, typed
-from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter
+from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter, safe_file_name
 from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
@@ -57,7 +56,6 @@ MAX_COUNTED_RIDS = 4096  # per-rid forward counts kept (oldest forgotten first)
 MAX_FINISHED_RIDS = 4096  # rids of requests that finished here lately: an export of one answers "finished", not "unknown"
 DEDUP_PAGE_SIZE = 64  # positions per page object of a dedup drain (the pool's own page is 1 on CPU: a file per token)
 _ERROR_BYTES = 4096  # one rank's error, as JSON, in the TP agreement
-_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 # ----------------------------------------------------------------------------- hooks (plugin.HOOKS)
@@ -75,7 +73,8 @@ def install(result, sched, *args, **kwargs):
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived):
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived
+                           or (hs.retraction is not None and hs.retraction.busy())):
         guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
 
@@ -110,11 +109,47 @@ def around_session_kv_rows(original, observer, *args, **kwargs):
 _ACTIVE = None  # the HsnapScheduler of this process (one scheduler per process)
 
 
-def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
-    """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration
-    waits at most 1 ms for a message, not a second: its next link arrives through the store, not a socket."""
+def around_release_req(original, batch, idx, remaing_req_count, *args, **kwargs):
+    """AROUND ``ScheduleBatch.release_req`` (a retraction or a priority preemption; SGLang passes ``offload_kv=False``
+    only where the request is aborted): with retraction to disk on, the request is copied to host memory before
+    SGLang frees its slots (:mod:`.retraction`)."""
+    rt = _ACTIVE.retraction if _ACTIVE is not None else None
+    retracting = rt is not None and kwargs.get("offload_kv", args[0] if args else True)
+    req = batch.reqs[idx] if retracting else None
+    if req is not None:
+        guarded("retraction to disk", rt.before_release, req)
+    out = original(batch, idx, remaing_req_count, *args, **kwargs)  # exactly once, outside any guard
+    if req is not None:
+        guarded("retraction to disk", rt.after_release, req, out)
+    return out
+
+
+def around_add_request_to_queue(original, sched, req, *args, **kwargs):
+    """AROUND ``Scheduler._add_request_to_queue``: a request retracted to disk is held by hsnap, not queued for a
+    new prefill."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.links.busy()):
+    if hs is not None and hs.retraction is not None and guarded("retraction to disk", hs.retraction.take, req, default=False):
+        return None
+    return original(sched, req, *args, **kwargs)
+
+
+def around_abort_request(original, sched, recv_req, *args, **kwargs):
+    """AROUND ``Scheduler.abort_request``: requests retracted to disk that the abort names go back into SGLang's
+    waiting queue first, where SGLang's own abort finds and answers them."""
+    hs = getattr(sched, "_hsnap", None)
+    if hs is not None and hs.retraction is not None and hs.retraction.held:
+        guarded("abort of a retracted request", hs.retraction.release_for_abort,
+                lambda rid: bool(recv_req.abort_all) or rid.startswith(recv_req.rid))
+    return original(sched, recv_req, *args, **kwargs)
+
+
+def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
+    """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration (or
+    writes a retracted request) waits at most 1 ms for a message, not a second: what it waits for arrives through the
+    store or a thread, not a socket."""
+    hs = getattr(sched, "_hsnap", None)
+    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.links.busy()
+                           or (hs.retraction is not None and hs.retraction.busy())):
         sleeper = getattr(sched, "idle_sleeper", None)
         try:
             if sleeper is not None and hasattr(sleeper, "poller"):
@@ -170,6 +205,7 @@ class HsnapScheduler:
         self._sharding: tuple | None = None  # (Sharding or None,) once computed
         self.exports = self.resumes = 0
         self.finished: OrderedDict[str, str] = OrderedDict()  # rid -> how it finished (its finish reason's type), newest last
+        self.retraction = retraction.from_env(self)  # retracted requests to disk (the operator's HSNAP_RETRACT_DIR), or None
 
     def handlers(self):
         """Every handler contained: whatever it raises, its message is answered with a typed error (logged once)
@@ -250,6 +286,9 @@ class HsnapScheduler:
         for req in s.waiting_queue:
             if req.rid == rid:
                 return "waiting", req
+        held = self.retraction.held.get(rid) if self.retraction is not None else None
+        if held is not None:
+            return "retracted", held.req
         grammar = getattr(s.grammar_manager, "grammar_queue", None) or ()
         for req in grammar:
             if getattr(req, "rid", None) == rid:
@@ -275,13 +314,23 @@ class HsnapScheduler:
         return unknown_request(rid, self.rids_here(), "a request running, queued or being prefilled in this server")
 
     def rids_here(self) -> list[str]:
-        """The rids of this server's requests: running, held by hsnap, being prefilled, queued."""
+        """The rids of this server's requests: running, held by hsnap, being prefilled, queued, retracted to disk."""
         s = self.sched
         chunked = [s.chunked_req] if s.chunked_req is not None else []
-        reqs = [*s.running_batch.reqs, *self.parked.values(), *self.writing.values(), *chunked, *s.waiting_queue]
+        reqs = [*s.running_batch.reqs, *self.parked.values(), *self.writing.values(), *chunked, *s.waiting_queue, *self.retracted()]
         return list(dict.fromkeys(r.rid for r in reqs if not r.finished()))
 
-    def _in_flight(self, req) -> bool:
+    def retracted(self) -> list:
+        """The requests retracted to disk, held out of SGLang's queues until they fit again."""
+        return [h.req for h in self.retraction.held.values()] if self.retraction is not None else []
+
+    def room(self) -> "_Room | None":
+        """Room for a restore made the way SGLang's admission makes it, where a radix cache can free slots; else None
+        (the header's capacity check)."""
+        s = self.sched
+        return _Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None
+
+    def in_flight(self, req) -> bool:
         """A batch whose result is not processed yet holds ``req`` (the overlap scheduler)."""
         return any(req in batch.reqs for batch, _ in getattr(self.sched, "result_queue", ()))
 
@@ -330,6 +379,8 @@ class HsnapScheduler:
             guarded("advancing follows", migration.advance_follows, self)
         if self.arrived:
             guarded("expiring arrivals", migration.expire_arrivals, self)
+        if self.retraction is not None and self.retraction.busy():
+            guarded("restoring retracted requests", self.retraction.service)
         for ex in list(self.pending):
             try:
                 self._service_one(ex)
@@ -352,7 +403,7 @@ class HsnapScheduler:
             why = ex.req.finished_reason.to_json() if ex.req is not None and ex.req.finished_reason is not None else None
             self._done(ex, error=error_dict(RequestFinishedError(ex.path, "request", Phrase("a request still decoding at the export boundary"),
                                                                  Phrase(f"finished: {json.dumps(why)}" if why else "gone"))))
-        elif where in ("running", "parked") and not self._in_flight(req):  # snapshot_req refuses anything uncommitted
+        elif where in ("running", "parked") and not self.in_flight(req):  # snapshot_req refuses anything uncommitted
             if ex.checkpoint is None and ex.rid in self.links.in_flight:
                 # a pause/drain/export of a checkpointed request: its link on the way is committed first (and
                 # answered), so no link is written after this export and the final snapshot follows the last link
@@ -420,15 +471,17 @@ class HsnapScheduler:
                       output_tokens=len(req.output_ids), captured_bytes=cap.nbytes, timings={"wait_s": t0 - ex.asked, "capture_s": capture_s})
         self.links.submit(LinkJob(ex, cap, result, capture_s))
 
-    def capture(self, req, path: str, snapshot_id: str, base_position: int = 0):
+    def capture(self, req, path: str, snapshot_id: str, base_position: int = 0, extra: dict | None = None):
         """``req``'s record (what snapshot_req refuses, refused here), then its rows after ``base_position``, its
         recurrent state and the record copied to host memory (``hsnap_io.export.CapturedRequest``): what the link
-        writer writes while the request decodes on (or is released)."""
+        writer writes while the request decodes on (or is released). ``extra``: record entries written over the
+        request's own (a retraction's counters)."""
         from hsnap_io.export import capture_request
 
         from .req.record import req_record
 
         record, swa_start = req_record(req, path=path)
+        record.extra.update(extra or {})
         s = self.sched
         return capture_request(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
                                req_pool_idx=int(req.kv.req_pool_idx), record=record, swa_start=swa_start,
@@ -577,13 +630,14 @@ class HsnapScheduler:
     # ------------------------------------------------------------------ drain
 
     def on_drain(self, msg: HsnapDrainReqInput):
-        """Every request present now (running, parked, prefilled, prefilling, queued) is exported into ``dir`` at its
-        next committed decode boundary (queued ones once prefilled); answered when all are done."""
+        """Every request present now (running, parked, prefilled, prefilling, queued, retracted to disk) is exported into
+        ``dir`` at its next committed decode boundary (queued ones once prefilled, retracted ones once restored);
+        answered when all are done."""
         s = self.sched
         rids: list[str] = []
         for req in [*s.running_batch.reqs, *self.parked.values(), *([s.chunked_req] if s.chunked_req is not None else []),
                     *(s.last_batch.reqs if s.last_batch is not None and s.last_batch.forward_mode.is_extend() else []),
-                    *[r for b, _ in getattr(s, "result_queue", ()) for r in b.reqs], *s.waiting_queue]:
+                    *[r for b, _ in getattr(s, "result_queue", ()) for r in b.reqs], *s.waiting_queue, *self.retracted()]:
             if not req.finished() and req.rid not in rids and not self.busy(req.rid):
                 rids.append(req.rid)
         drain = Drain(msg, [])
@@ -640,7 +694,7 @@ class HsnapScheduler:
                 self.links.wait(msg.rid)
                 self.collect_links()
             confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))
-            ck = Checkpointing(Checkpoints.start(msg.dir, _file_name(msg.rid), msg.every))
+            ck = Checkpointing(Checkpoints.start(msg.dir, safe_file_name(msg.rid), msg.every))
             path, base = ck.links.next_link()
             self._check_target(path)
         except HsnapError as e:
@@ -782,7 +836,7 @@ class HsnapScheduler:
                 http_worker_ipc=msg.http_worker_ipc,
                 expect_rid=msg.rid,
                 commit=agreement.commit if self.tp_size > 1 else None,
-                room=_Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None,
+                room=self.room(),
                 sharding=self.sharding(),
                 **self.resume_context(),
             )
@@ -924,7 +978,7 @@ class HsnapScheduler:
                        "radix_cache": bool(s.tree_cache.supports_prefix_sharing()), "exports": self.exports, "resumes": self.resumes},
             "requests": {"running": [r.rid for r in s.running_batch.reqs], "waiting": [r.rid for r in s.waiting_queue],
                          "prefilling": [s.chunked_req.rid] if s.chunked_req is not None else [], "parked": list(self.parked),
-                         "writing": list(self.writing),
+                         "writing": list(self.writing), "retracted": [r.rid for r in self.retracted()],
                          "pending_exports": [e.rid for e in self.pending]},
             "pools": pools,
             "checks": self.checks(),
@@ -932,6 +986,7 @@ class HsnapScheduler:
             "migrations": {rid: {"dir": m.container, "rounds": len(m.links), "queued": m.queued} for rid, m in self.migrations.items()},
             "follows": [{"dir": f.container, "rid": f.op.rid, "applied": len(f.applied)} for f in self.follows.values()],
             "arrived": list(self.arrived),
+            "retraction": self.retraction.state() if self.retraction is not None else None,
             "table": self.request_rows(),
         }
         if msg.rid is not None:
@@ -949,7 +1004,8 @@ class HsnapScheduler:
         being checkpointed or migrated."""
         s = self.sched
         where = (("running", s.running_batch.reqs), ("parked", self.parked.values()), ("writing", self.writing.values()),
-                 ("prefilling", [s.chunked_req] if s.chunked_req is not None else []), ("waiting", s.waiting_queue))
+                 ("prefilling", [s.chunked_req] if s.chunked_req is not None else []), ("waiting", s.waiting_queue),
+                 ("retracted", self.retracted()))
         rows, seen = [], set()
         for state, reqs in where:
             for req in reqs:
@@ -1079,16 +1135,9 @@ class _Agreement:
 def drain_path(dir_: str, rid: str, tp_size: int) -> str:
     """Where a drain puts ``rid``: ``DIR/<rid>.hsnap`` (a TP set: a directory ``DIR/<rid>``); a rid that is not a safe
     file name is named by its hash (the record inside says which request it is)."""
-    name = _file_name(rid)
+    name = safe_file_name(rid)
     leaf = name if tp_size > 1 else f"{name}.hsnap"
     return store_for(dir_).join(dir_, leaf)
-
-
-def _file_name(rid: str) -> str:
-    """``rid`` where it is a safe file name, else ``rid-<its hash>``: what a drain and checkpoints name files by."""
-    import xxhash
-
-    return rid if _SAFE_NAME.fullmatch(rid) else f"rid-{xxhash.xxh3_64_hexdigest(rid.encode())}"
 
 
 def _checkpoint_state(ck: Checkpointing) -> dict:

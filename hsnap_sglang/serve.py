@@ -9,7 +9,8 @@ per rank) unless given, starts SGLang's child processes by ``fork`` (``HSNAP_SGL
 ``--hsnap-root DIR`` (``HSNAP_ROOT``) is the directory every client path resolves beneath, ``--hsnap-allow-url
 s3://bucket/prefix`` (repeatable; ``HSNAP_ALLOWED_URLS``) an object-store prefix clients may name
 (:mod:`hsnap_sglang.confine`), ``--hsnap-allow-peer http://host:port`` (repeatable; ``HSNAP_ALLOWED_PEERS``) a server
-a relayed migration may call (:mod:`hsnap_sglang.relay`), ``--hsnap-allow-unauthenticated`` (``HSNAP_ALLOW_UNAUTHENTICATED=1``) lets the
+a relayed migration may call (:mod:`hsnap_sglang.relay`), ``--hsnap-retract-dir DIR`` (``HSNAP_RETRACT_DIR``) where
+requests SGLang retracts are written and restored from (:mod:`hsnap_sglang.retraction`), ``--hsnap-allow-unauthenticated`` (``HSNAP_ALLOW_UNAUTHENTICATED=1``) lets the
 plug-in start on a non-loopback host with no API key (:mod:`hsnap_sglang.auth`).  Equivalent by hand::
 
     HSNAP_SGLANG_CPU=1 python -m sglang.launch_server --model-path DIR --device cpu \\
@@ -122,7 +123,8 @@ ENABLE_HSNAP = "--enable-hsnap"  # hsnap's own flag: turns the plug-in on (HSNAP
 # hsnap's own flags with a value -> the environment variable each sets (inherited by every process of the server);
 # repeated flags join with "," (the allow-lists).  Not passed to SGLang.
 HSNAP_VALUE_FLAGS = {"--hsnap-root": "HSNAP_ROOT", "--hsnap-allow-url": "HSNAP_ALLOWED_URLS", "--hsnap-drain-on-sigterm": "HSNAP_DRAIN_ON_SIGTERM",
-                     "--hsnap-resume-on-start": "HSNAP_RESUME_ON_START", "--hsnap-allow-peer": "HSNAP_ALLOWED_PEERS"}
+                     "--hsnap-resume-on-start": "HSNAP_RESUME_ON_START", "--hsnap-allow-peer": "HSNAP_ALLOWED_PEERS",
+                     "--hsnap-retract-dir": "HSNAP_RETRACT_DIR"}
 _JOINED = ("HSNAP_ALLOWED_URLS", "HSNAP_ALLOWED_PEERS")  # repeatable flags: their values joined with ","
 HSNAP_SWITCHES = {ENABLE_HSNAP: "HSNAP_SGLANG_PLUGIN", "--hsnap-allow-unauthenticated": "HSNAP_ALLOW_UNAUTHENTICATED"}
 
@@ -170,6 +172,9 @@ HSNAP_FLAG_HELP = {
     "--hsnap-resume-on-start DIR": "once ready, resume every snapshot in DIR and hold each request for its client "
                                    "(POST /hsnap/attach; client.generate attaches): a rolling restart's new server "
                                    "(HSNAP_RESUME_ON_START)",
+    "--hsnap-retract-dir DIR": "a request SGLang retracts (KV pool short, priority preemption) is written to DIR and "
+                               "restored from it once it fits again, not recomputed (TP 1, overlap scheduler off; "
+                               "HSNAP_RETRACT_DIR)",
 }
 
 

@@ -118,6 +118,8 @@ REFUSALS = [
     ("mamba_needs_clear", lambda r: setattr(r.kv, "mamba_needs_clear", True), "ReqKvInfo.mamba_needs_clear"),
     ("mamba_cow", _mamba_cow, "ReqKvInfo.mamba_cow_src_index"),
     ("beam", lambda r: setattr(r.sampling_params, "beam_width", 4), "SamplingParams.beam_width"),
+    ("input-logprobs-in-flight", lambda r: setattr(r, "input_token_logprobs", [-0.5]), "Req.input_token_logprobs"),
+    ("top-logprobs-in-flight", lambda r: setattr(r, "temp_input_top_logprobs_val", [[-0.5]]), "Req.temp_input_top_logprobs_val"),
 ]
 
 
@@ -132,6 +134,18 @@ def test_refused_at_snapshot_nothing_written_pools_unchanged(tmp_path, mutate, f
     assert e.value.field == field and field in str(e.value)
     assert os.listdir(tmp_path) == []
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+
+
+def test_a_request_sglang_prefilled_again_after_a_retraction_can_be_snapshotted(tmp_path):
+    """SGLang's re-prefill of a retracted request leaves the input-logprob scratch empty (``[]``), not None: nothing is
+    in flight, so the request is written like any other (it was refused, so no request SGLang ever retracted could be
+    paused, drained or migrated)."""
+    ps, req = _source()
+    for name in ("input_token_logprobs", "temp_input_top_logprobs_val", "temp_input_top_logprobs_idx",
+                 "temp_input_token_ids_logprobs_val", "temp_input_token_ids_logprobs_idx"):
+        setattr(req, name, [])
+    _snapshot(ps, req, tmp_path / "r.hsnap")
+    assert os.path.getsize(tmp_path / "r.hsnap") > 0
 
 
 def _lora_source():

@@ -72,6 +72,7 @@ _COUNT = integer(0, MAX_PLAIN)
 _OUT = integer(0, lambda b: b.output)  # an offset into the output ids
 _OPT_PROMPT = integer(0, lambda b: b.prompt, none=True)  # an offset into the prompt, or unset
 
+_SCRATCH = "prefill-time logprob scratch in flight"
 _SCHED = "scheduler bookkeeping of the current process; the target scheduler sets its own"
 _CACHE = "prefix-cache (radix/HiCache) bookkeeping; the restored request owns all its slots and starts at the tree root"
 _PD = "PD-disaggregation transport state; finished before a request decodes"
@@ -186,11 +187,12 @@ REQ_FIELDS: dict[str, Field] = {
     "pd_rebootstrap_forced_output_id": refused("a PD re-bootstrap is pending"),
     "hisparse_staging": refused("HiSparse staging in flight", ok=_falsy, neutral="False"),
     "inflight_middle_chunks": refused("a chunked prefill is in flight", ok=_falsy, neutral="0"),
-    "input_token_logprobs": refused("prefill-time logprob scratch in flight"),
-    "temp_input_top_logprobs_val": refused("prefill-time logprob scratch in flight"),
-    "temp_input_top_logprobs_idx": refused("prefill-time logprob scratch in flight"),
-    "temp_input_token_ids_logprobs_val": refused("prefill-time logprob scratch in flight"),
-    "temp_input_token_ids_logprobs_idx": refused("prefill-time logprob scratch in flight"),
+    # SGLang leaves these empty, not None, once it re-prefilled a retracted request whose input logprobs were sent
+    "input_token_logprobs": refused(_SCRATCH, ok=_falsy, neutral="None or []"),
+    "temp_input_top_logprobs_val": refused(_SCRATCH, ok=_falsy, neutral="None or []"),
+    "temp_input_top_logprobs_idx": refused(_SCRATCH, ok=_falsy, neutral="None or []"),
+    "temp_input_token_ids_logprobs_val": refused(_SCRATCH, ok=_falsy, neutral="None or []"),
+    "temp_input_token_ids_logprobs_idx": refused(_SCRATCH, ok=_falsy, neutral="None or []"),
     # re-derived / irrelevant
     "tokenizer": rederived("the target's tokenizer (resume_req(tokenizer=...))"),
     "return_hidden_states_mode": rederived("derived from return_hidden_states (refused unless False)"),

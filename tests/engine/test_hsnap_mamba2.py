@@ -30,6 +30,16 @@ zero-element temporal state): one server, L.  A request paused mid-decode to a f
 freed its slots; SGLang's Mamba free list hands out the oldest free slot first, so the restore gets another one) and
 compared with its uninterrupted run as above, bit for bit and decode only; the file gives the conv layers to the Mamba
 group with the conv slot ``[hidden, conv_L_cache - 1]`` and the temporal state ``[1, hidden, 0]``.
+
+Retraction to disk (``HSNAP_RETRACT_DIR``): one NemotronH server, R, under SGLang's own forced retraction
+(``SGLANG_TEST_RETRACT``: every third forward retracts the decoding request with the fewest outputs, never the last
+one of a batch).  Three requests side by side are retracted over and over; each time hsnap writes it to a file and
+restores it into the running batch: every token and logprob equal to its uninterrupted run alone, one extend forward
+(its first prefill) and decodes only, no file left.  SGLang's own retraction (the plug-in's off) re-prefilled the
+youngest request 18 times in the same run and moved its logprobs by 1.5e-5 (measured).  A request aborted while held
+(its file being written: the link writer's test gate holds it) ends aborted; with the directory replaced by a file,
+every write fails and SGLang recomputes the requests (they finish; a near-tie token of a random-weight model may
+differ after a re-prefill); the pools are clean after each.
 """
 
 from __future__ import annotations
@@ -43,8 +53,8 @@ import urllib.request
 import pytest
 
 from engine_support import retire
-from hsnap_support import (Stream, error_of, flush_cache, hsnap_server, paced, payload, prompt, start_together, stats, tokens,
-                           wait_idle, wait_links)
+from hsnap_support import (Stream, error_of, flush_cache, generate, hsnap_server, linkgate_env, paced, payload, prompt, start_together,
+                           stats, tokens, wait_idle, wait_links)
 
 from hsnap_format import open_chain
 from hsnap_format.checkpoints import newest_links, parse_link
@@ -70,6 +80,10 @@ def servers(tiny_arch_dir, work):
     started = {arch: {"a": hsnap_server(tiny_arch_dir(arch), work / f"{arch}-a.log"),
                       "b": hsnap_server(tiny_arch_dir(arch), work / f"{arch}-b.log", *B_CAPACITY)} for arch in ARCHS}
     started["lfm2"] = {"l": hsnap_server(tiny_arch_dir("lfm2"), work / "lfm2-l.log")}
+    (work / "retract-gate").mkdir()
+    started["retract"] = {"r": hsnap_server(tiny_arch_dir("nemotron_h"), work / "retract-r.log",
+                                            env={"SGLANG_TEST_RETRACT": "1", "HSNAP_RETRACT_DIR": str(work / "retracted"),
+                                                 **linkgate_env(work / "retract-gate")})}
     start_together(*(s for pair in started.values() for s in pair.values()))
     yield started
     retire(*(s for pair in started.values() for s in pair.values()))
@@ -374,3 +388,118 @@ def test_lfm2_file_gives_the_conv_layers_a_conv_only_mamba_slot(lfm2, tiny_arch_
     assert list(g.mamba.layers) == [i for i, k in enumerate(kinds) if k == "conv"] != []
     assert [list(c) for c in g.mamba.conv_shapes] == [[cfg.hidden_size, cfg.conv_L_cache - 1]]
     assert list(g.mamba.temporal_shape) == [1, cfg.hidden_size, 0]
+
+
+# ----------------------------------------------------------------------------- retraction to disk
+
+RT_N = 40  # tokens of each request SGLang's forced retraction takes out and hsnap puts back
+RT_IDS = {f"rt{i}": prompt(90 + i, 20 + 3 * i) for i in range(3)}
+
+
+def _side_by_side(url: str, rids: list[str], tag: str = "") -> dict[str, dict]:
+    """``rids`` (of RT_IDS; sent as ``rid + tag``) run side by side, each prefilled alone; their finals."""
+    streams = {}
+    for rid in rids:
+        streams[rid] = Stream(url, payload(rid + tag, RT_IDS[rid], RT_N))
+        streams[rid].start()
+        streams[rid].wait_tokens(1)
+    return {rid: st.finish().final for rid, st in streams.items()}
+
+
+def _wait_for(done, what: str, timeout: float = 120.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _files_left(d, timeout: float = 30.0) -> list[str]:
+    """The files in ``d`` once none is left (a file written for a request gone meanwhile is removed when collected,
+    at a scheduler iteration), or after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while os.listdir(d) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(os.listdir(d))
+
+
+@pytest.fixture(scope="module")
+def retraction(servers, work):
+    url = servers["retract"]["r"].url
+    d, gate = work / "retracted", work / "retract-gate"
+    out: dict = {}
+    # uninterrupted: each request alone (SGLang never retracts the last request of a batch)
+    out["ref"] = {rid: tokens(generate(url, payload(f"{rid}-ref", ids, RT_N))) for rid, ids in RT_IDS.items()}
+    out["before"] = stats(url)["retraction"]
+    out["runs"] = _side_by_side(url, list(RT_IDS))
+    out["forwards"] = {rid: stats(url, rid)["forwards"] for rid in RT_IDS}
+    out["after"] = stats(url)["retraction"]
+    out["files_after"] = sorted(os.listdir(d))  # removed as each was restored: none may be left
+    out["idle"] = wait_idle(url)
+
+    # an abort of a request held while its file is written (the test gate holds the write)
+    hold = gate / "ab.retracted.hsnap.hold"
+    hold.touch()
+    first = Stream(url, payload("rt0", RT_IDS["rt0"], RT_N))
+    first.start()
+    first.wait_tokens(1)
+    ab = Stream(url, payload("ab", RT_IDS["rt1"], LONG))  # fewer outputs than rt0: SGLang retracts it first
+    ab.start()
+    _wait_for((gate / "ab.retracted.hsnap.held").exists, "ab was never retracted")
+    out["held"] = stats(url)
+    _abort(url, "ab")
+    out["ab"] = ab.finish()
+    hold.unlink()
+    out["first"] = first.finish().final
+    out["idle_abort"] = wait_idle(url)
+    out["files_abort"] = _files_left(d)
+
+    # every write fails (the directory replaced by a file): SGLang recomputes the requests
+    shutil.rmtree(d)
+    d.write_text("not a directory")
+    try:
+        before = stats(url)["retraction"]
+        out["fault_runs"] = _side_by_side(url, ["rt0", "rt1"], tag="-f")
+        out["fault"] = {k: stats(url)["retraction"][k] - before[k] for k in ("to_disk", "restored", "recomputed")}
+        out["fault_forwards"] = stats(url, "rt1-f")["forwards"]
+        out["idle_fault"] = wait_idle(url)
+    finally:
+        d.unlink()
+        d.mkdir()
+    return out
+
+
+def test_retracted_requests_come_back_from_disk_exactly_without_recompute(retraction):
+    r = retraction
+    for rid in RT_IDS:
+        assert tokens(r["runs"][rid]) == r["ref"][rid], rid  # every token and logprob, bit for bit
+        assert r["forwards"][rid] == {"decode": RT_N - 1, "extend": 1}, (rid, r["forwards"][rid])  # no recompute
+    moved = {k: r["after"][k] - r["before"][k] for k in ("to_disk", "restored", "recomputed")}
+    assert moved["to_disk"] >= 3 and moved["restored"] == moved["to_disk"] and moved["recomputed"] == 0, moved
+    assert r["after"]["held"] == {} and r["files_after"] == []
+    last = r["after"]["last"]
+    assert last["bytes"] > last["bytes_uploaded"] > 0 and last["committed_positions"] > 0
+    _consistent(r["idle"])
+
+
+def test_a_request_aborted_while_its_retraction_is_written_ends_aborted(retraction):
+    r = retraction
+    held = r["held"]
+    assert held["retraction"]["held"] == {"ab": "being written"}, held["retraction"]
+    assert {"rid": "ab", "state": "retracted"}.items() <= next(row for row in held["table"] if row["rid"] == "ab").items()
+    assert r["ab"].final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert tokens(r["first"]) == r["ref"]["rt0"]
+    assert r["files_abort"] == []  # written after the abort, then removed
+    _consistent(r["idle_abort"])
+
+
+def test_retraction_files_that_cannot_be_written_leave_the_requests_to_sglang(retraction):
+    r = retraction
+    assert r["fault"]["recomputed"] >= 1 and r["fault"]["restored"] == 0, r["fault"]
+    assert r["fault_forwards"]["extend"] > 1  # SGLang prefilled it again
+    for rid, final in r["fault_runs"].items():  # finished in full (recomputed: prefill numerics, not bit for bit)
+        assert final["meta_info"]["finish_reason"]["type"] == "length" and len(tokens(final)[0]) == RT_N, rid
+    _consistent(r["idle_fault"])
