@@ -769,10 +769,13 @@ def stream(snap: Snapshot, window: int, start: int, stop: int, *, each=None, can
     which then holds them all), hashing every section and checking the padding as each
     window lands; yields ``(section, error or None)`` as each section ends, calls
     ``each(offset, bytes)`` per window (a copy's sink), and puts the first padding error
-    (or None) in ``result["padding"]`` when the pass completes."""
+    (or None) in ``result["padding"]`` when the pass completes. [start, stop) may be part
+    of the body cut at region boundaries (a section's or a padding's start): then only the
+    regions in it are hashed and checked (several parts may be streamed at once)."""
     regions = sorted([(s.offset, s.offset + s.length, s) for s in snap.sections] + [(a, b, None) for a, b in snap.padding_ranges()],
                      key=lambda r: r[0])
-    regions = [r for r in regions if r[1] > start or r[0] >= start]
+    end = max((r[1] for r in regions), default=stop)
+    regions = [r for r in regions if (r[1] > start or r[0] >= start) and (r[0] < stop or stop >= end)]
     with contextlib.closing(_windows(snap, window, start, stop, into)) as windows:
         yield from _hash_windows(snap, windows, regions, each, cancelled, result)
 
@@ -806,6 +809,12 @@ def _hash_windows(snap: Snapshot, windows, regions, each, cancelled, result):
             yield s, None if got == s.digest else DigestMismatchError(snap.path, f"sections[{s.name!r}].digest", s.digest, got)
     if result is not None:
         result["padding"] = padding_error
+
+
+def region_starts(snap: Snapshot) -> list[int]:
+    """Where each region of the body (a section or the padding before one) starts, in order: the offsets
+    :func:`stream` may cut the body at."""
+    return sorted({s.offset for s in snap.sections} | {a for a, _ in snap.padding_ranges()})
 
 
 def section_digest(data) -> str:

@@ -325,6 +325,7 @@ def _restore_checked(source: OpenSource, view: PoolView, chain: Chain, engine, m
 # are verified, then read and hashed again as they land (a file), or land hashed with an
 # undo log of the slots they overwrite (an object).
 ONE_READ_BYTES = 128 << 20
+PARALLEL_STAGE_BYTES = 4 << 20  # a staged body this large is read and hashed as two parts at once
 
 
 class _Staged:
@@ -362,15 +363,40 @@ class _Staged:
 
     def verify(self) -> None:
         """Read the body into the buffer, hashing as it lands; raise the first failure in
-        spec 7.2's order (padding, then sections in table order)."""
-        from hsnap_format.reader import stream
+        spec 7.2's order (padding, then sections in table order). A local file's body of
+        :data:`PARALLEL_STAGE_BYTES` or more is read and hashed as two parts at once (cut at
+        the region boundary nearest its middle: preads and xxhash release the GIL); an
+        object's ranged GETs already run ahead of the hashing."""
+        from hsnap_format.reader import region_starts, stream
 
-        window = getattr(self.snap.source, "stage_window", HASH_PIECE)  # an object: bytes per ranged GET
-        result: dict = {}
+        window = getattr(self.snap.source, "stage_window", None)  # an object: bytes per ranged GET
         into = memoryview(self.buf)[: self.stop - self.start]
-        failures = [e for _, e in stream(self.snap, window, self.start, self.stop, result=result, into=into) if e is not None]
-        if result.get("padding") is not None:
-            raise result["padding"]
+        cuts = [self.start, self.stop]
+        if window is None and self.stop - self.start >= PARALLEL_STAGE_BYTES:
+            middle = (self.start + self.stop) // 2
+            inner = [o for o in region_starts(self.snap) if self.start < o < self.stop]
+            if inner:
+                cuts.insert(1, min(inner, key=lambda o: abs(o - middle)))
+
+        def part(a: int, b: int) -> tuple:
+            result: dict = {}
+            failures = [e for _, e in stream(self.snap, window or HASH_PIECE, a, b, result=result, into=into[a - self.start : b - self.start])
+                        if e is not None]
+            return result.get("padding"), failures
+
+        if len(cuts) == 2:
+            parts = [part(self.start, self.stop)]
+        else:
+            first: list = []
+            worker = threading.Thread(target=lambda: first.append(_outcome(part, cuts[0], cuts[1])), name="hsnap-stage", daemon=True)
+            worker.start()
+            second = _outcome(part, cuts[1], cuts[2])
+            worker.join()
+            parts = [_unwrap(first[0]), _unwrap(second)]
+        padding = [p for p, _ in parts if p is not None]
+        if padding:
+            raise padding[0]
+        failures = [e for _, fs in parts for e in fs]
         if failures:
             raise failures[0]
 
@@ -395,6 +421,21 @@ class _Staged:
         with _Staged._lock:
             if buf is not None and (_Staged._kept is None or _Staged._kept.size < buf.size):
                 _Staged._kept = buf
+
+
+def _outcome(fn, *args) -> tuple:
+    """``(True, fn(*args))`` or ``(False, the exception)``: a thread's result, raised by the caller."""
+    try:
+        return True, fn(*args)
+    except BaseException as e:  # noqa: BLE001 - re-raised by _unwrap in the calling thread
+        return False, e
+
+
+def _unwrap(outcome: tuple):
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value
 
 
 class _StagedRange:

@@ -102,7 +102,15 @@ def _flip(path, offset):
 # ------------------------------------------------------------------ local, verify=True
 
 
-def test_default_verify_reads_the_payload_once(snap_path, expected, monkeypatch):
+@pytest.fixture(params=["one part", "two parts"])
+def parts(request, monkeypatch):
+    """The staged body read and hashed as one part, or (any body: the bound set to 0) as two parts at once."""
+    if request.param == "two parts":
+        monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
+    return request.param
+
+
+def test_default_verify_reads_the_payload_once(snap_path, expected, monkeypatch, parts):
     size = os.path.getsize(snap_path)
     with hf.open(snap_path) as s:
         records = sum(x.length for x in s.sections if not x.is_state)
@@ -146,7 +154,7 @@ def test_file_changed_after_the_verify_pass_never_reaches_the_pools(snap_path, e
         hf.open(p).verify()
 
 
-def test_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_path):
+def test_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_path, parts):
     p = str(tmp_path / "bad.hsnap")
     shutil.copy(snap_path, p)
     with hf.open(p) as s:
@@ -162,6 +170,26 @@ def test_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_p
         _flip(p, pad[0][0])
         with pytest.raises(hf.DigestMismatchError, match="padding"):
             _restore(p, ps)
+        assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+
+
+def test_two_parts_report_the_first_corrupt_section_in_table_order(snap_path, tmp_path, monkeypatch):
+    """Read as two parts at once, a body corrupt in both parts (or only in the second) is refused naming the section
+    a one-part read names: the first one in the table, whichever thread hashed it; the pools untouched."""
+    monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
+    with hf.open(snap_path) as s:
+        secs = sorted((x for x in s.sections if x.length), key=lambda x: x.offset)
+    first, last = secs[0], secs[-1]
+    ps = target(KIND, 1)
+    before = sp.pool_state_fingerprint(ps)
+    for flips, named in (([last], last), ([first, last], first)):
+        p = str(tmp_path / f"bad-{len(flips)}.hsnap")
+        shutil.copy(snap_path, p)
+        for x in flips:
+            _flip(p, x.offset + x.length - 1)
+        with pytest.raises(hf.DigestMismatchError) as e:
+            _restore(p, ps)
+        assert e.value.field == f"sections[{named.name!r}].digest"
         assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
 
 
