@@ -217,6 +217,7 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
             out.append(f"| {statistics.median(r.committed for r in s.rounds):,.0f} | " + " | ".join(cells) + " |")
         out.append("")
     if done:
+        out += goals(done)
         worst = max((r.extra_steps for s in done for r in s.rounds if r.extra_steps is not None), default=None)
         if worst is not None:
             out.append(f"Stall: the other requests' longest gap around an export was {worst:.1f} decode steps more than their "
@@ -233,6 +234,33 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps} for r in s.rounds] for s in done}, sort_keys=True))
     out.append("```")
     return "\n".join(out)
+
+
+GOAL_SLACK_S = 0.005  # resume -> first token: at most the restore + one decode step + this
+
+
+def goals(done) -> list[str]:
+    """The goals per size, met or missed, with where the time went: resume -> first token <= restore + one decode
+    step (the median gap of the others while x decoded beside them) + 5 ms; at most one extra decode step for the
+    others around an export."""
+    out = ["Goals (medians over the rounds; a decode step = the others' median gap while x decoded beside them):", "",
+           "| committed positions | resume → first token | restore + step + 5 ms | met | over the restore and the step: hsnap's "
+           "phases / the first forward beyond a step | extra decode steps | met |", "|---|---|---|---|---|---|---|"]
+    for s in done:
+        rs = s.rounds
+        res = statistics.median(r.resume_first_token_s for r in rs)
+        restore = statistics.median(r.restore_s for r in rs)
+        step = statistics.median(g for r in rs for g in r.gaps_before)
+        goal = restore + step + GOAL_SLACK_S
+        phases = [r.resume_phases for r in rs if r.resume_phases]
+        overhead = statistics.median(p["to_answer_s"] - p["restore_s"] for p in phases) if phases else None
+        beyond = statistics.median(p["first_forward_s"] - step for p in phases) if phases else None
+        extra = max((r.extra_steps for r in rs if r.extra_steps is not None), default=None)
+        out.append(f"| {statistics.median(r.committed for r in rs):,.0f} | {fmt(res)} | {fmt(goal)} | {'met' if res <= goal else 'missed'} | "
+                   + (f"{fmt(overhead)} / {fmt(beyond)}" if phases else "-") + " | "
+                   + (f"{extra:.1f} | {'met' if extra <= 1.0 else 'missed'}" if extra is not None else "- | -") + " |")
+    out.append("")
+    return out
 
 
 def main(argv=None) -> int:

@@ -448,7 +448,8 @@ class _StagedRange:
         self.view, self.length = view, len(view)
 
     def readinto(self, view: memoryview, at: int) -> None:
-        view[:] = self.view[at : at + len(view)]
+        # numpy's copy releases the GIL (a memoryview assignment holds it): two uploads at once copy on two cores
+        np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(self.view[at : at + len(view)], dtype=np.uint8))
 
 
 def _upload(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
@@ -476,6 +477,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
             _read_ahead(ahead, pieces)  # the GETs start now, overlapping the allocation and the undo log
         row, slots, floor = allocate(view, pos, snap.swa_start, snap.path, checkpoint)
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
+        plain = []  # (binding, rows, piece, where) uploaded from a link's own section
         for b in view.bindings:
             dest = slots.rows(b.space)
             if exact_rollback:
@@ -486,8 +488,13 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     # by reference, not by object: two references to one object are each checked
                     by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
-                where = f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")
+                plain.append((b, rows, piece, f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")))
+        shares = _shares(plain) if staged is not None and getattr(engine, "forks", False) else [plain]
+        if len(shares) == 1:
+            for b, rows, piece, where in plain:
                 uploaded += upload_piece(engine, b, rows, piece, check_digests, staged)
+        else:  # staged bytes (nothing read any more): copied into the slots on two threads
+            uploaded, where = _upload_shares(shares, engine, check_digests, staged)
         for ref, targets in by_page.values():
             where = f"pages.refs[{ref.index}] of {ref.link.path} ({ref.path})"
             # opened and checked again (what is uploaded is what this open reads, hashed)
@@ -499,6 +506,8 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         where = "finish upload"
         engine.finish_import()
     except BaseException as e:
+        if isinstance(e, _Located):
+            where, e = e.where, e.error
         try:
             raise_upload_failure(engine, checkpoint, snap.path, e, where)
         finally:
@@ -515,6 +524,54 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         numerics_differences=numerics,
         swa_evict_floor=floor,
     )
+
+
+def _shares(plain: list) -> list[list]:
+    """``plain`` as two shares of about the same bytes (largest pieces first, each to the lighter share), or as one
+    when under :data:`PARALLEL_STAGE_BYTES` in all."""
+    total = sum(p[2].length for p in plain)
+    if total < PARALLEL_STAGE_BYTES or len(plain) < 2:
+        return [plain]
+    shares: list[list] = [[], []]
+    loads = [0, 0]
+    for job in sorted(plain, key=lambda p: -p[2].length):
+        k = 0 if loads[0] <= loads[1] else 1
+        shares[k].append(job)
+        loads[k] += job[2].length
+    return shares
+
+
+def _upload_shares(shares: list[list], engine, check_digests: bool, staged) -> tuple[int, str]:
+    """Upload two shares of staged pieces at once (the second on a forked engine: its own staging); returns the
+    bytes uploaded and ``"finish upload"``, or raises the first failure with the section it names as ``where``."""
+
+    def run(share: list, eng) -> tuple:
+        done, where = 0, share[0][3]
+        try:
+            eng = eng or engine.fork()
+            for b, rows, piece, where in share:
+                done += upload_piece(eng, b, rows, piece, check_digests, staged)
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            return done, where, e
+        return done, None, None
+
+    second: list = []
+    worker = threading.Thread(target=lambda: second.append(run(shares[1], None)), name="hsnap-upload", daemon=True)
+    worker.start()
+    first = run(shares[0], engine)
+    worker.join()
+    for done, where, error in (first, *second):
+        if error is not None:
+            raise _Located(where, error)
+    return first[0] + second[0][0], "finish upload"
+
+
+class _Located(Exception):
+    """A failure of one share of a parallel upload, with the section it was uploading."""
+
+    def __init__(self, where: str, error: BaseException) -> None:
+        super().__init__(where)
+        self.where, self.error = where, error
 
 
 def _read_ahead(stack: contextlib.ExitStack, pieces: dict) -> None:

@@ -160,12 +160,17 @@ class HostEngine:
     name = "cpu"
     # restore hands this engine FileRange sources (pread straight into the slots)
     reads_files = True
+    forks = True  # fork(): an engine of its own for a second thread (a restore's staged pieces, copied on two threads)
 
     def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.staging_bytes = staging_bytes
         self.chunk_bytes = min(staging_bytes, HOST_CHUNK_BYTES)
         self._host = torch.empty(0, dtype=torch.uint8)
         self._runs: tuple[torch.Tensor, int | None] | None = None  # (rows, run start) of the last call
+
+    def fork(self) -> "HostEngine":
+        """A second engine with its own staging, for another thread of the same restore."""
+        return HostEngine(self.staging_bytes)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._host.numel() < nbytes:

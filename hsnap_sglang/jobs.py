@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import queue
 import re
 import threading
@@ -24,6 +25,7 @@ logger = logging.getLogger("hsnap_sglang")
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
+WRITER_NICE = 5  # how much lower than the scheduler's a writer thread's CPU priority is (Linux: per thread)
 LOCAL_POLL_S = 0.0005  # how often a watcher looks for a marker or link in a directory (a stat)
 REMOTE_POLL_S = 0.01  # ... under an s3:// prefix (a HEAD request)
 
@@ -123,6 +125,7 @@ class LinkWriter:
     before_write = None
 
     def _run(self) -> None:
+        yield_cpu_to_decode()
         while True:
             job = self._q.get()
             if job is None:
@@ -244,6 +247,17 @@ class Following:
     applied: list = dataclasses.field(default_factory=list)
     started: float = 0.0
     arrived_at: float = 0.0  # the final link applied and the Req bound: admitted by the HTTP process within timeout_s
+
+
+def yield_cpu_to_decode() -> None:
+    """Lower the calling thread's CPU priority by :data:`WRITER_NICE` (``setpriority`` on its thread id: Linux
+    schedules threads apart): a background write takes what the decode loop leaves, so the other requests of a
+    busy host do not wait for it (where the cores are shared).  Nowhere to lower it: nothing happens."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except (OSError, AttributeError):  # not Linux, or not permitted
+        pass
 
 
 def safe_file_name(rid: str) -> str:

@@ -193,6 +193,35 @@ def test_two_parts_report_the_first_corrupt_section_in_table_order(snap_path, tm
         assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
 
 
+@pytest.mark.parametrize("failing", ["hsnap-upload", "MainThread"])
+def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expected, monkeypatch, failing):
+    """Staged pieces are copied into the slots on two threads (the bound set to 0): one that fails in either thread is
+    a typed error naming its section, every allocation given back, with exact_rollback every byte; then the same
+    restore succeeds, its rows equal to the source's."""
+    from hsnap_io import slots, transfer
+
+    monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
+    real, threads = transfer.HostEngine.import_section, set()
+
+    def flaky(self, buffer, rows, src):
+        threads.add(threading.current_thread().name)
+        if threading.current_thread().name == failing:
+            raise NotImplementedError("no kernel for this dtype")
+        return real(self, buffer, rows, src)
+
+    monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
+    ps = target(KIND, 1)
+    before = sp.pool_state_fingerprint(ps)
+    with pytest.raises(slots.UploadError) as e:
+        _restore(snap_path, ps, exact_rollback=True)
+    assert e.value.field.startswith("sections[") and "no kernel" in str(e.value)
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+    assert failing in threads
+    monkeypatch.setattr(transfer.HostEngine, "import_section", real)
+    got = _restore(snap_path, ps)
+    assert _same_rows(_rows(ps, got), expected)
+
+
 def test_staging_buffer_is_reused(snap_path, expected):
     ps = target(KIND, 1)
     got = _restore(snap_path, ps)
