@@ -24,9 +24,11 @@ and every output token recomputed, the recurrent (Mamba / GDN) state rebuilt fro
   into SGLang's waiting queue as SGLang would have: it is recomputed there, exactly as without the plug-in; an
   abort of a held request is answered by SGLang's own abort (the request is put where SGLang looks first).
 
-Not to disk (SGLang's recompute, counted ``recomputed``): a request whose last forward is still in flight (the
-overlap scheduler: its recurrent state already moved past its committed record), TP > 1, PD disaggregation (its
-decode server keeps its own host backup), a request whose record the export refuses (input embeddings, ...).
+Off (said once at start; SGLang recomputes): TP > 1, PD disaggregation (its decode server keeps its own host backup),
+the overlap scheduler (a request it retracts always has a forward in flight: its recurrent state has already moved
+past its committed record and its next token is not processed yet).  Per request (counted ``recomputed``): a request
+whose record the export refuses (input embeddings, ...), a writer that is behind, a file not written, a restore
+refused.
 """
 
 from __future__ import annotations
@@ -247,15 +249,17 @@ def _unlink(path: str) -> None:
 
 
 def from_env(hs) -> RetractionToDisk | None:
-    """The operator's ``HSNAP_RETRACT_DIR`` (created, mode 0700), at TP 1 without PD disaggregation; else None
-    (said once when set but not usable)."""
+    """The operator's ``HSNAP_RETRACT_DIR`` (created, mode 0700), at TP 1 without PD disaggregation or the overlap
+    scheduler; else None (said once when set but not usable)."""
     directory = os.environ.get(RETRACT_DIR_ENV)
     if not directory:
         return None
-    from sglang.srt.runtime_context import get_disagg
-
+    mode = getattr(hs.sched, "disaggregation_mode", None)  # the scheduler's DisaggregationMode
+    pd = str(getattr(mode, "value", mode) or "null")
     why = ("TP > 1" if hs.tp_size > 1 else
-           "PD disaggregation" if str(getattr(get_disagg(), "disaggregation_mode", "null")) not in ("null", "DisaggregationMode.NULL") else None)
+           "PD disaggregation" if pd != "null" else
+           # a request retracted there always has a forward in flight: its state is already past its committed record
+           "the overlap scheduler; --disable-overlap-schedule turns it off" if getattr(hs.sched, "enable_overlap", False) else None)
     if why is not None:
         logger.warning("hsnap: %s=%s ignored (%s): SGLang recomputes retracted requests", RETRACT_DIR_ENV, directory, why)
         return None
