@@ -26,10 +26,11 @@ B also refuses a NemotronH snapshot (another model, another layer layout) with a
 pools, requests and checks unchanged.
 
 LFM2 (Liquid's short-conv hybrid: SGLang's ``ShortConvAttnBackend``, whose Mamba slot holds a conv state and a
-zero-element temporal state): one server, L.  A request paused mid-decode to a file is resumed in L itself (the export
-freed its slots; SGLang's Mamba free list hands out the oldest free slot first, so the restore gets another one) and
-compared with its uninterrupted run as above, bit for bit and decode only; the file gives the conv layers to the Mamba
-group with the conv slot ``[hidden, conv_L_cache - 1]`` and the temporal state ``[1, hidden, 0]``.
+zero-element temporal state) runs the same moves a–c in its own A and B (bit for bit, decode only); then a request
+paused mid-decode to a file is resumed in B itself (the export freed its slots; SGLang's Mamba free list hands out the
+oldest free slot first, so the restore gets another one) and compared with its uninterrupted run as above; the file
+gives the conv layers to the Mamba group with the conv slot ``[hidden, conv_L_cache - 1]`` and the temporal state
+``[1, hidden, 0]``.
 
 Retraction to disk (``HSNAP_RETRACT_DIR``): one NemotronH server, R, under SGLang's own forced retraction
 (``SGLANG_TEST_RETRACT``: every third forward retracts the decoding request with the fewest outputs, never the last
@@ -63,6 +64,7 @@ from hsnap_sglang import client
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ARCHS = ("nemotron_h", "granitemoehybrid", "falcon_h1")
+MOVED_ARCHS = (*ARCHS, "lfm2")  # the moves (migration, a SIGKILLed source, a chain) run for LFM2's short conv too
 LONG = 1000  # max_new_tokens of every moved request: it never ends before the move lands (cut by an abort after)
 MORE = 8  # tokens a moved request decodes in B before it is aborted
 # each forward of B sleeps this long while a moved request runs there: its LONG tokens take 50 s at least, so the
@@ -78,8 +80,7 @@ B_CAPACITY = ("--max-total-tokens", "3500", "--max-mamba-cache-size", "13", "--m
 @pytest.fixture(scope="module")
 def servers(tiny_arch_dir, work):
     started = {arch: {"a": hsnap_server(tiny_arch_dir(arch), work / f"{arch}-a.log"),
-                      "b": hsnap_server(tiny_arch_dir(arch), work / f"{arch}-b.log", *B_CAPACITY)} for arch in ARCHS}
-    started["lfm2"] = {"l": hsnap_server(tiny_arch_dir("lfm2"), work / "lfm2-l.log")}
+                      "b": hsnap_server(tiny_arch_dir(arch), work / f"{arch}-b.log", *B_CAPACITY)} for arch in MOVED_ARCHS}
     (work / "retract-gate").mkdir()
     started["retract"] = {"r": hsnap_server(tiny_arch_dir("nemotron_h"), work / "retract-r.log",
                                             env={"SGLANG_TEST_RETRACT": "1", "HSNAP_RETRACT_DIR": str(work / "retracted"),
@@ -210,7 +211,7 @@ def _consistent(idle: dict) -> None:
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True and checks.get("tree_sanity", "ok") == "ok", checks
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", MOVED_ARCHS)
 def test_live_migration_continues_exactly_and_leaves_both_servers_consistent(scenarios, arch):
     s = scenarios(arch)
     mig = s["mig"]
@@ -228,7 +229,7 @@ def test_live_migration_continues_exactly_and_leaves_both_servers_consistent(sce
     assert s["mig_idle"][1]["requests"]["running"] == [] and s["mig_idle"][1]["follows"] == []
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", MOVED_ARCHS)
 def test_exported_request_resumes_exactly_after_the_source_was_killed(scenarios, arch):
     s = scenarios(arch)
     assert s["alive"] == []
@@ -290,7 +291,7 @@ def test_exported_file_gives_the_layers_to_their_groups_with_the_family_geometry
     assert groups == {"nemotron_h": 2, "granitemoehybrid": 1, "falcon_h1": 2}[arch]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", MOVED_ARCHS)
 def test_checkpoint_chain_resumes_from_its_newest_link_exactly(scenarios, work, arch):
     s = scenarios(arch)
     c = s["c"]
@@ -338,8 +339,8 @@ def test_snapshot_of_another_family_is_refused_before_allocating(scenarios, serv
 
 @pytest.fixture(scope="module")
 def lfm2(servers, work):
-    url = servers["lfm2"]["l"].url
-    d = work / "lfm2"
+    url = servers["lfm2"]["b"].url  # B: its scenario's target (A is SIGKILLed there); other rids
+    d = work / "lfm2-same-server"
     d.mkdir()
     out: dict = {}
     stream = Stream(url, payload("l", P_IDS, LONG))
@@ -381,7 +382,7 @@ def test_lfm2_file_gives_the_conv_layers_a_conv_only_mamba_slot(lfm2, tiny_arch_
 
     cfg = load_reference_model(tiny_arch_dir("lfm2")).config
     kinds = list(cfg.layer_types)
-    with open_snapshot(str(work / "lfm2" / "l.hsnap")) as snap:
+    with open_snapshot(str(work / "lfm2-same-server" / "l.hsnap")) as snap:
         g = snap.geometry
     assert g.attention is not None and g.mamba is not None
     assert list(g.attention.layers) == [i for i, k in enumerate(kinds) if k == "full_attention"] != []
