@@ -387,12 +387,7 @@ class _Staged:
         if len(cuts) == 2:
             parts = [part(self.start, self.stop)]
         else:
-            first: list = []
-            worker = threading.Thread(target=lambda: first.append(_outcome(part, cuts[0], cuts[1])), name="hsnap-stage", daemon=True)
-            worker.start()
-            second = _outcome(part, cuts[1], cuts[2])
-            worker.join()
-            parts = [_unwrap(first[0]), _unwrap(second)]
+            parts = list(_on_two_threads(lambda: part(cuts[0], cuts[1]), lambda: part(cuts[1], cuts[2]), "hsnap-stage"))
         padding = [p for p, _ in parts if p is not None]
         if padding:
             raise padding[0]
@@ -423,19 +418,25 @@ class _Staged:
                 _Staged._kept = buf
 
 
-def _outcome(fn, *args) -> tuple:
-    """``(True, fn(*args))`` or ``(False, the exception)``: a thread's result, raised by the caller."""
-    try:
-        return True, fn(*args)
-    except BaseException as e:  # noqa: BLE001 - re-raised by _unwrap in the calling thread
-        return False, e
+def _on_two_threads(here, there, name: str) -> tuple:
+    """``here()`` on this thread and ``there()`` on a thread named ``name``, at once; both results, or the first
+    failure (this thread's before the other's), raised here once both ended."""
 
+    def outcome(fn) -> tuple:
+        try:
+            return True, fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
+            return False, e
 
-def _unwrap(outcome: tuple):
-    ok, value = outcome
-    if not ok:
-        raise value
-    return value
+    other: list = []
+    worker = threading.Thread(target=lambda: other.append(outcome(there)), name=name, daemon=True)
+    worker.start()
+    mine = outcome(here)
+    worker.join()
+    for ok, value in (mine, other[0]):
+        if not ok:
+            raise value
+    return mine[1], other[0][1]
 
 
 class _StagedRange:
@@ -545,25 +546,17 @@ def _upload_shares(shares: list[list], engine, check_digests: bool, staged) -> t
     """Upload two shares of staged pieces at once (the second on a forked engine: its own staging); returns the
     bytes uploaded and ``"finish upload"``, or raises the first failure with the section it names as ``where``."""
 
-    def run(share: list, eng) -> tuple:
+    def run(share: list, eng) -> int:
         done, where = 0, share[0][3]
         try:
             eng = eng or engine.fork()
             for b, rows, piece, where in share:
                 done += upload_piece(eng, b, rows, piece, check_digests, staged)
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            return done, where, e
-        return done, None, None
+        except BaseException as e:  # noqa: BLE001 - located, raised in the calling thread
+            raise _Located(where, e) from None
+        return done
 
-    second: list = []
-    worker = threading.Thread(target=lambda: second.append(run(shares[1], None)), name="hsnap-upload", daemon=True)
-    worker.start()
-    first = run(shares[0], engine)
-    worker.join()
-    for done, where, error in (first, *second):
-        if error is not None:
-            raise _Located(where, error)
-    return first[0] + second[0][0], "finish upload"
+    return sum(_on_two_threads(lambda: run(shares[0], engine), lambda: run(shares[1], None), "hsnap-upload")), "finish upload"
 
 
 class _Located(Exception):

@@ -33,6 +33,12 @@ from .req.bind import binder, check_tracking_capacity, mamba_tracking_slots
 from .req.record import decode_carried, read_record
 
 
+def retracted_extra(req) -> dict:
+    """The record entries of ``req`` as it is once retracted (SGLang's ``reset_for_retract`` counts the retraction
+    and stains the request), written over its own: a retraction's file reports the counters SGLang will."""
+    return {"sglang.Req.retraction_count": int(req.retraction_count) + 1, "sglang.Req.retracted_stain": True}
+
+
 def retract_to_disk(
     path: str | os.PathLike[str],
     req,
@@ -56,7 +62,7 @@ def retract_to_disk(
 
     info = snapshot_req(
         path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-        identity=identity, extra={"sglang.Req.retraction_count": int(req.retraction_count) + 1, "sglang.Req.retracted_stain": True},
+        identity=identity, extra=retracted_extra(req),
         **export_kwargs,
     )
     # SGLang's retraction minus its in-memory backup (offload_kv=False): the file is the backup.
@@ -139,4 +145,4 @@ def load_retracted(
     return req
 
 
-__all__ = ["retract_to_disk", "load_retracted"]
+__all__ = ["retract_to_disk", "load_retracted", "retracted_extra"]

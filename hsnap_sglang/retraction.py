@@ -37,11 +37,13 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from typing import Any
 
 from .containment import guarded, typed
 from .errors import error_of
 from .jobs import Export, LinkJob, LinkWriter, safe_file_name
+from .retract import load_retracted, retracted_extra
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -69,7 +71,8 @@ class RetractionToDisk:
     def __init__(self, hs, directory: str) -> None:
         self.hs, self.directory = hs, directory
         self.writer = LinkWriter(depth=WRITER_DEPTH)
-        self.captured: dict[int, tuple[Any, str, Any]] = {}  # id(req) -> (req, path, capture): released, not yet queued
+        self.captured: dict[int, tuple[str, Any]] = {}  # id(req) -> (path, host copies): SGLang is releasing it
+        self.released: dict[int, Held] = {}  # id(req) -> its file being written: SGLang queues it next (take)
         self.held: dict[str, Held] = {}  # rid -> held request, oldest first
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.restore_s = 0.0
@@ -82,45 +85,39 @@ class RetractionToDisk:
         """Copy ``req`` to host memory before SGLang frees its slots (a committed boundary: the batch result that
         made its last token was processed); any refusal leaves it to SGLang's recompute."""
         hs = self.hs
-        if hs.in_flight(req) or req.rid in self.held:
-            self._recomputed(req, "its last forward is still in flight" if hs.in_flight(req) else "already held")
+        why = "its last forward is still in flight" if hs.in_flight(req) else "already held" if req.rid in self.held else None
+        if why is not None:
+            self._recomputed(req, why)
             return
         if self.writer.full():
             self._recomputed(req, f"{WRITER_DEPTH} retracted requests are being written")
             return
         path = os.path.join(self.directory, safe_file_name(req.rid) + SUFFIX)
-        import uuid
-
         try:
-            cap = hs.capture(req, path, uuid.uuid4().hex, extra={"sglang.Req.retraction_count": int(req.retraction_count) + 1,
-                                                                 "sglang.Req.retracted_stain": True})
+            cap = hs.capture(req, path, uuid.uuid4().hex, extra=retracted_extra(req))
         except Exception as e:  # noqa: BLE001 - refused or failed: SGLang recomputes the request
             self._recomputed(req, error_of(typed(e, "retraction", path))["message"])
             return
-        self.captured[id(req)] = (req, path, cap)
+        self.captured[id(req)] = (path, cap)
 
     def after_release(self, req, backup_saved: bool) -> None:
         """SGLang released ``req``; a capture of it is written now (it is queued next: :meth:`take`)."""
-        entry = self.captured.get(id(req))
-        if entry is None:
+        entry = self.captured.pop(id(req), None)
+        if entry is None or not backup_saved or not req.is_retracted:
             return
-        if not backup_saved or not req.is_retracted:
-            self.captured.pop(id(req), None)
-            return
-        _, path, cap = entry
+        path, cap = entry
         ex = Export(req.rid, path, keep_running=False, asked=time.monotonic(), req=req, found_in="retracted")
         job = LinkJob(ex, cap, {}, 0.0, fsync=False)
         self.writer.submit(job)
-        self.captured[id(req)] = (req, path, job)
+        self.released[id(req)] = Held(req, path, time.monotonic(), job=job)
 
     def take(self, req) -> bool:
         """SGLang queues a retracted request: hold it here when its file is on the way (True), else let SGLang queue
         it (False)."""
-        entry = self.captured.pop(id(req), None)
-        if entry is None or not isinstance(entry[2], LinkJob):
+        held = self.released.pop(id(req), None)
+        if held is None:
             return False
-        _, path, job = entry
-        self.held[req.rid] = Held(req, path, time.monotonic(), job=job)
+        self.held[req.rid] = held
         self.counts["to_disk"] += 1
         _count("to_disk")
         return True
@@ -128,11 +125,13 @@ class RetractionToDisk:
     # ------------------------------------------------------------------ every scheduler iteration
 
     def busy(self) -> bool:
-        return bool(self.held or self.captured or self.writer.busy())
+        return bool(self.held or self.captured or self.released or self.writer.busy())
 
     def service(self) -> None:
         """Collect the files written; put back, oldest first, every held request that fits now."""
-        self.captured.clear()  # captured at a release SGLang did not follow with a queueing (its file goes when written)
+        # captured or released in an iteration that did not queue the request: its file goes when written
+        self.captured.clear()
+        self.released.clear()
         for job in self.writer.collect():
             held = self.held.get(job.ex.rid)
             if held is None or held.job is not job:
@@ -179,8 +178,6 @@ class RetractionToDisk:
         return budget.remaining_total >= rows + reserve(req)
 
     def _restore(self, held: Held) -> None:
-        from .retract import load_retracted
-
         hs, s, req = self.hs, self.hs.sched, held.req
         t0 = time.monotonic()
         try:
