@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hsnap_support import Stream, generate, payload, prompt, stats
+from hsnap_support import Stream, generate, paced, payload, prompt, stats
 from mutation import http_routes as mh  # the fuzz target, its fixture and checks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.slow]
 ROUTES = ("export", "drain", "checkpoint", "resume", "migrate", "follow", "attach")
 TEN_MB = "x" * (10 << 20)
 BYSTANDER_N = 200  # tokens per bystander request (they follow one another through the module)
+RUN_PACE_S = 0.05  # seconds per forward while a live migration is refused: 600 tokens last 30 s at least
 
 
 @pytest.fixture(scope="module")
@@ -180,17 +181,18 @@ def test_hostile_refused_json_during_a_live_migration_gives_it_up_typed(server, 
     request decodes on here."""
     rid = f"mig-{kind}"
     s = Stream(server.url, payload(rid, prompt(11, 20), 600))
-    s.start()
-    s.wait_tokens(2)
-    got = mh.live_refusal_of(server.port, fx, rid, kind)
-    assert got["planted"]
-    err = assert_typed_refusal(got["status"], got["data"], statuses=(504,))
-    assert err["type"] == "MigrationError" and "unreadable" in err["message"]
-    assert_serving(server, bystander)
-    before, deadline = s.tokens_so_far(), time.monotonic() + 30
-    while s.tokens_so_far() <= before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert s.tokens_so_far() > before and s.error is None  # it stays here, decoding
+    with paced(server.url, RUN_PACE_S):  # an unpaced tiny model may finish its 600 tokens before the migration lands
+        s.start()
+        s.wait_tokens(2)
+        got = mh.live_refusal_of(server.port, fx, rid, kind)
+        assert got["planted"], {k: got[k] for k in ("status", "data", "dt")}
+        err = assert_typed_refusal(got["status"], got["data"], statuses=(504,))
+        assert err["type"] == "MigrationError" and "unreadable" in err["message"]
+        assert_serving(server, bystander)
+        before, deadline = s.tokens_so_far(), time.monotonic() + 30
+        while s.tokens_so_far() <= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.tokens_so_far() > before and s.error is None  # it stays here, decoding
     post(server, "export", _raw({"rid": rid, "path": f"fz/{rid}-end.hsnap"}))  # ends it (frees the machine)
     s.join(120)
 
