@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from . import canonical
+from .buffers import host_empty
 from .errors import (
     Phrase,
     BadMagicError,
@@ -560,7 +561,7 @@ class Snapshot:
         count = total - start if count is None else count
         if not (0 <= start <= total and 0 <= count <= total - start):
             raise IndexError(f"{self.path}: {s.name}: elements [{start}, {start + count}) outside [0, {total})")
-        out = np.empty(count, dtype=DTYPES[s.dtype])
+        out = host_empty(count, DTYPES[s.dtype])
         buf = out.view(np.uint8).data
         self._read(s.offset + start * itemsize, count * itemsize, buf)
         if verify:
@@ -585,7 +586,7 @@ class Snapshot:
             if cancelled is not None and cancelled():
                 return
             n = min(step, total - start)
-            chunk = np.empty(n, dtype=dt)
+            chunk = np.empty(n, dtype=dt)  # (small and transient: numpy's own, as the tools always had)
             view = chunk.view(np.uint8).data
             self._read(s.offset + start * dt.itemsize, n * dt.itemsize, view)
             if h is not None:

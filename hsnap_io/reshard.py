@@ -58,6 +58,7 @@ import xxhash
 from hsnap_format import (DigestMismatchError, HsnapError, HsnapIOError, IncompatibleSnapshotError, geometry_differences,
                           identity_differences)
 from hsnap_format.errors import Phrase
+from hsnap_format.buffers import host_empty
 from hsnap_format.records import Geometry, ShardAxis, Sharding
 from hsnap_format.spec import DTYPES
 
@@ -856,7 +857,7 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
                 direct = out is not None and out.nbytes == p.nbytes
                 if not direct:
                     if scratch is None:
-                        scratch = np.empty(max(q.nbytes for q in plans), dtype=np.uint8)
+                        scratch = host_empty(max(q.nbytes for q in plans))
                     out = scratch[: p.nbytes]
                 read += _assemble(sources, p, out, mode is not None, path, piece)
                 if not direct:
@@ -944,7 +945,7 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
         direct = out is not None and out.nbytes == p.nbytes
         if not direct:
             if scratch is None:
-                scratch = np.empty(max(q.nbytes for q in plans), dtype=np.uint8)
+                scratch = host_empty(max(q.nbytes for q in plans))
             out = scratch[: p.nbytes]
         read += _assemble(sources, p, out, check, deltaset.path, piece)
         if not direct and p.nbytes:

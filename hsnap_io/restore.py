@@ -35,6 +35,7 @@ import numpy as np
 
 from hsnap_format import HsnapIOError, Identity, IncompatibleSnapshotError, RequestRecord, Snapshot, SnapshotSet
 from hsnap_format.chain import Chain, Piece, chain_below
+from hsnap_format.buffers import host_empty
 from hsnap_format.pages import open_checked
 from hsnap_format.errors import Phrase, UnsupportedFeatureError, require_type
 from hsnap_format.records import Sharding
@@ -358,7 +359,7 @@ class _Staged:
         with cls._lock:
             buf, cls._kept = (cls._kept, None) if cls._kept is not None and cls._kept.size >= stop - start else (None, cls._kept)
         if buf is None:
-            buf = np.empty(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE, dtype=np.uint8)
+            buf = host_empty(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE)  # plain pages (hsnap_format.buffers)
         return cls(snap, start, stop, buf)
 
     def verify(self) -> None:
@@ -474,22 +475,26 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     ahead = contextlib.ExitStack()  # an object's read-ahead: ended (its GETs waited for) on every way out
     try:
         pieces = {b.name: chain.pieces(b.name) for b in view.bindings}
-        if staged is None:
-            _read_ahead(ahead, pieces)  # the GETs start now, overlapping the allocation and the undo log
         row, slots, floor = allocate(view, pos, snap.swa_start, snap.path, checkpoint)
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         plain = []  # (binding, rows, piece, where) uploaded from a link's own section
         for b in view.bindings:
             dest = slots.rows(b.space)
-            if exact_rollback:
-                checkpoint.remember_rows(b.buffer, dest, b.name)
             for piece in pieces[b.name]:
-                rows = dest if piece.start is None else dest[piece.start : piece.stop]
+                rows = dest if piece.start is None or (piece.start, piece.stop) == (0, len(dest)) else dest[piece.start : piece.stop]
                 if piece.page is not None:
                     # by reference, not by object: two references to one object are each checked
                     by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
                 plain.append((b, rows, piece, f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")))
+        landings = _landings(plain, engine, checkpoint if exact_rollback else None) if staged is None else {}
+        if exact_rollback:  # a binding whose every piece lands in its slots saves them piece by piece instead
+            written_otherwise = {id(p[0]) for p in plain if id(p[2]) not in landings} | {id(b) for _, ts in by_page.values() for b, _ in ts}
+            for b in view.bindings:
+                if id(b) in written_otherwise or not any(p[0] is b for p in plain):
+                    checkpoint.remember_rows(b.buffer, slots.rows(b.space), b.name)
+        if staged is None:
+            _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
         shares = _shares(plain) if staged is not None and getattr(engine, "forks", False) else [plain]
         if len(shares) == 1:
             for b, rows, piece, where in plain:
@@ -509,10 +514,8 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     except BaseException as e:
         if isinstance(e, _Located):
             where, e = e.where, e.error
-        try:
-            raise_upload_failure(engine, checkpoint, snap.path, e, where)
-        finally:
-            ahead.close()
+        ahead.close()  # first: no GET writes into the slots once they are rolled back
+        raise_upload_failure(engine, checkpoint, snap.path, e, where)
     ahead.close()
     return RestoredRequest(
         req_pool_idx=row,
@@ -567,17 +570,43 @@ class _Located(Exception):
         self.where, self.error = where, error
 
 
-def _read_ahead(stack: contextlib.ExitStack, pieces: dict) -> None:
+def _landings(plain: list, engine, checkpoint: PoolCheckpoint | None) -> dict:
+    """Where a read-ahead may fetch a piece straight into the slots (by ``id(piece)``): a
+    whole section whose slots are one run of a contiguous buffer — the engine reads it there
+    (``slots_view``), so the bytes are never copied out of a ring buffer. With ``checkpoint``
+    (exact rollback) each GET saves the bytes it is about to overwrite first (a
+    :class:`~hsnap_io.statecheck.RunUndo`: the undo log is written piece by piece, beside
+    the download, not all before it)."""
+    from hsnap_format.stores.s3.ranges import Landing
+
+    slots_view = getattr(engine, "slots_view", None)
+    runs: dict = {}
+    for b, rows, piece, _ in plain:
+        if slots_view is None or getattr(piece.link.source, "read_ahead", None) is None or piece.skip or piece.length != piece.info.length:
+            continue
+        dest = slots_view(b.buffer, rows)
+        if dest is not None and dest.nbytes == piece.length:
+            runs[id(piece)] = (dest.reshape(-1), b.name)
+    if checkpoint is None:
+        return {k: Landing(memoryview(dest)) for k, (dest, _) in runs.items()}
+    undos = checkpoint.remember_runs(list(runs.values())) if runs else []
+    return {k: Landing(memoryview(dest), undo.save) for (k, (dest, _)), undo in zip(runs.items(), undos)}
+
+
+def _read_ahead(stack: contextlib.ExitStack, pieces: dict, landings: dict) -> None:
     """Start each link's read-ahead (a capability of a snapshot read over the network —
     ``read_ahead``; a local file has none) over the sections the upload will read from it,
-    in the order it reads them (a piece reads its whole section: its digest is over it)."""
+    in the order it reads them (a piece reads its whole section: its digest is over it),
+    each landing where :func:`_landings` says."""
     plan: dict[int, tuple] = {}
     for name_pieces in pieces.values():
         for piece in name_pieces:
             if piece.link is not None and getattr(piece.link.source, "read_ahead", None) is not None:
-                plan.setdefault(id(piece.link), (piece.link, []))[1].append(piece.info)
-    for link, infos in plan.values():
-        stack.enter_context(link.source.read_ahead(infos))
+                infos, lands = plan.setdefault(id(piece.link), (piece.link, [], []))[1:]
+                infos.append(piece.info)
+                lands.append(landings.get(id(piece)))
+    for link, infos, lands in plan.values():
+        stack.enter_context(link.source.read_ahead(infos, lands))
 
 
 __all__ = ["restore_request", "open_source", "restore_opened", "OpenSource", "check_target"]

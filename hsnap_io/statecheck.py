@@ -3,8 +3,10 @@
 ``PoolCheckpoint`` remembers (1) the allocators' free lists and mappings — every
 tensor, list and scalar attribute of the request pool, the token allocator (and
 its sub-allocators) and the mamba slot allocator — and (2) the previous bytes of
-every slot row a restore is about to overwrite. ``rollback()`` puts all of it
-back, so the pools are byte-identical to before, free lists included.
+every slot row a restore is about to overwrite — whole rows before the upload, or
+(:class:`RunUndo`) a run of slots piece by piece, just before each piece is written.
+``rollback()`` puts all of it back, so the pools are byte-identical to before, free
+lists included.
 
 The rollback cannot stop halfway: it puts back the allocator state first (plain
 attribute and same-shape integer copies), then every remembered row, each step
@@ -15,9 +17,13 @@ element type lacks the kernel. A step that still fails does not stop the others;
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
 
 from hsnap_format import HsnapError
+from hsnap_format.buffers import host_empty
 
 from .adapters import PoolView
 from .transfer import raw_rows
@@ -34,10 +40,43 @@ def _is_allocator(value) -> bool:
     return hasattr(value, "alloc") and hasattr(value, "free") and hasattr(value, "available_size")
 
 
+def _all_zero(a: np.ndarray) -> bool:
+    words = a[: len(a) // 8 * 8].view(np.uint64) if a.ctypes.data % 8 == 0 else a
+    return not words.any() and not a[len(words) * words.itemsize :].any()
+
+
+class RunUndo:
+    """The old bytes of one run of slots (``dest``: their bytes, one contiguous array),
+    saved piece by piece by :meth:`save` just before each piece is overwritten — from any
+    thread (the GETs that land in the run) — and put back, only where saved, by the rollback.
+    A piece that held only zeros (slots no request has used since the pool was made) is
+    remembered as zeros, not copied: the undo log of a fresh server's slots costs a read."""
+
+    def __init__(self, what: str, dest: np.ndarray, saved: np.ndarray) -> None:
+        self.what, self.dest, self._saved = what, dest, saved
+        self._ranges: list[tuple[int, int, bool]] = []  # (start, stop, saved as zeros)
+        self._lock = threading.Lock()
+
+    def save(self, a: int, b: int) -> None:
+        zero = _all_zero(self.dest[a:b])
+        if not zero:
+            np.copyto(self._saved[a:b], self.dest[a:b])  # (releases the GIL: GETs save in parallel)
+        with self._lock:
+            self._ranges.append((a, b, zero))
+
+    def rollback(self) -> None:
+        for a, b, zero in self._ranges:
+            if zero:
+                self.dest[a:b] = 0
+            else:
+                np.copyto(self.dest[a:b], self._saved[a:b])
+
+
 class PoolCheckpoint:
     def __init__(self, view: PoolView) -> None:
         self._attrs: list[tuple[object, str, object, object]] = []
         self._rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (what, raw rows, rows, saved)
+        self._runs: list[RunUndo] = []
         rtp = view.req_to_token_pool
         self._capture(rtp, skip={"req_to_token", "req_index_to_mamba_index_mapping", "mamba_pool", "mamba_allocator"})
         self._capture(view.allocator, skip={"_kvcache"}, recurse=True)
@@ -75,6 +114,18 @@ class PoolCheckpoint:
             torch.index_select(raw, 0, rows, out=saved)
         self._rows.append((what, raw, rows, saved))
 
+    def remember_runs(self, runs: list[tuple[np.ndarray, str]]) -> list[RunUndo]:
+        """Call before anything writes into the runs (``(dest, what)``: the bytes of one run of
+        slots each); whoever writes a piece of a run calls its undo's ``save(a, b)`` first.
+        Their undo log is one allocation (made here, in this thread), touched only where saved."""
+        memory = host_empty(sum(len(d) for d, _ in runs))  # faulted in only where saved
+        undos, at = [], 0
+        for dest, what in runs:
+            undos.append(RunUndo(what, dest, memory[at : at + len(dest)]))
+            at += len(dest)
+        self._runs.extend(undos)
+        return undos
+
     def rollback(self, path=None) -> None:
         """Put everything back; raise :class:`RollbackError` naming what could not be."""
         failed: list[str] = []
@@ -99,7 +150,14 @@ class PoolCheckpoint:
             except Exception as e:  # noqa: BLE001
                 failed.append(what)
                 first = first or e
+        for undo in reversed(self._runs):
+            try:
+                undo.rollback()
+            except Exception as e:  # noqa: BLE001
+                failed.append(undo.what)
+                first = first or e
         self._rows.clear()
+        self._runs.clear()
         self._attrs.clear()
         if failed:
             raise RollbackError(path, "rollback", "every allocation and remembered row put back", "not put back: " + ", ".join(failed)) from first

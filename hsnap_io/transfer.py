@@ -126,7 +126,8 @@ def _run_start(rows: torch.Tensor) -> int | None:
     a = int(rows[0])
     if int(rows[-1]) - a != n - 1:
         return None
-    if n > 2 and not bool(torch.equal(rows, torch.arange(a, a + n, dtype=rows.dtype, device=rows.device))):
+    # n strictly increasing integers from a to a + n - 1 are exactly a, a+1, ...: one compare, no arange
+    if n > 2 and not bool((rows[1:] > rows[:-1]).all()):
         return None
     return a
 
@@ -166,7 +167,7 @@ class HostEngine:
         self.staging_bytes = staging_bytes
         self.chunk_bytes = min(staging_bytes, HOST_CHUNK_BYTES)
         self._host = torch.empty(0, dtype=torch.uint8)
-        self._runs: tuple[torch.Tensor, int | None] | None = None  # (rows, run start) of the last call
+        self._runs: dict[int, tuple[torch.Tensor, int | None]] = {}  # id(rows) -> (rows, run start)
 
     def fork(self) -> "HostEngine":
         """A second engine with its own staging, for another thread of the same restore."""
@@ -180,10 +181,13 @@ class HostEngine:
     def _run_start(self, buffer: torch.Tensor, rows: torch.Tensor) -> int | None:
         """Start of the slot run ``rows`` when it lies inside ``buffer`` (else None: the
         index_select / index_copy_ path, which also raises for out-of-range rows)."""
-        # every layer's section shares one rows tensor: check it once, not once per section
-        if self._runs is None or self._runs[0] is not rows:
-            self._runs = (rows, _run_start(rows))
-        a = self._runs[1]
+        # every layer's section shares its space's rows tensor: check each once, not once per section
+        known = self._runs.get(id(rows))
+        if known is None or known[0] is not rows:
+            if len(self._runs) >= 8:
+                self._runs.clear()
+            known = self._runs[id(rows)] = (rows, _run_start(rows))
+        a = known[1]
         if a is None or a < 0 or a + len(rows) > buffer.shape[0]:
             return None
         return a

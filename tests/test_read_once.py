@@ -27,7 +27,7 @@ import types
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 from io_cases import export_from, identity, rows_as_bytes, source, target  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
@@ -332,16 +332,57 @@ def test_in_flight_gets_bounded(s3server, bucket, snap_path, expected, path_kind
 
     def fill(self):
         real_fill(self)
-        held.append(len(self._held))
+        held.append(self.ring_buffers)
 
     monkeypatch.setattr(s3ranges.ReadAhead, "_fill", fill)
     ps = target(KIND, 1)
     got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3))
     assert _same_rows(_rows(ps, got), expected)
     assert count[0] > 6 and 1 <= peak[0] <= 3
-    assert max(held, default=0) <= 3  # read-ahead buffers: parallel x chunk_bytes at most
+    assert max(held, default=0) <= 3  # ring buffers made: parallel x chunk_bytes at most
     assert (path_kind == "read-ahead") == bool(held)
     assert _gets_threads() == []
+
+
+@pytest.mark.parametrize("slots", ["used", "never used"])
+def test_url_read_ahead_lands_in_the_slots_and_a_late_refusal_puts_back_every_byte(s3server, bucket, snap_path, expected,
+                                                                                   tmp_path, monkeypatch, slots):
+    """Over the staging bound an object's sections are fetched straight into their slots, each GET saving the bytes
+    it overwrites first (held as zeros where the slots held only zeros). The last section corrupt: every earlier one
+    has landed when the digest fails, and the pools come back byte for byte — free slots that held an earlier
+    request's bytes, or nothing — then the good object restores exactly."""
+    from hsnap_io import statecheck
+
+    monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)
+    bad = str(tmp_path / "late.hsnap")
+    shutil.copy(snap_path, bad)
+    with hf.open(bad) as s:
+        last = max((x for x in s.sections if not x.name.startswith("request.")), key=lambda x: x.offset)
+    _flip(bad, last.offset + last.length - 3)
+    good_url, bad_url = _upload(s3server, bucket, snap_path), f"s3://{bucket}/late.hsnap"
+    s3client.put_bytes(bad_url, open(bad, "rb").read(), s3options.StorageOptions.of(s3server.options()))
+    saved, real_save = [], statecheck.RunUndo.save
+
+    def save(self, a, b):
+        saved.append((self.what, b - a, bool(self.dest[a:b].any())))
+        return real_save(self, a, b)
+
+    monkeypatch.setattr(statecheck.RunUndo, "save", save)
+    ps = target(KIND, 1)
+    gen = np.random.default_rng(7)
+    for t in sp.all_buffers(ps).values():  # the state buffers: an earlier request's bytes, or a fresh server's zeros
+        if t.dtype.is_floating_point and t.numel():
+            t.view(-1).view(torch.uint8)[:] = torch.from_numpy(gen.integers(1, 255, t.numel() * t.element_size(), dtype=np.uint8)
+                                                               if slots == "used" else np.zeros(t.numel() * t.element_size(), np.uint8))
+    before = sp.pool_state_fingerprint(ps)
+    opts = dict(s3server.options(), chunk_bytes=CHUNK, parallel=3)
+    with pytest.raises(hf.DigestMismatchError, match=last.name):
+        _restore(bad_url, ps, storage_options=opts)
+    assert saved and {any_bytes for *_, any_bytes in saved} == {slots == "used"}  # landed, saved (or held as zeros)
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+    assert _gets_threads() == []
+    got = _restore(good_url, ps, storage_options=opts)
+    assert _same_rows(_rows(ps, got), expected)
 
 
 def _interrupted(s3server, bucket, snap_path, act, err, **opts):

@@ -9,7 +9,10 @@ import concurrent.futures as cf
 import contextlib
 import itertools
 import threading
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
 
 import xxhash
 
@@ -59,9 +62,11 @@ class RangeReader:
             self._pool = cf.ThreadPoolExecutor(self.options.parallel, thread_name_prefix=self._pool_name)
         return self._pool
 
-    def _get(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with bytes [offset, offset+len(out)) of the pinned version."""
-        n = len(out)
+    def _get(self, offset: int, out) -> None:
+        """Fill ``out`` with bytes [offset, offset+len(out)) of the pinned version (``out``: a
+        view, or a list of views filled one after another by one GET)."""
+        outs = [o for o in ([out] if isinstance(out, memoryview) else out) if len(o)]
+        n = sum(len(o) for o in outs)
         fault_point("get", self.url, offset, n)
         self.requests += 1
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self.key, "Range": f"bytes={offset}-{offset + n - 1}"}
@@ -71,13 +76,17 @@ class RangeReader:
             kw["IfMatch"] = self.etag
         try:
             body = self.client.get_object(**kw)["Body"]
-            done = 0
-            while done < n:  # read into the target piece by piece: no second whole-chunk copy
-                piece = body.read(min(1 << 20, n - done))
+            done, k, into = 0, 0, 0  # bytes read; outs[k], filled up to ``into``
+            while done < n:  # read into the targets piece by piece: no second whole-chunk copy
+                piece = memoryview(body.read(min(1 << 20, n - done)))
                 if not piece:
                     break
-                out[done : done + len(piece)] = piece
-                done += len(piece)
+                while piece:
+                    m = min(len(piece), len(outs[k]) - into)
+                    outs[k][into : into + m] = piece[:m]
+                    piece, into, done = piece[m:], into + m, done + m
+                    if into == len(outs[k]):
+                        k, into = k + 1, 0
         except Exception as e:  # noqa: BLE001
             raise translate(e, self.url, f"read at byte {offset}", self.options) from None
         if done != n:
@@ -105,8 +114,10 @@ class RangeReader:
         pieces = [(a, min(n, a + step)) for a in range(0, n, step)]
         if len(pieces) == 1:
             return self._get(offset, view)
-        futures = [self._executor().submit(self._get, offset + a, view[a:b]) for a, b in pieces]
-        try:
+        futures: list[cf.Future] = []
+        try:  # (submitted inside the try: an interrupt while submitting still waits for what was submitted)
+            for a, b in pieces:
+                futures.append(self._executor().submit(self._get, offset + a, view[a:b]))
             for f in futures:
                 f.result()
         finally:
@@ -125,8 +136,10 @@ class RangeReader:
             raise TruncatedError(self.url, f"read at byte {offset}", offset + n, Phrase(f"{self.size} bytes"))
         step = max(1, step)
         pieces = [(a, min(n, a + step)) for a in range(0, n, step)]
-        futures = [(a, b, self._executor().submit(self._get, offset + a, view[a:b])) for a, b in pieces]
-        try:
+        futures: list = []
+        try:  # (submitted inside the try: leaving early still waits for what was submitted)
+            for a, b in pieces:
+                futures.append((a, b, self._executor().submit(self._get, offset + a, view[a:b])))
             for a, b, f in futures:
                 f.result()  # the GET's typed error
                 yield offset + a, view[a:b]
@@ -192,71 +205,168 @@ class SectionRange:
 READ_AHEAD_GAP = 64 << 10  # planned ranges this close in the object are fetched as one run (the padding between is read too)
 
 
+@dataclass(frozen=True)
+class Landing:
+    """Where a planned range's bytes go as they arrive: its GETs write straight into ``view``
+    (the range's length; no ring buffer, no copy — :meth:`ReadAhead.serve` finds them already
+    there). ``before(a, b)``, when given, runs in the GET's thread just before bytes [a, b)
+    of ``view`` are written (an undo log saving what the view held)."""
+
+    view: memoryview
+    before: Callable[[int, int], None] | None = None
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+class _Get:
+    """One planned ranged GET of ``[a, b)``: ``parts`` ``(start, stop, view, landing, at)``
+    cover it in order, each a slice of a landing (``at``: where in it) or of ``buf``, the
+    ring buffer that takes every byte without a landing (None when every byte has one)."""
+
+    __slots__ = ("a", "b", "parts", "buf", "future")
+
+    def __init__(self, a: int, b: int, parts: list, buf) -> None:
+        self.a, self.b, self.parts, self.buf = a, b, parts, buf
+        self.future: cf.Future | None = None
+
+
 class ReadAhead:
-    """The byte ranges a restore will read, in the order it reads them, fetched ahead of it:
-    ranged GETs of ``chunk`` bytes, at most ``depth`` submitted and not yet consumed, each
-    into one of ``depth`` reused buffers — memory ``depth x chunk`` whatever the object
-    size — so the next GETs run while the consumer hashes and scatters the current chunk.
+    """The byte ranges a restore will read, in the order it reads them, fetched ahead of it
+    by ranged GETs of ``chunk`` bytes over the object (ranges close together are fetched as
+    one run, a GET crossing from one range into the next). A range planned with a
+    :class:`Landing` is fetched straight into it; every other byte goes to one of at most
+    ``depth`` reused ring buffers — memory ``depth x chunk`` whatever the object size — so
+    the next GETs run while the consumer hashes and scatters the current chunk. A GET that
+    needs no ring buffer costs no memory: all of those are queued at once (the reader's
+    ``parallel`` threads bound what is in flight).
 
     :meth:`serve` hands bytes out strictly in plan order; a read it does not hold next
     (off the plan) is left to the caller's own GET. Every GET is the reader's (pinned to
     the ETag of open). A failed GET raises from :meth:`serve` typed; :meth:`close`
-    cancels what has not started and waits for what has (no GET outlives it)."""
+    cancels what has not started and waits for what has (no GET outlives it: nothing
+    writes into a landing after it returns)."""
 
     def __init__(self, reader: RangeReader, ranges, *, depth: int, chunk: int) -> None:
+        """``ranges``: ``(offset, length)`` or ``(offset, length, landing)`` (a :class:`Landing` or None)."""
         self.reader, self.depth, self.chunk = reader, max(1, depth), max(1, chunk)
-        runs: list[list[int]] = []
-        for offset, length in ranges:
+        runs: list[list] = []  # [start, stop, [(start, stop, landing)]]: ranges close together, one run
+        for offset, length, *rest in ranges:
             if length <= 0:
                 continue
+            seg = (offset, offset + length, rest[0] if rest else None)
             if runs and runs[-1][1] <= offset <= runs[-1][1] + READ_AHEAD_GAP:
-                runs[-1][1] = max(runs[-1][1], offset + length)
+                runs[-1][1] = offset + length
+                runs[-1][2].append(seg)
             else:
-                runs.append([offset, offset + length])
-        self._todo = collections.deque((a, min(b, a + self.chunk)) for a0, b in runs for a in range(a0, b, self.chunk))
-        self._held: collections.deque = collections.deque()  # (start, stop, buffer, future), plan order
+                runs.append([offset, offset + length, [seg]])
+        self._todo = collections.deque(g for a0, b0, segs in runs for g in self._plan(a0, b0, segs))
+        self._held: collections.deque = collections.deque()  # submitted _Gets, plan order
         self._free: list[bytearray] = []
         self.submitted = 0
+        self.ring_buffers = 0  # ring buffers made (the memory the ring took)
+        self._ring_held = 0
+        # close() waits for every GET that started and stops every later one, whatever bookkeeping a
+        # KeyboardInterrupt in the consumer's thread cut short (a future submitted, not yet held)
+        self._state = threading.Condition()
+        self._closed, self._active = False, 0
+
+    def start(self) -> None:
+        """Submit the first GETs (not in ``__init__``: whoever holds the read-ahead can close it
+        however its start ends)."""
         self._fill()
 
+    def _plan(self, a0: int, b0: int, segs: list) -> list[_Get]:
+        """The GETs of one run: ``chunk`` bytes each, every byte in a part (a landing's or the ring's)."""
+        gets = []
+        for a in range(a0, b0, self.chunk):
+            b = min(b0, a + self.chunk)
+            parts, at = [], a
+            for s0, s1, landing in segs:
+                if s1 <= at or s0 >= b:
+                    continue
+                if s0 > at:  # the gap before this range (padding): read, not handed out
+                    parts.append((at, s0, None, None, 0))
+                lo, hi = max(s0, at), min(s1, b)
+                parts.append((lo, hi, None if landing is None else landing.view[lo - s0 : hi - s0], landing, lo - s0))
+                at = hi
+            if at < b:
+                parts.append((at, b, None, None, 0))
+            ringed = any(view is None for _, _, view, _, _ in parts)
+            gets.append(_Get(a, b, parts, True if ringed else None))
+        return gets
+
     def _fill(self) -> None:
-        while self._todo and len(self._held) < self.depth:
-            a, b = self._todo.popleft()
-            buf = self._free.pop() if self._free else bytearray(self.chunk)
-            view = memoryview(buf)[: b - a]
-            self._held.append((a, b, buf, self.reader._executor().submit(self.reader._get, a, view)))
+        while self._todo and (self._todo[0].buf is None or self._ring_held < self.depth):
+            g = self._todo.popleft()
+            if g.buf is not None:
+                if not self._free:
+                    self.ring_buffers += 1
+                g.buf = self._free.pop() if self._free else bytearray(self.chunk)
+                self._ring_held += 1
+                ring = memoryview(g.buf)
+                g.parts = [(x, y, ring[x - g.a : y - g.a] if v is None else v, landing, at) for x, y, v, landing, at in g.parts]
+            g.future = self.reader._executor().submit(self._land, g)
+            self._held.append(g)
             self.submitted += 1
 
+    def _land(self, g: _Get) -> None:
+        with self._state:
+            if self._closed:  # (never handed out: serve is not called after close)
+                return
+            self._active += 1
+        try:
+            for _, _, view, landing, at in g.parts:
+                if landing is not None and landing.before is not None:
+                    landing.before(at, at + len(view))
+            self.reader._get(g.a, [view for _, _, view, _, _ in g.parts])
+        finally:
+            with self._state:
+                self._active -= 1
+                self._state.notify_all()
+
     def serve(self, view: memoryview, offset: int) -> int:
-        """Copy the planned bytes at ``offset`` into ``view``; how many (from its start)."""
+        """Copy the planned bytes at ``offset`` into ``view`` (nothing to copy where they
+        landed there already); how many (from its start)."""
         done, n = 0, len(view)
         while done < n and self._held:
-            a, b, buf, fut = self._held[0]
+            g = self._held[0]
             at = offset + done
-            if at >= b:  # planned bytes the consumer skipped: drop them
-                fut.cancel()
-                cf.wait([fut])
+            if at >= g.b:  # planned bytes the consumer skipped: drop them
+                g.future.cancel()
+                cf.wait([g.future])
                 self._release()
                 continue
-            if not a <= at < b:
+            if not g.a <= at < g.b:
                 break
-            fut.result()  # the GET's typed error, raised here
-            k = min(b - at, n - done)
-            view[done : done + k] = memoryview(buf)[at - a : at - a + k]
+            g.future.result()  # the GET's typed error, raised here
+            x, y, src = next((x, y, v) for x, y, v, _, _ in g.parts if x <= at < y)
+            k = min(y - at, n - done)
+            src, dst = src[at - x : at - x + k], view[done : done + k]
+            if _address(src) != _address(dst):
+                dst[:] = src
             done += k
-            if at + k == b:
+            if at + k == g.b:
                 self._release()
         return done
 
     def _release(self) -> None:
-        self._free.append(self._held.popleft()[2])  # (its GET is done) reused: fresh memory is expensive
+        g = self._held.popleft()
+        if g.buf is not None:
+            self._free.append(g.buf)  # (its GET is done) reused: fresh memory is expensive
+            self._ring_held -= 1
         self._fill()
 
     def close(self) -> None:
+        with self._state:
+            self._closed = True
         held, self._held, self._todo = list(self._held), collections.deque(), collections.deque()
-        for *_, fut in held:
-            fut.cancel()
-        cf.wait([f for *_, f in held])  # nothing writes into a buffer after this returns
+        for g in held:
+            g.future.cancel()
+        with self._state:  # nothing writes into a buffer or a landing after this returns
+            while self._active:
+                self._state.wait()
         self._free = []
 
 
@@ -328,17 +438,21 @@ class RangeSource:
             self._prefetch = None
 
     @contextlib.contextmanager
-    def read_ahead(self, sections):
+    def read_ahead(self, sections, landings=None):
         """While the block runs, ``sections`` (in the order they will be read through
         :meth:`section_range`) are fetched ahead of the reads (:class:`ReadAhead`:
         ``parallel`` GETs of ``chunk_bytes`` submitted ahead, memory parallel x chunk);
-        on leaving, every GET still running is waited for."""
+        ``landings`` (one per section, a :class:`Landing` or None): where a section's bytes
+        go straight away (the slots it is read into). On leaving, every GET still running
+        is waited for."""
         o = self.options
         if self._prefetch is not None:  # one read-ahead at a time (a nested block adds nothing)
             yield self._prefetch
             return
-        pf = self._prefetch = ReadAhead(self.reader, [(i.offset, i.length) for i in sections], depth=o.parallel, chunk=o.chunk_bytes)
+        plan = [(i.offset, i.length, None if landings is None else landings[k]) for k, i in enumerate(sections)]
+        pf = self._prefetch = ReadAhead(self.reader, plan, depth=o.parallel, chunk=o.chunk_bytes)
         try:
+            pf.start()
             yield pf
         finally:
             self._prefetch = None
@@ -375,4 +489,4 @@ class RangeSource:
             self.reader.close()
 
 
-__all__ = ["READ_AHEAD_GAP", "RangeReader", "RangeSource", "ReadAhead", "SectionRange"]
+__all__ = ["READ_AHEAD_GAP", "Landing", "RangeReader", "RangeSource", "ReadAhead", "SectionRange"]
