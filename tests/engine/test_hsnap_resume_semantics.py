@@ -117,9 +117,12 @@ def _abort(url: str, rid: str) -> None:
         pass
 
 
-def _health_s(url: str) -> float:
+def _answer_s(url: str) -> float:
+    """Seconds the HTTP process takes to answer a route it serves alone (``/v1/models``). Not ``/health``: SGLang's
+    sleeps a second and then waits for any output of the scheduler, so its time is the scheduler's and the
+    detokenizer's as much as the HTTP process's (on a loaded machine one took 3.5 s while every request decoded)."""
     t0 = time.monotonic()
-    with urllib.request.urlopen(url + "/health", timeout=60) as r:
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
         assert r.status == 200
     return time.monotonic() - t0
 
@@ -411,7 +414,8 @@ def test_resume_refused_after_claiming_takes_its_claim_back(refused_for_capacity
 
 
 def _during(call, url: str, watch: Stream | None) -> dict:
-    """Run ``call`` in a thread; meanwhile time /health calls; the largest gap between ``watch``'s events while it ran."""
+    """Run ``call`` in a thread; meanwhile time the HTTP process's answers (:func:`_answer_s`, every 0.1 s); the
+    largest gap between ``watch``'s events while it ran."""
     got: dict = {}
 
     def run():
@@ -427,9 +431,10 @@ def _during(call, url: str, watch: Stream | None) -> dict:
     health, answered = [], []
     time.sleep(0.3)
     while t.is_alive():
-        took = _health_s(url)
+        took = _answer_s(url)
         health.append(took)
         answered.append((time.monotonic(), took))
+        time.sleep(0.1)
     t.join()
     # what proves the HTTP process answered *during* the stall: the calls that ended before the call under test did
     # (one that ends after it also waited on the scheduler's own handling of the failure, seconds on a loaded machine)
@@ -462,7 +467,7 @@ def test_export_to_a_store_that_never_answers_keeps_other_requests_decoding(serv
     assert b - a >= STORE_TIMEOUT_S * 0.9, "the export ended before the store's bound: the proof needs the stall"
     assert got["events_during"] >= 10 and got["max_gap_s"] < STORE_TIMEOUT_S / 2, got  # the other request decoded on
     during = got["health_during_s"]
-    assert len(during) >= 2 and max(during) < 3.0, got["health_s"]  # answered throughout the store's stall
+    assert len(during) >= 10 and max(during) < 2.0, got["health_s"]  # answered throughout the store's stall
     victim.finish()
     assert victim.final["meta_info"]["finish_reason"]["type"] == "length"  # given back: it decoded to its end
     assert victim.final["meta_info"]["completion_tokens"] == 400
@@ -480,7 +485,7 @@ def test_resume_from_a_store_that_never_answers_leaves_the_http_process_answerin
     assert isinstance(e, client.ServerError) and e.status in (502, 504), got
     assert hole.accepted > accepted and b - a >= STORE_TIMEOUT_S * 0.9, "the store was not stalled on"
     during = got["health_during_s"]
-    assert len(during) >= 2 and max(during) < 3.0, got["health_s"]  # answered throughout the store's stall
+    assert len(during) >= 10 and max(during) < 2.0, got["health_s"]  # answered throughout the store's stall
     assert stats(url)["checks"].get("error") is None
 
 
