@@ -36,6 +36,7 @@ PAGE = 16
 SHARED = prompt(51, 2 * PAGE)  # two full pages shared by the three drained requests
 DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  # 3 x 40 prompt tokens: one prefill chunk
 CK_PROMPT, CK_N, CK_M = prompt(71, 30), 160, 8
+CK_PACE_S = 0.03  # seconds per forward while c is checkpointed: its 160 tokens last 4.8 s at least
 GATED_N = 300
 
 
@@ -70,16 +71,17 @@ def crashed(servers, work):
         idle = wait_idle(s1.url)
         # checkpoints every CK_M tokens, then SIGKILL mid-decode
         c = Stream(s1.url, payload("c", CK_PROMPT, CK_N))
-        c.start()
-        c.wait_tokens(2)
-        first = client.checkpoint(s1.url, "c", str(work / "ck"), every=CK_M)
-        kill_at = rng.randrange(first["output_tokens"] + 2 * CK_M + 1, CK_N - 12)
-        c.wait_tokens(kill_at)
-        # the link writer runs off the scheduler's path and may trail the decode by a link or two: kill once 3 are
-        # written (the request, 160 tokens, decodes on meanwhile)
-        wait_links(s1.url, "c", 3, stream=c)
-        during = stats(s1.url)["checkpoints"]  # the links committed before the kill (a later one may commit meanwhile)
-        alive = s1.crash()
+        with paced(s1.url, CK_PACE_S):  # (an unpaced request finished its 160 tokens before 3 links were written)
+            c.start()
+            c.wait_tokens(2)
+            first = client.checkpoint(s1.url, "c", str(work / "ck"), every=CK_M)
+            kill_at = rng.randrange(first["output_tokens"] + 2 * CK_M + 1, CK_N - 12)
+            c.wait_tokens(kill_at)
+            # the link writer runs off the scheduler's path and may trail the decode by a link or two: kill once 3
+            # are written (the request decodes on meanwhile)
+            wait_links(s1.url, "c", 3, stream=c)
+            during = stats(s1.url)["checkpoints"]  # the links committed before the kill (a later one may commit meanwhile)
+            alive = s1.crash()
         c.join(60)
     finally:
         s1.stop()

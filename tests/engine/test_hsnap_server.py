@@ -478,12 +478,12 @@ def overlap(servers, work, store, migrated, relayed):
         out = client.pause(src.url, "ov-x", str(work / "x-overlap.hsnap"))
     x.finish()
     ck_stream = Stream(src.url, payload("ov-ck", *OV_CK))
-    with paced(src.url):
+    ck_dir = f"s3://{store['bucket']}/ck-dir"
+    with paced(src.url):  # both calls land while ov-ck decodes (unpaced, its 60 tokens can end before the second)
         ck_stream.start()
         ck_stream.wait_tokens(7)
         ck = client.pause(src.url, "ov-ck", ck_url, keep_running=True)  # a checkpoint into the object store
-    ck_dir = f"s3://{store['bucket']}/ck-dir"
-    cks = client.checkpoint(src.url, "ov-ck", ck_dir, every=8)  # ... and periodic checkpoints there (a chain of links)
+        cks = client.checkpoint(src.url, "ov-ck", ck_dir, every=8)  # ... and periodic checkpoints there (a chain of links)
     ck_stream.finish()
     other.finish()
     src_idle = wait_idle(src.url)
