@@ -489,9 +489,10 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                 plain.append((b, rows, piece, f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")))
         landings = _landings(plain, engine, checkpoint if exact_rollback else None) if staged is None else {}
         if exact_rollback:  # a binding whose every piece lands in its slots saves them piece by piece instead
-            written_otherwise = {id(p[0]) for p in plain if id(p[2]) not in landings} | {id(b) for _, ts in by_page.values() for b, _ in ts}
+            landed_only = {id(p[0]) for p in plain} - {id(p[0]) for p in plain if id(p[2]) not in landings} \
+                - {id(b) for _, targets in by_page.values() for b, _ in targets}
             for b in view.bindings:
-                if id(b) in written_otherwise or not any(p[0] is b for p in plain):
+                if id(b) not in landed_only:
                     checkpoint.remember_rows(b.buffer, slots.rows(b.space), b.name)
         if staged is None:
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run

@@ -41,8 +41,10 @@ def _is_allocator(value) -> bool:
 
 
 def _all_zero(a: np.ndarray) -> bool:
-    words = a[: len(a) // 8 * 8].view(np.uint64) if a.ctypes.data % 8 == 0 else a
-    return not words.any() and not a[len(words) * words.itemsize :].any()
+    if a.ctypes.data % 8:
+        return not a.any()
+    whole = len(a) // 8 * 8  # compared 8 bytes at a time, the tail byte by byte
+    return not a[:whole].view(np.uint64).any() and not a[whole:].any()
 
 
 class RunUndo:

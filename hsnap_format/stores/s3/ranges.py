@@ -222,13 +222,16 @@ def _address(view: memoryview) -> int:
 
 class _Get:
     """One planned ranged GET of ``[a, b)``: ``parts`` ``(start, stop, view, landing, at)``
-    cover it in order, each a slice of a landing (``at``: where in it) or of ``buf``, the
-    ring buffer that takes every byte without a landing (None when every byte has one)."""
+    cover it in order, each a slice of a landing (``at``: where in it) or, its view None until
+    the GET is submitted, of ``buf``: the ring buffer that takes every byte without a landing
+    (``ringed``; none when every byte has one)."""
 
-    __slots__ = ("a", "b", "parts", "buf", "future")
+    __slots__ = ("a", "b", "parts", "ringed", "buf", "future")
 
-    def __init__(self, a: int, b: int, parts: list, buf) -> None:
-        self.a, self.b, self.parts, self.buf = a, b, parts, buf
+    def __init__(self, a: int, b: int, parts: list) -> None:
+        self.a, self.b, self.parts = a, b, parts
+        self.ringed = any(view is None for _, _, view, _, _ in parts)
+        self.buf: bytearray | None = None
         self.future: cf.Future | None = None
 
 
@@ -293,14 +296,13 @@ class ReadAhead:
                 at = hi
             if at < b:
                 parts.append((at, b, None, None, 0))
-            ringed = any(view is None for _, _, view, _, _ in parts)
-            gets.append(_Get(a, b, parts, True if ringed else None))
+            gets.append(_Get(a, b, parts))
         return gets
 
     def _fill(self) -> None:
-        while self._todo and (self._todo[0].buf is None or self._ring_held < self.depth):
+        while self._todo and (not self._todo[0].ringed or self._ring_held < self.depth):
             g = self._todo.popleft()
-            if g.buf is not None:
+            if g.ringed:
                 if not self._free:
                     self.ring_buffers += 1
                 g.buf = self._free.pop() if self._free else bytearray(self.chunk)
@@ -353,7 +355,7 @@ class ReadAhead:
 
     def _release(self) -> None:
         g = self._held.popleft()
-        if g.buf is not None:
+        if g.ringed:
             self._free.append(g.buf)  # (its GET is done) reused: fresh memory is expensive
             self._ring_held -= 1
         self._fill()
