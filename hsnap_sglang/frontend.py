@@ -148,12 +148,14 @@ class HsnapFrontend:
         t_asked = time.monotonic()
         info = await asyncio.to_thread(read_resume_info, path)
         rid = info["rid"]
-        if rid in self.tm.rid_to_state:
-            raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
         t_read = time.monotonic()
+        # the claim first: a snapshot this server (or another client) resumed already is refused as claimed, which a
+        # client following a rolling restart reads as "attach to it" — never as a busy rid, whatever came first
         held = None if again else await asyncio.to_thread(claims.claim, path, self.claimant())
         t_claimed = time.monotonic()
         try:
+            if rid in self.tm.rid_to_state:
+                raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
             obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
                                                    text_in_logprobs=text_in_logprobs, request=request)
         except BaseException:

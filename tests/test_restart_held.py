@@ -57,3 +57,43 @@ def test_a_truncated_report_keeps_attaches_waiting_until_each_request_has_spoken
     assert restart.held("a") is not None and restart.held("b") is not None
     assert restart.held("b").done  # the stream ended: so did every request it carried
     assert not restart.resuming()
+
+
+class _ServerArgs:
+    host, port = "127.0.0.1", 30001
+
+
+class _Manager:
+    """What resume_one reads of SGLang's TokenizerManager before it registers a request: its rids and its address."""
+
+    def __init__(self, rids):
+        self.rid_to_state = dict.fromkeys(rids, object())
+        self.server_args = _ServerArgs()
+
+
+@pytest.mark.parametrize("claimed_first", [True, False], ids=["claimed by the resume at start", "not claimed"])
+def test_a_resume_of_a_rid_this_server_runs_is_refused_as_claimed_when_it_is(tmp_path, monkeypatch, claimed_first):
+    """The client of a rolling restart attaches when its resume is refused as claimed; the server's own resume at
+    start registers the rid right after claiming it, so the claim must be what a resume checks first."""
+    import asyncio
+
+    from hsnap_io.sglang_env import import_sglang, sglang_available
+
+    if not sglang_available():
+        pytest.skip("SGLang not installed: the frontend imports its message classes")
+    import_sglang()  # SGLang's configs import torchvision: hsnap's placeholders where it is absent
+    from hsnap_sglang import claims, frontend
+
+    snap = tmp_path / "roll-3.hsnap"
+    snap.write_bytes(b"x")
+    monkeypatch.setattr(frontend, "read_resume_info", lambda path: {"rid": "roll-3"})
+    if claimed_first:
+        claims.claim(str(snap), {"server": "127.0.0.1:30001", "host": "here", "pid": 1})
+    marker = tmp_path / "roll-3.hsnap.claimed"
+    before = marker.read_bytes() if claimed_first else None
+    fe = frontend.HsnapFrontend(_Manager(["roll-3"]))
+    with pytest.raises(claims.SnapshotClaimedError if claimed_first else RequestBusyError) as e:
+        asyncio.run(fe.resume_one(str(snap), stream=True, text_in_logprobs=False))
+    assert e.value.field == ("claim" if claimed_first else "request.rid"), e.value
+    # a refused resume leaves the claim as it found it: the first claimant's, or none
+    assert (marker.read_bytes() if marker.exists() else None) == before
