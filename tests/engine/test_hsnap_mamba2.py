@@ -25,6 +25,10 @@ before the move, in A), so FalconH1's moved requests are compared token for toke
 B also refuses a NemotronH snapshot (another model, another layer layout) with a typed 4xx before allocating, its
 pools, requests and checks unchanged.
 
+A dedup drain of NemotronH's B (its scenario done): three requests decoding side by side, two sharing a two-page
+prompt prefix through the radix cache, drained into one directory (the prefix's pages stored once) and resumed there
+in the same server: each equal to its uninterrupted run bit for bit, decode only after the resume.
+
 LFM2 (Liquid's short-conv hybrid: SGLang's ``ShortConvAttnBackend``, whose Mamba slot holds a conv state and a
 zero-element temporal state) runs the same moves a–c in its own A and B (bit for bit, decode only); then a request
 paused mid-decode to a file is resumed in B itself (the export freed its slots; SGLang's Mamba free list hands out the
@@ -332,6 +336,70 @@ def test_snapshot_of_another_family_is_refused_before_allocating(scenarios, serv
     assert "identity.weights_hash" in fields and "geometry.attention.layers" in fields, fields
     state = lambda st: {"pools": st["pools"], "requests": st["requests"], "checks": {k: v for k, v in st["checks"].items() if k != "messages"}}  # noqa: E731
     assert state(before) == state(after)
+
+
+# ----------------------------------------------------------------------------- a dedup drain of a Mamba2 server
+
+DRAIN_PAGE = 16  # positions per stored page
+DRAIN_SHARED = prompt(87, 2 * DRAIN_PAGE)  # the prefix two drained requests share: 2 full pages stored once
+DRAIN_N = 60  # tokens of each drained request; drained after 6, so it decodes on from its file
+DRAINED = {"dr1": DRAIN_SHARED + prompt(88, 9), "dr2": DRAIN_SHARED + prompt(89, 14), "dr3": prompt(86, 27)}
+
+
+@pytest.fixture(scope="module")
+def mamba2_drain(scenarios, servers, work):
+    """NemotronH's B (its scenario done): three requests, two sharing a 2-page prompt prefix (the radix cache gives
+    the second the first's prefix, attention rows and Mamba2 state), drained with dedup while all three decode, then
+    the directory resumed in the same server and each request compared with its uninterrupted run there (started the
+    same way from an empty radix tree: one after the other's first token)."""
+    scenarios("nemotron_h")
+    url = servers["nemotron_h"]["b"].url
+    out: dict = {}
+    flush_cache(url)
+    streams = {}
+    with paced(url, CUT_PACE_S):  # 60 tokens take 3 s at least: the drain lands while all three decode
+        for rid, ids in DRAINED.items():
+            streams[rid] = Stream(url, payload(rid, ids, DRAIN_N))
+            streams[rid].start()
+            streams[rid].wait_tokens(1)
+        for st in streams.values():
+            st.wait_tokens(6)
+        out["drained"] = client.drain(url, str(work / "mamba2-drain"), dedup=True, page_size=DRAIN_PAGE)
+    out["streams"] = {rid: st.finish() for rid, st in streams.items()}
+    out["drain_idle"] = wait_idle(url)
+    out["forwards_before"] = {rid: stats(url, rid)["forwards"] for rid in DRAINED}  # counted across the export
+    flush_cache(url)
+    out["run"] = client.resume(url, str(work / "mamba2-drain"))
+    out["forwards_after"] = {rid: stats(url, rid)["forwards"] for rid in DRAINED}
+    out["idle"] = wait_idle(url)
+    flush_cache(url)
+    out["refs"] = _references(url, {rid: (ids, DRAIN_N) for rid, ids in DRAINED.items()})
+    return out
+
+
+def test_dedup_drain_of_a_mamba2_server_resumes_every_request_exactly(mamba2_drain, work):
+    d, streams = mamba2_drain["drained"], mamba2_drain["streams"]
+    assert d["ok"] is True and sorted(i["rid"] for i in d["items"]) == sorted(DRAINED), d
+    for rid, st in streams.items():
+        assert st.final["meta_info"]["finish_reason"]["type"] == "hsnap_export", rid
+    full_pages = {i["rid"]: i["result"]["committed_positions"] // DRAIN_PAGE for i in d["items"]}
+    shared = len(DRAIN_SHARED) // DRAIN_PAGE
+    sharing = [rid for rid, ids in DRAINED.items() if ids[:len(DRAIN_SHARED)] == DRAIN_SHARED]
+    assert len(sharing) == 2 and all(full_pages[rid] > shared for rid in sharing), full_pages
+    own = sum(full_pages[rid] - (shared if rid in sharing else 0) for rid in DRAINED)
+    assert d["dedup"]["pages_put"] == shared + own, (d["dedup"], full_pages)
+    assert d["dedup"]["pages_reused"] == shared, d["dedup"]  # the shared prefix's pages put once, referenced twice
+    _consistent(mamba2_drain["drain_idle"])
+    run = mamba2_drain["run"]
+    assert all(item["ok"] for item in run.info) and sorted(run.finals) == sorted(DRAINED), run.info
+    for rid in DRAINED:
+        k = streams[rid].final["meta_info"]["completion_tokens"]
+        assert tokens(run.finals[rid]) == mamba2_drain["refs"][rid], rid
+        assert tokens(run.finals[rid])[0][:k] == streams[rid].final["output_ids"], rid
+        before, after = mamba2_drain["forwards_before"][rid], mamba2_drain["forwards_after"][rid]
+        resumed = {m: after.get(m, 0) - before.get(m, 0) for m in ("decode", "extend")}
+        assert resumed == {"decode": DRAIN_N - k, "extend": 0}, (rid, before, after)  # decode only: nothing recomputed
+    _consistent(mamba2_drain["idle"])
 
 
 # ----------------------------------------------------------------------------- LFM2
