@@ -363,9 +363,10 @@ def resume_info_of(record, path: str) -> dict:
     return {
         "path": path,
         "rid": record.rid,
-        "prompt_ids": [int(x) for x in record.prompt_ids],
-        "output_ids": [int(x) for x in record.output_ids],
-        "output_logprobs": None if record.output_logprobs is None else [float(x) for x in record.output_logprobs],
+        # numpy's tolist: Python ints and floats at C speed (a loop of int(x) took 4 ms for a 32k prompt)
+        "prompt_ids": record.prompt_ids.tolist(),
+        "output_ids": record.output_ids.tolist(),
+        "output_logprobs": None if record.output_logprobs is None else record.output_logprobs.tolist(),
         "top_logprob_values": None if record.top_logprob_values is None else record.top_logprob_values.tolist(),
         "top_logprob_ids": None if record.top_logprob_ids is None else record.top_logprob_ids.tolist(),
         "return_logprob": bool(req("return_logprob", False)),

@@ -460,10 +460,10 @@ def rebuild_req(record: RequestRecord, carried, sp, *, tokenizer, http_worker_ip
     for name, value in lpx.items():
         setattr(req.logprob, name, value)
     if req.return_logprob and record.output_logprobs is not None:  # absent: refused by _check_request
-        req.logprob.output_token_logprobs_val = [float(x) for x in record.output_logprobs]
+        req.logprob.output_token_logprobs_val = record.output_logprobs.tolist()
         if record.top_logprob_values is not None:
-            req.logprob.output_top_logprobs_val = [[float(x) for x in row] for row in record.top_logprob_values]
-            req.logprob.output_top_logprobs_idx = [[int(x) for x in row] for row in record.top_logprob_ids]
+            req.logprob.output_top_logprobs_val = record.top_logprob_values.tolist()
+            req.logprob.output_top_logprobs_idx = record.top_logprob_ids.tolist()
     if req.surr_offset is not None and "cur_decode_ids_len" in rq:
         req.surr_and_decode_ids = req.origin_input_ids_unpadded[req.surr_offset :] + req.output_ids[: rq["cur_decode_ids_len"]]
     return req
