@@ -141,6 +141,7 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
               pause_to_durable_s=float(t["pause_to_durable_s"]), write_s=float(t["write_s"]),
               resume_first_token_s=first[0] if first else float("nan"), restore_s=float(run.info["result"]["timings"]["restore_s"]),
               reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around, resume_phases=phases)
+    log("  export timings: " + ", ".join(f"{k} {fmt(v)}" for k, v in t.items() if isinstance(v, float)))
     log(f"{n} ({r.committed} committed): pause-to-durable {fmt(r.pause_to_durable_s)}, resume->first token {fmt(r.resume_first_token_s)} "
         f"vs re-prefill {fmt(r.reprefill_first_token_s)}; others' gap median {fmt(statistics.median(before)) if before else '-'} "
         f"-> around the export max {fmt(max(around)) if around else '-'}")

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
+from hsnap_format.buffers import KeptBuffers
 from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, Snapshot, SnapshotSet, SnapshotWriter
 from hsnap_format.chain import LinkFacts, base_ref, check_link
 from hsnap_format.errors import ChainError, PageError, Phrase, require_type
@@ -24,7 +25,7 @@ from hsnap_format.stores import store_for
 
 from .adapters import PoolView, view_pools
 from .pagestore import page_rows, page_store
-from .transfer import DEFAULT_STAGING_BYTES, engine_for
+from .transfer import DEFAULT_STAGING_BYTES, engine_for, bytes_per_row
 
 
 @dataclass(frozen=True)
@@ -153,10 +154,27 @@ class CapturedRequest:
     swa_start: int
     base_position: int  # the rows held start there (0: a plain snapshot)
     sections: dict  # section name -> list of host uint8 chunks (own copies)
+    backing: np.ndarray | None = None  # the one host buffer the chunks are views of (CAPTURE_BUFFERS)
+    released: bool = False
 
     @property
     def nbytes(self) -> int:
         return sum(int(c.nbytes) for chunks in self.sections.values() for c in chunks)
+
+    def release(self) -> None:
+        """Hand the host copies' memory to the next capture, once the last write of them is done: a released
+        capture holds nothing and cannot be written (:func:`write_captured` refuses it)."""
+        backing, self.backing, self.sections = self.backing, None, {}
+        self.released = True
+        if backing is not None:
+            CAPTURE_BUFFERS.give(backing)
+
+
+# Captures copy into one host buffer each, taken from (and given back to) these: a server's
+# exports, checkpoint links and migration rounds reuse the memory instead of faulting in fresh
+# pages on the scheduler thread for every capture.
+CAPTURE_KEEP_BYTES = 128 << 20
+CAPTURE_BUFFERS = KeptBuffers(CAPTURE_KEEP_BYTES)
 
 
 def _described(view, sharding, path):
@@ -195,18 +213,40 @@ def capture_request(
         swa = None if slots.swa is None else slots.swa[max(base_position, swa_start) - swa_start :]
         slots = RequestSlots(slots.token[base_position:], swa, slots.mamba)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    plan = [(b, slots.rows(b.space)) for b in view.bindings]
+    sizes = [len(rows) * bytes_per_row(b.buffer) for b, rows in plan]
+    backing = CAPTURE_BUFFERS.take(sum(sizes))
     sections: dict = {}
+    at = 0
+    try:
+        for (b, rows), n in zip(plan, sizes):
+            dest = backing[at : at + n]
+            at += n
+            sections[b.name] = [dest]
+            if getattr(engine, "exports_into", False):
+                engine.export_into(b.buffer, rows, dest)
+            else:
+                engine.export_section(b.buffer, rows, _filling(dest))
+        engine.finish_export()
+    except BaseException:
+        CAPTURE_BUFFERS.give(backing)  # nothing refers to it: the next capture may take it
+        raise
+    return CapturedRequest(complete_identity(identity), view.geometry, record, swa_start, base_position, sections, backing)
 
-    def sink_for(name):
-        def sink(data, first: bool, last: bool) -> None:
-            sections.setdefault(name, []).append(np.array(data, dtype=np.uint8, copy=True).reshape(-1))
 
-        return sink
+def _filling(dest: np.ndarray):
+    """An export sink that copies each chunk into ``dest`` in order (an engine that stages: pinned chunks)."""
+    at = 0
 
-    for b in view.bindings:
-        engine.export_section(b.buffer, slots.rows(b.space), sink_for(b.name))
-    engine.finish_export()
-    return CapturedRequest(complete_identity(identity), view.geometry, record, swa_start, base_position, sections)
+    def sink(data, first: bool, last: bool) -> None:
+        nonlocal at
+        chunk = np.asarray(data, dtype=np.uint8).reshape(-1)
+        np.copyto(dest[at : at + len(chunk)], chunk)
+        at += len(chunk)
+        if last and at != len(dest):
+            raise AssertionError(f"export chunks of {at} bytes for a section of {len(dest)}")
+
+    return sink
 
 
 @dataclass(frozen=True)
@@ -228,6 +268,8 @@ def write_captured(path, cap: CapturedRequest, *, base=None, fsync: bool = True,
     open snapshot as for :func:`export_request`, or the :class:`WrittenLink` an earlier call
     returned, not re-opened: the same chain checks — whose position must be ``cap.base_position``),
     committed atomically (temporary, fsync, rename). Touches no pool."""
+    if cap.released:
+        raise ValueError(f"{path}: a capture released after its write cannot be written again")
     store = store_for(path, storage_options)
     view = _GeometryOnly(cap.geometry)
     if (base is None) != (cap.base_position == 0):

@@ -35,7 +35,7 @@ import numpy as np
 
 from hsnap_format import HsnapIOError, Identity, IncompatibleSnapshotError, RequestRecord, Snapshot, SnapshotSet
 from hsnap_format.chain import Chain, Piece, chain_below
-from hsnap_format.buffers import host_empty
+from hsnap_format.buffers import KeptBuffers
 from hsnap_format.pages import open_checked
 from hsnap_format.errors import Phrase, UnsupportedFeatureError, require_type
 from hsnap_format.records import Sharding
@@ -339,8 +339,7 @@ class _Staged:
     (fresh memory is expensive: faulting it in costs more than the copy); restores
     running at once each take their own."""
 
-    _lock = threading.Lock()
-    _kept: np.ndarray | None = None
+    kept = KeptBuffers(ONE_READ_BYTES + HASH_PIECE)  # one buffer of the largest body staged
 
     def __init__(self, snap: Snapshot, start: int, stop: int, buf: np.ndarray) -> None:
         self.snap, self.start, self.stop, self.buf = snap, start, stop, buf
@@ -356,11 +355,7 @@ class _Staged:
         start, stop = HEADER_OFFSET + snap.preamble.header_length, snap.file_length - TRAILER.size
         if not 0 <= stop - start <= ONE_READ_BYTES:
             return None
-        with cls._lock:
-            buf, cls._kept = (cls._kept, None) if cls._kept is not None and cls._kept.size >= stop - start else (None, cls._kept)
-        if buf is None:
-            buf = host_empty(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE)  # plain pages (hsnap_format.buffers)
-        return cls(snap, start, stop, buf)
+        return cls(snap, start, stop, cls.kept.take(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE))  # plain pages
 
     def verify(self) -> None:
         """Read the body into the buffer, hashing as it lands; raise the first failure in
@@ -414,9 +409,8 @@ class _Staged:
 
     def release(self) -> None:
         buf, self.buf = self.buf, None
-        with _Staged._lock:
-            if buf is not None and (_Staged._kept is None or _Staged._kept.size < buf.size):
-                _Staged._kept = buf
+        if buf is not None:
+            _Staged.kept.give(buf)
 
 
 def _on_two_threads(here, there, name: str) -> tuple:

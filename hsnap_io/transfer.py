@@ -114,7 +114,8 @@ def rows_of(raw: torch.Tensor, data: torch.Tensor, n: int) -> torch.Tensor:
     return data.reshape(-1).view(torch.uint8).view(raw.dtype).view(n, *raw.shape[1:])
 
 
-def _row_bytes(buffer: torch.Tensor) -> int:
+def bytes_per_row(buffer: torch.Tensor) -> int:
+    """Bytes of one row (one slot) of a pool buffer."""
     return math.prod(buffer.shape[1:]) * buffer.element_size()
 
 
@@ -202,7 +203,7 @@ class HostEngine:
 
     def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
         """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk."""
-        row_bytes = _row_bytes(buffer)
+        row_bytes = bytes_per_row(buffer)
         run = self._run_start(buffer, rows)
         chunks = list(_row_chunks(len(rows), row_bytes, self.chunk_bytes)) or [(0, 0)]
         direct = run is not None and buffer.is_contiguous()
@@ -214,6 +215,22 @@ class HostEngine:
                 out = self._staging((b - a) * row_bytes)
                 torch.index_select(raw, 0, rows[a:b], out=rows_of(raw, out, b - a))
             sink(out.numpy(), i == 0, i == len(chunks) - 1)
+
+    exports_into = True  # export_into: the rows straight into the caller's host buffer, no staging
+
+    def export_into(self, buffer: torch.Tensor, rows: torch.Tensor, dest: np.ndarray) -> None:
+        """Gather ``buffer[rows]`` into ``dest`` (``len(rows)`` rows' bytes, host memory): one memcpy for a run of
+        slots, else one index_select written in place (torch releases the GIL for both)."""
+        n = len(rows)
+        if n == 0:
+            return
+        raw = raw_rows(buffer)
+        out = rows_of(raw, torch.from_numpy(dest), n)
+        run = self._run_start(buffer, rows)
+        if run is not None:
+            out.copy_(raw[run : run + n])
+        else:
+            torch.index_select(raw, 0, rows, out=out)
 
     def finish_export(self) -> None:
         pass
@@ -235,7 +252,7 @@ class HostEngine:
             raw.index_copy_(0, rows, data)
 
     def _import_file(self, buffer: torch.Tensor, rows: torch.Tensor, src: FileRange) -> None:
-        row_bytes = _row_bytes(buffer)
+        row_bytes = bytes_per_row(buffer)
         if len(rows) * row_bytes != src.length:
             raise ValueError(f"{len(rows)} rows of {row_bytes} bytes != section length {src.length}")
         run = self._run_start(buffer, rows)
@@ -319,7 +336,7 @@ class CudaEngine:
             self._export_section(buffer, rows, sink)
 
     def _export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
-        row_bytes = _row_bytes(buffer)
+        row_bytes = bytes_per_row(buffer)
         raw = raw_rows(buffer)
         rows = rows.to(buffer.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
@@ -349,7 +366,7 @@ class CudaEngine:
 
     def _import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
         cp = self.cupy
-        row_bytes = _row_bytes(buffer)
+        row_bytes = bytes_per_row(buffer)
         raw = raw_rows(buffer)
         rows = rows.to(buffer.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))

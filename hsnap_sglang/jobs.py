@@ -148,7 +148,9 @@ class LinkWriter:
             job.error = error_dict(typed(e, "checkpoint link", job.ex.path))
         finally:
             job.writer_s = time.monotonic() - t0
-            job.capture = None  # the host copies go now
+            if job.capture is not None:
+                job.capture.release()  # the host copies' memory goes to the next capture
+            job.capture = None
             with self._lock:
                 self._finished.append(job)
             job.done.set()

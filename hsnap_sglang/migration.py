@@ -228,7 +228,10 @@ def finish(hs, ex, req, where: str) -> None:
         else:
             cap = hs.capture(req, ex.path, sid, m.base_position)
             t_captured = time.monotonic()
-            final_bytes = int(write_captured(ex.path, cap, base=m.held, fsync=m.fsync).info.file_length)
+            try:
+                final_bytes = int(write_captured(ex.path, cap, base=m.held, fsync=m.fsync).info.file_length)
+            finally:
+                cap.release()
     except Exception as e:  # noqa: BLE001 - the request decodes on here; the caller gets the reason
         if not isinstance(e, HsnapError):
             logger.exception("hsnap migration of %s: the final link failed", ex.rid)

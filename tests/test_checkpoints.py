@@ -224,6 +224,49 @@ def test_captured_link_is_the_direct_export_at_capture_time_whatever_decodes_aft
         assert torch.equal(resumed[name], value), name
 
 
+def test_a_capture_reuses_released_memory_and_never_memory_another_capture_holds(tmp_path, monkeypatch):
+    """Captures copy into one host buffer each (hsnap_io.export.CAPTURE_BUFFERS): two captures alive at once never
+    share memory (the later one holds its own bytes whatever the earlier holds), a released capture's buffer is what
+    the next capture takes (no fresh pages faulted in on the scheduler thread), and a released capture is refused
+    by write_captured instead of writing whatever the memory holds now."""
+    import dataclasses
+
+    import numpy as np
+
+    from hsnap_format.buffers import KeptBuffers
+    from hsnap_io import export
+
+    monkeypatch.setattr(export, "CAPTURE_BUFFERS", KeptBuffers(export.CAPTURE_KEEP_BYTES))  # this test's alone
+    ps = _pools()
+    req, _ = sr.decode_req(ps, {**sr.random_case(7), **CASE})
+    pools = dict(req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator)
+
+    def capture(k: int):
+        ident = dataclasses.replace(io_cases.identity(), snapshot_id=f"{k:032x}", created_at="2026-01-01T00:00:00.000000Z")
+        record, swa_start = req_record(req, path=str(tmp_path / f"c{k}.hsnap"))
+        return export.capture_request(req_pool_idx=int(req.kv.req_pool_idx), record=record, identity=ident, swa_start=swa_start, **pools)
+
+    first = capture(0)
+    held = {name: [np.array(c, copy=True) for c in chunks] for name, chunks in first.sections.items()}
+    second = capture(1)
+    assert first.backing is not None and second.backing is not None
+    assert not np.shares_memory(first.backing, second.backing)
+    second.backing[:] = 0xA5  # the later capture's memory overwritten: the earlier one's bytes do not move
+    assert all(np.array_equal(c, h) for name in held for c, h in zip(first.sections[name], held[name]))
+    written = export.write_captured(str(tmp_path / "first.hsnap"), first)
+    first_memory = first.backing
+    first.release()
+    assert first.released and first.backing is None and first.sections == {}
+    third = capture(2)
+    assert third.backing is first_memory  # the released memory, taken again
+    assert not np.shares_memory(third.backing, second.backing)
+    with pytest.raises(ValueError, match="released"):
+        export.write_captured(str(tmp_path / "again.hsnap"), first)
+    assert not os.path.exists(tmp_path / "again.hsnap")
+    with open_chain(written.path) as chain:
+        chain.verify()
+
+
 # --------------------------------------------------------------------------- which link a resume takes
 
 

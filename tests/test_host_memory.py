@@ -41,3 +41,24 @@ def test_a_large_buffer_asks_for_no_huge_pages_where_numpy_would():
     numpy_own, ours = np.empty(n, np.uint8), host_empty(n)
     assert _thp_eligible(numpy_own)  # numpy asks for them on an array this large
     assert not _thp_eligible(ours)
+
+
+def test_kept_buffers_hand_back_the_smallest_that_fits_and_stay_within_their_bound():
+    from hsnap_format.buffers import KeptBuffers
+
+    kept = KeptBuffers(100)
+    a, b = kept.take(60), kept.take(30)
+    assert a.nbytes == 60 and b.nbytes == 30 and a is not b
+    kept.give(a)
+    kept.give(b)
+    assert [x.nbytes for x in kept.buffers] == [60, 30]
+    assert kept.take(20) is b and kept.take(20) is a  # the smallest that holds it, each handed out once
+    assert kept.take(20) is not a and kept.buffers == ()
+    kept.give(kept.take(101))  # over the bound: never kept
+    assert kept.buffers == ()
+    kept.give(a)
+    kept.give(b)
+    c = kept.take(70)  # nothing kept holds 70 bytes: a new one
+    assert c is not a and c is not b and c.nbytes == 70
+    kept.give(c)  # 70 + 60 + 30 over 100: the smallest go first, until the rest fits
+    assert [x.nbytes for x in kept.buffers] == [70]
