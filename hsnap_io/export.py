@@ -12,8 +12,8 @@ from datetime import datetime, timezone
 import numpy as np
 import torch
 
-from hsnap_format.buffers import KeptBuffers
 from hsnap_format import CommitInfo, HsnapError, Identity, MalformedHeaderError, RequestRecord, Snapshot, SnapshotSet, SnapshotWriter
+from hsnap_format.buffers import KeptBuffers
 from hsnap_format.chain import LinkFacts, base_ref, check_link
 from hsnap_format.errors import ChainError, PageError, Phrase, require_type
 from hsnap_format.layout import inline_runs
@@ -25,7 +25,7 @@ from hsnap_format.stores import store_for
 
 from .adapters import PoolView, view_pools
 from .pagestore import page_rows, page_store
-from .transfer import DEFAULT_STAGING_BYTES, engine_for, bytes_per_row
+from .transfer import DEFAULT_STAGING_BYTES, bytes_per_row, engine_for
 
 
 @dataclass(frozen=True)

@@ -339,7 +339,7 @@ class _Staged:
     (fresh memory is expensive: faulting it in costs more than the copy); restores
     running at once each take their own."""
 
-    kept = KeptBuffers(ONE_READ_BYTES + HASH_PIECE)  # one buffer of the largest body staged
+    kept = KeptBuffers(ONE_READ_BYTES + HASH_PIECE)  # the buffers of bodies staged lately, up to one largest body
 
     def __init__(self, snap: Snapshot, start: int, stop: int, buf: np.ndarray) -> None:
         self.snap, self.start, self.stop, self.buf = snap, start, stop, buf

@@ -163,6 +163,7 @@ class HostEngine:
     # restore hands this engine FileRange sources (pread straight into the slots)
     reads_files = True
     forks = True  # fork(): an engine of its own for a second thread (a restore's staged pieces, copied on two threads)
+    exports_into = True  # export_into(): a capture's rows straight into the caller's host buffer, no staging
 
     def __init__(self, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.staging_bytes = staging_bytes
@@ -215,8 +216,6 @@ class HostEngine:
                 out = self._staging((b - a) * row_bytes)
                 torch.index_select(raw, 0, rows[a:b], out=rows_of(raw, out, b - a))
             sink(out.numpy(), i == 0, i == len(chunks) - 1)
-
-    exports_into = True  # export_into: the rows straight into the caller's host buffer, no staging
 
     def export_into(self, buffer: torch.Tensor, rows: torch.Tensor, dest: np.ndarray) -> None:
         """Gather ``buffer[rows]`` into ``dest`` (``len(rows)`` rows' bytes, host memory): one memcpy for a run of
