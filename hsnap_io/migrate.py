@@ -36,7 +36,10 @@ link's — and (``verify=True``) every byte of it is read and hashed; every refu
 typed :class:`~hsnap_format.HsnapError` and leaves the pools byte-identical and the
 migration where it was (a correct link may still be applied). The uploaded rows are
 hashed again as they land; a failure during the upload gives back this link's
-allocations and puts the request's Mamba slot back as it was.
+allocations and puts the request's Mamba slot back as it was. A target given a ``room``
+(:class:`hsnap_io.slots.Room`: a radix cache whose entries it may evict) counts what the
+room could free in its capacity checks and frees it only after every check of a link
+(and ``accept``), right before allocating: a refused link never costs the cache.
 
 Across TP sizes (the re-sharding path, spec 5.8 applied link by link): a source at TP N
 writes every link as a TP set — ``sharding=`` its rank's description
@@ -49,7 +52,7 @@ collective. Each rank of a target at TP M runs its own :class:`MigrationTarget` 
     src = MigrationSource(c, ..., identity=Identity(tp_size=2, tp_rank=r, ...), sharding=describe(tp, 2, r), group=pg)
     tgt = MigrationTarget(..., identity=Identity(tp_size=1, tp_rank=0, ...), sharding=describe(tp, 1, 0))
 
-The first link is restored re-sharded (:func:`hsnap_io.reshard.restore_resharded`); each
+The first link is restored re-sharded (:func:`hsnap_io.reshard.upload_resharded`); each
 later one is applied incrementally, as above: every rank file of the set of deltas must
 name, by root digest, id, position and depth, the same rank of the set applied last and be
 a delta of it; the set must agree with itself and the target
@@ -90,11 +93,11 @@ from hsnap_format.stores import store_for
 
 from .adapters import view_pools
 from .export import export_request
-from .reshard import build_plans, check_delta_set, check_set, delta_set_record, source_ranks_of, upload_delta_set
+from .reshard import check_delta_set, delta_set_record, source_ranks_of, upload_delta_set
 from .checks import check_compatible
 from .pieces import upload_piece
-from .restore import open_source, restore_opened
-from .slots import RestoredRequest, alloc_token_slots, pool_lock, raise_upload_failure, target_page
+from .restore import check_target, open_source, prove_opened, restore_opened
+from .slots import RestoredRequest, Room, alloc_token_slots, pool_lock, raise_upload_failure, slots_needed, target_page
 from .statecheck import PoolCheckpoint
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
 
@@ -241,7 +244,8 @@ class MigrationTarget:
     applied); :meth:`release` gives every slot back (a migration abandoned)."""
 
     def __init__(self, *, req_to_token_pool, token_to_kv_pool_allocator, identity: Identity | None, verify: bool = True,
-                 exact_rollback: bool = False, storage_options=None, staging_bytes: int = DEFAULT_STAGING_BYTES, sharding=None) -> None:
+                 exact_rollback: bool = False, storage_options=None, staging_bytes: int = DEFAULT_STAGING_BYTES, sharding=None,
+                 room: Room | None = None) -> None:
         require_type(None, "identity", identity, Identity, optional=True)
         require_type(None, "sharding", sharding, Sharding, optional=True)
         if verify not in (True, False):
@@ -255,6 +259,7 @@ class MigrationTarget:
         self.identity, self.verify, self.exact_rollback = identity, verify, exact_rollback
         self.storage_options, self.staging_bytes = storage_options, staging_bytes
         self.sharding = sharding  # this rank's description (hsnap_io.reshard.describe): links of another TP size are re-sharded
+        self.room = room  # slots a caller can free (a radix cache): counted by the capacity checks, freed right before allocating
         self.request: RestoredRequest | None = None
         self.applied: list[AppliedLink] = []
         # the link applied last, kept open: the next delta is checked against it (the whole
@@ -273,15 +278,16 @@ class MigrationTarget:
             if paged is not None:  # its rows would come from the page store: pre-copy has nothing to gain there
                 raise UnsupportedFeatureError(paged.path, "migrating a link that references pages", Phrase("a self-contained link"),
                                               Phrase(f"pages in {paged.pages.store!r}"))
-            if accept is not None:  # the caller's own refusals (the request itself), before allocating
-                if source.resharded:
-                    check_set(source.snapset, self.identity)
-                    build_plans(source.snapset, self.view, self.sharding, path, target_tp=source.target_tp)
-                else:
-                    check_compatible(source.snap, self.view, self.identity)
+            check_target(source, self.view, self.identity, spare=self._spare())  # the header's refusals first
+            # every refusal before allocating (every digest: verify=True), then the caller's own (the request itself)
+            prove_opened(source, **self._pools, identity=self.identity, verify=self.verify, staging_bytes=self.staging_bytes)
+            if accept is not None:
                 accept(source.snap, source.snap.record(verify=self.verify))
-            restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
-                                      exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
+            with pool_lock(self.view.req_to_token_pool):
+                if self.room is not None:
+                    self.room.make(*slots_needed(source.snap, self.view))
+                restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
+                                          exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
         except BaseException:
             source.close()
             raise
@@ -389,16 +395,23 @@ class MigrationTarget:
             raise ChainError(where, "request.output_ids", Phrase(f"the applied link's {len(before)} output tokens first ({last_path})"),
                              Phrase("other tokens"))
 
+    def _spare(self) -> dict[str, int] | None:
+        return None if self.room is None else self.room.spare()
+
+    def _new_token_slots(self, snap: Snapshot) -> int:
+        """The token slots a delta up to ``snap`` allocates after the request's (whole pages of the target)."""
+        old, new, page = self.request.state_position, snap.state_position, target_page(self.view)
+        return (math.ceil(new / page) - math.ceil(old / page)) * page if self.view.geometry.attention is not None else 0
+
     def _check_capacity(self, snap: Snapshot) -> None:
         rtp, alloc = self.view.req_to_token_pool, self.view.allocator
-        old, new, page = self.request.state_position, snap.state_position, target_page(self.view)
+        new = snap.state_position
         short = []
         if new > rtp.req_to_token.shape[1]:
             short.append(f"req_to_token_pool.max_context_len: need {new}, have {rtp.req_to_token.shape[1]}")
-        if self.view.geometry.attention is not None:
-            need = (math.ceil(new / page) - math.ceil(old / page)) * page
-            if alloc.available_size() < need:
-                short.append(f"token slots: need {need}, free {alloc.available_size()}")
+        need, spare = self._new_token_slots(snap), (self._spare() or {}).get("token slots", 0)
+        if alloc.available_size() + spare < need:
+            short.append(f"token slots: need {need}, free {alloc.available_size()}" + (f" + {spare} evictable" if spare else ""))
         if short:
             raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
 
@@ -426,6 +439,8 @@ class MigrationTarget:
         rtp = view.req_to_token_pool
         engine = engine_for([b.buffer for b in view.bindings], self.staging_bytes)
         with pool_lock(rtp):
+            if self.room is not None:  # every check passed (and accept): room for the new rows only now
+                self.room.make(self._new_token_slots(snap), 0)
             for s in opened:
                 s.check_unchanged()
             checkpoint = PoolCheckpoint(view)

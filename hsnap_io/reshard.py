@@ -29,7 +29,7 @@ Two halves:
   is uploaded was hashed, a mismatch is rolled back — else into one scratch buffer,
   checked before it is uploaded. No host buffer of the shard's size: measured against
   staging the shard before allocating (read once) in bench/RESHARD.md.
-  :func:`restore_resharded`, reached from :func:`hsnap_io.restore.restore_request` when
+  :func:`prove_resharded` then :func:`upload_resharded`, reached from :func:`hsnap_io.restore.restore_request` when
   the set's TP size differs from the target's.
 
 * **Sets of deltas**, link by link (live migration across TP sizes,
@@ -49,7 +49,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -807,36 +807,56 @@ def _checked_record(sources, plans: Sequence[_SectionPlan], mode, path):
         raise HsnapIOError(path, "read", e) from None
 
 
-def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: int, target_rank: int,
-                      verify, exact_rollback: bool, staging_bytes: int):
-    """Restore ``snapset`` (TP N) into this target rank (TP M): see the module docstring.
+@dataclass
+class ProvenReshard:
+    """What :func:`prove_resharded` checked of a set, before anything is allocated: what
+    :func:`upload_resharded` allocates for and assembles."""
 
-    Before anything is allocated: the set agrees (:func:`check_set`), every rank's
-    geometry and description fit, the runs of every target section provably tile it
-    (:func:`build_plans`), and — ``verify`` True — every source section it depends on is
-    verified and the record is read hashed. Then, under the pool lock: allocate; assemble
-    each target section from its source sections, each read whole once and hashed (but
-    for ``verify=False``; :func:`_assemble`), straight into the slots when they are one
-    run of a CPU pool (as the plain path preads into them: a digest or byte-count
-    mismatch is found after the bytes landed and rolled back) or else into one scratch
-    buffer, checked before it is uploaded; any failure gives every allocation back, the
-    written slots' old bytes with ``exact_rollback``
-    (:func:`hsnap_io.slots.raise_upload_failure`)."""
+    snapset: Any
+    sources: list
+    plans: list
+    record: Any
+    numerics: list
+    verify: Any
+
+
+def prove_resharded(snapset, view, *, identity, target: Sharding, target_tp: int, verify, capacity: bool = True,
+                    stacklevel: int = 3) -> ProvenReshard:
+    """Every refusal of a re-sharded restore that comes before allocating (``capacity``
+    False: but the pools' free room, which a caller may make before the upload): the set agrees (:func:`check_set`), every rank's geometry and description fit, the runs
+    of every target section provably tile it (:func:`build_plans`), and — ``verify`` True —
+    every source section it depends on is verified and the record is read hashed."""
     mode = verify_mode(verify)
     path = snapset.path
     numerics = check_set(snapset, identity)
     if numerics:
-        warnings.warn(NumericsWarning(f"{path}: written under other numerics: bit-exactness is not expected"), stacklevel=3)
+        warnings.warn(NumericsWarning(f"{path}: written under other numerics: bit-exactness is not expected"), stacklevel=stacklevel)
     plans = build_plans(snapset, view, target, path, target_tp=target_tp)
     sources = _sources(snapset)
-    src0 = sources[0]
-    check_capacity(src0, view)
-    used = source_ranks_of(plans)
+    if capacity:
+        check_capacity(sources[0], view)  # (the cheap refusal first; checked again right before allocating)
     record = _checked_record(sources, plans, mode, path)
+    return ProvenReshard(snapset, sources, plans, record, numerics, verify)
+
+
+def upload_resharded(proven: ProvenReshard, view, *, exact_rollback: bool, staging_bytes: int):
+    """A set :func:`prove_resharded` accepted, into this target rank. Under the pool lock:
+    capacity (what a caller freed meanwhile counts); allocate; assemble each target section
+    from its source sections, each read whole once and hashed (but for ``verify=False``;
+    :func:`_assemble`), straight into the slots when they are one run of a CPU pool (as the
+    plain path preads into them: a digest or byte-count mismatch is found after the bytes
+    landed and rolled back) or else into one scratch buffer, checked before it is uploaded;
+    any failure gives every allocation back, the written slots' old bytes with
+    ``exact_rollback`` (:func:`hsnap_io.slots.raise_upload_failure`)."""
+    sources, plans, path = proven.sources, proven.plans, proven.snapset.path
+    mode = verify_mode(proven.verify)
+    src0 = sources[0]
+    used = source_ranks_of(plans)
     piece = np.empty(_PIECE, dtype=np.uint8)  # every source byte passes through it, 2 MiB at a time
     scratch = None
     read = uploaded = 0
     with pool_lock(view.req_to_token_pool):
+        check_capacity(src0, view)
         for k in used:
             sources[k].check_unchanged()
         checkpoint = PoolCheckpoint(view)
@@ -871,11 +891,11 @@ def restore_resharded(snapset, view, *, identity, target: Sharding, target_tp: i
         req_pool_idx=row,
         token_indices=slots.token,
         mamba_pool_idx=None if slots.mamba is None else int(slots.mamba[0]),
-        record=record,
+        record=proven.record,
         state_position=src0.state_position,
         snapshot_id=src0.identity.snapshot_id,
         bytes_uploaded=uploaded,
-        numerics_differences=numerics,
+        numerics_differences=proven.numerics,
         swa_evict_floor=floor,
         source_bytes_read=read,
         source_ranks=tuple(used),
@@ -928,7 +948,7 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
     """Each target section of the set of deltas into ``dests[space]`` (the delta's fresh
     token slots, the request's Mamba slot), assembled from the source sections it depends
     on — each read whole once, 2 MiB at a time, hashed with ``check`` (:func:`_assemble`) —
-    as :func:`restore_resharded` assembles: straight into the slots when they are one run of
+    as :func:`upload_resharded` assembles: straight into the slots when they are one run of
     a CPU pool (the Mamba slot always is; a digest or byte-count mismatch found after the
     bytes landed is the caller's to roll back), else into one scratch buffer checked before
     it is uploaded. ``at[0]`` names the section in progress (for the caller's rollback
@@ -955,5 +975,5 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
 
 
 __all__ = ["TPModel", "GDNDims", "Mamba2Dims", "Mamba1Dims", "KDADims", "ShortConvDims", "LightningDims", "MambaDims", "describe", "plan", "Run", "ReshardError", "InconsistentSetError",
-           "restore_resharded", "kv_head_map", "conv_channel_map", "temporal_head_map", "conv_slice_axis", "state_shape", "check_delta_set", "delta_set_record", "source_ranks_of",
+           "prove_resharded", "upload_resharded", "ProvenReshard", "kv_head_map", "conv_channel_map", "temporal_head_map", "conv_slice_axis", "state_shape", "check_delta_set", "delta_set_record", "source_ranks_of",
            "upload_delta_set"]

@@ -12,8 +12,9 @@ Order of work, so that a refusal leaves the pools untouched:
   4. with ``verify=True``: the padding and the request record (and, for an engine that
      does not read files — CUDA, from the map — every digest); a plain snapshot up to
      ONE_READ_BYTES: every byte, read once into a staging buffer the upload copies from;
-  --- nothing above touches the pools ---
-  5. allocate as SGLang does for a new request (whole pages of the target), remembering
+  --- nothing above touches the pools: :func:`prove_opened` does steps 2 and 4 alone, for a
+      caller that makes room (evicts a radix cache) only for a snapshot that passed them ---
+  5. capacity again, under the pool lock; allocate as SGLang does for a new request (whole pages of the target), remembering
      the allocators' state; 6. upload section by section, each state section hashed as
      it lands in the slots (``verify=True``); on any failure — a digest mismatch
      included — the allocations are put back (and, with ``exact_rollback``, what each
@@ -45,7 +46,7 @@ from hsnap_format.stores import store_for
 from .adapters import PoolView, view_pools
 from .checks import NumericsWarning, check_compatible, verify_mode
 from .pieces import HASH_PIECE, upload_piece
-from .reshard import restore_resharded
+from .reshard import prove_resharded, upload_resharded
 from .slots import RestoredRequest, allocate, check_capacity, holding_checkpoints, pool_lock, raise_upload_failure
 from .statecheck import PoolCheckpoint, RollbackError
 from .transfer import DEFAULT_STAGING_BYTES, engine_for
@@ -121,6 +122,8 @@ def restore_request(
 
 # what open_source takes of restore_request's keywords (the rest is restore_opened's)
 OPEN_KEYWORDS = ("sharding", "tp_size", "storage_options")
+# what prove_opened takes of restore_opened's
+PROVE_KEYWORDS = ("verify", "staging_bytes")
 
 
 @dataclass
@@ -140,12 +143,17 @@ class OpenSource:
     # ``snap`` and the links below it when it is a delta (spec 7.5), opened and checked
     # with it; a plain snapshot is a chain of one link
     chain: Chain | None = None
+    # what prove_opened accepted, for this source's restore_opened
+    proof: "_Proof | None" = None
 
     def __post_init__(self) -> None:
         if self.chain is None:
             self.chain = Chain.single(self.snap)
 
     def close(self) -> None:
+        proof, self.proof = self.proof, None
+        if proof is not None:
+            proof.release()
         self.chain.close()
         (self.snapset or self.snap).close()
 
@@ -221,13 +229,14 @@ def _with_chain(source: OpenSource, store) -> OpenSource:
     return source
 
 
-def check_target(source: OpenSource, view: PoolView, identity: Identity | None) -> None:
+def check_target(source: OpenSource, view: PoolView, identity: Identity | None, spare: dict[str, int] | None = None) -> None:
     """The cheap refusals of :func:`restore_opened` (identity, geometry, capacity: the header
-    only), for a caller that has more to check before it restores. A re-sharded source is
-    checked by :mod:`hsnap_io.reshard` when it restores."""
+    only), for a caller that has more to check before it restores. ``spare``: slots a caller
+    could free (:meth:`hsnap_io.slots.Room.spare`), counted as free. A re-sharded source's
+    identity and geometry are checked by its proof (:func:`prove_opened`)."""
     if not source.resharded:
         check_compatible(source.snap, view, identity)
-        check_capacity(source.snap, view)
+    check_capacity(source.snap, view, spare)
 
 
 def restore_opened(
@@ -245,9 +254,33 @@ def restore_opened(
     record from). ``bind(restored)``, when given, runs under :func:`pool_lock` right after
     the upload and inside its rollback: if it raises, every allocation of the restore (and
     whatever ``bind`` allocated from the same pools) is given back, as for a failed upload,
-    and the error is raised typed (:class:`hsnap_io.slots.UploadError` naming ``bind`` for an untyped one)."""
+    and the error is raised typed (:class:`hsnap_io.slots.UploadError` naming ``bind`` for an untyped one).
+    A source :func:`prove_opened` proved is not read again before allocating (its ``verify``
+    must be this call's)."""
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, bind)
+
+
+def prove_opened(
+    source: OpenSource,
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    identity: Identity | None,
+    verify: bool | str = True,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> None:
+    """Every refusal :func:`restore_opened` makes before it allocates — identity, geometry,
+    and with ``verify=True`` every digest (a plain body up to :data:`ONE_READ_BYTES`: read
+    once into the staging buffer the upload then copies from) — now, touching no pool, but
+    the pools' free room: a caller that makes room (a radix cache evicting entries) between
+    this proof and :func:`restore_opened` makes it only for a snapshot that passed every
+    other check. Kept on ``source`` for its :func:`restore_opened` (capacity is checked
+    there, under the pool lock); given back when the source closes."""
+    if source.proof is not None:
+        raise ValueError("this source is proved already")
+    view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    source.proof = _prove(source, view, identity, verify, staging_bytes, capacity=False, stacklevel=3)
 
 
 def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes, bind) -> RestoredRequest:
@@ -266,9 +299,39 @@ def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_ro
 
 
 def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes) -> RestoredRequest:
+    proof, source.proof = source.proof, None
+    if proof is None:
+        proof = _prove(source, view, identity, verify, staging_bytes, capacity=True, stacklevel=5)
+    elif proof.verify is not verify and proof.verify != verify:
+        proof.release()
+        raise ValueError(f"the source was proved with verify={proof.verify!r}, not {verify!r}")
+    try:
+        return proof.upload(view, exact_rollback)
+    finally:
+        proof.release()
+
+
+@dataclass
+class _Proof:
+    """What :func:`_prove` accepted: ``upload(view, exact_rollback)`` allocates (capacity checked
+    first, under the pool lock) and fills the slots; ``release()`` gives back its staging buffer."""
+
+    verify: bool | str
+    upload: Any
+    staged: "_Staged | None" = None
+
+    def release(self) -> None:
+        if self.staged is not None:
+            self.staged.release()
+
+
+def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, *, capacity: bool, stacklevel: int) -> _Proof:
+    """The refusals before allocation (``capacity``: the pools' free room too, else checked at upload only)."""
     if source.resharded:
-        return restore_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
-                                 target_rank=source.rank, verify=verify, exact_rollback=exact_rollback, staging_bytes=staging_bytes)
+        proven = prove_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
+                                 verify=verify, capacity=capacity, stacklevel=stacklevel + 1)
+        return _Proof(verify, lambda view, exact_rollback: upload_resharded(proven, view, exact_rollback=exact_rollback,
+                                                                           staging_bytes=staging_bytes))
     snap = source.snap
     numerics = check_compatible(snap, view, identity)
     if numerics:
@@ -278,9 +341,10 @@ def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_
                 + "; ".join(f"{k}: {e!r} here, {f!r} in snapshot" for k, e, f in numerics)
                 + "): the continuation is valid but bit-exactness with an uninterrupted run is not expected"
             ),
-            stacklevel=4,
+            stacklevel=stacklevel,
         )
-    check_capacity(snap, view)
+    if capacity:
+        check_capacity(snap, view)  # (the cheap refusal first; checked again right before allocating)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     mode = verify_mode(verify)
     # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
@@ -291,14 +355,24 @@ def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
     staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
     try:
-        return _restore_checked(source, view, chain, engine, mode, remote, during, numerics, exact_rollback, staged)
-    finally:
+        record, exact = _proved_record(source, chain, mode, remote, during, staged)
+    except BaseException:
         if staged is not None:
             staged.release()
+        raise
+
+    def upload(view: PoolView, exact_rollback: bool) -> RestoredRequest:
+        with pool_lock(view.req_to_token_pool):
+            check_capacity(snap, view)  # what a caller freed since the proof counts
+            return _upload_locked(chain, view, record, numerics, engine, exact_rollback or exact, during and staged is None,
+                                  staged=staged)
+
+    return _Proof(verify, upload, staged)
 
 
-def _restore_checked(source: OpenSource, view: PoolView, chain: Chain, engine, mode, remote: bool, during: bool, numerics,
-                     exact_rollback: bool, staged: "_Staged | None") -> RestoredRequest:
+def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, during: bool, staged: "_Staged | None") -> tuple[RequestRecord, bool]:
+    """The proof before allocation, by ``mode``; the record (read hashed) and whether the
+    upload must keep an exact undo log (a digest refusal that can only come while landing)."""
     snap = source.snap
     try:
         if staged is not None:
@@ -314,12 +388,10 @@ def _restore_checked(source: OpenSource, view: PoolView, chain: Chain, engine, m
         raise HsnapIOError(snap.path, "read", e) from None
     if staged is not None:  # uploaded from the buffer it hashed: nothing read after the check
         with staged.serving():  # the record too (an object: no GET more), hashed again on the way
-            record = snap.record(verify=True)
-        return _upload(chain, view, record, numerics, engine, exact_rollback, False, staged=staged)
-    if mode == "before" and remote:
-        exact_rollback = True  # checked only while read: a digest refusal must still be byte-exact
-    record = snap.record(verify=during and (mode == "during" or remote))  # else verify() covered it
-    return _upload(chain, view, record, numerics, engine, exact_rollback, during)
+            return snap.record(verify=True), False
+    # checked only while read: a digest refusal must still be byte-exact
+    exact = mode == "before" and remote
+    return snap.record(verify=during and (mode == "during" or remote)), exact  # else prove() covered it
 
 
 # The one-read verify (verify=True) stages a payload up to this many bytes: larger ones
@@ -446,12 +518,6 @@ class _StagedRange:
     def readinto(self, view: memoryview, at: int) -> None:
         # numpy's copy releases the GIL (a memoryview assignment holds it): two uploads at once copy on two cores
         np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(self.view[at : at + len(view)], dtype=np.uint8))
-
-
-def _upload(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
-            check_digests: bool = False, *, staged: "_Staged | None" = None) -> RestoredRequest:
-    with pool_lock(view.req_to_token_pool):
-        return _upload_locked(chain, view, record, numerics, engine, exact_rollback, check_digests, staged=staged)
 
 
 def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,
@@ -604,4 +670,4 @@ def _read_ahead(stack: contextlib.ExitStack, pieces: dict, landings: dict) -> No
         stack.enter_context(link.source.read_ahead(infos, lands))
 
 
-__all__ = ["restore_request", "open_source", "restore_opened", "OpenSource", "check_target"]
+__all__ = ["restore_request", "open_source", "restore_opened", "prove_opened", "OPEN_KEYWORDS", "PROVE_KEYWORDS", "OpenSource", "check_target"]

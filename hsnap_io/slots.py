@@ -13,7 +13,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -57,10 +57,35 @@ def target_page(view: PoolView) -> int:
     return view.geometry.attention.page_size if view.geometry.attention is not None else 1
 
 
-def check_capacity(snap: Snapshot, view: PoolView) -> None:
-    pos, page = snap.state_position, target_page(view)  # pages of the target, whatever the snapshot's
+class Room(Protocol):
+    """Slots a caller can free for a restore or a migration link — a radix cache's unreferenced entries, evicted as
+    SGLang's admission evicts them. Counted as free by the capacity checks (:meth:`spare`, touching nothing); freed
+    (:meth:`make`) only after every other check passed, right before the allocation, under :func:`pool_lock`: a
+    snapshot or link refused for anything never costs the cache."""
+
+    def spare(self) -> dict[str, int]:
+        """What could be freed now, by kind: ``"token slots"``, ``"mamba slots"``."""
+        ...
+
+    def make(self, token_slots: int, mamba_slots: int) -> None:
+        """Free entries until that many slots of each kind are free (what is free already counts)."""
+        ...
+
+
+def slots_needed(snap: Snapshot, view: PoolView) -> tuple[int, int]:
+    """Token slots (whole pages of the target, whatever the snapshot's) and Mamba slots a restore of ``snap``
+    allocates in ``view``."""
+    tokens = math.ceil(snap.state_position / target_page(view)) * target_page(view) if view.geometry.attention is not None else 0
+    return tokens, 1 if view.mamba_pool is not None else 0
+
+
+def check_capacity(snap: Snapshot, view: PoolView, spare: dict[str, int] | None = None) -> None:
+    """Refuse ``snap`` when its slots do not fit ``view`` — free slots, plus ``spare`` (:meth:`Room.spare`: what a
+    caller could free) — naming every kind that is short."""
+    pos = snap.state_position
     rtp, alloc = view.req_to_token_pool, view.allocator
-    short = []
+    tokens, mamba = slots_needed(snap, view)
+    spare = spare or {}
     history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
     need = [
         ("req_to_token_pool rows", 1, rtp.available_size()),
@@ -70,14 +95,13 @@ def check_capacity(snap: Snapshot, view: PoolView) -> None:
     ]
     if view.geometry.attention is not None:
         full_avail = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
-        need.append(("token slots", math.ceil(pos / page) * page, full_avail))
+        need.append(("token slots", tokens, full_avail))
         if view.geometry.attention.swa_layers:
-            need.append(("swa token slots", math.ceil(pos / page) * page, alloc.swa_available_size()))
-    if view.mamba_pool is not None:
-        need.append(("mamba slots", 1, rtp.mamba_allocator.available_size()))
-    for what, want, have in need:
-        if have < want:
-            short.append(f"{what}: need {want}, free {have}")
+            need.append(("swa token slots", tokens, alloc.swa_available_size()))
+    if mamba:
+        need.append(("mamba slots", mamba, rtp.mamba_allocator.available_size()))
+    short = [f"{what}: need {want}, free {have}" + (f" + {spare[what]} evictable" if spare.get(what) else "")
+             for what, want, have in need if have + spare.get(what, 0) < want]
     if short:
         raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
 

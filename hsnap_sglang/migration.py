@@ -16,7 +16,7 @@ server and a library process (:class:`hsnap_io.migrate.MigrationTarget`) interop
 * **target** (``/hsnap/follow``): a :class:`~hsnap_io.migrate.MigrationTarget` over the scheduler's own pools
   applies each link as it is committed (every link checked and hashed before anything is allocated; the request
   itself — record, sampling, grammar, LoRA — checked with the first and the last link), evicting unreferenced
-  radix-cache entries for room as admission does.  After the final link the ``Req`` is bound to its slots and
+  radix-cache entries for room as admission does (only once a link passed every check).  After the final link the ``Req`` is bound to its slots and
   held; the HTTP process registers the client's state, then admits it (:class:`HsnapAdmitReqInput`): its next
   forward is a decode.  Until then its slots are reported to SGLang's own pool accounting as held (the strict idle
   memory check counts them), and a refused or abandoned migration gives every slot back.
@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 
-from hsnap_format import HsnapError, SnapshotExistsError, SnapshotSet
+from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.errors import Phrase
 from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, is_final_link
 from hsnap_format.stores import store_for
@@ -309,7 +308,7 @@ def on_follow(hs, msg) -> None:
         _check_tp_container(hs, store, msg.dir)
         # this rank's sharding: a link of another TP size (a TP set) is re-sharded as it is applied
         target = MigrationTarget(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                                 identity=hs.identity(), sharding=hs.sharding())
+                                 identity=hs.identity(), sharding=hs.sharding(), room=hs.room())
     except HsnapError as e:
         hs.answer(msg, ok=False, error=error_dict(e))
         return
@@ -348,7 +347,6 @@ def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> Non
     err: BaseException | None = None
     applied = None
     try:
-        _make_room(hs, f)
         applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
     except HsnapError as e:
         err = e
@@ -393,35 +391,6 @@ def _accept(hs, f: Following, snap, record) -> None:
     f.prepared = prepare_req(record, snap.path, swa_start=snap.swa_start, http_worker_ipc=ipc, expect_rid=f.op.rid, **context)
     if final:
         check_tracking_capacity(s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool), snap.path)
-
-
-def _make_room(hs, f: Following) -> None:
-    """Room for the next link's rows (and, with the first, a Mamba slot), evicting unreferenced radix-cache entries
-    as SGLang's admission does; a link the cache cannot make room for is refused by the apply's capacity check."""
-    from types import SimpleNamespace
-
-    s = hs.sched
-    if not s.tree_cache.supports_prefix_sharing():
-        return
-    from hsnap_io.adapters import view_pools
-    from sglang.srt.managers.schedule_batch import ReqKvInfo
-    from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
-
-    path = f.watch.hit
-    try:
-        with f.store.open(path) as opened:  # a TP set: every rank file holds the same positions
-            snap = next(iter(opened.ranks.values())) if isinstance(opened, SnapshotSet) else opened
-            position = int(snap.state_position)
-    except (HsnapError, OSError, StopIteration):
-        return  # the apply refuses it, by name
-    view = view_pools(s.req_to_token_pool, s.token_to_kv_pool_allocator)
-    page = view.geometry.attention.page_size if view.geometry.attention is not None else 1
-    have = f.target.request.state_position if f.target.request is not None else 0
-    need = max(0, math.ceil(position / page) * page - math.ceil(have / page) * page)
-    if need:
-        s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, need)
-    if f.target.request is None:
-        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
 
 
 def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:

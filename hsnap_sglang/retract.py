@@ -104,8 +104,8 @@ def load_retracted(
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source, restore_opened
-    from hsnap_io.slots import pool_lock
+    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened, restore_opened
+    from hsnap_io.slots import pool_lock, slots_needed
 
     require_type(path, "identity", identity, Identity, optional=True)
     rank = restore_kwargs.pop("rank", None)
@@ -115,10 +115,8 @@ def load_retracted(
         fpath = source.snap.path
         if not req.is_retracted or req.kv.req_pool_idx is not None:
             raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
-        if room is None:
-            check_target(source, view, identity)
-        else:
-            room.fits(source)
+        # the file belongs here (header only), counting what the room could free (nothing freed yet)
+        check_target(source, view, identity, spare=None if room is None else room.spare())
         record = read_record(source.snap, fpath)
         checks = [
             ("request.rid", req.rid, record.rid),
@@ -131,11 +129,14 @@ def load_retracted(
         if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
             raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
         kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
+        # every digest before the cache makes room: a snapshot refused for its bytes never costs the cache
+        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):
             if room is not None:
-                room.make(source)
+                room.make(*slots_needed(source.snap, view))  # every check passed: free only what is missing
             check_tracking_capacity(req_to_token_pool, tracking, fpath)
             restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                            identity=identity, bind=binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)

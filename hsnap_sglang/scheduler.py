@@ -328,7 +328,7 @@ class HsnapScheduler:
         """Room for a restore made the way SGLang's admission makes it, where a radix cache can free slots; else None
         (the header's capacity check)."""
         s = self.sched
-        return _Room(s, self.identity()) if s.tree_cache.supports_prefix_sharing() else None
+        return _Room(s) if s.tree_cache.supports_prefix_sharing() else None
 
     def in_flight(self, req) -> bool:
         """A batch whose result is not processed yet holds ``req`` (the overlap scheduler)."""
@@ -1050,59 +1050,32 @@ class HsnapScheduler:
 
 
 class _Room:
-    """Room for a resumed snapshot's slots in a server with a radix cache (``resume_req(room=...)``), made the way
-    SGLang's admission makes it (``evict_to_free_tokens``, ``ensure_mamba_capacity``): whether it fits is decided
-    from free plus evictable slots, touching nothing; entries are evicted only once every check passed, and only as
-    many as are missing — a resume refused for any reason leaves the cache as it was."""
+    """The radix cache's unreferenced entries as :class:`hsnap_io.slots.Room`: counted as free by a resume's (or a
+    migration link's) capacity check, touching nothing, and evicted the way SGLang's admission evicts them
+    (``evict_to_free_tokens``, ``ensure_mamba_capacity``) only once every check passed, and only as many as are
+    missing — a resume refused for any reason leaves the cache as it was."""
 
-    def __init__(self, sched, identity) -> None:
-        from hsnap_io.adapters import view_pools
+    def __init__(self, sched) -> None:
+        self.sched = sched
 
-        self.sched, self.identity = sched, identity
-        self.view = view_pools(sched.req_to_token_pool, sched.token_to_kv_pool_allocator)
+    def spare(self) -> dict[str, int]:
+        tree = self.sched.tree_cache
+        spare = {"token slots": int(tree.full_evictable_size())}
+        if hasattr(tree, "mamba_evictable_size"):
+            spare["mamba slots"] = int(tree.mamba_evictable_size())
+        return spare
 
-    def _tokens(self, snap) -> int:
-        import math
-
-        att = self.view.geometry.attention
-        page = att.page_size if att is not None else 1
-        return math.ceil(int(snap.state_position) / page) * page if att is not None else 0
-
-    def fits(self, source) -> None:
-        """``check_target``'s refusals, with the radix cache's evictable slots counted as free."""
-        from hsnap_format import CapacityError
-        from hsnap_io.checks import check_compatible
-        from hsnap_io.restore import check_target
-
-        if source.resharded:  # checked by the re-sharded restore itself
-            return check_target(source, self.view, self.identity)
-        snap, s = source.snap, self.sched
-        check_compatible(snap, self.view, self.identity)
-        rtp, alloc, tree = s.req_to_token_pool, s.token_to_kv_pool_allocator, s.tree_cache
-        free = alloc.full_available_size() if hasattr(alloc, "full_available_size") else alloc.available_size()
-        evictable = int(tree.full_evictable_size())
-        history = snap.request["prompt_tokens"] + snap.request["output_tokens"]
-        need = [("req_to_token_pool rows", 1, rtp.available_size(), 0),
-                ("req_to_token_pool.max_context_len (committed positions)", int(snap.state_position), rtp.req_to_token.shape[1], 0),
-                ("req_to_token_pool.max_context_len (prompt + output - 1)", history - 1, rtp.req_to_token.shape[1], 0),
-                ("token slots", self._tokens(snap), free, evictable)]
-        if self.view.mamba_pool is not None and hasattr(tree, "mamba_evictable_size"):
-            need.append(("mamba slots", 1, rtp.mamba_allocator.available_size(), int(tree.mamba_evictable_size())))
-        short = [f"{what}: need {want}, free {have}" + (f" + {spare} evictable" if spare else "")
-                 for what, want, have, spare in need if have + spare < want]
-        if short:
-            raise CapacityError(snap.path, "target pools", detail="does not fit: " + "; ".join(short))
-
-    def make(self, source) -> None:
+    def make(self, token_slots: int, mamba_slots: int) -> None:
         from types import SimpleNamespace
 
         from sglang.srt.managers.schedule_batch import ReqKvInfo
         from sglang.srt.mem_cache.allocation import ensure_mamba_capacity
 
         s = self.sched
-        if source.snap is not None and self._tokens(source.snap):
-            s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, self._tokens(source.snap))
-        ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())], s.tree_cache)
+        if token_slots:
+            s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, token_slots)
+        if mamba_slots:
+            ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())] * mamba_slots, s.tree_cache)
 
 
 _ECHOES = ("RankFailedError", "RemoteRankError")

@@ -205,6 +205,65 @@ def test_target_too_small_for_a_delta_is_refused_pools_identical(tmp_path):
     assert "token slots" in str(e)
 
 
+class HeldSlots:
+    """A caller's cache as hsnap_io.slots.Room: token slots it holds (taken from the allocator, as a radix cache's
+    unreferenced entries hold theirs) and gives back only when asked to make room."""
+
+    def __init__(self, ps, keep_free: int) -> None:
+        self.alloc = ps.token_to_kv_pool_allocator
+        self.held = self.alloc.alloc(self.alloc.available_size() - keep_free)
+        self.made: list[tuple[int, int]] = []
+
+    def spare(self) -> dict[str, int]:
+        return {"token slots": len(self.held)}
+
+    def make(self, token_slots: int, mamba_slots: int) -> None:
+        self.made.append((token_slots, mamba_slots))
+        short = token_slots - self.alloc.available_size()
+        if short > 0:
+            self.alloc.free(self.held[:short])
+            self.held = self.held[short:]
+
+
+def _flipped(link, path, kind: str):
+    data = bytearray(open(link, "rb").read())
+    with hf.open(link) as d:
+        section = next(s for s in d.sections if s.kind == kind)
+    data[section.offset + section.length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path, section.name
+
+
+def test_a_target_makes_room_only_for_a_link_that_passed_every_check(tmp_path):
+    """A target whose free slots are too few for each link but whose caller can free more (a radix cache): the
+    capacity checks count the room, a link with a changed byte is refused without the room giving up a slot, and
+    a right link gets exactly the slots it allocates freed, right before allocating."""
+    ps, req = cc.source("hybrid_linear")
+    links = _migrate(ps, req, "hybrid_linear", tmp_path / "a")
+    _direct(ps, req, tmp_path / "direct.hsnap")
+    t = sp.build("hybrid_linear", size=128, page_size=1, seed=9)
+    room = HeldSlots(t, keep_free=10)
+    tgt = MigrationTarget(req_to_token_pool=t.req_to_token_pool, token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
+                          identity=ic.identity(), room=room)
+    held = len(room.held)
+    before = sp.pool_state_fingerprint(t)
+    with pytest.raises(hf.DigestMismatchError):  # the first link: a temporal state byte changed
+        tgt.apply(_flipped(links[0], tmp_path / "a" / "flipped-0.hsnap", "temporal")[0])
+    assert room.made == [] and len(room.held) == held
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
+    tgt.apply(links[0])
+    assert room.made == [(cc.POSITIONS[0], 1)] and len(room.held) == held - (cc.POSITIONS[0] - 10)
+    before = sp.pool_state_fingerprint(t)
+    flipped, name = _flipped(links[1], tmp_path / "a" / "flipped-1.hsnap", "attn_k")
+    e = _refused(tgt, t, flipped, hf.DigestMismatchError)
+    assert name in e.field
+    assert len(room.made) == 1 and sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
+    for link in links[1:]:
+        tgt.apply(link)
+    assert room.made[1:] == [(cc.POSITIONS[1] - cc.POSITIONS[0], 0), (cc.POSITIONS[2] - cc.POSITIONS[1], 0)]
+    assert _same_as_direct(t, tgt.request, tmp_path / "direct.hsnap")
+
+
 def test_final_apply_reads_only_the_last_link(tmp_path):
     """The downtime path: with every earlier link's bytes changed in place after it was applied,
     the last delta still applies (it reads, hashes and uploads only itself) and the request is

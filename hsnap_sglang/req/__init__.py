@@ -165,10 +165,11 @@ def resume_req(
     ``commit()``: called last, after the ``Req`` is bound to its slots, under the pool lock
     and inside the restore's rollback; if it raises, every allocation is given back (a TP
     server has every rank agree here, so that either all ranks hold the request or none).
-    ``room``: a target that can free slots (a radix cache): ``room.fits(source)`` replaces the
-    header's capacity check (free plus what it could free; it changes nothing), and
-    ``room.make(source)`` frees what is missing under the pool lock, after every other check
-    and right before the allocation — a snapshot refused for anything never costs the cache.
+    ``room``: a target that can free slots (:class:`hsnap_io.slots.Room`, a radix cache): the
+    header's capacity check counts what it could free (``room.spare()``, changing nothing), and
+    ``room.make(...)`` frees what is missing under the pool lock, after every other check —
+    every digest included (:func:`hsnap_io.restore.prove_opened`) — right before the
+    allocation: a snapshot refused for anything never costs the cache.
 
     The file is opened once; the record, every check and every uploaded byte come
     through that open. Refused before the pools are touched: a snapshot that does not
@@ -184,8 +185,8 @@ def resume_req(
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source, restore_opened
-    from hsnap_io.slots import pool_lock
+    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened, restore_opened
+    from hsnap_io.slots import pool_lock, slots_needed
 
     require_type(path, "identity", identity, Identity, optional=True)
     open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
@@ -194,20 +195,21 @@ def resume_req(
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
         fpath = source.snap.path
-        if room is None:
-            check_target(source, view, identity)  # the file belongs here (header only)
-        else:
-            room.fits(source)  # the same, counting what the cache could free (nothing freed yet)
+        # the file belongs here (header only), counting what the room could free (nothing freed yet)
+        check_target(source, view, identity, spare=None if room is None else room.spare())
         record = read_record(source.snap, fpath)
         prepared = prepare_req(record, fpath, swa_start=source.snap.swa_start, tokenizer=tokenizer, grammar_backend=grammar_backend,
                                loaded_lora_ids=loaded_lora_ids, vocab_size=vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs,
                                expect_rid=expect_rid)
         req, carried, key, grammar = prepared.req, prepared.carried, prepared.grammar_key, prepared.grammar
+        # every digest before the cache makes room: a snapshot refused for its bytes never costs the cache
+        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
             if room is not None:
-                room.make(source)  # every check passed: free only what is missing
+                room.make(*slots_needed(source.snap, view))  # every check passed: free only what is missing
             check_tracking_capacity(req_to_token_pool, tracking, fpath)
             restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                                       identity=identity, bind=binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking, commit),

@@ -6,7 +6,7 @@ on, SGLang's strict idle memory check and tree sanity check on) serves every pro
   ``hsnap resume`` exit non-zero;
 * a snapshot is resumed at most once: a second resume is refused (409, naming who claimed it and when) unless asked
   for again; a refused resume takes its claim back; each snapshot of a directory is claimed on its own;
-* a resume refused for capacity leaves the radix cache as it was (fit decided from free + evictable slots first);
+* a resume refused for capacity leaves the radix cache as it was (fit decided from free + evictable slots first), and\n  so does one refused for its bytes (every digest proved before the cache gives up an entry);
 * against an object store that accepts connections and never answers (a loopback "black hole"), an export and a
   resume end in a typed error after the store's read timeout, while the other requests keep decoding and
   ``/health`` answers.
@@ -372,25 +372,32 @@ def refused_for_capacity(server):
     rest, so that free + evictable < 1,200: the resume is refused."""
     url, path = server.url, server.root / "big.hsnap"
     _paused(url, "big", path, prompt(81, 1200), 40, after=2)
+    got = _refused_beside_a_full_cache(url, path, "", 82)
+    resumed = client.resume(url, str(path))  # room now: the refusal did not use up the claim
+    claimed_after = Path(str(path) + ".claimed").exists()
+    wait_idle(url)
+    return {**got, "resumed": resumed, "claimed_after": claimed_after}
+
+
+def _refused_beside_a_full_cache(url: str, path: Path, tag: str, seed: int) -> dict:
+    """The resume of ``path``, refused while the tree holds ~800 evictable tokens (a finished request's prompt) and a
+    running request holds most of the other slots; the pools before and after it, and whether that request ran
+    throughout. The running request is aborted before this returns."""
     wait_idle(url)
     flush_cache(url)
-    generate(url, payload("filler", prompt(82, 800), 1))  # its prompt stays in the tree, evictable
-    hog = Stream(url, payload("hog", prompt(83, 1350), 3000))
+    generate(url, payload(f"filler{tag}", prompt(seed, 800), 1))  # its prompt stays in the tree, evictable
+    hog = Stream(url, payload(f"hog{tag}", prompt(seed + 1, 1350), 3000))
     hog.start()
     hog.wait_tokens(2)
     before = stats(url)["pools"]
     error = _refusal(client.resume, url, str(path))
     after = stats(url)["pools"]
-    hog_running = "hog" in stats(url)["requests"]["running"]
+    hog_running = f"hog{tag}" in stats(url)["requests"]["running"]
     marker_left = Path(str(path) + ".claimed").exists()
-    _abort(url, "hog")
+    _abort(url, f"hog{tag}")
     hog.join(120)
     wait_idle(url)
-    resumed = client.resume(url, str(path))  # room now: the refusal did not use up the claim
-    claimed_after = Path(str(path) + ".claimed").exists()
-    wait_idle(url)
-    return {"before": before, "after": after, "error": error, "hog_running": hog_running, "marker_left": marker_left,
-            "resumed": resumed, "claimed_after": claimed_after}
+    return {"before": before, "after": after, "error": error, "hog_running": hog_running, "marker_left": marker_left}
 
 
 def test_resume_refused_for_capacity_leaves_the_radix_cache_as_it_was(refused_for_capacity):
@@ -408,6 +415,37 @@ def test_resume_refused_after_claiming_takes_its_claim_back(refused_for_capacity
     assert not r["marker_left"]
     assert r["claimed_after"] and r["resumed"].info["result"]["claimed"] == str(r["resumed"].info["path"]) + ".claimed"
     assert r["resumed"].final["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.fixture(scope="module")
+def refused_for_its_bytes(server):
+    """A 600-position snapshot with one byte of a state section flipped (header, record and every other section
+    intact); then the tree holds ~800 evictable tokens and a running request holds most of the rest, so that the
+    snapshot fits only once the cache gives up entries: the resume is refused for its digest."""
+    from hsnap_format import open_snapshot
+
+    url, path = server.url, server.root / "flipped.hsnap"
+    _paused(url, "flipped", path, prompt(84, 600), 40, after=2)
+    with open_snapshot(str(path)) as snap:
+        state = max((sec for sec in snap.sections if sec.is_state), key=lambda sec: sec.length)
+        offset, positions = state.offset + state.length // 2, int(snap.state_position)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+    return {**_refused_beside_a_full_cache(url, path, "-2", 85), "positions": positions}
+
+
+def test_resume_refused_for_a_digest_leaves_the_radix_cache_as_it_was(refused_for_its_bytes):
+    r = refused_for_its_bytes
+    assert r["error"].status == 400 and r["error"].error_type == "DigestMismatchError", r["error"].error
+    assert r["hog_running"], "the proof needs the running request to hold its slots throughout"
+    # the proof needs a snapshot that fits only with the cache's help: a resume that evicted first would have
+    assert r["before"]["token_slots_free"] < r["positions"] <= r["before"]["token_slots_free"] + r["before"]["token_slots_evictable"], r
+    assert r["after"]["token_slots_evictable"] >= r["before"]["token_slots_evictable"], (r["before"], r["after"])
+    assert r["after"]["token_slots_free"] <= r["before"]["token_slots_free"], (r["before"], r["after"])  # nothing evicted
+    assert r["after"]["mamba_slots_free"] <= r["before"]["mamba_slots_free"], (r["before"], r["after"])  # no Mamba slot either
 
 
 # ----------------------------------------------------------------------------- a store that never answers
