@@ -556,11 +556,14 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     checkpoint.remember_rows(b.buffer, slots.rows(b.space), b.name)
         if staged is None:
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
-        shares = _shares(plain) if staged is not None and getattr(engine, "forks", False) else [plain]
+        # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;
+        # an object's GETs already run ahead of the upload
+        local = all(p[2].link is not None and getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
+        shares = _shares(plain) if (staged is not None or local) and getattr(engine, "forks", False) else [plain]
         if len(shares) == 1:
             for b, rows, piece, where in plain:
                 uploaded += upload_piece(engine, b, rows, piece, check_digests, staged)
-        else:  # staged bytes (nothing read any more): copied into the slots on two threads
+        else:
             uploaded, where = _upload_shares(shares, engine, check_digests, staged)
         for ref, targets in by_page.values():
             where = f"pages.refs[{ref.index}] of {ref.link.path} ({ref.path})"
@@ -607,7 +610,7 @@ def _shares(plain: list) -> list[list]:
 
 
 def _upload_shares(shares: list[list], engine, check_digests: bool, staged) -> tuple[int, str]:
-    """Upload two shares of staged pieces at once (the second on a forked engine: its own staging); returns the
+    """Upload two shares of pieces at once (the second on a forked engine: its own staging); returns the
     bytes uploaded and ``"finish upload"``, or raises the first failure with the section it names as ``where``."""
 
     def run(share: list, eng) -> int:

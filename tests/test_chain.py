@@ -19,6 +19,7 @@ from hsnap_testing import pools as sp  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
 from hsnap_format.chain import compact, open_chain  # noqa: E402
+from hsnap_io import restore as restore_mod  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 from hsnap_testing import zygote
 
@@ -74,9 +75,12 @@ def test_chain_restores_and_compacts_like_a_direct_export(kind, page, tmp_path):
     assert cc.same_rows(cc.restored_rows(t_chain, a), cc.restored_rows(t_direct, b))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("verify", [True, "during", False])
-def test_chain_restore_every_verify_mode(verify, tmp_path):
+def test_chain_restore_every_verify_mode(verify, threads, tmp_path, monkeypatch):
     kind = "swa_mamba"  # full and window rows, a window row of the base skipped, the recurrent state from the head
+    if threads == 2:  # the links' pieces uploaded on two threads, as a payload over the bound is
+        monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
     ps, req = cc.source(kind)
     paths = cc.export_chain(ps, req, kind, tmp_path)
     direct = str(tmp_path / "direct.hsnap")
@@ -298,6 +302,11 @@ def test_hostile_chain_flipped_byte_in_a_link_below(chain3):
     before = sp.pool_state_fingerprint(t)
     with pytest.raises(hf.DigestMismatchError):
         _restore(paths[-1], t, verify="during", exact_rollback=True)
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
+    with pytest.MonkeyPatch.context() as m:  # the same on two upload threads: the other share ends, then all is undone
+        m.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
+        with pytest.raises(hf.DigestMismatchError):
+            _restore(paths[-1], t, verify="during", exact_rollback=True)
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(t)) == []
 
 

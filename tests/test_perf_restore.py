@@ -60,9 +60,17 @@ def _section(path, kind, i=0):
         return [s for s in snap.sections if s.kind == kind][i]
 
 
+@pytest.fixture(params=["one thread", "two threads"])
+def upload_threads(request, monkeypatch):
+    """The upload on one thread, or on two (every payload, however small: what a large one gets)."""
+    if request.param == "two threads":
+        monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("verify", ["two-pass", "during"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_a_change_after_the_checks_is_caught_while_uploading(snap_path, tmp_path, monkeypatch, exact, verify):
+def test_a_change_after_the_checks_is_caught_while_uploading(snap_path, tmp_path, monkeypatch, exact, verify, upload_threads):
     """Regression (verify-then-upload read the file twice): the file changes in place
     after open, checks and capacity, just before the upload; the bytes that land are
     hashed, so the restore is refused and rolled back. ("two-pass": verify=True on a
@@ -92,7 +100,7 @@ def test_a_change_after_the_checks_is_caught_while_uploading(snap_path, tmp_path
         assert changed and all(c.startswith("buffers.") for c in changed), changed
 
 
-def test_a_digest_mismatch_during_upload_gives_back_every_allocation(snap_path, tmp_path):
+def test_a_digest_mismatch_during_upload_gives_back_every_allocation(snap_path, tmp_path, upload_threads):
     p = str(tmp_path / "bad.hsnap")
     shutil.copy(snap_path, p)
     sec = _section(p, "temporal", 1)
@@ -124,7 +132,7 @@ def test_padding_and_record_are_refused_before_any_allocation(snap_path, tmp_pat
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # byte-identical, no exact_rollback
 
 
-def test_verified_restore_uploads_the_same_bytes(snap_path):
+def test_verified_restore_uploads_the_same_bytes(snap_path, upload_threads):
     a, b = target(KIND, 1), target(KIND, 1)
     c = target(KIND, 1)
     ra, rb, rc = _restore(snap_path, a, verify=True), _restore(snap_path, b, verify=False), _restore(snap_path, c, verify="during")
