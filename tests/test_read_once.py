@@ -429,3 +429,57 @@ def test_pipelined_restore_server_killed_mid_download_pools_identical(s3server, 
         assert isinstance(e, hf.HsnapIOError)
     finally:
         s3server.start()
+
+
+# ----------------------------------------------------------------------------- the second thread of a restore
+
+
+def test_the_other_half_runs_on_one_kept_helper_thread_and_failures_come_back_in_order():
+    seen = []
+    here, there = restore_mod._on_two_threads(lambda: 1, lambda: seen.append(threading.current_thread()) or 2, "t-1")
+    assert (here, there) == (1, 2)
+    restore_mod._on_two_threads(lambda: None, lambda: seen.append((threading.current_thread(), threading.current_thread().name)), "t-2")
+    assert seen[1] == (seen[0], "t-2") and seen[0].name == "hsnap-helper"  # one kept thread, named for each job
+    def fails(kind):
+        def raise_it():
+            raise kind("failed")
+        return raise_it
+
+    with pytest.raises(KeyError):  # this thread's failure first
+        restore_mod._on_two_threads(fails(KeyError), fails(IndexError), "t")
+    with pytest.raises(IndexError):
+        restore_mod._on_two_threads(lambda: None, fails(IndexError), "t")
+    assert restore_mod._on_two_threads(lambda: 3, lambda: 4, "t") == (3, 4)  # a failure leaves the helper usable
+
+
+def test_a_caller_that_finds_the_helper_busy_or_is_the_helper_gets_a_thread_of_its_own():
+    gate, inside = threading.Event(), threading.Event()
+
+    def hold():
+        inside.set()
+        gate.wait(10)
+
+    holder = threading.Thread(target=lambda: restore_mod._on_two_threads(lambda: inside.wait(10), hold, "t"))
+    holder.start()
+    assert inside.wait(10)
+    name = restore_mod._on_two_threads(lambda: None, lambda: threading.current_thread().name, "busy")[1]
+    gate.set()
+    holder.join(10)
+    assert name == "busy"  # not queued behind the other restore's half
+    nested = restore_mod._on_two_threads(lambda: None, lambda: restore_mod._on_two_threads(lambda: 0, lambda: threading.current_thread().name, "nested")[1], "t")[1]
+    assert nested == "nested"  # the helper never waits on itself
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_process_forked_after_the_helper_ran_gets_its_own():
+    restore_mod._on_two_threads(lambda: None, lambda: None, "t")  # the parent's helper exists
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's thread is not here; a call must not wait for it
+        import signal
+
+        signal.alarm(10)
+        helper = restore_mod._on_two_threads(lambda: 5, threading.current_thread, "t")[1]
+        ok = helper is not threading.main_thread() and helper.name == "hsnap-helper"
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
