@@ -21,7 +21,8 @@ and K outputs) and round:
 * **re-prefill**: the recompute alternative in the same server: x's history (prompt + K outputs) sent as a new
   ``/generate`` (radix cache flushed), to its first token.
 
-Sizes whose projected time does not fit the remaining budget are reported as skipped.  Writes bench/SERVER.md
+Sizes whose projected time does not fit the remaining budget are reported as skipped; a size whose first round fails
+(a prefill longer than the stream's timeout) as failed, with the reason.  Writes bench/SERVER.md
 (``--results`` to change, ``--results ''`` for none).
 """
 
@@ -45,7 +46,7 @@ if REPO not in sys.path:
 
 from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
-from hsnap_sglang.demo import DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
+from hsnap_sglang.demo import DemoError, DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
 SIZES = (53, 4096, 32768)
 K = 24  # outputs before the export: enough decode steps beside x for the "before" gaps
@@ -302,7 +303,12 @@ def main(argv=None) -> int:
                     continue
                 for i in range(args.rounds):
                     t = time.monotonic()
-                    s.rounds.append(one_round(srv.url, s.n, f"{s.n}-{i}", d, log))
+                    try:
+                        s.rounds.append(one_round(srv.url, s.n, f"{s.n}-{i}", d, log))
+                    except DemoError as e:  # (a prefill that outlives the stream's timeout): reported, the rest kept
+                        s.skipped = None if s.rounds else f"failed: {e}"
+                        log(f"{s.n}: round {i} failed after {fmt(time.monotonic() - t)}: {e}")
+                        break
                     took = time.monotonic() - t
                     rate = took / s.n if s.n >= 1024 else rate
                     if i + 1 < args.rounds and took + 5 > args.budget - (time.monotonic() - t_start):
