@@ -135,7 +135,8 @@ def load_retracted(
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
         with pool_lock(req_to_token_pool):
-            if room is not None:
+            if room is not None:  # the track slots too, counting the cache, before it gives up anything
+                check_tracking_capacity(req_to_token_pool, tracking, fpath, spare=room.spare().get("mamba slots", 0))
                 room.make(*slots_needed(source.snap, view))  # every check passed: free only what is missing
             check_tracking_capacity(req_to_token_pool, tracking, fpath)
             restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,

@@ -398,6 +398,31 @@ def test_resume_refuses_when_the_ping_pong_slots_do_not_fit(tmp_path):
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(target)) == []
 
 
+def test_a_target_short_of_ping_pong_slots_even_with_its_cache_makes_no_room(tmp_path):
+    """A target whose cache could free token slots but not the Mamba slots the track buffers need: refused before the
+    room is made (a resume refused for anything never costs the cache)."""
+    ps, req = _source("hybrid_linear")
+    _snapshot(ps, req, tmp_path / "r.hsnap")
+    target = _ping_pong_target(mamba_size=2)  # room for the working slot, not for the track slots
+
+    class Room:  # a cache holding token slots only (hsnap_io.slots.Room)
+        def __init__(self):
+            self.made = []
+
+        def spare(self):
+            return {"token slots": 64, "mamba slots": 0}
+
+        def make(self, token_slots, mamba_slots):
+            self.made.append((token_slots, mamba_slots))
+
+    room = Room()
+    before = sp.pool_state_fingerprint(target)
+    with pytest.raises(hf.CapacityError) as e:
+        _resume(target, tmp_path / "r.hsnap", room=room)
+    assert "ping-pong" in str(e.value) and room.made == []
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(target)) == []
+
+
 def test_a_failure_building_the_req_leaves_the_target_untouched(tmp_path):
     """The Req is built (SGLang's constructor, target-specific kwargs) before any slot is taken."""
     ps, req = _source("swa_mamba")

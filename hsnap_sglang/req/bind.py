@@ -23,11 +23,13 @@ def mamba_tracking_slots(req_to_token_pool) -> int:
     return int(req_to_token_pool.mamba_initial_tracking_slots) if getattr(req_to_token_pool, "enable_mamba_extra_buffer", False) else 0
 
 
-def check_tracking_capacity(req_to_token_pool, tracking: int, path) -> None:
-    """Before the restore allocates (hold pool_lock): room for the working Mamba slot and the track slots."""
-    if tracking and req_to_token_pool.mamba_allocator.available_size() < 1 + tracking:
-        free = req_to_token_pool.mamba_allocator.available_size()
-        raise CapacityError(path, "target pools", detail=f"does not fit: mamba slots (working + {tracking} ping-pong track): need {1 + tracking}, free {free}")
+def check_tracking_capacity(req_to_token_pool, tracking: int, path, spare: int = 0) -> None:
+    """Before the restore allocates (hold pool_lock): room for the working Mamba slot and the track slots, counting
+    ``spare`` Mamba slots a caller could free (:meth:`hsnap_io.slots.Room.spare`)."""
+    free = req_to_token_pool.mamba_allocator.available_size() if tracking else 0
+    if tracking and free + spare < 1 + tracking:
+        raise CapacityError(path, "target pools", detail=f"does not fit: mamba slots (working + {tracking} ping-pong track): need {1 + tracking}, "
+                                                         f"free {free}" + (f" + {spare} evictable" if spare else ""))
 
 
 _TRACK_FIELDS = ("mamba_ping_pong_track_buffer", "mamba_ping_pong_empty", "mamba_prev_track_seqlen", "mamba_next_track_idx", "mamba_last_track_idx")
