@@ -280,9 +280,9 @@ class MigrationTarget:
                                               Phrase(f"pages in {paged.pages.store!r}"))
             check_target(source, self.view, self.identity, spare=self._spare())  # the header's refusals first
             # every refusal before allocating (every digest: verify=True), then the caller's own (the request itself)
-            prove_opened(source, **self._pools, identity=self.identity, verify=self.verify, staging_bytes=self.staging_bytes)
+            record = prove_opened(source, **self._pools, identity=self.identity, verify=self.verify, staging_bytes=self.staging_bytes)
             if accept is not None:
-                accept(source.snap, source.snap.record(verify=self.verify))
+                accept(source.snap, record)
             with pool_lock(self.view.req_to_token_pool):
                 if self.room is not None:
                     self.room.make(*slots_needed(source.snap, self.view))

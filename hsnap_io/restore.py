@@ -270,18 +270,20 @@ def prove_opened(
     identity: Identity | None,
     verify: bool | str = True,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
-) -> None:
+) -> RequestRecord:
     """Every refusal :func:`restore_opened` makes before it allocates — identity, geometry,
     and with ``verify=True`` every digest (a plain body up to :data:`ONE_READ_BYTES`: read
     once into the staging buffer the upload then copies from) — now, touching no pool, but
     the pools' free room: a caller that makes room (a radix cache evicting entries) between
     this proof and :func:`restore_opened` makes it only for a snapshot that passed every
     other check. Kept on ``source`` for its :func:`restore_opened` (capacity is checked
-    there, under the pool lock); given back when the source closes."""
+    there, under the pool lock); given back when the source closes. Returns the record, read
+    hashed (what the restore hands back)."""
     if source.proof is not None:
         raise ValueError("this source is proved already")
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
     source.proof = _prove(source, view, identity, verify, staging_bytes, capacity=False, stacklevel=3)
+    return source.proof.record
 
 
 def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes, bind) -> RestoredRequest:
@@ -303,7 +305,7 @@ def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_
     proof, source.proof = source.proof, None
     if proof is None:
         proof = _prove(source, view, identity, verify, staging_bytes, capacity=True, stacklevel=5)
-    elif proof.verify is not verify and proof.verify != verify:
+    elif proof.verify != verify:
         proof.release()
         raise ValueError(f"the source was proved with verify={proof.verify!r}, not {verify!r}")
     try:
@@ -318,6 +320,7 @@ class _Proof:
     first, under the pool lock) and fills the slots; ``release()`` gives back its staging buffer."""
 
     verify: bool | str
+    record: RequestRecord
     upload: Any
     staged: "_Staged | None" = None
 
@@ -331,8 +334,8 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
     if source.resharded:
         proven = prove_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
                                  verify=verify, capacity=capacity, stacklevel=stacklevel + 1)
-        return _Proof(verify, lambda view, exact_rollback: upload_resharded(proven, view, exact_rollback=exact_rollback,
-                                                                           staging_bytes=staging_bytes))
+        return _Proof(verify, proven.record, lambda view, exact_rollback: upload_resharded(proven, view, exact_rollback=exact_rollback,
+                                                                                         staging_bytes=staging_bytes))
     snap = source.snap
     numerics = check_compatible(snap, view, identity)
     if numerics:
@@ -368,7 +371,7 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
             return _upload_locked(chain, view, record, numerics, engine, exact_rollback or exact, during and staged is None,
                                   staged=staged)
 
-    return _Proof(verify, upload, staged)
+    return _Proof(verify, record, upload, staged)
 
 
 def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, during: bool, staged: "_Staged | None") -> tuple[RequestRecord, bool]:
@@ -608,7 +611,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
         # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;
         # an object's GETs already run ahead of the upload
-        local = all(p[2].link is not None and getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
+        local = all(getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
         shares = _shares(plain) if (staged is not None or local) and getattr(engine, "forks", False) else [plain]
         if len(shares) == 1:
             for b, rows, piece, where in plain:

@@ -29,7 +29,7 @@ from hsnap_format.errors import require_type
 from hsnap_io.sglang_env import import_sglang
 
 from .req import snapshot_req
-from .req.bind import binder, check_tracking_capacity, mamba_tracking_slots
+from .req.bind import binder, mamba_tracking_slots, restore_with_room
 from .req.record import decode_carried, read_record
 
 
@@ -104,8 +104,7 @@ def load_retracted(
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened, restore_opened
-    from hsnap_io.slots import pool_lock, slots_needed
+    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source
 
     require_type(path, "identity", identity, Identity, optional=True)
     rank = restore_kwargs.pop("rank", None)
@@ -129,18 +128,10 @@ def load_retracted(
         if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
             raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
         kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
-        # every digest before the cache makes room: a snapshot refused for its bytes never costs the cache
-        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
-        with pool_lock(req_to_token_pool):
-            if room is not None:  # the track slots too, counting the cache, before it gives up anything
-                check_tracking_capacity(req_to_token_pool, tracking, fpath, spare=room.spare().get("mamba slots", 0))
-                room.make(*slots_needed(source.snap, view))  # every check passed: free only what is missing
-            check_tracking_capacity(req_to_token_pool, tracking, fpath)
-            restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                           identity=identity, bind=binder(req, kvx, root, req_to_token_pool, tracking), **restore_kwargs)
+        restored = restore_with_room(source, view, identity=identity, room=room, tracking=tracking, restore_kwargs=restore_kwargs,
+                                     bind=binder(req, kvx, root, req_to_token_pool, tracking))
     req.is_retracted = False
     req.already_computed = 0
     req.hsnap_restored = restored

@@ -29,7 +29,7 @@ from hsnap_format.errors import Phrase, require_type
 from hsnap_io.sglang_env import import_sglang
 from hsnap_io.export import export_request
 
-from .bind import binder, check_tracking_capacity, mamba_tracking_slots
+from .bind import binder, mamba_tracking_slots, restore_with_room
 from .fields import CARRIED, FORMAT, FORMAT_KEY, TABLES, sglang_attributes
 from .record import check_resumed, check_stop_agrees, decode_carried, read_record, rebuild_req, req_record, sampling_from_record
 from .values import short_repr
@@ -185,8 +185,7 @@ def resume_req(
     """
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened, restore_opened
-    from hsnap_io.slots import pool_lock, slots_needed
+    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source
 
     require_type(path, "identity", identity, Identity, optional=True)
     open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
@@ -202,19 +201,10 @@ def resume_req(
                                loaded_lora_ids=loaded_lora_ids, vocab_size=vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs,
                                expect_rid=expect_rid)
         req, carried, key, grammar = prepared.req, prepared.carried, prepared.grammar_key, prepared.grammar
-        # every digest before the cache makes room: a snapshot refused for its bytes never costs the cache
-        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         tracking = mamba_tracking_slots(req_to_token_pool)
-        with pool_lock(req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
-            if room is not None:  # the track slots too, counting the cache, before it gives up anything
-                check_tracking_capacity(req_to_token_pool, tracking, fpath, spare=room.spare().get("mamba slots", 0))
-                room.make(*slots_needed(source.snap, view))  # every check passed: free only what is missing
-            check_tracking_capacity(req_to_token_pool, tracking, fpath)
-            restored = restore_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                                      identity=identity, bind=binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking, commit),
-                                      **restore_kwargs)
+        restored = restore_with_room(source, view, identity=identity, room=room, tracking=tracking, restore_kwargs=restore_kwargs,
+                                     bind=binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking, commit))
     if grammar is not None:
         req.grammar_key, req.grammar = key, grammar
     req.hsnap_restored = restored  # bytes uploaded, snapshot id, numerics differences
