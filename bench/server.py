@@ -46,7 +46,7 @@ if REPO not in sys.path:
 
 from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
-from hsnap_sglang.demo import DemoError, DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
+from hsnap_sglang.demo import REQUEST_TIMEOUT_S, DemoError, DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
 SIZES = (53, 4096, 32768)
 K = 24  # outputs before the export: enough decode steps beside x for the "before" gaps
@@ -88,11 +88,17 @@ def _abort(url: str, rid: str) -> None:
     _post(url, "/abort_request", {"rid": rid}, 60)
 
 
-def _first_token_s(url: str, body: dict) -> float:
-    s = Stream(url, body)
+def prefill_timeout_s(n: int) -> float:
+    """How long a stream may wait for the first token of an ``n``-token prompt: the CPU platform's prefill grows
+    faster than linearly (a 32k prompt beside two decoding requests took 160 s one hour, over 300 s another)."""
+    return max(REQUEST_TIMEOUT_S, 0.03 * n)
+
+
+def _first_token_s(url: str, body: dict, n: int) -> float:
+    s = Stream(url, body, timeout=prefill_timeout_s(n))
     t0 = time.monotonic()
     s.start()
-    s.wait_tokens(1)
+    s.wait_tokens(1, timeout=prefill_timeout_s(n))
     s.finish()
     return s.times[0] - t0
 
@@ -105,9 +111,9 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
         o.start()
     for o in others:
         o.wait_tokens(5)
-    x = Stream(url, payload(f"x-{tag}", K + 40, ids=prompt))  # still decoding when the export reaches the scheduler
+    x = Stream(url, payload(f"x-{tag}", K + 40, ids=prompt), timeout=prefill_timeout_s(n))  # still decoding at the export
     x.start()
-    x.wait_tokens(2)  # prefilled and decoding beside the others
+    x.wait_tokens(2, timeout=prefill_timeout_s(n))  # prefilled and decoding beside the others
     t_decoding = time.monotonic()
     x.wait_tokens(K)
     path = d / f"x-{tag}.hsnap"
@@ -129,7 +135,7 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
     k = int(out["output_tokens"])
     history = prompt + list(x.final["output_ids"][:k])
     flush_cache(url)
-    reprefill = _first_token_s(url, payload(f"re-{tag}", 1, ids=history))
+    reprefill = _first_token_s(url, payload(f"re-{tag}", 1, ids=history), len(history))
     flush_cache(url)
     first: list[float] = []
     t_res = time.monotonic()

@@ -260,9 +260,9 @@ def prompt_ids(seed: int, n: int) -> list[int]:
 class Stream(threading.Thread):
     """A streamed ``/generate`` in a thread: its events and their arrival times (monotonic), the error if any."""
 
-    def __init__(self, url: str, body: dict) -> None:
+    def __init__(self, url: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) -> None:
         super().__init__(daemon=True)
-        self.url, self.body = url, dict(body, stream=True)
+        self.url, self.body, self.timeout = url, dict(body, stream=True), timeout  # timeout: the longest silence (a prefill)
         self.events: list[dict] = []
         self.times: list[float] = []
         self.error: BaseException | None = None
@@ -276,7 +276,7 @@ class Stream(threading.Thread):
         try:
             req = urllib.request.Request(self.url + "/generate", data=json.dumps(self.body).encode(),
                                          headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
                 for event in client.stream_events(r):
                     self.events.append(event)
                     self.times.append(time.monotonic())

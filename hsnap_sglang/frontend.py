@@ -45,7 +45,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from hsnap_format import HsnapError, open_snapshot
 from hsnap_format.errors import MalformedError, Phrase
@@ -115,6 +115,17 @@ def add_routes(app) -> None:
 # ----------------------------------------------------------------------------- the TokenizerManager side
 
 
+class PreparedResume(NamedTuple):
+    """A resume's work before the scheduler (:meth:`HsnapFrontend.prepare`): the record's request, the claim held
+    (marker, version; None with ``again``), the replayed client text, and when the read and the claim ended."""
+
+    info: dict
+    held: tuple[str, str] | None
+    handoff: Any
+    read_at: float
+    claimed_at: float
+
+
 class HsnapFrontend:
     def __init__(self, tm) -> None:
         self.tm = tm
@@ -141,43 +152,62 @@ class HsnapFrontend:
 
     # ------------------------------------------------------------------ resume
 
-    async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None, again: bool = False):
+    async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None, again: bool = False,
+                         prepared: "PreparedResume | BaseException | None" = None, asked_at: float | None = None):
         """Claim the snapshot (hsnap_sglang.claims; not with ``again``), register the request's state (seeded), ask
         the scheduler; on refusal take the state and the claim back and raise.  File and store work runs off the
-        event loop (its reads are bounded by the store's timeouts)."""
-        t_asked = time.monotonic()
-        info = await asyncio.to_thread(read_resume_info, path)
-        rid = info["rid"]
-        t_read = time.monotonic()
-        # the claim first: a snapshot this server (or another client) resumed already is refused as claimed, which a
-        # client following a rolling restart reads as "attach to it" — never as a busy rid, whatever came first
-        held = None if again else await asyncio.to_thread(claims.claim, path, self.claimant())
-        t_claimed = time.monotonic()
+        event loop (its reads are bounded by the store's timeouts), in one job (:meth:`prepare`) unless the caller
+        ran it already (``prepared``: its result or what it raised, with ``asked_at`` when the caller was asked)."""
+        t_asked = time.monotonic() if asked_at is None else asked_at
+        if prepared is None:
+            prepared = await asyncio.to_thread(self.prepare, path, again=again)
+        elif isinstance(prepared, BaseException):
+            raise prepared
+        info, held = prepared.info, prepared.held
         try:
-            if rid in self.tm.rid_to_state:
-                raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
-            obj, out, had = await self._registered(info, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=rid, path=path), stream=stream,
-                                                   text_in_logprobs=text_in_logprobs, request=request)
+            obj, out, had = await self._registered(info, prepared.handoff, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=info["rid"], path=path),
+                                                   stream=stream, text_in_logprobs=text_in_logprobs, request=request)
         except BaseException:
             if held is not None:
                 await asyncio.to_thread(_release_claim, *held)
             raise
         result = dict(out.result, client_had=had, claimed=held[0] if held is not None else None)
-        result["timings"] = resume_phases(dict(result.get("timings") or {}), asked=t_asked, read=t_read, claimed=t_claimed,
+        result["timings"] = resume_phases(dict(result.get("timings") or {}), asked=t_asked, read=prepared.read_at, claimed=prepared.claimed_at,
                                           sent=obj.hsnap_sent_at, answered=time.monotonic())
         return obj, result
+
+    def prepare(self, path: str, *, again: bool = False) -> "PreparedResume":
+        """What a resume does before the scheduler sees it, in one job on a worker thread (each hop between the event
+        loop and a worker costs a wake-up, milliseconds in a busy server): read the record, claim the snapshot, then
+        replay its client's text (O(output tokens) decodes).  The claim comes before a rid is found busy: a snapshot
+        this server (or another client) resumed already is refused as claimed, which a client following a rolling
+        restart reads as "attach to it" — never as a busy rid, whatever came first.  A refusal after the claim takes
+        it back."""
+        info = read_resume_info(path)
+        read_at = time.monotonic()
+        held = None if again else claims.claim(path, self.claimant())
+        claimed_at = time.monotonic()
+        try:
+            rid = info["rid"]
+            if rid in self.tm.rid_to_state:  # a first look (the event loop looks again before registering)
+                raise RequestBusyError(path, "request.rid", Phrase("a rid no request of this server has"), rid)
+            handoff = replay_info(self.tm.tokenizer, info)
+        except BaseException:
+            if held is not None:
+                _release_claim(*held)
+            raise
+        return PreparedResume(info, held, handoff, read_at, claimed_at)
 
     def claimant(self) -> dict:
         args = getattr(self.tm, "server_args", None)
         return claims.claimant_identity(f"{getattr(args, 'host', '?')}:{getattr(args, 'port', '?')}")
 
-    async def _registered(self, info: dict, msg, *, stream: bool, text_in_logprobs: bool, request):
-        """Register the client's state of ``info``'s request (seeded with what the client already has), then send
-        ``msg`` (the scheduler starts the request); a refusal takes the state back and raises.  Returns the request,
-        the scheduler's answer and what the client had (the first event repeats it: /generate's events carry the
-        text so far)."""
+    async def _registered(self, info: dict, handoff, msg, *, stream: bool, text_in_logprobs: bool, request):
+        """Register the client's state of ``info``'s request (seeded with what the client already has: ``handoff``,
+        its replayed text), then send ``msg`` (the scheduler starts the request); a refusal takes the state back and
+        raises.  Returns the request, the scheduler's answer and what the client had (the first event repeats it:
+        /generate's events carry the text so far)."""
         tm, rid = self.tm, info["rid"]
-        handoff = await asyncio.to_thread(replay_info, tm.tokenizer, info)  # O(output tokens) decodes: off the event loop
         if rid in tm.rid_to_state:
             raise RequestBusyError(getattr(msg, "path", None), "request.rid", Phrase("a rid no request of this server has"), rid)
         obj = _generate_input(info, stream=stream, text_in_logprobs=text_in_logprobs)
@@ -234,7 +264,8 @@ class HsnapFrontend:
             if rid in tm.rid_to_state:  # a request of that rid arrived here meanwhile: give the migrated one back
                 await self.call(give_back)
                 raise RequestBusyError(container, "request.rid", Phrase("a rid no request of this server has"), rid)
-            obj, adm, result["client_had"] = await self._registered(info, HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True),
+            handoff = await asyncio.to_thread(replay_info, tm.tokenizer, info)  # O(output tokens) decodes: off the event loop
+            obj, adm, result["client_had"] = await self._registered(info, handoff, HsnapAdmitReqInput(op_id=uuid.uuid4().hex, rid=rid, admit=True),
                                                                     stream=stream, text_in_logprobs=text_in_logprobs, request=request)
         except BaseException:
             await asyncio.to_thread(_release_claim, *held)
@@ -245,8 +276,9 @@ class HsnapFrontend:
 
 
 def resume_phases(timings: dict, *, asked: float, read: float, claimed: float, sent: float, answered: float) -> dict:
-    """A resume's time, phase by phase (seconds): the snapshot's record read in the HTTP process, its claim, the
-    request's registration, the wait for the scheduler to take the message (``queue_s``), the restore, the admission
+    """A resume's time, phase by phase (seconds): the snapshot's record read in the HTTP process (for a route's
+    first snapshot from the route's call: its body, the listing and the hop to a worker included), its claim, the
+    request's registration (its client's text replayed, its state registered), the wait for the scheduler to take the message (``queue_s``), the restore, the admission
     into the running batch, and the answer's way back (``answer_s``); ``to_answer_s`` from asked to answered.  The
     scheduler's stamps share the host's monotonic clock."""
     received, admitted = timings.pop("received_at", None), timings.pop("admitted_at", None)
@@ -551,8 +583,20 @@ def router():
             return _bad("again", "true or false (true: resume a snapshot already resumed once)", again)
         fe = _frontend()
         tm = fe.tm
+
+        def listed() -> tuple[list, Any]:
+            """The listing and the first entry's preparation, one job off the event loop (what it raises: that
+            entry's refusal)."""
+            found = snapshot_entries(_local(path))
+            if not found:
+                return found, None
+            try:
+                return found, fe.prepare(found[0], again=again)
+            except Exception as e:  # noqa: BLE001 - answered as that entry's refusal (resume_one raises it)
+                return found, e
+
         try:
-            entries = await asyncio.to_thread(snapshot_entries, _local(path))  # a listing: off the event loop
+            entries, first = await asyncio.to_thread(listed)
         except HsnapError as e:  # a listing the store refused (typed, named)
             return _error_response(error_dict(e))
         except OSError as e:
@@ -562,9 +606,10 @@ def router():
                                                          Phrase("no snapshot"))))
         resumed: list = []
         results: list[dict[str, Any]] = []
-        for entry in entries:
+        for i, entry in enumerate(entries):
             try:
-                obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request, again=again)
+                obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request, again=again,
+                                                  **({"prepared": first, "asked_at": asked_at} if i == 0 else {}))
             except _AnsweredError as e:
                 results.append({"path": entry, "ok": False, "error": e.error})
                 continue
