@@ -68,13 +68,23 @@ class Round:
     gaps_before: list[float]
     gaps_around: list[float]
     resume_phases: dict = field(default_factory=dict)  # the server's: hsnap_sglang.frontend.resume_phases, + first_forward_s
+    gaps_around_resume: list[float] = field(default_factory=list)  # the others' gaps around a resume while they decode
+    busy_resume_first_token_s: float = float("nan")  # that resume's first token, as its client saw it
+
+    def _extra(self, around: list[float]) -> float | None:
+        """The others' longest gap in ``around``, in decode steps more than their median gap before the export."""
+        if not self.gaps_before or not around:
+            return None
+        med = statistics.median(self.gaps_before)
+        return (max(around) - med) / med
 
     @property
     def extra_steps(self) -> float | None:
-        if not self.gaps_before or not self.gaps_around:
-            return None
-        med = statistics.median(self.gaps_before)
-        return (max(self.gaps_around) - med) / med
+        return self._extra(self.gaps_around)
+
+    @property
+    def extra_steps_resume(self) -> float | None:
+        return self._extra(self.gaps_around_resume)
 
 
 @dataclass
@@ -121,13 +131,20 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
     out = client.pause(url, f"x-{tag}", str(path))
     t1 = time.monotonic()
     x.finish()
-    before, around = [], []
+    # a resume while the others decode (again: the idle resume below is the claimed one): their gaps around it
+    busy_first: list[float] = []
+    t2 = time.monotonic()
+    client.resume(url, str(path), again=True, on_chunk=lambda rid, text, ids, e: busy_first.append(time.monotonic()) if ids and not busy_first else None)
+    t3 = busy_first[0] if busy_first else time.monotonic()
+    before, around, around_resume = [], [], []
     for o in others:
         for a, b in zip(o.times, o.times[1:]):
             if a >= t_decoding and b < t0:
                 before.append(b - a)
             if b >= t0 and a <= t1:
                 around.append(b - a)
+            if b >= t2 and a <= t3:
+                around_resume.append(b - a)
     for o in others:
         _abort(url, o.rid)
     for o in others:
@@ -147,7 +164,8 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
     r = Round(committed=int(out["committed_positions"]), bytes=int(out["bytes"]), pause_call_s=t1 - t0,
               pause_to_durable_s=float(t["pause_to_durable_s"]), write_s=float(t["write_s"]),
               resume_first_token_s=first[0] if first else float("nan"), restore_s=float(run.info["result"]["timings"]["restore_s"]),
-              reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around, resume_phases=phases)
+              reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around, resume_phases=phases,
+              gaps_around_resume=around_resume, busy_resume_first_token_s=t3 - t2)
     log("  export timings: " + ", ".join(f"{k} {fmt(v)}" for k, v in t.items() if isinstance(v, float)))
     log(f"{n} ({r.committed} committed): pause-to-durable {fmt(r.pause_to_durable_s)}, resume->first token {fmt(r.resume_first_token_s)} "
         f"vs re-prefill {fmt(r.reprefill_first_token_s)}; others' gap median {fmt(statistics.median(before)) if before else '-'} "
@@ -158,12 +176,17 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
 
 # the phases of a resume, in order (hsnap_sglang.frontend.resume_phases; first_forward: the client's first token less
 # the server's answer, i.e. the first decode step, the detokenizer and the stream's way back)
-RESUME_PHASES = ("read_s", "claim_s", "register_s", "queue_s", "restore_s", "admit_s", "answer_s", "to_answer_s")
+RESUME_PHASES = ("read_s", "claim_s", "register_s", "queue_s", "restore_s", "prove_s", "pickup_s", "upload_s", "admit_s", "answer_s", "to_answer_s")
 PHASE_COLUMNS = RESUME_PHASES + ("first_forward_s",)
 
 
 def fmt(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _range(xs: list) -> str:
+    xs = [x for x in xs if x is not None]
+    return "-" if not xs else f"{min(xs):.1f}–{max(xs):.1f}" if len(xs) > 1 else f"{xs[0]:.1f}"
 
 
 def _span(xs: list[float]) -> str:
@@ -183,16 +206,18 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append(f"Server: `python -m hsnap_sglang.serve --enable-hsnap` (SGLang's launch_server, hsnap's CPU platform), tiny "
                f"random-weight {args.arch}, bfloat16, radix cache on, {' '.join(f'{k} {v}' for k, v in CAPACITY.items())}; "
                f"ready after {srv.ready_s:.1f} s  ")
-    out.append(f"Per round: {OTHERS} other requests decode throughout; x exported after {K} outputs; then re-prefill and resume "
+    out.append(f"Per round: {OTHERS} other requests decode throughout; x exported after {K} outputs and resumed once while they "
+               "decode (again; its first token and their longest gap around it); then re-prefill and resume "
                "with the server otherwise idle, radix cache flushed. Times are client side (HTTP included) except "
                "pause-to-durable and restore (the server's). Ranges: min–max over the rounds.")
     out.append("")
     head = ["committed positions", "rounds", "snapshot", "pause call", "pause-to-durable", "resume → first token (restore)",
-            "re-prefill → first token", "others' gap before: median / p90", "around the export: max", "extra decode steps (goal ≤ 1)"]
+            "re-prefill → first token", "others' gap before: median / p90", "around the export: max", "extra decode steps (goal ≤ 1)",
+            "resume while they decode: first token / their extra decode steps"]
     rows = []
     for s in sizes:
         if s.skipped:
-            rows.append([f"{s.n:,}", "0", s.skipped, "", "", "", "", "", "", ""])
+            rows.append([f"{s.n:,}", "0", s.skipped, "", "", "", "", "", "", "", ""])
             continue
         rs = s.rounds
         before = [g for r in rs for g in r.gaps_before]
@@ -206,6 +231,7 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
             f"{fmt(statistics.median(before)) if before else '-'} / {fmt(p90) if before else '-'} ({len(before)} gaps)",
             _span([max(r.gaps_around) for r in rs if r.gaps_around]),
             (f"{min(extra):.1f}–{max(extra):.1f}" if len(extra) > 1 else f"{extra[0]:.1f}") if extra else "-",
+            f"{_span([r.busy_resume_first_token_s for r in rs])} / {_range([r.extra_steps_resume for r in rs])}",
         ])
     w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
     out.append("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
@@ -214,7 +240,9 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append("")
     done = [s for s in sizes if not s.skipped and s.rounds]
     if any(r.resume_phases for s in done for r in s.rounds):
-        out.append("Where a resume's time goes (median over the rounds; the server's stamps, one monotonic clock; first "
+        out.append("Where a resume's time goes (median over the rounds; the server's stamps, one monotonic clock; restore = "
+                   "prove (a worker thread: the snapshot opened, checked, every byte read and hashed) + pickup (to the "
+                   "scheduler's next iteration) + upload (the scheduler thread: room, slots, copy, admission); first "
                    "forward = the client's first token less the server's answer):")
         out.append("")
         out.append("| committed positions | " + " | ".join(c.removesuffix("_s").replace("_", " ") for c in PHASE_COLUMNS) + " |")
@@ -239,7 +267,7 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append("Raw rounds (JSON):")
     out.append("")
     out.append("```json")
-    out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps} for r in s.rounds] for s in done}, sort_keys=True))
+    out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps, "extra_steps_resume": r.extra_steps_resume} for r in s.rounds] for s in done}, sort_keys=True))
     out.append("```")
     return "\n".join(out)
 

@@ -2,7 +2,8 @@
 decode boundary (:class:`Export`: a plain export, a drain member, a checkpoint link or a migration round; a
 :class:`Drain`; a request's periodic :class:`Checkpointing`), what migrates out of or into this server
 (:class:`Migrating`, :class:`Following`), and the two kinds of thread that carry work off the scheduler thread: the
-:class:`LinkWriter` (writes captured links) and a :class:`Watch` (looks for a marker or link in a container)."""
+:class:`LinkWriter` (writes captured links), a :class:`Watch` (looks for a marker or link in a container) and a
+:class:`Job` (a resume's proof, :class:`Resuming`; :func:`proves_here` says which are proved on the scheduler thread)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 from typing import Any
 
 from hsnap_format import HsnapError
+from hsnap_format.stores import is_url
 
 from .containment import typed
 from .errors import error_dict, error_of
@@ -208,6 +211,101 @@ class Watch:
 
     def cancel(self) -> None:
         self._stop.set()
+
+
+class Job:
+    """A function run once on a daemon thread of its own, off the scheduler thread (a resume's proof: the snapshot
+    opened, checked and every byte read and hashed — for an ``s3://`` one, GETs); the scheduler looks at ``done`` at
+    its iterations and takes ``result`` or ``error`` (what it raised, as raised)."""
+
+    def __init__(self, fn, name: str) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.started: float = time.monotonic()
+        self.ended: float | None = None
+        self.done = False
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def run_here(cls, fn) -> "Job":
+        """``fn`` run now, on the caller's thread: a done job."""
+        job = cls.__new__(cls)
+        job.result, job.error, job.done, job._thread = None, None, False, None
+        job.started = time.monotonic()
+        try:
+            job.result = fn()
+        except Exception as e:  # noqa: BLE001 - the scheduler answers it (typed there); an interrupt goes on up
+            job.error = e
+        finally:
+            job.ended, job.done = time.monotonic(), True
+        return job
+
+    @classmethod
+    def failed(cls, error: BaseException) -> "Job":
+        """A job refused before it started (no thread): done, with ``error``."""
+        job = cls.__new__(cls)
+        job.result, job.error, job.done, job._thread = None, error, True, None
+        job.started = job.ended = time.monotonic()
+        return job
+
+    def _run(self, fn) -> None:
+        try:
+            self.result = fn()
+        except BaseException as e:  # noqa: BLE001 - the scheduler answers it (typed there)
+            self.error = e
+        finally:
+            self.ended = time.monotonic()
+            self.done = True  # last: result and error are set when done is seen
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.done
+
+
+@dataclasses.dataclass
+class Resuming:
+    """A resume whose snapshot is read and proved off the scheduler thread (:class:`Job` running
+    ``hsnap_sglang.req.prove_resume``); the scheduler restores and admits it once the proof is done on every rank."""
+
+    op: Any  # the HsnapResumeReqInput to answer
+    received: float  # time.monotonic() when the scheduler took the message
+    job: Job
+
+
+# A local snapshot file up to this size is proved on the scheduler thread: ~5 ms on 2 CPU cores, under half a decode
+# step, where a proof on a worker costs the resumed request about one step more (it joins the batch at the iteration
+# after the proof; bench/SERVER.md); larger files, TP set directories and objects (network reads) are proved off it.
+# The operator's HSNAP_PROOF_ON_SCHEDULER_BYTES sets it (0: every resume proved off the scheduler thread, e.g. for
+# snapshots on a network file system).
+PROOF_HERE_BYTES_ENV = "HSNAP_PROOF_ON_SCHEDULER_BYTES"
+PROOF_HERE_BYTES = 4 << 20
+
+
+def proof_here_bytes(env=None) -> int:
+    """The operator's :data:`PROOF_HERE_BYTES_ENV` (a byte count), else :data:`PROOF_HERE_BYTES`; a value that is not
+    a non-negative integer is said once and the default kept."""
+    given = (os.environ if env is None else env).get(PROOF_HERE_BYTES_ENV)
+    if given is None:
+        return PROOF_HERE_BYTES
+    if given.strip().isdigit():
+        return int(given)
+    logger.warning("hsnap: %s=%r is not a byte count; resumes of local files up to %d bytes are proved on the scheduler thread",
+                   PROOF_HERE_BYTES_ENV, given[:40], PROOF_HERE_BYTES)
+    return PROOF_HERE_BYTES
+
+
+def proves_here(path: str, limit: int) -> bool:
+    """Whether a resume of ``path`` (resolved) is proved on the scheduler thread: a local regular file of at most
+    ``limit`` bytes (a checkpoint link is judged by its own size: the chain below it is read too)."""
+    if is_url(path):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return True  # refused by the proof at once
+    return stat.S_ISREG(st.st_mode) and st.st_size <= limit
 
 
 @dataclasses.dataclass

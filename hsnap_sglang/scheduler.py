@@ -42,7 +42,7 @@ from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFini
                      unknown_request)
 from . import confine, metrics, migration, retraction
 from .containment import contained_handler, guarded, log_failure, typed
-from .jobs import Checkpointing, Drain, Export, LinkJob, LinkWriter, safe_file_name
+from .jobs import Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, Resuming, proof_here_bytes, proves_here, safe_file_name
 from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
@@ -73,7 +73,7 @@ def install(result, sched, *args, **kwargs):
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived or hs.resuming
                            or (hs.retraction is not None and hs.retraction.busy())):
         guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
@@ -144,11 +144,11 @@ def around_abort_request(original, sched, recv_req, *args, **kwargs):
 
 
 def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
-    """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration (or
-    writes a retracted request) waits at most 1 ms for a message, not a second: what it waits for arrives through the
-    store or a thread, not a socket."""
+    """AROUND ``Scheduler.maybe_sleep_on_idle`` (``--sleep-on-idle``): an idle scheduler that follows a migration,
+    proves a resume (or writes a retracted request) waits at most 1 ms for a message, not a second: what it waits for
+    arrives through the store or a thread, not a socket."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.links.busy()
+    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.resuming or hs.links.busy()
                            or (hs.retraction is not None and hs.retraction.busy())):
         sleeper = getattr(sched, "idle_sleeper", None)
         try:
@@ -200,6 +200,8 @@ class HsnapScheduler:
         self.migrations: dict[str, Any] = {}  # rid -> migration.Migrating (source side)
         self.follows: dict[str, Any] = {}  # op_id -> migration.Following (target side)
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
+        self.resuming: dict[str, Resuming] = {}  # op_id -> a resume whose snapshot is proved off this thread, in arrival order
+        self.proof_here_bytes = proof_here_bytes()
         self.finish_reason = _finish_reason_class()
         self._identity = None
         self._sharding: tuple | None = None  # (Sharding or None,) once computed
@@ -369,6 +371,8 @@ class HsnapScheduler:
     def service(self) -> None:
         """Run every export whose request is at a committed decode boundary now; park (overlap) those whose last
         batch is still in flight; keep waiting for the ones being queued or prefilled."""
+        if self.resuming:
+            guarded("finishing resumes", self.finish_resumes)
         if self.links.busy():
             guarded("collecting checkpoint links", self.collect_links)
         if self.checkpoints:
@@ -816,30 +820,85 @@ class HsnapScheduler:
     # ------------------------------------------------------------------ resume
 
     def on_resume(self, msg: HsnapResumeReqInput):
+        """Start the resume's proof off this thread (:func:`hsnap_sglang.req.prove_resume`: the snapshot opened, checked
+        and every byte read and hashed — for an ``s3://`` one, GETs — while the other requests decode on); the
+        restore, admission and answer follow at the iteration that finds it proved on every rank
+        (:meth:`finish_resumes`).  Every rank keeps the same jobs in the same order: the messages reach them so."""
         t0 = time.monotonic()
         s = self.sched
+        if self.busy_resuming(msg.rid):
+            self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)))
+            return None
+        from .req import prove_resume
+
+        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
+        kwargs = dict(identity=self.identity(), rank=self.tp_rank if self.tp_size > 1 else None, http_worker_ipc=msg.http_worker_ipc,
+                      expect_rid=msg.rid, room=self.room(), sharding=self.sharding(), **self.resume_context())
+
+        try:
+            resolved = confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
+        except HsnapError as e:
+            self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(e))
+            return None
+
+        def prove():
+            return prove_resume(msg.path, **pools, **kwargs)
+
+        here = proves_here(resolved, self.proof_here_bytes)
+        self.resuming[msg.op_id] = Resuming(msg, t0, Job.run_here(prove) if here else Job(prove, f"hsnap-resume-{self.tp_rank}"))
+        return None
+
+    def idle(self) -> bool:
+        """No batch to run or in flight, nothing queued or being prefilled."""
+        s = self.sched
+        return (s.running_batch.is_empty() and not s.waiting_queue and s.chunked_req is None
+                and not getattr(s, "result_queue", None))
+
+    def busy_resuming(self, rid: str) -> bool:
+        """A request of ``rid`` is here, queued for an export, or being resumed: another resume of it is refused."""
+        return (self.locate(rid)[0] is not None or any(e.rid == rid for e in self.pending)
+                or any(r.op.rid == rid for r in self.resuming.values()))
+
+    def finish_resumes(self) -> None:
+        """At a scheduler iteration: restore and admit every resume proved on every rank (at TP > 1 one collective
+        says which), in arrival order; each is contained (a failure is its refusal, the others go on)."""
+        undone = next((r.job for r in self.resuming.values() if not r.job.done), None)
+        if undone is not None and self.idle():
+            # an idle scheduler spins in Python and holds the GIL: the proof's thread would get it back only every
+            # switch interval (5 ms) after each read or hash — a 4k-token proof took 20 ms instead of 4.  Waiting
+            # on the job lets it run; a message arriving meanwhile waits at most this long.
+            undone.wait(IDLE_PROOF_WAIT_S)
+        jobs = list(self.resuming.items())
+        seen = migration.views(self, [r.job.done for _, r in jobs])
+        for i, (op_id, r) in enumerate(jobs):
+            if not all(rank[i] for rank in seen):
+                continue
+            del self.resuming[op_id]
+            try:
+                self._restore_resumed(r)
+            except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not: answered, the rest go on
+                logger.exception("hsnap resume of %s failed", r.op.path)
+                guarded("refusing a resume", self.answer, r.op, ok=False,
+                        error=error_of(PluginError(r.op.path, "resume", detail=f"{type(e).__name__}: {e}")))
+
+    def _restore_resumed(self, r: Resuming) -> None:
+        """The resume's second half, on this thread: a rid that arrived meanwhile refused, the room made, the slots
+        allocated and filled from the proof (its capacity checked again under the pool lock), every rank agreeing
+        (TP > 1: all hold the request or none), then admission and the answer."""
+        from .req import restore_proven
+
+        msg, s = r.op, self.sched
+        t_picked = time.monotonic()
         agreement = _Agreement(self)
         req, err = None, None
+        proven, r.job.result = r.job.result, None
         try:
-            if self.locate(msg.rid)[0] is not None or any(e.rid == msg.rid for e in self.pending):
+            if r.job.error is not None:
+                raise r.job.error
+            if self.locate(msg.rid)[0] is not None or any(e.rid == msg.rid for e in self.pending):  # arrived meanwhile
+                proven.close()
                 raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
-            confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
-            from .req import resume_req
-
-            req = resume_req(
-                msg.path,
-                req_to_token_pool=s.req_to_token_pool,
-                token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                identity=self.identity(),
-                tree_cache=s.tree_cache,
-                rank=self.tp_rank if self.tp_size > 1 else None,
-                http_worker_ipc=msg.http_worker_ipc,
-                expect_rid=msg.rid,
-                commit=agreement.commit if self.tp_size > 1 else None,
-                room=self.room(),
-                sharding=self.sharding(),
-                **self.resume_context(),
-            )
+            req = restore_proven(proven, tree_cache=s.tree_cache, room=self.room(), commit=agreement.commit if self.tp_size > 1 else None)
         except HsnapError as e:
             err = e
         except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the restore
@@ -857,12 +916,15 @@ class HsnapScheduler:
         self.admit([req], resumed=True, detokenizer=msg.detokenizer)
         self.resumes += 1
         restored = req.hsnap_restored
+        job = r.job
         self.answer(msg, ok=True, result={
             "rid": req.rid, "path": msg.path, "snapshot_id": restored.snapshot_id, "committed_positions": int(restored.state_position),
             "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
             "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
-            # monotonic stamps (one clock for every process of the host): the HTTP process puts its own beside them
-            "timings": {"restore_s": t_restored - t0, "admit_s": time.monotonic() - t_restored, "received_at": t0,
+            # monotonic stamps (one clock for every process of the host): the HTTP process puts its own beside them;
+            # restore_s = prove_s (a worker thread) + pickup_s (to this thread's next iteration) + upload_s (this thread)
+            "timings": {"restore_s": t_restored - r.received, "prove_s": job.ended - job.started, "pickup_s": t_picked - job.ended,
+                        "upload_s": t_restored - t_picked, "admit_s": time.monotonic() - t_restored, "received_at": r.received,
                         "admitted_at": time.monotonic()}, "tp_size": self.tp_size,
         })
         return None
@@ -1076,6 +1138,9 @@ class _Room:
             s.token_to_kv_pool_allocator.evict_to_free_tokens(s.tree_cache, token_slots)
         if mamba_slots:
             ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())] * mamba_slots, s.tree_cache)
+
+
+IDLE_PROOF_WAIT_S = 0.005  # how long an idle scheduler waits on a resume's proof at an iteration
 
 
 _ECHOES = ("RankFailedError", "RemoteRankError")

@@ -29,7 +29,7 @@ from hsnap_format.errors import Phrase, require_type
 from hsnap_io.sglang_env import import_sglang
 from hsnap_io.export import export_request
 
-from .bind import binder, mamba_tracking_slots, restore_with_room
+from .bind import binder, mamba_tracking_slots, restore_proved
 from .fields import CARRIED, FORMAT, FORMAT_KEY, TABLES, sglang_attributes
 from .record import check_resumed, check_stop_agrees, decode_carried, read_record, rebuild_req, req_record, sampling_from_record
 from .values import short_repr
@@ -136,27 +136,11 @@ def target_worker_ipc(path, given, req_kwargs: dict):
 
 
 
-def resume_req(
-    path: str | os.PathLike[str],
-    *,
-    req_to_token_pool,
-    token_to_kv_pool_allocator,
-    identity: Identity | None,
-    tokenizer=None,
-    grammar_backend=None,
-    loaded_lora_ids: Iterable[str] | None = None,
-    tree_cache=None,
-    rank: int | None = None,
-    http_worker_ipc: str | None = None,
-    req_kwargs: Mapping[str, Any] | None = None,
-    expect_rid: str | None = None,
-    commit: Callable[[], None] | None = None,
-    vocab_size: int | None = None,
-    room=None,
-    **restore_kwargs,
-):
+def resume_req(path: str | os.PathLike[str], *, tree_cache=None, commit: Callable[[], None] | None = None, room=None, **kwargs):
     """Restore a snapshot written by :func:`snapshot_req` into fresh slots and return a
-    live SGLang ``Req`` built by SGLang's constructor, ``req.kv`` on those slots.
+    live SGLang ``Req`` built by SGLang's constructor, ``req.kv`` on those slots:
+    :func:`prove_resume` (its keywords: the pools, ``identity``, ``tokenizer``, ...), then
+    :func:`restore_proven`.  ``tree_cache``: the requests' radix tree (its root handle for ``req``).
 
     ``vocab_size``: the target model's vocabulary size (SGLang's scheduler builds every ``Req``
     with ``model_config.vocab_size``): a record carrying another is refused before allocating.
@@ -183,16 +167,64 @@ def resume_req(
     buffers but no free slots for them, and everything :func:`hsnap_io.restore_request`
     refuses. A failure after allocation gives every allocation back.
     """
+    return restore_proven(prove_resume(path, room=room, **kwargs), tree_cache=tree_cache, room=room, commit=commit)
+
+
+@dataclass
+class ProvenResume:
+    """What :func:`prove_resume` proved touching no pool: the snapshot opened once, every digest proved (with
+    ``verify=True`` its bytes read and hashed, kept for the upload), the ``Req`` rebuilt and checked but bound to no
+    slot.  :func:`restore_proven` binds it; :meth:`close` gives everything back (a proof never restored)."""
+
+    source: Any  # hsnap_io.restore.OpenSource, proved
+    view: Any  # the target's PoolView
+    prepared: PreparedReq
+    identity: Identity | None
+    tracking: int  # Mamba ping-pong track slots the Req gets
+    restore_kwargs: dict
+
+    @property
+    def path(self) -> str:
+        return self.source.snap.path
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def prove_resume(
+    path: str | os.PathLike[str],
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    identity: Identity | None,
+    tokenizer=None,
+    grammar_backend=None,
+    loaded_lora_ids: Iterable[str] | None = None,
+    rank: int | None = None,
+    http_worker_ipc: str | None = None,
+    req_kwargs: Mapping[str, Any] | None = None,
+    expect_rid: str | None = None,
+    vocab_size: int | None = None,
+    room=None,
+    **restore_kwargs,
+) -> ProvenResume:
+    """Every refusal of :func:`resume_req` that needs no slot, touching no pool (the pools' free room and
+    ``room.spare()`` are read, nothing else): the snapshot opened, checked against the target (header, capacity
+    counting the room), its request rebuilt and checked as a fresh one, and every digest proved
+    (:func:`hsnap_io.restore.prove_opened`).  What a server can do off its scheduler thread: it reads the snapshot
+    (for an ``s3://`` one, over the network).  The pools' free room may change before :func:`restore_proven`, which
+    checks it again under the pool lock."""
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source
+    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened
 
     require_type(path, "identity", identity, Identity, optional=True)
     open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
     kwargs = dict(req_kwargs or {})
     ipc = target_worker_ipc(path, http_worker_ipc, kwargs)
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
-    with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
+    source = open_source(path, rank=rank, identity=identity, **open_kwargs)
+    try:
         fpath = source.snap.path
         # the file belongs here (header only), counting what the room could free (nothing freed yet)
         check_target(source, view, identity, spare=None if room is None else room.spare())
@@ -200,13 +232,27 @@ def resume_req(
         prepared = prepare_req(record, fpath, swa_start=source.snap.swa_start, tokenizer=tokenizer, grammar_backend=grammar_backend,
                                loaded_lora_ids=loaded_lora_ids, vocab_size=vocab_size, http_worker_ipc=ipc, req_kwargs=kwargs,
                                expect_rid=expect_rid)
-        req, carried, key, grammar = prepared.req, prepared.carried, prepared.grammar_key, prepared.grammar
+        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
+    except BaseException:
+        source.close()
+        raise
+    return ProvenResume(source, view, prepared, identity, mamba_tracking_slots(req_to_token_pool), restore_kwargs)
+
+
+def restore_proven(proven: ProvenResume, *, tree_cache=None, room=None, commit: Callable[[], None] | None = None):
+    """The second half of :func:`resume_req`: the room made and the slots allocated, filled and bound to the proved
+    ``Req`` (under the pool lock, its capacity checked again), ``commit()`` last; returns the live ``Req``.  Closes
+    ``proven`` whatever happens; a failure gives every allocation back."""
+    with proven.source as source:
+        prepared = proven.prepared
+        req = prepared.req
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
-        tracking = mamba_tracking_slots(req_to_token_pool)
-        restored = restore_with_room(source, view, identity=identity, room=room, tracking=tracking, restore_kwargs=restore_kwargs,
-                                     bind=binder(req, carried["ReqKvInfo"], root, req_to_token_pool, tracking, commit))
-    if grammar is not None:
-        req.grammar_key, req.grammar = key, grammar
+        restored = restore_proved(source, proven.view, identity=proven.identity, room=room, tracking=proven.tracking,
+                                  restore_kwargs=proven.restore_kwargs,
+                                  bind=binder(req, prepared.carried["ReqKvInfo"], root, proven.view.req_to_token_pool, proven.tracking, commit))
+    if prepared.grammar is not None:
+        req.grammar_key, req.grammar = prepared.grammar_key, prepared.grammar
     req.hsnap_restored = restored  # bytes uploaded, snapshot id, numerics differences
     return req
 
@@ -289,4 +335,4 @@ def _comparable(v):
     return v
 
 
-__all__ = ["snapshot_req", "resume_req", "prepare_req", "PreparedReq", "classified_view", "grammar_key", "replay_grammar", "target_worker_ipc"]
+__all__ = ["snapshot_req", "resume_req", "prove_resume", "restore_proven", "ProvenResume", "prepare_req", "PreparedReq", "classified_view", "grammar_key", "replay_grammar", "target_worker_ipc"]

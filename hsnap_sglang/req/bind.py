@@ -34,15 +34,24 @@ def check_tracking_capacity(req_to_token_pool, tracking: int, path, spare: int =
 
 def restore_with_room(source, view, *, identity, room, tracking: int, bind, restore_kwargs: Mapping[str, Any]):
     """The restore of an opened ``source`` whose request was checked already, into a server's pools (``view``): every
-    digest proved first (:func:`hsnap_io.restore.prove_opened`); then, under the pool lock, the track slots checked
-    counting what ``room`` (:class:`hsnap_io.slots.Room`, or None) could free, the room made (only now: a snapshot
-    refused for anything never costs the cache), the track slots checked again, and the restore with ``bind``."""
-    from hsnap_io.restore import PROVE_KEYWORDS, prove_opened, restore_opened
+    digest proved first (:func:`hsnap_io.restore.prove_opened`), then :func:`restore_proved`."""
+    from hsnap_io.restore import PROVE_KEYWORDS, prove_opened
+
+    prove_opened(source, req_to_token_pool=view.req_to_token_pool, token_to_kv_pool_allocator=view.allocator, identity=identity,
+                 **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
+    return restore_proved(source, view, identity=identity, room=room, tracking=tracking, bind=bind, restore_kwargs=restore_kwargs)
+
+
+def restore_proved(source, view, *, identity, room, tracking: int, bind, restore_kwargs: Mapping[str, Any]):
+    """The restore of a ``source`` :func:`hsnap_io.restore.prove_opened` proved: under the pool lock, the track slots
+    checked counting what ``room`` (:class:`hsnap_io.slots.Room`, or None) could free, the room made (only now: a
+    snapshot refused for anything never costs the cache), the track slots checked again, and the restore with
+    ``bind``."""
+    from hsnap_io.restore import restore_opened
     from hsnap_io.slots import pool_lock, slots_needed
 
     pools = dict(req_to_token_pool=view.req_to_token_pool, token_to_kv_pool_allocator=view.allocator)
     path = source.snap.path
-    prove_opened(source, **pools, identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
     with pool_lock(view.req_to_token_pool):  # capacity check, restore and track slots: one step for other allocators
         if room is not None:
             check_tracking_capacity(view.req_to_token_pool, tracking, path, spare=room.spare().get("mamba slots", 0))

@@ -29,6 +29,7 @@ from hsnap_support import Stream, hsnap_server, linkgate_env, paced, payload, pr
 from hsnap_format import open_chain, open_snapshot
 from hsnap_format.checkpoints import newest_links, parse_link
 from hsnap_sglang import client
+from hsnap_sglang.jobs import PROOF_HERE_BYTES_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -46,7 +47,9 @@ def servers(tiny_model_dir, work):
     started side by side (a start is mostly imports)."""
     (work / "gate").mkdir()
     started = {"s1": hsnap_server(tiny_model_dir, work / "s1.log", radix=False),
-               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False, env=linkgate_env(work / "gate"))}
+               # every resume proved off the scheduler thread (the tiny files here would be proved on it)
+               "s2": hsnap_server(tiny_model_dir, work / "s2.log", radix=False,
+                                  env={**linkgate_env(work / "gate"), PROOF_HERE_BYTES_ENV: "0"})}
     start_together(*started.values())
     yield started
     retire(*started.values())
@@ -105,10 +108,11 @@ def resumed(servers, work, crashed):
         ref_c.finish()
         refs = references(s2.url, DEDUP)
         gated = _pause_while_a_link_is_written(s2, work)
+        proving = _resume_while_its_proof_is_held(s2, work)
     finally:
         s2.retire()  # stopped in the background: nothing here waits on its exit
     return {"had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards": forwards, "run_d": run_d, "idle": idle,
-            "ref_c": ref_c.final, "refs": refs, "gated": gated}
+            "ref_c": ref_c.final, "refs": refs, "gated": gated, "proving": proving}
 
 
 def _wait_for(path: Path, what, timeout: float = 300.0) -> None:
@@ -116,6 +120,31 @@ def _wait_for(path: Path, what, timeout: float = 300.0) -> None:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared: {what()}"
         time.sleep(0.05)
+
+
+def _resume_while_its_proof_is_held(s2, work) -> dict:
+    """g's final snapshot resumed while its proof (the snapshot opened, checked, every byte read and hashed) is held
+    by the server's test gate, with a bystander decoding; then let go; g's uninterrupted reference after."""
+    gate = work / "gate"
+    hold = gate / "g-final.hsnap.hold"
+    bystander = Stream(s2.url, payload("by", prompt(81, 20), 400))
+    bystander.start()
+    bystander.wait_tokens(2)
+    hold.touch()
+    out: dict = {}
+    resume = threading.Thread(target=lambda: out.update(run=client.resume(s2.url, str(work / "g-final.hsnap"))), daemon=True)
+    resume.start()
+    _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
+    at_hold, deadline = bystander.tokens_so_far(), time.monotonic() + 30
+    while bystander.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    during, still_held = bystander.tokens_so_far() - at_hold, resume.is_alive() and hold.exists()
+    hold.unlink()
+    resume.join(300)
+    bystander.finish()
+    ref = Stream(s2.url, payload("g-ref", CK_PROMPT, GATED_N))
+    ref.start()
+    return {"during": during, "still_held": still_held, "run": out.get("run"), "ref": ref.finish().final, "idle": wait_idle(s2.url)}
 
 
 def _pause_while_a_link_is_written(s2, work) -> dict:
@@ -232,4 +261,17 @@ def test_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(re
     assert pause["committed_positions"] >= len(CK_PROMPT) + at_link - 1
     assert "g" not in g["idle"]["checkpoints"]
     checks = g["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
+
+
+def test_a_resume_whose_snapshot_is_still_being_read_holds_up_no_other_request(resumed):
+    """A resume's proof runs off the scheduler thread: held (the test gate stands for a slow disk or object store),
+    another request decodes on; let go, the resumed request continues exactly and nothing leaks."""
+    p = resumed["proving"]
+    assert p["still_held"] and p["during"] >= 10, p["during"]  # the scheduler went on while the proof was held
+    run = p["run"]
+    assert run is not None and tokens(run.final) == tokens(p["ref"])
+    t = run.info["result"]["timings"]
+    assert t["prove_s"] >= 0.05 and abs(t["prove_s"] + t["pickup_s"] + t["upload_s"] - t["restore_s"]) < 1e-3, t
+    checks = p["idle"]["checks"]
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks

@@ -1,7 +1,9 @@
-"""Test seam of the checkpoint link writer, loaded only by servers a test starts with this folder on PYTHONPATH
+"""Test seam of the off-thread jobs, loaded only by servers a test starts with this folder on PYTHONPATH
 (``linkgate_env``): once ``hsnap_sglang.jobs`` is imported, its ``LinkWriter.before_write`` holds every link
 whose ``<HSNAP_TEST_LINK_GATE>/<file name>.hold`` exists until the file is removed, saying so (``.held``; and
-``.export-waiting`` once an export of the request waits for this link).  Production code never reads the gate."""
+``.export-waiting`` once an export of the request waits for this link); once ``hsnap_sglang.req`` is, its
+``prove_resume`` (a resume's proof, run off the scheduler thread) holds a resume of ``<file name>`` alike
+(``.held``).  Production code never reads the gate."""
 
 import importlib.abc
 import importlib.machinery
@@ -24,9 +26,32 @@ def _hold(writer, job) -> None:
         time.sleep(0.01)
 
 
+def _held_proof(prove_resume):
+    def prove(path, *args, **kwargs):
+        hold = os.path.join(GATE, os.path.basename(os.fspath(path)) + ".hold")
+        if os.path.exists(hold):
+            open(hold[: -len(".hold")] + ".held", "w").close()
+            while os.path.exists(hold):
+                time.sleep(0.01)
+        return prove_resume(path, *args, **kwargs)
+
+    return prove
+
+
+def _install_jobs(module) -> None:
+    module.LinkWriter.before_write = _hold
+
+
+def _install_req(module) -> None:
+    module.prove_resume = _held_proof(module.prove_resume)
+
+
+SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req}
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != TARGET:
+        if name not in SEAMS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -35,7 +60,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            module.LinkWriter.before_write = _hold
+            SEAMS[name](module)
 
         spec.loader.exec_module = exec_module
         return spec

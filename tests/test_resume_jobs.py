@@ -1,0 +1,73 @@
+"""Where a resume's proof runs (hsnap_sglang.jobs): on the scheduler thread for a small local file, on a worker of its
+own otherwise; and the job the scheduler polls."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from hsnap_format.errors import HsnapError
+from hsnap_sglang.jobs import PROOF_HERE_BYTES, PROOF_HERE_BYTES_ENV, Job, proof_here_bytes, proves_here
+
+
+def test_a_small_local_file_is_proved_in_place_a_large_one_or_an_object_or_a_set_off_the_thread(tmp_path):
+    small, large, tp_set = tmp_path / "small.hsnap", tmp_path / "large.hsnap", tmp_path / "set"
+    small.write_bytes(b"x" * 1000)
+    with open(large, "wb") as f:
+        f.truncate(PROOF_HERE_BYTES + 1)
+    tp_set.mkdir()
+    assert proves_here(str(small), PROOF_HERE_BYTES)
+    assert not proves_here(str(large), PROOF_HERE_BYTES)
+    assert proves_here(str(large), PROOF_HERE_BYTES + 1)
+    assert not proves_here(str(small), 0)  # the operator's 0: every resume off the scheduler thread
+    assert not proves_here(str(tp_set), PROOF_HERE_BYTES)
+    assert not proves_here("s3://bucket/snaps/x.hsnap", PROOF_HERE_BYTES)
+    assert proves_here(str(tmp_path / "missing.hsnap"), PROOF_HERE_BYTES)  # refused by the proof at once
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, PROOF_HERE_BYTES), ("0", 0), (" 1048576 ", 1048576), ("-1", PROOF_HERE_BYTES),
+                                                 ("4MiB", PROOF_HERE_BYTES), ("", PROOF_HERE_BYTES)])
+def test_the_operators_byte_count_is_read_and_anything_else_keeps_the_default(given, expected, caplog):
+    env = {} if given is None else {PROOF_HERE_BYTES_ENV: given}
+    assert proof_here_bytes(env) == expected
+    warned = any(PROOF_HERE_BYTES_ENV in r.getMessage() for r in caplog.records)
+    assert warned == (given is not None and expected == PROOF_HERE_BYTES)
+
+
+def test_a_job_runs_off_the_callers_thread_and_keeps_its_result_or_error():
+    gate, threads = threading.Event(), []
+
+    def held():
+        threads.append(threading.current_thread())
+        gate.wait(10)
+        return "proved"
+
+    job = Job(held, "hsnap-resume-test")
+    assert not job.wait(0.05) and not job.done  # held: the caller goes on
+    gate.set()
+    assert job.wait(10) and job.result == "proved" and job.error is None
+    assert threads[0] is not threading.current_thread() and threads[0].name == "hsnap-resume-test"
+    assert job.ended is not None and job.ended >= job.started
+
+    def refused():
+        raise HsnapError("/s/x.hsnap", "identity", "this server's", "another")
+
+    failed = Job(refused, "hsnap-resume-test")
+    assert failed.wait(10) and isinstance(failed.error, HsnapError) and failed.result is None
+
+
+def test_a_job_run_here_is_done_when_made_and_an_interrupt_is_not_swallowed():
+    here = Job.run_here(lambda: threading.current_thread())
+    assert here.done and here.result is threading.current_thread() and here.wait(0)
+    err = Job.run_here(lambda: os.stat("/nonexistent/hsnap"))
+    assert err.done and isinstance(err.error, FileNotFoundError)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        Job.run_here(interrupted)
+    refused = Job.failed(HsnapError(None, "request.rid", "a rid no request of this server has", "r"))
+    assert refused.done and refused.wait(0) and refused.result is None and refused.error.field == "request.rid"
