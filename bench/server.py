@@ -49,6 +49,7 @@ from hsnap_sglang import client  # noqa: E402
 from hsnap_sglang.demo import REQUEST_TIMEOUT_S, DemoError, DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
 SIZES = (53, 4096, 32768)
+BIG = 16384  # a size whose prefill takes minutes on this CPU platform
 K = 24  # outputs before the export: enough decode steps beside x for the "before" gaps
 OTHERS = 2
 # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): x and the others at once
@@ -113,18 +114,21 @@ def _first_token_s(url: str, body: dict, n: int) -> float:
     return s.times[0] - t0
 
 
-def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
+def one_round(url: str, n: int, tag: str, d: Path, log, reprefill_s: float | None = None) -> Round:
+    """One round at ``n`` committed positions (``reprefill_s``: the re-prefill measured by an earlier round, not
+    measured again: at 32k it takes minutes)."""
     prompt = prompt_ids(zlib.crc32(tag.encode()), max(1, n - K + 1))
     flush_cache(url)
+    # x first, the others once it is prefilled: a 32k prefill outlives requests started before it (minutes here)
+    x = Stream(url, payload(f"x-{tag}", K + 40, ids=prompt), timeout=prefill_timeout_s(n))  # still decoding at the export
+    x.start()
+    x.wait_tokens(2, timeout=prefill_timeout_s(n))
     others = [Stream(url, payload(f"bg{i}-{tag}", 10_000, ids=prompt_ids(100 + i, 30))) for i in range(OTHERS)]
     for o in others:
         o.start()
     for o in others:
         o.wait_tokens(5)
-    x = Stream(url, payload(f"x-{tag}", K + 40, ids=prompt), timeout=prefill_timeout_s(n))  # still decoding at the export
-    x.start()
-    x.wait_tokens(2, timeout=prefill_timeout_s(n))  # prefilled and decoding beside the others
-    t_decoding = time.monotonic()
+    t_decoding = time.monotonic()  # x decoding beside the others
     x.wait_tokens(K)
     path = d / f"x-{tag}.hsnap"
     t0 = time.monotonic()
@@ -152,7 +156,7 @@ def one_round(url: str, n: int, tag: str, d: Path, log) -> Round:
     k = int(out["output_tokens"])
     history = prompt + list(x.final["output_ids"][:k])
     flush_cache(url)
-    reprefill = _first_token_s(url, payload(f"re-{tag}", 1, ids=history), len(history))
+    reprefill = reprefill_s if reprefill_s is not None else _first_token_s(url, payload(f"re-{tag}", 1, ids=history), len(history))
     flush_cache(url)
     first: list[float] = []
     t_res = time.monotonic()
@@ -206,9 +210,10 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append(f"Server: `python -m hsnap_sglang.serve --enable-hsnap` (SGLang's launch_server, hsnap's CPU platform), tiny "
                f"random-weight {args.arch}, bfloat16, radix cache on, {' '.join(f'{k} {v}' for k, v in CAPACITY.items())}; "
                f"ready after {srv.ready_s:.1f} s  ")
-    out.append(f"Per round: {OTHERS} other requests decode throughout; x exported after {K} outputs and resumed once while they "
+    out.append(f"Per round: x prefilled, then {OTHERS} other requests decode beside it; x exported after {K} outputs and resumed once while they "
                "decode (again; its first token and their longest gap around it); then re-prefill and resume "
-               "with the server otherwise idle, radix cache flushed. Times are client side (HTTP included) except "
+               f"with the server otherwise idle, radix cache flushed (at {BIG:,} positions or more, the re-prefill is measured in "
+               "the first round only). Times are client side (HTTP included) except "
                "pause-to-durable and restore (the server's). Ranges: min–max over the rounds.")
     out.append("")
     head = ["committed positions", "rounds", "snapshot", "pause call", "pause-to-durable", "resume → first token (restore)",
@@ -303,6 +308,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=lambda v: [int(x) for x in v.split(",")], default=list(SIZES))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--big-rounds", type=int, default=1, help=f"rounds at {BIG:,} positions or more (each prefills minutes; "
+                                                             "its re-prefill is measured in the first round only)")
     ap.add_argument("--budget", type=float, default=300.0, help="seconds in all, server start included (default 300)")
     ap.add_argument("--arch", choices=("qwen3_next", "qwen3_5"), default="qwen3_next")
     ap.add_argument("--model-dir", default=None, help="a tiny model directory to use or build (default: built in a temporary directory)")
@@ -335,17 +342,19 @@ def main(argv=None) -> int:
                     s.skipped = f"skipped: a round projected at ~{fmt(projected)}, {fmt(max(left, 0))} of budget left"
                     log(f"{s.n}: {s.skipped}")
                     continue
-                for i in range(args.rounds):
+                rounds = args.rounds if s.n < BIG else args.big_rounds
+                for i in range(rounds):
                     t = time.monotonic()
+                    again = s.rounds[0].reprefill_first_token_s if s.rounds and s.n >= BIG else None
                     try:
-                        s.rounds.append(one_round(srv.url, s.n, f"{s.n}-{i}", d, log))
+                        s.rounds.append(one_round(srv.url, s.n, f"{s.n}-{i}", d, log, reprefill_s=again))
                     except DemoError as e:  # (a prefill that outlives the stream's timeout): reported, the rest kept
                         s.skipped = None if s.rounds else f"failed: {e}"
                         log(f"{s.n}: round {i} failed after {fmt(time.monotonic() - t)}: {e}")
                         break
                     took = time.monotonic() - t
                     rate = took / s.n if s.n >= 1024 else rate
-                    if i + 1 < args.rounds and took + 5 > args.budget - (time.monotonic() - t_start):
+                    if i + 1 < rounds and took + 5 > args.budget - (time.monotonic() - t_start):
                         break
         finally:
             srv.stop()

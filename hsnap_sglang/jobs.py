@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from hsnap_format import HsnapError
+from hsnap_format.checkpoints import parse_link
 from hsnap_format.stores import is_url
 
 from .containment import typed
@@ -267,11 +268,17 @@ class Job:
 @dataclasses.dataclass
 class Resuming:
     """A resume whose snapshot is read and proved off the scheduler thread (:class:`Job` running
-    ``hsnap_sglang.req.prove_resume``); the scheduler restores and admits it once the proof is done on every rank."""
+    ``hsnap_sglang.req.prove_resume``); the scheduler restores and admits it once the proof is done on every rank.
+    ``job`` is None while it waits for a place among the proofs in flight (``start`` makes it)."""
 
     op: Any  # the HsnapResumeReqInput to answer
     received: float  # time.monotonic() when the scheduler took the message
-    job: Job
+    job: Job | None
+    start: Any = None  # () -> Job, for a proof not started yet
+
+    @property
+    def done(self) -> bool:
+        return self.job is not None and self.job.done
 
 
 # A local snapshot file up to this size is proved on the scheduler thread: ~5 ms on 2 CPU cores, under half a decode
@@ -298,8 +305,8 @@ def proof_here_bytes(env=None) -> int:
 
 def proves_here(path: str, limit: int) -> bool:
     """Whether a resume of ``path`` (resolved) is proved on the scheduler thread: a local regular file of at most
-    ``limit`` bytes (a checkpoint link is judged by its own size: the chain below it is read too)."""
-    if is_url(path):
+    ``limit`` bytes that is not a checkpoint link (the chain below a link is read too, whatever the link's size)."""
+    if is_url(path) or parse_link(os.path.basename(path)) is not None:
         return False
     try:
         st = os.stat(path)

@@ -826,8 +826,12 @@ class HsnapScheduler:
         (:meth:`finish_resumes`).  Every rank keeps the same jobs in the same order: the messages reach them so."""
         t0 = time.monotonic()
         s = self.sched
-        if self.busy_resuming(msg.rid):
-            self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)))
+        try:
+            resolved = confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
+            if self.busy_resuming(msg.rid):
+                raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
+        except HsnapError as e:
+            self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(e))
             return None
         from .req import prove_resume
 
@@ -835,18 +839,25 @@ class HsnapScheduler:
         kwargs = dict(identity=self.identity(), rank=self.tp_rank if self.tp_size > 1 else None, http_worker_ipc=msg.http_worker_ipc,
                       expect_rid=msg.rid, room=self.room(), sharding=self.sharding(), **self.resume_context())
 
-        try:
-            resolved = confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
-        except HsnapError as e:
-            self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(e))
-            return None
-
         def prove():
             return prove_resume(msg.path, **pools, **kwargs)
 
-        here = proves_here(resolved, self.proof_here_bytes)
-        self.resuming[msg.op_id] = Resuming(msg, t0, Job.run_here(prove) if here else Job(prove, f"hsnap-resume-{self.tp_rank}"))
+        if proves_here(resolved, self.proof_here_bytes):
+            self.resuming[msg.op_id] = Resuming(msg, t0, Job.run_here(prove))
+        else:  # started now if a place is free, else by finish_resumes (each holds a staging buffer of up to 128 MiB)
+            self.resuming[msg.op_id] = Resuming(msg, t0, None, start=lambda: Job(prove, f"hsnap-resume-{self.tp_rank}"))
+            self._start_proofs()
         return None
+
+    def _start_proofs(self) -> None:
+        """Start waiting proofs, oldest first, while fewer than :data:`MAX_PROOFS_IN_FLIGHT` run."""
+        running = sum(1 for r in self.resuming.values() if r.job is not None and not r.job.done)
+        for r in self.resuming.values():
+            if running >= MAX_PROOFS_IN_FLIGHT:
+                return
+            if r.job is None:
+                r.job, r.start = r.start(), None
+                running += 1
 
     def idle(self) -> bool:
         """No batch to run or in flight, nothing queued or being prefilled."""
@@ -862,14 +873,15 @@ class HsnapScheduler:
     def finish_resumes(self) -> None:
         """At a scheduler iteration: restore and admit every resume proved on every rank (at TP > 1 one collective
         says which), in arrival order; each is contained (a failure is its refusal, the others go on)."""
-        undone = next((r.job for r in self.resuming.values() if not r.job.done), None)
+        self._start_proofs()
+        undone = next((r.job for r in self.resuming.values() if r.job is not None and not r.job.done), None)
         if undone is not None and self.idle():
             # an idle scheduler spins in Python and holds the GIL: the proof's thread would get it back only every
             # switch interval (5 ms) after each read or hash — a 4k-token proof took 20 ms instead of 4.  Waiting
             # on the job lets it run; a message arriving meanwhile waits at most this long.
             undone.wait(IDLE_PROOF_WAIT_S)
         jobs = list(self.resuming.items())
-        seen = migration.views(self, [r.job.done for _, r in jobs])
+        seen = migration.views(self, [r.done for _, r in jobs])
         for i, (op_id, r) in enumerate(jobs):
             if not all(rank[i] for rank in seen):
                 continue
@@ -880,6 +892,7 @@ class HsnapScheduler:
                 logger.exception("hsnap resume of %s failed", r.op.path)
                 guarded("refusing a resume", self.answer, r.op, ok=False,
                         error=error_of(PluginError(r.op.path, "resume", detail=f"{type(e).__name__}: {e}")))
+        self._start_proofs()
 
     def _restore_resumed(self, r: Resuming) -> None:
         """The resume's second half, on this thread: a rid that arrived meanwhile refused, the room made, the slots
@@ -922,8 +935,9 @@ class HsnapScheduler:
             "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
             "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
             # monotonic stamps (one clock for every process of the host): the HTTP process puts its own beside them;
-            # restore_s = prove_s (a worker thread) + pickup_s (to this thread's next iteration) + upload_s (this thread)
-            "timings": {"restore_s": t_restored - r.received, "prove_s": job.ended - job.started, "pickup_s": t_picked - job.ended,
+            # restore_s = prove_s (from the message: a worker thread, or a wait for a place among the proofs in flight)
+            # + pickup_s (to this thread's next iteration) + upload_s (this thread)
+            "timings": {"restore_s": t_restored - r.received, "prove_s": job.ended - r.received, "pickup_s": t_picked - job.ended,
                         "upload_s": t_restored - t_picked, "admit_s": time.monotonic() - t_restored, "received_at": r.received,
                         "admitted_at": time.monotonic()}, "tp_size": self.tp_size,
         })
@@ -1141,6 +1155,7 @@ class _Room:
 
 
 IDLE_PROOF_WAIT_S = 0.005  # how long an idle scheduler waits on a resume's proof at an iteration
+MAX_PROOFS_IN_FLIGHT = 2  # resumes proved off the scheduler thread at once (the rest wait, in order)
 
 
 _ECHOES = ("RankFailedError", "RemoteRankError")

@@ -25,6 +25,9 @@ def test_a_small_local_file_is_proved_in_place_a_large_one_or_an_object_or_a_set
     assert not proves_here(str(tp_set), PROOF_HERE_BYTES)
     assert not proves_here("s3://bucket/snaps/x.hsnap", PROOF_HERE_BYTES)
     assert proves_here(str(tmp_path / "missing.hsnap"), PROOF_HERE_BYTES)  # refused by the proof at once
+    link = tmp_path / "req-7.ck000003.hsnap"
+    link.write_bytes(b"x" * 1000)
+    assert not proves_here(str(link), PROOF_HERE_BYTES)  # a small link: the chain below it is read too
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, PROOF_HERE_BYTES), ("0", 0), (" 1048576 ", 1048576), ("-1", PROOF_HERE_BYTES),
@@ -71,3 +74,40 @@ def test_a_job_run_here_is_done_when_made_and_an_interrupt_is_not_swallowed():
         Job.run_here(interrupted)
     refused = Job.failed(HsnapError(None, "request.rid", "a rid no request of this server has", "r"))
     assert refused.done and refused.wait(0) and refused.result is None and refused.error.field == "request.rid"
+
+
+def test_at_most_two_proofs_run_at_once_and_the_rest_start_in_order():
+    """Each proof off the scheduler thread holds a staging buffer of up to 128 MiB: the scheduler starts at most
+    MAX_PROOFS_IN_FLIGHT, the others as places free up, oldest first."""
+    from types import SimpleNamespace
+
+    from hsnap_io.sglang_env import import_sglang, sglang_available
+
+    if not sglang_available():
+        pytest.skip("SGLang not installed: the scheduler imports its classes")
+    import_sglang()
+    from hsnap_sglang.jobs import Resuming
+    from hsnap_sglang.scheduler import MAX_PROOFS_IN_FLIGHT, HsnapScheduler
+
+    assert MAX_PROOFS_IN_FLIGHT == 2
+    gates = {i: threading.Event() for i in range(4)}
+    started: list[int] = []
+
+    def starter(i):
+        def start():
+            started.append(i)
+            return Job(lambda: gates[i].wait(10), f"hsnap-resume-test-{i}")
+
+        return start
+
+    hs = SimpleNamespace(resuming={f"op{i}": Resuming(None, 0.0, None, start=starter(i)) for i in range(4)})
+    HsnapScheduler._start_proofs(hs)
+    assert started == [0, 1] and [r.job is None for r in hs.resuming.values()] == [False, False, True, True]
+    HsnapScheduler._start_proofs(hs)
+    assert started == [0, 1]  # both places still taken
+    gates[1].set()
+    assert hs.resuming["op1"].job.wait(10)
+    HsnapScheduler._start_proofs(hs)
+    assert started == [0, 1, 2] and hs.resuming["op3"].job is None
+    for g in gates.values():
+        g.set()
