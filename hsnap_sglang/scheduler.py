@@ -1055,7 +1055,7 @@ class HsnapScheduler:
             "requests": {"running": [r.rid for r in s.running_batch.reqs], "waiting": [r.rid for r in s.waiting_queue],
                          "prefilling": [s.chunked_req.rid] if s.chunked_req is not None else [], "parked": list(self.parked),
                          "writing": list(self.writing), "retracted": [r.rid for r in self.retracted()],
-                         "pending_exports": [e.rid for e in self.pending]},
+                         "pending_exports": [e.rid for e in self.pending], "resuming": [r.op.rid for r in self.resuming.values()]},
             "pools": pools,
             "checks": self.checks(),
             "checkpoints": {rid: _checkpoint_state(ck) for rid, ck in self.checkpoints.items()},
@@ -1101,7 +1101,7 @@ class HsnapScheduler:
         cached in the tree or owned by a request) and, when the server is idle, the tree's sanity check."""
         s = self.sched
         ic = s.invariant_checker
-        out: dict[str, Any] = {"idle": bool(s.is_fully_idle())}
+        out: dict[str, Any] = {"idle": bool(s.is_fully_idle()) and not self.resuming}  # a resume being proved is work
         try:
             ps = s.pool_stats_observer.get_pool_stats()
             if out["idle"] and not self.parked:

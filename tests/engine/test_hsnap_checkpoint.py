@@ -135,6 +135,7 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
     resume = threading.Thread(target=lambda: out.update(run=client.resume(s2.url, str(work / "g-final.hsnap"))), daemon=True)
     resume.start()
     _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
+    listed = stats(s2.url)["requests"]
     at_hold, deadline = bystander.tokens_so_far(), time.monotonic() + 30
     while bystander.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -144,7 +145,8 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
     bystander.finish()
     ref = Stream(s2.url, payload("g-ref", CK_PROMPT, GATED_N))
     ref.start()
-    return {"during": during, "still_held": still_held, "run": out.get("run"), "ref": ref.finish().final, "idle": wait_idle(s2.url)}
+    return {"during": during, "still_held": still_held, "run": out.get("run"), "ref": ref.finish().final, "idle": wait_idle(s2.url),
+            "listed": listed}
 
 
 def _pause_while_a_link_is_written(s2, work) -> dict:
@@ -269,6 +271,8 @@ def test_a_resume_whose_snapshot_is_still_being_read_holds_up_no_other_request(r
     another request decodes on; let go, the resumed request continues exactly and nothing leaks."""
     p = resumed["proving"]
     assert p["still_held"] and p["during"] >= 10, p["during"]  # the scheduler went on while the proof was held
+    assert p["listed"]["resuming"] == ["g"] and "g" not in p["listed"]["running"], p["listed"]  # an operator sees it
+    assert p["idle"]["requests"]["resuming"] == []
     run = p["run"]
     assert run is not None and tokens(run.final) == tokens(p["ref"])
     t = run.info["result"]["timings"]
