@@ -219,21 +219,21 @@ class Job:
     opened, checked and every byte read and hashed — for an ``s3://`` one, GETs); the scheduler looks at ``done`` at
     its iterations and takes ``result`` or ``error`` (what it raised, as raised)."""
 
-    def __init__(self, fn, name: str) -> None:
+    def __init__(self, fn=None, name: str = "hsnap-job") -> None:
         self.result: Any = None
         self.error: BaseException | None = None
         self.started: float = time.monotonic()
         self.ended: float | None = None
         self.done = False
-        self._thread: threading.Thread | None = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if fn is not None:
+            self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+            self._thread.start()
 
     @classmethod
     def run_here(cls, fn) -> "Job":
         """``fn`` run now, on the caller's thread: a done job."""
-        job = cls.__new__(cls)
-        job.result, job.error, job.done, job._thread = None, None, False, None
-        job.started = time.monotonic()
+        job = cls()
         try:
             job.result = fn()
         except Exception as e:  # noqa: BLE001 - the scheduler answers it (typed there); an interrupt goes on up
@@ -245,9 +245,8 @@ class Job:
     @classmethod
     def failed(cls, error: BaseException) -> "Job":
         """A job refused before it started (no thread): done, with ``error``."""
-        job = cls.__new__(cls)
-        job.result, job.error, job.done, job._thread = None, error, True, None
-        job.started = job.ended = time.monotonic()
+        job = cls()
+        job.error, job.ended, job.done = error, job.started, True
         return job
 
     def _run(self, fn) -> None:
@@ -296,7 +295,7 @@ def proof_here_bytes(env=None) -> int:
     given = (os.environ if env is None else env).get(PROOF_HERE_BYTES_ENV)
     if given is None:
         return PROOF_HERE_BYTES
-    if given.strip().isdigit():
+    if given.strip().isascii() and given.strip().isdigit():  # (str.isdigit takes "²", which int() refuses)
         return int(given)
     logger.warning("hsnap: %s=%r is not a byte count; resumes of local files up to %d bytes are proved on the scheduler thread",
                    PROOF_HERE_BYTES_ENV, given[:40], PROOF_HERE_BYTES)

@@ -908,7 +908,7 @@ class HsnapScheduler:
         try:
             if r.job.error is not None:
                 raise r.job.error
-            if self.locate(msg.rid)[0] is not None or any(e.rid == msg.rid for e in self.pending):  # arrived meanwhile
+            if self.busy_resuming(msg.rid):  # arrived meanwhile (this resume left self.resuming already)
                 proven.close()
                 raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
             req = restore_proven(proven, tree_cache=s.tree_cache, room=self.room(), commit=agreement.commit if self.tp_size > 1 else None)

@@ -31,7 +31,8 @@ def test_a_small_local_file_is_proved_in_place_a_large_one_or_an_object_or_a_set
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, PROOF_HERE_BYTES), ("0", 0), (" 1048576 ", 1048576), ("-1", PROOF_HERE_BYTES),
-                                                 ("4MiB", PROOF_HERE_BYTES), ("", PROOF_HERE_BYTES)])
+                                                 ("4MiB", PROOF_HERE_BYTES), ("", PROOF_HERE_BYTES),
+                                                 ("\u00b2", PROOF_HERE_BYTES)])
 def test_the_operators_byte_count_is_read_and_anything_else_keeps_the_default(given, expected, caplog):
     env = {} if given is None else {PROOF_HERE_BYTES_ENV: given}
     assert proof_here_bytes(env) == expected

@@ -183,10 +183,6 @@ class ProvenResume:
     tracking: int  # Mamba ping-pong track slots the Req gets
     restore_kwargs: dict
 
-    @property
-    def path(self) -> str:
-        return self.source.snap.path
-
     def close(self) -> None:
         self.source.close()
 
