@@ -230,14 +230,18 @@ def _with_chain(source: OpenSource, store) -> OpenSource:
     return source
 
 
-def check_target(source: OpenSource, view: PoolView, identity: Identity | None, spare: dict[str, int] | None = None) -> None:
+def check_target(source: OpenSource, view: PoolView, identity: Identity | None, spare: dict[str, int] | None = None, *,
+                 capacity: bool = True) -> None:
     """The cheap refusals of :func:`restore_opened` (identity, geometry, capacity: the header
     only), for a caller that has more to check before it restores. ``spare``: slots a caller
-    could free (:meth:`hsnap_io.slots.Room.spare`), counted as free. A re-sharded source's
-    identity and geometry are checked by its proof (:func:`prove_opened`)."""
+    could free (:meth:`hsnap_io.slots.Room.spare`), counted as free; ``capacity=False``: the
+    pools' free room is left to the restore (checked under the pool lock; a caller that waits
+    for room rather than refuse). A re-sharded source's identity and geometry are checked by its
+    proof (:func:`prove_opened`)."""
     if not source.resharded:
         check_compatible(source.snap, view, identity)
-    check_capacity(source.snap, view, spare)
+    if capacity:
+        check_capacity(source.snap, view, spare)
 
 
 def restore_opened(

@@ -3,7 +3,8 @@ decode boundary (:class:`Export`: a plain export, a drain member, a checkpoint l
 :class:`Drain`; a request's periodic :class:`Checkpointing`), what migrates out of or into this server
 (:class:`Migrating`, :class:`Following`), and the two kinds of thread that carry work off the scheduler thread: the
 :class:`LinkWriter` (writes captured links), a :class:`Watch` (looks for a marker or link in a container) and a
-:class:`Job` (a resume's proof, :class:`Resuming`; :func:`proves_here` says which are proved on the scheduler thread)."""
+:class:`Job` (a resume's proof, :class:`Resuming`, or a retracted request's; :func:`proves_here` says which are proved on
+the scheduler thread)."""
 
 from __future__ import annotations
 
@@ -287,6 +288,10 @@ class Resuming:
 # snapshots on a network file system).
 PROOF_HERE_BYTES_ENV = "HSNAP_PROOF_ON_SCHEDULER_BYTES"
 PROOF_HERE_BYTES = 4 << 20
+# How long an idle scheduler waits on a proof running off its thread, at an iteration: spinning in Python it would hold
+# the GIL, and the proof's thread would get it back only every switch interval (5 ms) after each read or hash (a
+# 4k-token proof took 20 ms instead of 4); a message arriving meanwhile waits at most this long.
+IDLE_PROOF_WAIT_S = 0.005
 
 
 def proof_here_bytes(env=None) -> int:

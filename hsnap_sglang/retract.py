@@ -22,6 +22,8 @@ otherwise, the same rule as ``Req._mamba_pool_needing_backup``.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from hsnap_format import CommitInfo, HsnapError, Identity
 from hsnap_format.errors import require_type
@@ -29,7 +31,7 @@ from hsnap_format.errors import require_type
 from hsnap_io.sglang_env import import_sglang
 
 from .req import snapshot_req
-from .req.bind import binder, mamba_tracking_slots, restore_with_room
+from .req.bind import ProvenRestore, binder, mamba_tracking_slots
 from .req.record import decode_carried, read_record
 
 
@@ -90,7 +92,8 @@ def load_retracted(
     **restore_kwargs,
 ):
     """Give a request retracted by :func:`retract_to_disk` fresh slots holding its
-    state again (the same ``Req`` object, same process). Returns ``req``.
+    state again (the same ``Req`` object, same process). Returns ``req``:
+    :func:`prove_retracted`, then :func:`restore_retracted`.
 
     The file is opened once: the record it is checked against and the state uploaded
     come through that one open. Refused before the pools are touched when the request
@@ -102,20 +105,51 @@ def load_retracted(
     ``room``: as for :func:`~hsnap_sglang.req.resume_req` (a radix cache frees what is missing,
     only once every check passed). ``req.hsnap_restored`` says what was uploaded.
     """
+    proven = prove_retracted(path, req, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                             identity=identity, room=room, **restore_kwargs)
+    return restore_retracted(proven, tree_cache=tree_cache, room=room)
+
+
+@dataclass
+class ProvenRetracted(ProvenRestore):
+    """What :func:`prove_retracted` proved touching no pool and no request: the file opened once, checked against the
+    retracted ``req``, every digest proved.  :func:`restore_retracted` binds it; :meth:`close` gives it back."""
+
+    req: Any = None
+    carried_kv: dict | None = None  # the record's ReqKvInfo values
+
+
+def prove_retracted(
+    path: str | os.PathLike[str],
+    req,
+    *,
+    req_to_token_pool,
+    token_to_kv_pool_allocator,
+    identity: Identity | None,
+    room=None,
+    capacity: bool = True,
+    **restore_kwargs,
+) -> ProvenRetracted:
+    """Every refusal of :func:`load_retracted` that needs no slot, touching no pool and leaving ``req`` as it is (the
+    pools' free room and ``room.spare()`` are read, nothing else): what a server does off its scheduler thread while
+    the request is held out of every batch.  :func:`restore_retracted` checks the room again under the pool lock;
+    ``capacity=False`` leaves the room to it alone (a server that waits for room while the others run, where a
+    request admitted meanwhile would make a proof on another thread refuse a file that fits a moment later)."""
     import_sglang()
     from hsnap_io.adapters import view_pools
-    from hsnap_io.restore import OPEN_KEYWORDS, check_target, open_source
+    from hsnap_io.restore import OPEN_KEYWORDS, PROVE_KEYWORDS, check_target, open_source, prove_opened
 
     require_type(path, "identity", identity, Identity, optional=True)
     rank = restore_kwargs.pop("rank", None)
     open_kwargs = {k: restore_kwargs.pop(k) for k in OPEN_KEYWORDS if k in restore_kwargs}
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
-    with open_source(path, rank=rank, identity=identity, **open_kwargs) as source:
+    source = open_source(path, rank=rank, identity=identity, **open_kwargs)
+    try:
         fpath = source.snap.path
         if not req.is_retracted or req.kv.req_pool_idx is not None:
             raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
         # the file belongs here (header only), counting what the room could free (nothing freed yet)
-        check_target(source, view, identity, spare=None if room is None else room.spare())
+        check_target(source, view, identity, spare=None if room is None or not capacity else room.spare(), capacity=capacity)
         record = read_record(source.snap, fpath)
         checks = [
             ("request.rid", req.rid, record.rid),
@@ -128,14 +162,32 @@ def load_retracted(
         if list(record.output_ids) != list(req.output_ids) or list(record.prompt_ids) != list(req.origin_input_ids):
             raise HsnapError(fpath, "request.output_ids", "the request's own token ids", "other ids")
         kvx = decode_carried(record, fpath, swa_start=source.snap.swa_start)["ReqKvInfo"]
+        prove_opened(source, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+                     identity=identity, **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
+    except BaseException:
+        source.close()
+        raise
+    return ProvenRetracted(source, view, identity, mamba_tracking_slots(req_to_token_pool), restore_kwargs, req, kvx)
+
+
+def restore_retracted(proven: ProvenRetracted, *, tree_cache=None, room=None):
+    """The second half of :func:`load_retracted`: the room made and the slots allocated, filled and bound to the
+    proved request (under the pool lock, its capacity checked again); returns the request, no longer retracted.
+    Closes ``proven`` whatever happens; a failure gives every allocation back and leaves the request retracted."""
+    req = proven.req
+    try:
+        if not req.is_retracted or req.kv.req_pool_idx is not None:  # (changed since the proof: not this file's to fill)
+            raise HsnapError(proven.source.snap.path, "Req.is_retracted", "a retracted request holding no slots",
+                             (req.is_retracted, req.kv.req_pool_idx))
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
-        tracking = mamba_tracking_slots(req_to_token_pool)
-        restored = restore_with_room(source, view, identity=identity, room=room, tracking=tracking, restore_kwargs=restore_kwargs,
-                                     bind=binder(req, kvx, root, req_to_token_pool, tracking))
+    except BaseException:
+        proven.close()
+        raise
+    restored = proven.restore(room=room, bind=binder(req, proven.carried_kv, root, proven.view.req_to_token_pool, proven.tracking))
     req.is_retracted = False
     req.already_computed = 0
     req.hsnap_restored = restored
     return req
 
 
-__all__ = ["retract_to_disk", "load_retracted", "retracted_extra"]
+__all__ = ["retract_to_disk", "load_retracted", "prove_retracted", "restore_retracted", "ProvenRetracted", "retracted_extra"]

@@ -16,10 +16,13 @@ and every output token recomputed, the recurrent (Mamba / GDN) state rebuilt fro
 * **re-admission**: once written, at a scheduler iteration where it fits the way SGLang's own admission counts
   room (free plus evictable token slots less the decode reservation of the running requests at SGLang's current
   ``new_token_ratio``, a Mamba slot, a request row, ``--max-running-requests``), the file is restored into fresh
-  slots of the same ``Req`` (:func:`hsnap_sglang.retract.load_retracted`: opened once, every byte hashed, checked
-  against the request before anything is allocated) and the request joins the running batch as a decoding request
-  (its next forward is a decode: no position recomputed); the file is deleted.  Held requests go back oldest
-  first; one that does not fit stops the others behind it;
+  slots of the same ``Req`` and the request joins the running batch as a decoding request (its next forward is a
+  decode: no position recomputed); the file is deleted.  The file is read and proved first — opened once, checked
+  against the request, every byte hashed (:func:`hsnap_sglang.retract.prove_retracted`) — off the scheduler thread
+  for a file over the operator's ``HSNAP_PROOF_ON_SCHEDULER_BYTES`` (as a resume's: :func:`hsnap_sglang.jobs.proves_here`),
+  while the others decode on; the upload follows at the first iteration that finds it proved and the request still
+  fitting (:func:`hsnap_sglang.retract.restore_retracted`).  Held requests go back oldest first, one proof at a time;
+  one that does not fit stops the others behind it;
 * anything that fails (the capture refused, the writer behind or failing, the restore refused) puts the request
   into SGLang's waiting queue as SGLang would have: it is recomputed there, exactly as without the plug-in; an
   abort of a held request is answered by SGLang's own abort (the request is put where SGLang looks first).
@@ -42,8 +45,8 @@ from typing import Any
 
 from .containment import guarded, typed
 from .errors import error_of
-from .jobs import Export, LinkJob, LinkWriter, safe_file_name
-from .retract import load_retracted, retracted_extra
+from .jobs import IDLE_PROOF_WAIT_S, Export, Job, LinkJob, LinkWriter, proves_here, safe_file_name
+from .retract import prove_retracted, restore_retracted, retracted_extra
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -63,6 +66,7 @@ class Held:
     job: LinkJob | None = None  # the write, until collected
     written: bool = False
     bytes: int = 0
+    proof: Job | None = None  # its file read and proved (hsnap_sglang.retract.prove_retracted), once it fits
 
 
 class RetractionToDisk:
@@ -74,6 +78,7 @@ class RetractionToDisk:
         self.captured: dict[int, tuple[str, Any]] = {}  # id(req) -> (path, host copies): SGLang is releasing it
         self.released: dict[int, Held] = {}  # id(req) -> its file being written: SGLang queues it next (take)
         self.held: dict[str, Held] = {}  # rid -> held request, oldest first
+        self.abandoned: list[Job] = []  # proofs of requests gone meanwhile (aborted): closed once they end
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.restore_s = 0.0
         self.bytes_written = 0
@@ -125,7 +130,7 @@ class RetractionToDisk:
     # ------------------------------------------------------------------ every scheduler iteration
 
     def busy(self) -> bool:
-        return bool(self.held or self.captured or self.released or self.writer.busy())
+        return bool(self.held or self.captured or self.released or self.writer.busy() or self.abandoned)
 
     def service(self) -> None:
         """Collect the files written; put back, oldest first, every held request that fits now."""
@@ -143,13 +148,46 @@ class RetractionToDisk:
                 continue
             held.written, held.bytes = True, int(job.info.info.file_length)
             self.bytes_written += held.bytes
+        self._close_abandoned()
         for rid, held in list(self.held.items()):
             if held.req.finished():  # finished while held (an abort SGLang answered): nothing to put back
                 self._drop(rid)
                 continue
-            if not held.written or not self._fits(held.req):
-                break  # still being written, or no room: the ones behind it wait (oldest first)
+            if not held.written:
+                break  # still being written: the ones behind it wait (oldest first)
+            if held.proof is None:
+                if not self._fits(held.req):
+                    break  # no room: the ones behind it wait
+                held.proof = self._prove(held)
+            if not held.proof.done:
+                if self.hs.idle():  # an idle scheduler spinning would hold the GIL the proof needs (as a resume's)
+                    held.proof.wait(IDLE_PROOF_WAIT_S)
+                if not held.proof.done:
+                    break  # being read: the ones behind it wait
+            if held.proof.error is None and not self._fits(held.req):
+                break  # proved, but the room went to others meanwhile: kept proved until it fits
             self._restore(held)
+
+    def _prove(self, held: Held) -> Job:
+        """The proof of ``held``'s file: in place for a small local file, else on a thread of its own (a resume's rule:
+        :func:`hsnap_sglang.jobs.proves_here`, the operator's ``HSNAP_PROOF_ON_SCHEDULER_BYTES``)."""
+        hs, s = self.hs, self.hs.sched
+
+        here = proves_here(held.path, hs.proof_here_bytes)
+
+        def prove():
+            # off this thread, the room is the restore's to check: a request admitted meanwhile must not refuse the file
+            return prove_retracted(held.path, held.req, req_to_token_pool=s.req_to_token_pool,
+                                   token_to_kv_pool_allocator=s.token_to_kv_pool_allocator, identity=hs.identity(),
+                                   room=hs.room() if here else None, capacity=here)
+
+        return Job.run_here(prove) if here else Job(prove, "hsnap-retraction-proof")
+
+    def _close_abandoned(self) -> None:
+        for job in [j for j in self.abandoned if j.done]:
+            self.abandoned.remove(job)
+            if job.result is not None:
+                guarded("closing a retraction proof", job.result.close)
 
     def _fits(self, req) -> bool:
         """Whether ``req`` fits as SGLang's admission counts room (PrefillAdder's budget: free plus evictable token
@@ -178,15 +216,19 @@ class RetractionToDisk:
         return budget.remaining_total >= rows + reserve(req)
 
     def _restore(self, held: Held) -> None:
-        hs, s, req = self.hs, self.hs.sched, held.req
+        """Upload ``held``'s proved file into fresh slots and admit it; a refused proof or upload gives it back."""
+        hs, s, req, job = self.hs, self.hs.sched, held.req, held.proof
         t0 = time.monotonic()
+        proven, job.result, held.proof = job.result, None, None
         try:
-            load_retracted(held.path, req, req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
-                           identity=hs.identity(), tree_cache=s.tree_cache, room=hs.room())
+            if job.error is not None:
+                raise job.error
+            restore_retracted(proven, tree_cache=s.tree_cache, room=hs.room())
         except Exception as e:  # noqa: BLE001 - refused (or failed, pools rolled back): SGLang recomputes it
             self._give_back(held, error_of(typed(e, "retraction", held.path))["message"])
             return
-        restored_s = time.monotonic() - t0
+        upload_s = time.monotonic() - t0
+        restored_s = job.ended - job.started + upload_s
         del self.held[req.rid]
         _remove(held.path)
         req.skip_radix_cache_insert = True  # as a resumed request: its slots are its own, not the tree's
@@ -196,7 +238,8 @@ class RetractionToDisk:
         _count("restored")
         self.last = {"rid": req.rid, "committed_positions": int(req.kv.kv_committed_len), "bytes": held.bytes,
                      "bytes_uploaded": int(req.hsnap_restored.bytes_uploaded),
-                     "held_s": time.monotonic() - held.since, "restore_s": restored_s}
+                     "held_s": time.monotonic() - held.since, "restore_s": restored_s, "prove_s": job.ended - job.started,
+                     "upload_s": upload_s}
 
     # ------------------------------------------------------------------ leaving
 
@@ -208,7 +251,13 @@ class RetractionToDisk:
 
     def _drop(self, rid: str) -> None:
         held = self.held.pop(rid, None)
-        if held is not None and held.job is None:
+        if held is None:
+            return
+        if held.proof is not None:  # its proof (running, or done and unused) is closed once it ends
+            self.abandoned.append(held.proof)
+            held.proof = None
+            self._close_abandoned()
+        if held.job is None:
             _remove(held.path)  # one still being written is removed when collected
 
     def _recomputed(self, req, why: str) -> None:
@@ -224,8 +273,14 @@ class RetractionToDisk:
                 self.hs.sched.waiting_queue.append(held.req)
 
     def state(self) -> dict:
-        return {"dir": self.directory, **self.counts, "held": {rid: ("on disk" if h.written else "being written") for rid, h in self.held.items()},
+        return {"dir": self.directory, **self.counts, "held": {rid: _held_state(h) for rid, h in self.held.items()},
                 "bytes_written": self.bytes_written, "restore_s": self.restore_s, "last": self.last}
+
+
+def _held_state(held: Held) -> str:
+    if not held.written:
+        return "being written"
+    return "on disk" if held.proof is None else "being proved" if not held.proof.done else "proved"
 
 
 def _count(outcome: str) -> None:

@@ -42,7 +42,7 @@ from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFini
                      unknown_request)
 from . import confine, metrics, migration, retraction
 from .containment import contained_handler, guarded, log_failure, typed
-from .jobs import Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, Resuming, proof_here_bytes, proves_here, safe_file_name
+from .jobs import IDLE_PROOF_WAIT_S, Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, Resuming, proof_here_bytes, proves_here, safe_file_name
 from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
@@ -876,10 +876,7 @@ class HsnapScheduler:
         self._start_proofs()
         undone = next((r.job for r in self.resuming.values() if r.job is not None and not r.job.done), None)
         if undone is not None and self.idle():
-            # an idle scheduler spins in Python and holds the GIL: the proof's thread would get it back only every
-            # switch interval (5 ms) after each read or hash — a 4k-token proof took 20 ms instead of 4.  Waiting
-            # on the job lets it run; a message arriving meanwhile waits at most this long.
-            undone.wait(IDLE_PROOF_WAIT_S)
+            undone.wait(IDLE_PROOF_WAIT_S)  # an idle scheduler spinning would hold the GIL the proof needs
         jobs = list(self.resuming.items())
         seen = migration.views(self, [r.done for _, r in jobs])
         for i, (op_id, r) in enumerate(jobs):
@@ -1154,7 +1151,6 @@ class _Room:
             ensure_mamba_capacity(s.req_to_token_pool, [SimpleNamespace(kv=ReqKvInfo())] * mamba_slots, s.tree_cache)
 
 
-IDLE_PROOF_WAIT_S = 0.005  # how long an idle scheduler waits on a resume's proof at an iteration
 MAX_PROOFS_IN_FLIGHT = 2  # resumes proved off the scheduler thread at once (the rest wait, in order)
 
 

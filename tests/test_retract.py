@@ -210,3 +210,31 @@ def test_a_refused_retraction_writes_nothing_and_frees_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
     assert not req.is_retracted and req.kv.req_pool_idx is not None
+
+
+def test_a_proof_touches_no_pool_and_leaves_the_room_to_the_restore(tmp_path):
+    """prove_retracted (what a server runs off its scheduler thread) reads the file and checks it against the request,
+    allocating nothing; with capacity=False it proves a file the pools have no room for now (a request admitted
+    meanwhile), and restore_retracted refuses it under the pool lock, every allocation as it was, the request still
+    retracted; once room is back the same file restores."""
+    from hsnap_format import CapacityError
+    from hsnap_sglang.retract import prove_retracted, restore_retracted, retract_to_disk
+
+    ps, req, tc = _pool_and_req("hybrid_linear")
+    pools = dict(req_to_token_pool=ps.req_to_token_pool, token_to_kv_pool_allocator=ps.token_to_kv_pool_allocator)
+    path = tmp_path / "r.hsnap"
+    retract_to_disk(path, req, **pools, tree_cache=tc, identity=io_cases.identity())
+    taken = sp.alloc_tokens(ps, ps.token_to_kv_pool_allocator.available_size())  # every token slot in use
+    before = sp.pool_state_fingerprint(ps)
+    with pytest.raises(CapacityError):  # the proof in place counts the room
+        prove_retracted(path, req, **pools, identity=io_cases.identity())
+    proven = prove_retracted(path, req, **pools, identity=io_cases.identity(), capacity=False)
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == [] and req.is_retracted
+    with pytest.raises(CapacityError):
+        restore_retracted(proven, tree_cache=tc)
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+    assert req.is_retracted and req.kv.req_pool_idx is None
+    ps.token_to_kv_pool_allocator.free(taken)
+    restored = restore_retracted(prove_retracted(path, req, **pools, identity=io_cases.identity(), capacity=False), tree_cache=tc)
+    assert restored is req and not req.is_retracted and req.kv.req_pool_idx is not None
+    assert req.hsnap_restored.bytes_uploaded > 0

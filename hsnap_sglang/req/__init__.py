@@ -29,7 +29,7 @@ from hsnap_format.errors import Phrase, require_type
 from hsnap_io.sglang_env import import_sglang
 from hsnap_io.export import export_request
 
-from .bind import binder, mamba_tracking_slots, restore_proved
+from .bind import ProvenRestore, binder, mamba_tracking_slots
 from .fields import CARRIED, FORMAT, FORMAT_KEY, TABLES, sglang_attributes
 from .record import check_resumed, check_stop_agrees, decode_carried, read_record, rebuild_req, req_record, sampling_from_record
 from .values import short_repr
@@ -171,20 +171,12 @@ def resume_req(path: str | os.PathLike[str], *, tree_cache=None, commit: Callabl
 
 
 @dataclass
-class ProvenResume:
+class ProvenResume(ProvenRestore):
     """What :func:`prove_resume` proved touching no pool: the snapshot opened once, every digest proved (with
     ``verify=True`` its bytes read and hashed, kept for the upload), the ``Req`` rebuilt and checked but bound to no
     slot.  :func:`restore_proven` binds it; :meth:`close` gives everything back (a proof never restored)."""
 
-    source: Any  # hsnap_io.restore.OpenSource, proved
-    view: Any  # the target's PoolView
-    prepared: PreparedReq
-    identity: Identity | None
-    tracking: int  # Mamba ping-pong track slots the Req gets
-    restore_kwargs: dict
-
-    def close(self) -> None:
-        self.source.close()
+    prepared: PreparedReq | None = None
 
 
 def prove_resume(
@@ -233,20 +225,22 @@ def prove_resume(
     except BaseException:
         source.close()
         raise
-    return ProvenResume(source, view, prepared, identity, mamba_tracking_slots(req_to_token_pool), restore_kwargs)
+    return ProvenResume(source, view, identity, mamba_tracking_slots(req_to_token_pool), restore_kwargs, prepared)
 
 
 def restore_proven(proven: ProvenResume, *, tree_cache=None, room=None, commit: Callable[[], None] | None = None):
     """The second half of :func:`resume_req`: the room made and the slots allocated, filled and bound to the proved
     ``Req`` (under the pool lock, its capacity checked again), ``commit()`` last; returns the live ``Req``.  Closes
     ``proven`` whatever happens; a failure gives every allocation back."""
-    with proven.source as source:
-        prepared = proven.prepared
-        req = prepared.req
+    prepared = proven.prepared
+    req = prepared.req
+    try:
         root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
-        restored = restore_proved(source, proven.view, identity=proven.identity, room=room, tracking=proven.tracking,
-                                  restore_kwargs=proven.restore_kwargs,
-                                  bind=binder(req, prepared.carried["ReqKvInfo"], root, proven.view.req_to_token_pool, proven.tracking, commit))
+    except BaseException:
+        proven.close()
+        raise
+    restored = proven.restore(room=room, bind=binder(req, prepared.carried["ReqKvInfo"], root, proven.view.req_to_token_pool,
+                                                     proven.tracking, commit))
     if prepared.grammar is not None:
         req.grammar_key, req.grammar = prepared.grammar_key, prepared.grammar
     req.hsnap_restored = restored  # bytes uploaded, snapshot id, numerics differences

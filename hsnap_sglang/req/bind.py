@@ -32,14 +32,26 @@ def check_tracking_capacity(req_to_token_pool, tracking: int, path, spare: int =
                                                          f"free {free}" + (f" + {spare} evictable" if spare else ""))
 
 
-def restore_with_room(source, view, *, identity, room, tracking: int, bind, restore_kwargs: Mapping[str, Any]):
-    """The restore of an opened ``source`` whose request was checked already, into a server's pools (``view``): every
-    digest proved first (:func:`hsnap_io.restore.prove_opened`), then :func:`restore_proved`."""
-    from hsnap_io.restore import PROVE_KEYWORDS, prove_opened
+@dataclass
+class ProvenRestore:
+    """A snapshot opened once and every digest proved (:func:`hsnap_io.restore.prove_opened`) touching no pool, kept
+    for its restore into ``view``: what a resume's and a retracted request's proofs share.  :meth:`restore` fills
+    the slots; :meth:`close` gives everything back (a proof never restored)."""
 
-    prove_opened(source, req_to_token_pool=view.req_to_token_pool, token_to_kv_pool_allocator=view.allocator, identity=identity,
-                 **{k: restore_kwargs[k] for k in PROVE_KEYWORDS if k in restore_kwargs})
-    return restore_proved(source, view, identity=identity, room=room, tracking=tracking, bind=bind, restore_kwargs=restore_kwargs)
+    source: Any  # hsnap_io.restore.OpenSource, proved
+    view: Any  # the target's PoolView
+    identity: Any  # the target's Identity, or None
+    tracking: int  # Mamba ping-pong track slots the Req gets
+    restore_kwargs: dict
+
+    def close(self) -> None:
+        self.source.close()
+
+    def restore(self, *, room, bind):
+        """:func:`restore_proved` of this proof; closes it whatever happens."""
+        with self.source as source:
+            return restore_proved(source, self.view, identity=self.identity, room=room, tracking=self.tracking, bind=bind,
+                                  restore_kwargs=self.restore_kwargs)
 
 
 def restore_proved(source, view, *, identity, room, tracking: int, bind, restore_kwargs: Mapping[str, Any]):

@@ -42,7 +42,9 @@ one of a batch).  Three requests side by side are retracted over and over; each 
 restores it into the running batch: every token and logprob equal to its uninterrupted run alone, one extend forward
 (its first prefill) and decodes only, no file left.  SGLang's own retraction (the plug-in's off) re-prefilled the
 youngest request 18 times in the same run and moved its logprobs by 1.5e-5 (measured).  A request aborted while held
-(its file being written: the link writer's test gate holds it) ends aborted; with the directory replaced by a file,
+(its file being written: the link writer's test gate holds it) ends aborted.  A retracted request's file is read and
+hashed off the scheduler thread (R proves every one there): with that proof held by the test gate, the request beside
+it decodes on and the held one comes back exactly once let go; one aborted meanwhile ends aborted.  With the directory replaced by a file,
 every write fails and SGLang recomputes the requests (they finish; a near-tie token of a random-weight model may
 differ after a re-prefill); the pools are clean after each.
 """
@@ -53,6 +55,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -88,7 +91,8 @@ def servers(tiny_arch_dir, work):
     (work / "retract-gate").mkdir()
     started["retract"] = {"r": hsnap_server(tiny_arch_dir("nemotron_h"), work / "retract-r.log",
                                             env={"SGLANG_TEST_RETRACT": "1", "HSNAP_RETRACT_DIR": str(work / "retracted"),
-                                                 **linkgate_env(work / "retract-gate")})}
+                                                 # every retracted request's file proved off the scheduler thread
+                                                 "HSNAP_PROOF_ON_SCHEDULER_BYTES": "0", **linkgate_env(work / "retract-gate")})}
     start_together(*(s for pair in started.values() for s in pair.values()))
     yield started
     retire(*(s for pair in started.values() for s in pair.values()))
@@ -477,8 +481,6 @@ def _side_by_side(url: str, rids: list[str], tag: str = "") -> dict[str, dict]:
 
 
 def _wait_for(done, what: str, timeout: float = 120.0) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, what
@@ -488,8 +490,6 @@ def _wait_for(done, what: str, timeout: float = 120.0) -> None:
 def _files_left(d, timeout: float = 30.0) -> list[str]:
     """The files in ``d`` once none is left (a file written for a request gone meanwhile is removed when collected,
     at a scheduler iteration), or after ``timeout``."""
-    import time
-
     deadline = time.monotonic() + timeout
     while os.listdir(d) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -531,6 +531,48 @@ def retraction(servers, work):
     out["idle_abort"] = wait_idle(url)
     out["files_abort"] = _files_left(d)
 
+    # the proof of a retracted request's file held (the test gate stands for a slow disk): the others decode on
+    prove_hold = gate / "pv.retracted.hsnap.prove.hold"
+    prove_hold.touch()
+    with paced(url, RT_PACE_S):
+        first = Stream(url, payload("rt0-p", RT_IDS["rt0"], LONG))
+        first.start()
+        first.wait_tokens(1)
+        pv = Stream(url, payload("pv", RT_IDS["rt1"], RT_N))  # fewer outputs than rt0-p: SGLang retracts it first
+        pv.start()
+        _wait_for((gate / "pv.retracted.hsnap.prove.held").exists, "pv's file was never proved")
+        out["proving"] = stats(url)["retraction"]
+        at_hold, deadline = first.tokens_so_far(), time.monotonic() + 30
+        while first.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["during_proof"] = first.tokens_so_far() - at_hold
+        out["still_proving"] = prove_hold.exists() and pv.is_alive()
+        prove_hold.unlink()
+        out["pv"] = pv.finish().final
+        _abort(url, "rt0-p")
+        first.finish()
+    out["idle_proof"] = wait_idle(url)
+    out["files_proof"] = _files_left(d)
+
+    # ... and a request aborted while its file is being proved ends aborted; the proof, once let go, is dropped
+    prove_hold = gate / "ap.retracted.hsnap.prove.hold"
+    prove_hold.touch()
+    with paced(url, RT_PACE_S):
+        first = Stream(url, payload("rt0-a", RT_IDS["rt0"], LONG))
+        first.start()
+        first.wait_tokens(1)
+        ap = Stream(url, payload("ap", RT_IDS["rt1"], LONG))
+        ap.start()
+        _wait_for((gate / "ap.retracted.hsnap.prove.held").exists, "ap's file was never proved")
+        _abort(url, "ap")
+        out["ap"] = ap.finish()
+        out["ap_held"] = stats(url)["retraction"]["held"]
+        prove_hold.unlink()
+        _abort(url, "rt0-a")
+        first.finish()
+    out["idle_ap"] = wait_idle(url)
+    out["files_ap"] = _files_left(d)
+
     # every write fails (the directory replaced by a file): SGLang recomputes the requests
     shutil.rmtree(d)
     d.write_text("not a directory")
@@ -570,6 +612,26 @@ def test_a_request_aborted_while_its_retraction_is_written_ends_aborted(retracti
     assert len(ids) >= RT_N and (ids[:RT_N], lps[:RT_N]) == r["ref"]["rt0"]
     assert r["files_abort"] == []  # written after the abort, then removed
     _consistent(r["idle_abort"])
+
+
+def test_a_retracted_request_whose_file_is_still_being_read_holds_up_no_other_request(retraction):
+    """Its file is read and hashed off the scheduler thread (held here by the test gate): the request beside it decodes
+    on; let go, the retracted request comes back exactly."""
+    r = retraction
+    assert r["proving"]["held"] == {"pv": "being proved"}, r["proving"]
+    assert r["still_proving"] and r["during_proof"] >= 10, r["during_proof"]
+    assert tokens(r["pv"]) == r["ref"]["rt1"]  # every token and logprob, bit for bit
+    assert r["idle_proof"]["retraction"]["held"] == {} and r["files_proof"] == []
+    last = r["idle_proof"]["retraction"]["last"]  # (pv, retracted and restored again after the held one)
+    assert last["rid"] == "pv" and abs(last["prove_s"] + last["upload_s"] - last["restore_s"]) < 1e-6, last
+    _consistent(r["idle_proof"])
+
+
+def test_a_request_aborted_while_its_retraction_is_proved_ends_aborted(retraction):
+    r = retraction
+    assert r["ap"].final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert r["ap_held"] == {} and r["files_ap"] == [] and r["idle_ap"]["retraction"]["held"] == {}
+    _consistent(r["idle_ap"])
 
 
 def test_retraction_files_that_cannot_be_written_leave_the_requests_to_sglang(retraction):

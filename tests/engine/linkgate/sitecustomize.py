@@ -3,7 +3,9 @@
 whose ``<HSNAP_TEST_LINK_GATE>/<file name>.hold`` exists until the file is removed, saying so (``.held``; and
 ``.export-waiting`` once an export of the request waits for this link); once ``hsnap_sglang.req`` is, its
 ``prove_resume`` (a resume's proof, run off the scheduler thread) holds a resume of ``<file name>`` alike
-(``.held``).  Production code never reads the gate."""
+(``.held``); once ``hsnap_sglang.retract`` is, its ``prove_retracted`` holds the proof of a retracted request's file
+while ``<file name>.prove.hold`` exists (``.prove.held``: the link writer's gate holds the same file's write).
+Production code never reads the gate."""
 
 import importlib.abc
 import importlib.machinery
@@ -26,14 +28,14 @@ def _hold(writer, job) -> None:
         time.sleep(0.01)
 
 
-def _held_proof(prove_resume):
+def _held_proof(proof, tag: str = ""):
     def prove(path, *args, **kwargs):
-        hold = os.path.join(GATE, os.path.basename(os.fspath(path)) + ".hold")
+        hold = os.path.join(GATE, os.path.basename(os.fspath(path)) + tag + ".hold")
         if os.path.exists(hold):
             open(hold[: -len(".hold")] + ".held", "w").close()
             while os.path.exists(hold):
                 time.sleep(0.01)
-        return prove_resume(path, *args, **kwargs)
+        return proof(path, *args, **kwargs)
 
     return prove
 
@@ -46,7 +48,11 @@ def _install_req(module) -> None:
     module.prove_resume = _held_proof(module.prove_resume)
 
 
-SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req}
+def _install_retract(module) -> None:
+    module.prove_retracted = _held_proof(module.prove_retracted, ".prove")
+
+
+SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req, "hsnap_sglang.retract": _install_retract}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
