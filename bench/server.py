@@ -46,7 +46,7 @@ if REPO not in sys.path:
 
 from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
-from hsnap_sglang.demo import REQUEST_TIMEOUT_S, DemoError, DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
+from hsnap_sglang.demo import REQUEST_TIMEOUT_S, DemoError, DemoServer, Stream, abort, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
 SIZES = (53, 4096, 32768)
 BIG = 16384  # a size whose prefill takes minutes on this CPU platform
@@ -93,10 +93,6 @@ class Size:
     n: int
     rounds: list[Round] = field(default_factory=list)
     skipped: str | None = None
-
-
-def _abort(url: str, rid: str) -> None:
-    _post(url, "/abort_request", {"rid": rid}, 60)
 
 
 def prefill_timeout_s(n: int) -> float:
@@ -150,7 +146,7 @@ def one_round(url: str, n: int, tag: str, d: Path, log, reprefill_s: float | Non
             if b >= t2 and a <= t3:
                 around_resume.append(b - a)
     for o in others:
-        _abort(url, o.rid)
+        abort(url, o.rid)
     for o in others:
         o.join(120)
     k = int(out["output_tokens"])

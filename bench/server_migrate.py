@@ -42,7 +42,7 @@ if REPO not in sys.path:
 
 from bench.results import publish  # noqa: E402
 from hsnap_sglang import client  # noqa: E402
-from hsnap_sglang.demo import DemoServer, Stream, _post, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
+from hsnap_sglang.demo import DemoServer, Stream, abort, flush_cache, payload, prompt_ids, server_args, server_env  # noqa: E402
 
 SIZES = (1024, 8192, 32768)
 K = 16  # outputs before the move
@@ -92,7 +92,7 @@ def one(src: str, dst: str, method: str, n: int, tag: str, d: Path) -> dict:
         out.update(downtime_s=first[0] - last, committed=rep["committed_positions"], bytes=rep["bytes"],
                    uploaded=run.info["result"]["bytes_uploaded"], tokens=run.output_ids)
     else:
-        _post(src, "/abort_request", {"rid": rid}, 60)  # the request stops; the target recomputes what the client has
+        abort(src, rid)  # the request stops; the target recomputes what the client has
         x.finish()
         last = x.last_token_at()
         history = ids + list(x.final.get("output_ids") or [])

@@ -79,7 +79,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -238,6 +238,26 @@ class AppliedLink:
     final: bool  # the source's last link (FINAL_NAME)
 
 
+@dataclass
+class ProvenLink:
+    """A link :meth:`MigrationTarget.prove` checked and read, touching no pool: :meth:`MigrationTarget.apply_proven`
+    uploads it; :meth:`close` gives it back (a link never applied)."""
+
+    path: str
+    snap: Snapshot  # the (rank) file whose record the request continues
+    record: RequestRecord
+    first: bool  # the first link: a restore into fresh slots (else a delta of the link applied last)
+    upload: Any  # () -> AppliedLink, on the thread that owns the pools
+    owner: Any  # what closes the link's files
+
+    @property
+    def final(self) -> bool:
+        return is_final_link(self.path)
+
+    def close(self) -> None:
+        self.owner.close()
+
+
 class MigrationTarget:
     """The migrating request in the target's pools: :meth:`apply` each link in order;
     :attr:`request` is where it lives (what a scheduler binds once the final link is
@@ -270,7 +290,7 @@ class MigrationTarget:
         self._saved_state: dict = {}  # the Mamba slot's rows as before the delta in progress (a rollback's), reused link after link
 
     # -- the first link: a restore into fresh slots
-    def _apply_first(self, path: str, accept) -> AppliedLink:
+    def _prove_first(self, path: str, accept) -> ProvenLink:
         # with a description, a set written at another TP size opens whole, to be re-sharded
         source = open_source(path, identity=self.identity, sharding=self.sharding, storage_options=self.storage_options)
         try:
@@ -283,6 +303,13 @@ class MigrationTarget:
             record = prove_opened(source, **self._pools, identity=self.identity, verify=self.verify, staging_bytes=self.staging_bytes)
             if accept is not None:
                 accept(source.snap, record)
+        except BaseException:
+            source.close()
+            raise
+        return ProvenLink(path, source.snap, record, True, lambda: self._upload_first(path, source), source)
+
+    def _upload_first(self, path: str, source) -> AppliedLink:
+        try:
             with pool_lock(self.view.req_to_token_pool):
                 if self.room is not None:
                     self.room.make(*slots_needed(source.snap, self.view))
@@ -303,15 +330,27 @@ class MigrationTarget:
 
     # -- every later link: a delta of the one applied last, into the same request
     def apply(self, path, *, accept=None) -> AppliedLink:
-        """Apply the next link (see the module's guarantees); returns what it added.
-        ``accept(snap, record)``, when given, runs after every check and before anything is
-        allocated: what it raises refuses the link as the checks do (a scheduler checks there
-        that the request can run on the target)."""
+        """Apply the next link (see the module's guarantees); returns what it added:
+        :meth:`prove`, then :meth:`apply_proven`.  ``accept(snap, record)``, when given, runs
+        after every check and before anything is allocated: what it raises refuses the link
+        as the checks do (a scheduler checks there that the request can run on the target)."""
+        return self.apply_proven(self.prove(path, accept=accept))
+
+    def prove(self, path, *, accept=None) -> ProvenLink:
+        """Every refusal of the next link, touching no pool: the link opened and checked (against the link applied
+        last, the target, its capacity counting the room) and, with ``verify=True``, every byte read and hashed, then
+        ``accept``.  What a server runs off its scheduler thread (for an ``s3://`` container: GETs); the link applied
+        last does not change until :meth:`apply_proven` of this one."""
         p = os.fspath(path)
-        if self.request is None:
-            applied = self._apply_first(p, accept)
-        else:
-            applied = self._apply_delta(p, accept)
+        return self._prove_first(p, accept) if self.request is None else self._prove_delta(p, accept)
+
+    def apply_proven(self, proven: ProvenLink) -> AppliedLink:
+        """Upload a link :meth:`prove` proved (the room made, slots allocated, rows and state filled, under the pool
+        lock; any failure gives this link's allocations back); its files are kept or closed, whatever happens."""
+        if proven.first != (self.request is None):
+            proven.close()
+            raise ValueError(f"{proven.path}: proved as {'the first link' if proven.first else 'a delta'}, not applicable now")
+        applied = proven.upload()
         self.applied.append(applied)
         return applied
 
@@ -321,26 +360,34 @@ class MigrationTarget:
             return next(iter(opened.ranks.values())), opened
         return opened, opened
 
-    def _apply_delta(self, p: str, accept) -> AppliedLink:
+    def _prove_delta(self, p: str, accept) -> ProvenLink:
         if self._resharded:
-            return self._apply_resharded_delta(p, accept)
+            return self._prove_resharded_delta(p, accept)
         snap, owner = self._open(p)
         try:
             record = self._check_delta(snap)
             if accept is not None:
                 accept(snap, record)
-            applied = self._upload_delta(p, [snap], snap, record, self._plain_upload(snap))
         except BaseException:
             owner.close()
             raise
-        self._keep(snap, owner)
+        return ProvenLink(p, snap, record, False, lambda: self._applied_delta(p, [snap], snap, record, self._plain_upload(snap), owner, snap),
+                          owner)
+
+    def _applied_delta(self, p: str, used: list, head: Snapshot, record: RequestRecord, upload, owner, kept) -> AppliedLink:
+        try:
+            applied = self._upload_delta(p, used, head, record, upload)
+        except BaseException:
+            owner.close()
+            raise
+        self._keep(kept, owner)
         return applied
 
-    def _apply_resharded_delta(self, p: str, accept) -> AppliedLink:
+    def _prove_resharded_delta(self, p: str, accept) -> ProvenLink:
         """A set of deltas written at another TP size (:mod:`hsnap_io.reshard`): every rank
         file checked against the rank of the set applied last, the set against itself and
         the target, the runs of every target section proven, the sections this rank reads
-        hashed — all before allocating; then this rank's heads of the new rows into new slots
+        hashed — all before allocating; then (:meth:`apply_proven`) this rank's heads of the new rows into new slots
         after the request's, its channels and heads of the recurrent state over its Mamba slot."""
         opened = store_for(p, self.storage_options).open(p)
         try:
@@ -356,17 +403,15 @@ class MigrationTarget:
             self._check_output_prefix(record, head.path, last.path)
             if accept is not None:
                 accept(head, record)
-
-            def upload(engine, dests, at):
-                return upload_delta_set(opened, plans, self.view, dests, engine, self.verify, at)[0]
-
-            used = [opened.ranks[k] for k in source_ranks_of(plans)]
-            applied = self._upload_delta(p, used, head, record, upload)
         except BaseException:
             opened.close()
             raise
-        self._keep(opened, opened)
-        return applied
+
+        def upload(engine, dests, at):
+            return upload_delta_set(opened, plans, self.view, dests, engine, self.verify, at)[0]
+
+        used = [opened.ranks[k] for k in source_ranks_of(plans)]
+        return ProvenLink(p, head, record, False, lambda: self._applied_delta(p, used, head, record, upload, opened, opened), opened)
 
     def _check_delta(self, snap: Snapshot) -> RequestRecord:
         """Everything that can refuse ``snap``, before anything is allocated."""
@@ -492,30 +537,44 @@ class MigrationTarget:
         None if it is not there yet. A link applied is returned even when its marker cannot be
         put (a ``RuntimeWarning`` says so; the source then pre-copies on until it stops): the
         pools hold it, so it is never reported as refused. A source that gave up (:meth:`MigrationSource.abandon`)
-        is a :class:`MigrationError` (what was applied stays: :meth:`release` gives it back)."""
+        is a :class:`MigrationError` (what was applied stays: :meth:`release` gives it back).
+        :meth:`next_link`, :meth:`apply` and :meth:`mark_applied` in turn."""
+        path = self.next_link(container)
+        if path is None:
+            return None
+        applied = self.apply(path, accept=accept)
+        self.mark_applied(applied)
+        return applied
+
+    def next_link(self, container) -> str | None:
+        """The next link of ``container`` if it is committed (the next round, else the final link), else None; a
+        source that gave up is a :class:`MigrationError`.  Looks only (a stat, or a HEAD per name)."""
         c = os.fspath(container).rstrip("/")
         store = store_for(c, self.storage_options)
         nxt, final, abandoned = self.next_names(c)
         # a final link exists only after every round: look for the next round again after seeing it
         if store.exists(nxt):
-            path = nxt
-        elif store.exists(final) and not store.exists(nxt):
-            path = final
-        elif store.exists(abandoned):
+            return nxt
+        if store.exists(final) and not store.exists(nxt):
+            return final
+        if store.exists(abandoned):
             raise MigrationError(c, ABANDONED_NAME, Phrase("a migration the source carries on"),
                                  Phrase(f"abandoned by the source: {marker_reason(store, abandoned)}"))
-        else:
-            return None
-        applied = self.apply(path, accept=accept)
-        if not applied.final:
-            try:
-                store.put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
-            except SnapshotExistsError:  # another rank of a TP target put it first: the cue stands
-                pass
-            except HsnapError as e:  # the link is in the pools: never report it as refused; the marker is only the source's cue
-                warnings.warn(f"{path}{APPLIED_SUFFIX}: not put ({e}); the link is applied, the source will not see it and "
-                              "pre-copies on until it stops", RuntimeWarning, stacklevel=2)
-        return applied
+        return None
+
+    def mark_applied(self, applied: AppliedLink) -> None:
+        """``<link>.applied`` beside a round applied (the source's cue; nothing for the final link).  A marker that
+        cannot be put is a ``RuntimeWarning``, never a refusal: the link is in the pools."""
+        if applied.final:
+            return
+        path = applied.path
+        try:
+            store_for(path, self.storage_options).put_bytes(path + APPLIED_SUFFIX, b"%d\n" % applied.state_position)
+        except SnapshotExistsError:  # another rank of a TP target put it first: the cue stands
+            pass
+        except HsnapError as e:  # the link is in the pools: never report it as refused; the marker is only the source's cue
+            warnings.warn(f"{path}{APPLIED_SUFFIX}: not put ({e}); the link is applied, the source will not see it and "
+                          "pre-copies on until it stops", RuntimeWarning, stacklevel=2)
 
     def follow(self, container, *, timeout_s: float = 60.0, poll_s: float = 0.001, accept=None) -> Iterator[AppliedLink]:
         """Apply the links of ``container`` as they are committed, in order, until the final
@@ -586,4 +645,4 @@ def marker_reason(store, path: str) -> str:
     return " ".join(str(said)[:1000].split())
 
 
-__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "MigrationError", "is_final_link", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]
+__all__ = ["MigrationSource", "MigrationTarget", "AppliedLink", "ProvenLink", "MigrationError", "is_final_link", "LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME"]

@@ -45,7 +45,7 @@ from hsnap_format.errors import HsnapError, escape_text
 from . import client
 from .tiny import ARCHS
 
-__all__ = ["main", "run_demo", "format_report", "DemoError", "DemoServer", "Stream", "continuity", "flush_cache", "negative_snapshots",
+__all__ = ["main", "run_demo", "format_report", "DemoError", "DemoServer", "Stream", "abort", "continuity", "flush_cache", "negative_snapshots",
            "payload", "refuse", "server_args", "server_env", "tokens"]
 
 N, K = 128, 10
@@ -227,6 +227,11 @@ def _post(url: str, route: str, body: dict, timeout: float = REQUEST_TIMEOUT_S) 
     req = urllib.request.Request(url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.read()
+
+
+def abort(url: str, rid: str, timeout: float = 60.0) -> None:
+    """SGLang's ``/abort_request`` of ``rid`` (its stream ends with finish reason ``abort``)."""
+    _post(url, "/abort_request", {"rid": rid}, timeout)
 
 
 def flush_cache(url: str, timeout: float = 120.0) -> None:

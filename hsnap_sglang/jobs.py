@@ -21,6 +21,7 @@ from typing import Any
 
 from hsnap_format import HsnapError
 from hsnap_format.checkpoints import parse_link
+from hsnap_format.migrations import ABANDONED_NAME, REFUSED_NAME
 from hsnap_format.stores import is_url
 
 from .containment import typed
@@ -188,10 +189,12 @@ class LinkWriter:
 
 class Watch:
     """A daemon thread that looks for the first of ``paths`` to exist (off the scheduler thread: an object store's
-    HEAD never holds up a decode step); ``hit`` is that path once seen."""
+    HEAD never holds up a decode step); ``hit`` is that path once seen.  A marker that says why the other side gave
+    up (``refused.json``, ``abandoned.json``) is read by the thread too, before ``hit`` is set: ``said``."""
 
     def __init__(self, store, paths) -> None:
         self.store, self.paths, self.hit = store, list(paths), None
+        self.said: str | None = None
         self._stop = threading.Event()
         self._poll = LOCAL_POLL_S if store.local else REMOTE_POLL_S
         self._thread = threading.Thread(target=self._run, name="hsnap-migration-watch", daemon=True)
@@ -203,6 +206,8 @@ class Watch:
             for p in self.paths:
                 try:
                     if self.store.exists(p):
+                        if os.path.basename(p) in (REFUSED_NAME, ABANDONED_NAME):
+                            self.said = _marker_reason(self.store, p)
                         self.hit = p
                         return
                 except Exception as e:  # noqa: BLE001 - a store that errs is asked again; said once
@@ -213,6 +218,15 @@ class Watch:
 
     def cancel(self) -> None:
         self._stop.set()
+
+
+def _marker_reason(store, path: str) -> str:
+    from hsnap_io.migrate import marker_reason
+
+    try:
+        return marker_reason(store, path)  # bounded: size, nesting, UTF-8
+    except Exception as e:  # noqa: BLE001 - a store that errs now: the marker is there, its text is not
+        return f"(unreadable: {type(e).__name__})"
 
 
 class Job:
@@ -263,6 +277,24 @@ class Job:
         if self._thread is not None:
             self._thread.join(timeout)
         return self.done
+
+    def discard(self) -> None:
+        """Nobody will take the result (its request went away): it is closed (a proof's open files and staging
+        buffer) now if the job is done, else by a daemon thread once it ends."""
+
+        def close() -> None:
+            self.wait()
+            result, self.result = self.result, None
+            if result is not None:
+                try:
+                    result.close()
+                except Exception:  # noqa: BLE001 - nothing waits for it; said
+                    logger.exception("hsnap: closing a discarded proof")
+
+        if self.done:
+            close()
+        else:
+            threading.Thread(target=close, name="hsnap-discard", daemon=True).start()
 
 
 @dataclasses.dataclass
@@ -354,6 +386,7 @@ class Following:
     timeout_s: float
     deadline: float
     watch: Watch | None = None
+    proof: Job | None = None  # the next link seen, being read and proved off the scheduler thread (MigrationTarget.prove)
     prepared: Any = None  # hsnap_sglang.req.PreparedReq of the last link checked (the first, then the final)
     applied: list = dataclasses.field(default_factory=list)
     started: float = 0.0

@@ -14,8 +14,9 @@ server and a library process (:class:`hsnap_io.migrate.MigrationTarget`) interop
   cannot be written, a target that does not apply a round within ``timeout_s``: the source gives the migration up
   (``abandoned.json``, the request decodes on here, the caller gets the typed reason).
 * **target** (``/hsnap/follow``): a :class:`~hsnap_io.migrate.MigrationTarget` over the scheduler's own pools
-  applies each link as it is committed (every link checked and hashed before anything is allocated; the request
-  itself — record, sampling, grammar, LoRA — checked with the first and the last link), evicting unreferenced
+  applies each link as it is committed (every link checked and hashed before anything is allocated — off the
+  scheduler thread, as a resume's snapshot, but for a small local file; the request itself — record, sampling,
+  grammar, LoRA — checked with the first and the last link), evicting unreferenced
   radix-cache entries for room as admission does (only once a link passed every check).  After the final link the ``Req`` is bound to its slots and
   held; the HTTP process registers the client's state, then admits it (:class:`HsnapAdmitReqInput`): its next
   forward is a decode.  Until then its slots are reported to SGLang's own pool accounting as held (the strict idle
@@ -46,7 +47,7 @@ from hsnap_format.stores import store_for
 from . import confine
 from .containment import MAX_FOLLOWS, guarded, typed
 from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict, error_of
-from .jobs import Export, Following, Migrating, Watch
+from .jobs import IDLE_PROOF_WAIT_S, Export, Following, Job, Migrating, Watch, proves_here
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -156,7 +157,7 @@ def advance_migrations(hs) -> None:
 
 
 def _advance_migration(hs, rid: str, m: Migrating, seen: int, late: bool) -> None:
-    from hsnap_io.migrate import MigrationError, marker_reason
+    from hsnap_io.migrate import MigrationError
 
     now = time.monotonic()
     where, req = hs.locate(rid)
@@ -169,8 +170,9 @@ def _advance_migration(hs, rid: str, m: Migrating, seen: int, late: bool) -> Non
         return
     if seen == SEEN_REFUSED:
         marker = m.store.join(m.container, REFUSED_NAME)
-        abandon(hs, m, rid, MigrationError(marker, "target", Phrase("a target applying the links"),
-                                           Phrase(f"refused by the target: {marker_reason(m.store, marker)}")), say=False)
+        said = m.watch.said if m.watch is not None and m.watch.said is not None else f"(see {REFUSED_NAME})"  # read by the watcher
+        abandon(hs, m, rid, MigrationError(marker, "target", Phrase("a target applying the links"), Phrase(f"refused by the target: {said}")),
+                say=False)
         return
     if seen == SEEN_NOTHING:
         if late:
@@ -272,8 +274,8 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
         if parked is not None and not parked.finished():
             hs.admit([parked])
     error = error if error is not None else error_dict(err)
-    if say and hs.tp_rank == 0:  # (not to a target that refused: it knows; one rank says it)
-        _say_abandoned(m.store, m.container, error, len(m.links))
+    if say and hs.tp_rank == 0:  # (not to a target that refused: it knows; one rank says it; a write: off this thread)
+        Job(lambda: _say_abandoned(m.store, m.container, error, len(m.links)), "hsnap-migration-abandon")
     hs.answer(m.op, ok=False, error=error)
 
 
@@ -319,35 +321,90 @@ def on_follow(hs, msg) -> None:
 
 
 def advance_follows(hs) -> None:
-    """At a scheduler iteration: apply the next link of every followed migration that has one committed.  At TP > 1
-    a link is applied once every rank's watcher has seen it (all in this iteration) and a follow times out on rank
-    0's clock.  Each follow is contained: one that fails is refused with the typed reason (its slots given back);
-    the others go on."""
+    """At a scheduler iteration: prove the next link of every followed migration that has one committed, off this
+    thread (:meth:`~hsnap_io.migrate.MigrationTarget.prove`: the link read and hashed — for an ``s3://`` container,
+    GETs — while the other requests decode on; a small local file in place, as a resume's), and apply each link
+    proved (the upload, here).  At TP > 1 a link is proved once every rank's watcher has seen it and applied once
+    every rank has proved it (all in the same iteration), and a follow times out on rank 0's clock.  Each follow is
+    contained: one that fails is refused with the typed reason (its slots given back); the others go on."""
     now = time.monotonic()
     jobs = list(hs.follows.items())
-    seen = views(hs, [[f.watch is not None and f.watch.hit is not None, now > f.deadline] for _, f in jobs])
+    # this rank's view of each: its next link seen by the watcher, that link's proof done, past its deadline
+    seen = views(hs, [[f.watch is not None and f.watch.hit is not None, f.proof is not None and f.proof.done, now > f.deadline]
+                      for _, f in jobs])
+    proved = {op_id: f.proof is not None and all(rank[i][1] for rank in seen) for i, (op_id, f) in enumerate(jobs)}
+    started = []
     for i, (op_id, f) in enumerate(jobs):
+        if f.proof is not None:
+            continue
         try:
-            _advance_follow(hs, op_id, f, all(rank[i][0] for rank in seen), seen[0][i][1])
+            if all(rank[i][0] for rank in seen):
+                f.proof = _prove_link(hs, f)
+                started.append(op_id)
+            elif seen[0][i][2]:
+                _late(hs, op_id, f)
+        except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
+            if hs.follows.get(op_id) is f:
+                guarded("refusing a follow", fail_follow, hs, op_id, typed(e, "follow", f.container))
+    undone = next((f.proof for f in hs.follows.values() if f.proof is not None and not f.proof.done), None)
+    if undone is not None and hs.idle():
+        undone.wait(IDLE_PROOF_WAIT_S)  # an idle scheduler spinning would hold the GIL the proof needs
+    if started:  # proved already (in place, or quickly)? every rank takes this view alike: they started the same
+        done = views(hs, [hs.follows[op_id].proof.done for op_id in started])
+        proved.update({op_id: all(rank[k] for rank in done) for k, op_id in enumerate(started)})
+    for op_id, f in jobs:
+        if not proved.get(op_id) or hs.follows.get(op_id) is not f:
+            continue
+        try:
+            _apply_link(hs, op_id, f)
         except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
             if hs.follows.get(op_id) is f:
                 guarded("refusing a follow", fail_follow, hs, op_id, typed(e, "follow", f.container))
 
 
-def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> None:
+def _late(hs, op_id: str, f: Following) -> None:
     from hsnap_io.migrate import MigrationError
 
-    if not seen:
-        if late:
-            f.watch.cancel()
-            fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
-                                                  Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
-        return
+    f.watch.cancel()
+    fail_follow(hs, op_id, MigrationError(f.container, LINK_NAME.format(len(f.target.applied)),
+                                          Phrase(f"committed within {f.timeout_s} s"), Phrase("missing")))
+
+
+def _prove_link(hs, f: Following) -> Job:
+    """The proof of the link ``f``'s watcher saw: which link it is (committed: a stat or HEAD per name), then
+    :meth:`~hsnap_io.migrate.MigrationTarget.prove` with the request itself checked by :func:`_prepare` — in place
+    for a local file up to the operator's ``HSNAP_PROOF_ON_SCHEDULER_BYTES``, else on a thread of its own."""
+    target, container = f.target, f.container
+
+    def prove():
+        path = target.next_link(container)
+        if path is None:  # seen, then gone: looked for again
+            return None
+        return target.prove(path, accept=lambda snap, record: _prepare(hs, f, snap, record))
+
+    if f.store.local and proves_here(f.watch.hit, hs.proof_here_bytes):
+        return Job.run_here(prove)
+    return Job(prove, f"hsnap-follow-{hs.tp_rank}")
+
+
+def _apply_link(hs, op_id: str, f: Following) -> None:
+    """Upload a proved link into the pools (this thread), every rank agreeing; then watch for the next one, or bind
+    the request after the final one.  The marker the source waits for is put off this thread."""
+    job, f.proof = f.proof, None
+    proven, job.result = job.result, None
     t0 = time.monotonic()
     err: BaseException | None = None
     applied = None
     try:
-        applied = f.target.step(f.container, accept=lambda snap, record, f=f: _accept(hs, f, snap, record))
+        if job.error is not None:
+            raise job.error
+        if proven is not None:
+            try:
+                _check_here(hs, f, proven)
+            except BaseException:
+                proven.close()
+                raise
+            applied = f.target.apply_proven(proven)
     except HsnapError as e:
         err = e
     except Exception as e:  # noqa: BLE001 - the server keeps serving; the pools were rolled back by the apply
@@ -364,33 +421,42 @@ def _advance_follow(hs, op_id: str, f: Following, seen: bool, late: bool) -> Non
         f.watch = Watch(f.store, f.target.next_names(f.container))
         return
     t1 = time.monotonic()
+    prove_s = job.ended - job.started
     f.applied.append({"link": applied.path, "committed_positions": applied.state_position, "rows": applied.rows,
-                      "bytes_uploaded": applied.bytes_uploaded, "apply_s": t1 - t0, "applied_at": t1})
+                      "bytes_uploaded": applied.bytes_uploaded, "apply_s": prove_s + (t1 - t0), "prove_s": prove_s,
+                      "upload_s": t1 - t0, "applied_at": t1})
     if applied.final:
         arrive(hs, op_id, f, t1)
     else:
+        Job(lambda: f.target.mark_applied(applied), f"hsnap-follow-marker-{hs.tp_rank}")  # the source's cue
         f.deadline = t1 + f.timeout_s
         f.watch = Watch(f.store, f.target.next_names(f.container))
 
 
-def _accept(hs, f: Following, snap, record) -> None:
+def _prepare(hs, f: Following, snap, record) -> None:
     """The request itself, checked with the first link (before the whole history is uploaded) and the final one
-    (what is bound): a record the target could not run is refused before anything is allocated."""
+    (what is bound), as a resume's: a record the target could not run is refused before anything is allocated.  In
+    the link's proof: it reads no pool."""
     from .req import prepare_req, target_worker_ipc
-    from .req.bind import check_tracking_capacity, mamba_tracking_slots
 
-    first = f.target.request is None
-    final = is_final_link(snap.path)  # (a TP set's: ``snap`` is one of its rank files)
-    if not (first or final):
+    if not (f.target.request is None or is_final_link(snap.path)):  # (a TP set's: ``snap`` is one of its rank files)
         return
-    s = hs.sched
-    if first and (hs.locate(record.rid)[0] is not None or record.rid in hs.arrived):
-        raise RequestBusyError(snap.path, "request.rid", Phrase("a rid no request of this server has"), record.rid)
     context = hs.resume_context()
     ipc = target_worker_ipc(snap.path, f.op.http_worker_ipc, context["req_kwargs"])
     f.prepared = prepare_req(record, snap.path, swa_start=snap.swa_start, http_worker_ipc=ipc, expect_rid=f.op.rid, **context)
-    if final:
-        check_tracking_capacity(s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool), snap.path)
+
+
+def _check_here(hs, f: Following, proven) -> None:
+    """What only this thread may look at, before a proved link is applied: its rid unused here (the first link), the
+    Mamba track slots the bound request gets (the final)."""
+    from .req.bind import check_tracking_capacity, mamba_tracking_slots
+
+    s = hs.sched
+    rid = proven.record.rid
+    if proven.first and (hs.locate(rid)[0] is not None or rid in hs.arrived):
+        raise RequestBusyError(proven.path, "request.rid", Phrase("a rid no request of this server has"), rid)
+    if proven.final:
+        check_tracking_capacity(s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool), proven.snap.path)
 
 
 def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
@@ -438,18 +504,27 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
     f = hs.follows.pop(op_id)
     if f.watch is not None:
         f.watch.cancel()
+    if f.proof is not None:  # a link being proved: closed once read
+        f.proof.discard()
+        f.proof = None
     error = error_of(err)
     try:
         f.target.release()
     finally:
-        try:
-            if hs.tp_rank == 0 and not f.store.exists(f.store.join(f.container, ABANDONED_NAME)) and not f.store.exists(f.store.join(f.container, REFUSED_NAME)):
-                if f.store.local:
-                    f.store.makedirs(f.container)
-                f.target.refuse(f.container, error)
-        except Exception:  # noqa: BLE001 - the source then times out instead (its own deadline)
-            logger.exception("hsnap follow of %s: writing %s", f.container, REFUSED_NAME)
+        if hs.tp_rank == 0:  # one rank tells the source (looks and a write: off this thread)
+            Job(lambda: _say_refused(f, error), "hsnap-follow-refuse")
         hs.answer(f.op, ok=False, error=error)
+
+
+def _say_refused(f: Following, error: dict) -> None:
+    """``refused.json``, unless the source gave up itself or was told already: it stops pre-copying at once."""
+    try:
+        if not f.store.exists(f.store.join(f.container, ABANDONED_NAME)) and not f.store.exists(f.store.join(f.container, REFUSED_NAME)):
+            if f.store.local:
+                f.store.makedirs(f.container)
+            f.target.refuse(f.container, error)
+    except Exception:  # noqa: BLE001 - the source then times out instead (its own deadline)
+        logger.exception("hsnap follow of %s: writing %s", f.container, REFUSED_NAME)
 
 
 def expire_arrivals(hs) -> None:

@@ -78,7 +78,6 @@ class RetractionToDisk:
         self.captured: dict[int, tuple[str, Any]] = {}  # id(req) -> (path, host copies): SGLang is releasing it
         self.released: dict[int, Held] = {}  # id(req) -> its file being written: SGLang queues it next (take)
         self.held: dict[str, Held] = {}  # rid -> held request, oldest first
-        self.abandoned: list[Job] = []  # proofs of requests gone meanwhile (aborted): closed once they end
         self.counts = dict.fromkeys(OUTCOMES, 0)
         self.restore_s = 0.0
         self.bytes_written = 0
@@ -130,7 +129,7 @@ class RetractionToDisk:
     # ------------------------------------------------------------------ every scheduler iteration
 
     def busy(self) -> bool:
-        return bool(self.held or self.captured or self.released or self.writer.busy() or self.abandoned)
+        return bool(self.held or self.captured or self.released or self.writer.busy())
 
     def service(self) -> None:
         """Collect the files written; put back, oldest first, every held request that fits now."""
@@ -148,7 +147,6 @@ class RetractionToDisk:
                 continue
             held.written, held.bytes = True, int(job.info.info.file_length)
             self.bytes_written += held.bytes
-        self._close_abandoned()
         for rid, held in list(self.held.items()):
             if held.req.finished():  # finished while held (an abort SGLang answered): nothing to put back
                 self._drop(rid)
@@ -182,12 +180,6 @@ class RetractionToDisk:
                                    room=hs.room() if here else None, capacity=here)
 
         return Job.run_here(prove) if here else Job(prove, "hsnap-retraction-proof")
-
-    def _close_abandoned(self) -> None:
-        for job in [j for j in self.abandoned if j.done]:
-            self.abandoned.remove(job)
-            if job.result is not None:
-                guarded("closing a retraction proof", job.result.close)
 
     def _fits(self, req) -> bool:
         """Whether ``req`` fits as SGLang's admission counts room (PrefillAdder's budget: free plus evictable token
@@ -254,9 +246,8 @@ class RetractionToDisk:
         if held is None:
             return
         if held.proof is not None:  # its proof (running, or done and unused) is closed once it ends
-            self.abandoned.append(held.proof)
+            held.proof.discard()
             held.proof = None
-            self._close_abandoned()
         if held.job is None:
             _remove(held.path)  # one still being written is removed when collected
 

@@ -1057,7 +1057,8 @@ class HsnapScheduler:
             "checks": self.checks(),
             "checkpoints": {rid: _checkpoint_state(ck) for rid, ck in self.checkpoints.items()},
             "migrations": {rid: {"dir": m.container, "rounds": len(m.links), "queued": m.queued} for rid, m in self.migrations.items()},
-            "follows": [{"dir": f.container, "rid": f.op.rid, "applied": len(f.applied)} for f in self.follows.values()],
+            "follows": [{"dir": f.container, "rid": f.op.rid, "applied": len(f.applied), "proving": f.proof is not None and not f.proof.done}
+                        for f in self.follows.values()],
             "arrived": list(self.arrived),
             "retraction": self.retraction.state() if self.retraction is not None else None,
             "table": self.request_rows(),

@@ -669,18 +669,18 @@ def test_migrate_oracle_catches_planted_faults(migrate_seeds, tmp_path, monkeypa
             return out
 
     class Leaks(mig.MigrationTarget):
-        def _apply_delta(self, *a, **kw):
+        def _prove_delta(self, *a, **kw):
             self.view.req_to_token_pool.alloc_rows(1)
-            return super()._apply_delta(*a, **kw)
+            return super()._prove_delta(*a, **kw)
 
     class Stuck(mig.MigrationTarget):
         refused = False
 
-        def _apply_delta(self, p, *a, **kw):
+        def _prove_delta(self, p, *a, **kw):
             if self.refused:
                 raise mig.MigrationError(p, "planted", "the correct link", "refused forever")
             try:
-                return super()._apply_delta(p, *a, **kw)
+                return super()._prove_delta(p, *a, **kw)
             except hsnap_format.HsnapError:
                 self.refused = True
                 raise

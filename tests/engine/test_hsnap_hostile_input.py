@@ -176,9 +176,10 @@ def test_finished_request_answers_finished_not_unknown(server, bystander):
 
 @pytest.mark.parametrize("kind", ["deep", "not-utf8", "huge"])
 def test_hostile_refused_json_during_a_live_migration_gives_it_up_typed(server, bystander, fx, kind):
-    """The source reads ``refused.json`` in the scheduler (advance_migrations): ``"[" * 8000`` there used to raise
-    RecursionError in SGLang's loop and stop the server.  Now the migration is given up with a typed answer and the
-    request decodes on here."""
+    """The source reads ``refused.json`` (its watcher thread, once the marker is seen; the scheduler's
+    advance_migrations gives the migration up with what it said): ``"[" * 8000`` there used to raise RecursionError in
+    SGLang's loop and stop the server.  Now the migration is given up with a typed answer and the request decodes on
+    here."""
     rid = f"mig-{kind}"
     s = Stream(server.url, payload(rid, prompt(11, 20), 600))
     with paced(server.url, RUN_PACE_S):  # an unpaced tiny model may finish its 600 tokens before the migration lands

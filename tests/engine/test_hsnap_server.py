@@ -42,9 +42,11 @@ from pathlib import Path
 import pytest
 
 from engine_support import retire
-from hsnap_support import Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, paced, payload, prompt, references, start_together, stats, tokens, wait_idle
+from hsnap_support import (Stream, assert_continues, deltas, error_of, flush_cache, generate, hsnap_server, linkgate_env, paced, payload, prompt,
+                           references, start_together, stats, tokens, wait_idle)
 
 from hsnap_sglang import client
+from hsnap_sglang.jobs import PROOF_HERE_BYTES_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import craft  # noqa: E402  (tests/craft.py: re-signing hand-made files)
@@ -62,7 +64,8 @@ RADIX_N = 48
 OV_X, OV_N, OV_OTHER, OV_CK = prompt(61, 30), 80, (prompt(62, 20), 60), (prompt(63, 26), 60)
 OV_RL = (prompt(64, 20), 90)  # relayed from S3 while O stops
 # long enough that none finishes before its migration does (a request that finishes first is given up: another test)
-MG = {"mg": (prompt(91, 30), 100), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 600)}  # mg-s3: room for an upload under load
+MG = {"mg": (prompt(91, 30), 100), "mg-other": (prompt(92, 20), 40), "mg-lone": (prompt(93, 26), 4000), "mg-s3": (prompt(94, 24), 600),  # mg-s3: room for an upload under load
+      "mg-held": (prompt(95, 22), 300)}
 MG_TAIL, MG_ROUNDS = 2, 4
 
 
@@ -90,8 +93,10 @@ def servers(tiny_model_dir, work, store):
     env = store["env"]
     # 3 Mamba slots per running request (SGLang caps --max-running-requests by them): S2 runs the 3 drained at once
     s2 = hsnap_server(tiny_model_dir, work / "s2.log", "--max-mamba-cache-size", "12", env=env)
+    # S3 proves every resume and followed link off its scheduler thread; the test gate can hold a proof
+    (work / "gate-s3").mkdir()
     s3 = hsnap_server(tiny_model_dir, work / "s3.log", "--max-mamba-cache-size", "13", "--max-total-tokens", "3500",
-                      "--max-running-requests", "6", env=env)
+                      "--max-running-requests", "6", env={**env, **linkgate_env(work / "gate-s3"), PROOF_HERE_BYTES_ENV: "0"})
     # O may relay migrations to S3 and S2 (the servers it may call for a client: its operator's list)
     ov = hsnap_server(tiny_model_dir, work / "overlap.log", radix=False, overlap=True,
                       env={**env, "HSNAP_ALLOWED_PEERS": f"{s3.url},{s2.url}"})
@@ -218,13 +223,55 @@ def migrated(servers, work, store):
         lone.join(120)
         out["lone"] = lone
         out["lone_files"] = sorted(os.listdir(work / "lone"))
-        out["lone_abandoned"] = json.loads((work / "lone" / "abandoned.json").read_text())
+        out["lone_abandoned"] = json.loads(_written(work / "lone" / "abandoned.json").read_text())
         out["lone_idle"] = wait_idle(src)
+        out["held"] = _follow_while_its_first_link_is_held(src, dst, work)
         lengths = dict({rid: n for rid, (_, n) in MG.items()}, **{"mg-lone": len(lone.events[-1]["output_ids"])})
         out["ref_streams"] = _reference_streams(src, {rid: (ids, lengths[rid]) for rid, (ids, _) in MG.items()})
         out["refs"] = {rid: tokens(st.final) for rid, st in out["ref_streams"].items()}
     except BaseException as e:  # noqa: BLE001 - the migration tests fail on it; the overlap fixture goes on
         out["error"] = e
+    return out
+
+
+def _written(path: Path, timeout: float = 30.0) -> Path:
+    """``path`` once it exists (a marker the server writes off its scheduler thread, after answering), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return path
+
+
+def _follow_while_its_first_link_is_held(src: str, dst: str, work: Path) -> dict:
+    """mg-held migrated from O to S3 while S3's proof of its first link (read and hashed off the scheduler thread) is
+    held by the test gate, a bystander decoding in S3; then let go."""
+    gate = work / "gate-s3"
+    hold = gate / "link-0000.hsnap.prove.hold"
+    bystander = Stream(dst, payload("mg-by", prompt(96, 20), 2000))
+    bystander.start()
+    bystander.wait_tokens(2)
+    moved = Stream(src, payload("mg-held", *MG["mg-held"]))
+    moved.start()
+    moved.wait_tokens(4)
+    hold.touch()
+    out: dict = {}
+    mover = threading.Thread(target=lambda: out.update(mig=client.move(src, dst, "mg-held", str(work / "mig-held"), tail=8, timeout_s=120)),
+                             daemon=True)
+    mover.start()
+    deadline = time.monotonic() + 120
+    while not (gate / "link-0000.hsnap.prove.held").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["listed"] = stats(dst)["follows"] if (gate / "link-0000.hsnap.prove.held").exists() else None
+    at_hold, deadline = bystander.tokens_so_far(), time.monotonic() + 30
+    while bystander.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["during"], out["still_held"] = bystander.tokens_so_far() - at_hold, hold.exists() and mover.is_alive()
+    hold.unlink()
+    mover.join(180)
+    out["moved"] = moved.finish()
+    urllib.request.urlopen(urllib.request.Request(dst + "/abort_request", data=json.dumps({"rid": "mg-by"}).encode(),
+                                                  headers={"Content-Type": "application/json"}), timeout=60).read()
+    bystander.finish()
     return out
 
 
@@ -291,6 +338,20 @@ def test_live_migration_through_an_object_store(migrated):
     assert mig.source["final"].startswith("s3://") and mg["s3m"].final["meta_info"]["finish_reason"]["migration"].startswith("s3://")
     assert [a["committed_positions"] for a in mig.run.info["links"]] == [r["committed_positions"] for r in mig.source["rounds"]] + [
         mig.source["committed_positions"]]
+
+
+def test_a_followed_link_still_being_read_holds_up_no_other_request(migrated):
+    """The target reads and hashes each link off its scheduler thread (held here by the test gate, standing for a slow
+    disk or object store): the request beside it decodes on; let go, the migration ends and the request continues
+    exactly."""
+    mg = _succeeded(migrated)
+    h = mg["held"]
+    assert h["still_held"] and h["during"] >= 10, h["during"]
+    assert [(f["rid"], f["applied"], f["proving"]) for f in h["listed"]] == [("mg-held", 0, True)], h["listed"]  # an operator sees it
+    mig = h["mig"]
+    assert tokens(mig.run.final) == mg["refs"]["mg-held"]
+    first = mig.run.info["links"][0]
+    assert first["prove_s"] >= 0.05 and abs(first["prove_s"] + first["upload_s"] - first["apply_s"]) < 1e-6, first
 
 
 def test_live_migration_stream_continues_without_repeated_or_missing_text(migrated):

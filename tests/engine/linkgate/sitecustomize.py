@@ -4,8 +4,9 @@ whose ``<HSNAP_TEST_LINK_GATE>/<file name>.hold`` exists until the file is remov
 ``.export-waiting`` once an export of the request waits for this link); once ``hsnap_sglang.req`` is, its
 ``prove_resume`` (a resume's proof, run off the scheduler thread) holds a resume of ``<file name>`` alike
 (``.held``); once ``hsnap_sglang.retract`` is, its ``prove_retracted`` holds the proof of a retracted request's file
-while ``<file name>.prove.hold`` exists (``.prove.held``: the link writer's gate holds the same file's write).
-Production code never reads the gate."""
+while ``<file name>.prove.hold`` exists (``.prove.held``: the link writer's gate holds the same file's write); once
+``hsnap_io.migrate`` is, ``MigrationTarget.prove`` holds a followed migration's link of that name alike.  Production
+code never reads the gate."""
 
 import importlib.abc
 import importlib.machinery
@@ -52,7 +53,14 @@ def _install_retract(module) -> None:
     module.prove_retracted = _held_proof(module.prove_retracted, ".prove")
 
 
-SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req, "hsnap_sglang.retract": _install_retract}
+def _install_migrate(module) -> None:
+    held = _held_proof(lambda path, target, *args, **kwargs: prove(target, path, *args, **kwargs), ".prove")
+    prove = module.MigrationTarget.prove
+    module.MigrationTarget.prove = lambda self, path, *args, **kwargs: held(path, self, *args, **kwargs)
+
+
+SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req, "hsnap_sglang.retract": _install_retract,
+         "hsnap_io.migrate": _install_migrate}
 
 
 class _Finder(importlib.abc.MetaPathFinder):
