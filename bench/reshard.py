@@ -39,7 +39,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from bench.run import collect_garbage  # noqa: E402
+from bench.run import collect_garbage, round_order  # noqa: E402
 from hsnap_format import reference as ref  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 
@@ -250,8 +250,8 @@ def measure_pair(m: BenchModel, tokens: int, sets: dict, src: int, dst: int, mod
     collect_garbage()
     gc.disable()  # as bench.run: a collection of the bench's own heap is not a restore's cost
     try:
-        for i in range(rounds + 1):  # round 0 warms up; the order rotates every round
-            for name in names[i % len(names) :] + names[: i % len(names)]:
+        for i in range(rounds + 1):  # round 0 warms up; the order is drawn afresh every round
+            for name in round_order(names, i):
                 dt, _, cp = restore(*contenders[name])
                 cp.rollback()
                 if i:

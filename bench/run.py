@@ -10,7 +10,7 @@ REFERENCE geometry (hsnap_format.reference: 10 full-attention layers 3,7,..,39,
 Sizes: 53, 4096, 32768 committed tokens, and a ~1 GiB case (102,400 tokens of the
 same geometry: 30.7 MiB of Mamba state + 10,240 B per token = 1.007 GiB per rank).
 
-Contenders are interleaved (the order rotates every round) and repeated; the
+Contenders are interleaved (the order drawn afresh every round) and repeated; the
 median of ``--repeats`` rounds after ``--warmup`` rounds is reported.
 
 export (source: the request's rows in the pools; destination: a fresh file in --dir)
@@ -664,11 +664,20 @@ def collect_garbage() -> None:
     gc.freeze()
 
 
+def round_order(names: list, r: int) -> list:
+    """The contenders' order in round ``r``: a permutation drawn afresh each round (seeded: a run is repeatable).  A
+    rotation kept every contender's predecessor the same round after round — on this VM whoever runs right after a
+    peer that faults in and frees hundreds of MiB (torch.save, save_file) pays for the host's page reporting, up to
+    1 s for 350 MiB, so one contender took that cost in every round."""
+    import random
+
+    return random.Random(0x5EED + r).sample(list(names), len(names))
+
+
 def interleave(contenders: dict[str, Callable[[], float]], warmup: int, repeats: int, sink: dict, log=None) -> None:
     keys = list(contenders)
     for r in range(warmup + repeats):
-        k = r % len(keys)
-        for name in keys[k:] + keys[:k]:
+        for name in round_order(keys, r):
             collect_garbage()
             dt = contenders[name]()
             if r >= warmup:
@@ -915,7 +924,7 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
     R.add(f"Versions: {info['versions']}  ")
     cache = "COLD (page cache dropped before every restore/open run: sync; echo 1 > /proc/sys/vm/drop_caches)" if args.cold else "WARM (restore/open read files that were just written and are in the page cache; export writes fresh files)"
     R.add(f"Page cache: {cache}  ")
-    R.add(f"Statistic: median of {args.repeats} interleaved rounds ({max(args.repeats, args.small_repeats)} for cases under 100 MiB) after {args.warmup} warm-up round(s); contender order rotates every round; wall clock (time.perf_counter).  ")
+    R.add(f"Statistic: median of {args.repeats} interleaved rounds ({max(args.repeats, args.small_repeats)} for cases under 100 MiB) after {args.warmup} warm-up round(s); contender order drawn afresh every round (bench.run.round_order); wall clock (time.perf_counter).  ")
     R.add(f"torch intra-op threads: {args.threads} for every contender. Load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in info['load_start'])}, at end {'/'.join(f'{x:.1f}' for x in info['load_end'])} — the machine is shared, other jobs run beside the bench.  ")
     R.add("Geometry: hsnap_format.reference (10 attn layers x K,V [tokens,1,256] bf16; 30 GDN layers conv [4096,3] bf16 + temporal [16,128,128] fp32); ")
     R.add(f"the 1 GiB case is {BIG_TOKENS:,} committed tokens of the same geometry." if any(c.tokens == BIG_TOKENS for c in cases) else "")

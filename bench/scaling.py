@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from bench.run import collect_garbage  # noqa: E402
+from bench.run import collect_garbage, round_order  # noqa: E402
 from hsnap_format import reference as ref  # noqa: E402
 from hsnap_io import reshard  # noqa: E402
 
@@ -100,7 +100,7 @@ def _rounds(ops: dict, rounds: int, point: Point, big: bool, url_rounds: int) ->
             if not (big and "URL" in name) and name != "export URL":
                 ops[name]()
         for i in range(rounds):
-            for name in names[i % len(names) :] + names[: i % len(names)]:
+            for name in round_order(names, i):
                 if "URL" in name and len(point.times.get(name, ())) >= url_rounds:
                     continue
                 point.times.setdefault(name, []).append(ops[name]())

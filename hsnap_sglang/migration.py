@@ -99,7 +99,8 @@ def on_migrate(hs, msg) -> None:
     except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
         err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "migrate", msg.dir)
         if used is None and hs.tp_rank == 0:  # a fresh container: a target already following it learns at once that nothing will come
-            _say_abandoned(store, msg.dir, error_dict(err), 0)
+            said = error_dict(err)
+            Job(lambda: _say_abandoned(store, msg.dir, said, 0), "hsnap-migration-abandon")  # a write: off this thread
         hs.answer(msg, ok=False, error=error_dict(err))
         return
     m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
