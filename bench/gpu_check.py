@@ -32,7 +32,9 @@
      (``HSNAP_DRAIN_ON_SIGTERM``) and y's stream follows its snapshot into the target,
      whose tokens must equal the reference too. Before that, z is live-migrated from the source to
      the target while it decodes, its client's stream relayed by the source (``relay_to``): its
-     whole stream must equal the reference, decode-only on the target. Each request runs alone in every server
+     whole stream must equal the reference, decode-only on the target. The target proves every resume and
+     followed link off its scheduler thread (``HSNAP_PROOF_ON_SCHEDULER_BYTES=0``: the CUDA engine is made on the
+     proof's worker thread, on the pools' device, and used by the scheduler's upload). Each request runs alone in every server
      (GPU kernels are not batch-invariant in general; the CPU demo, `hsnap demo`, runs it
      beside others).
 
@@ -390,7 +392,8 @@ def _two_servers(work, extra: list[str], where: dict, startup_timeout: float) ->
     path = str(work / "x.hsnap")
     n, k = SERVER_N, SERVER_K
     # the target is made first: its URL is the one peer the source may relay a live migration to
-    dst = DemoServer("target", model, work / "target.log", server_args(GPU_TARGET, extra), env, launcher=launcher)
+    dst = DemoServer("target", model, work / "target.log", server_args(GPU_TARGET, extra), dict(env, HSNAP_PROOF_ON_SCHEDULER_BYTES="0"),
+                     launcher=launcher)
     src = DemoServer("source", model, work / "source.log", server_args(GPU_SOURCE, [*extra, "--enable-metrics"]),
                      dict(env, HSNAP_ALLOWED_PEERS=dst.url), launcher=launcher)
     # y: a client of client.generate that follows its request across the source's SIGTERM into the target, once the

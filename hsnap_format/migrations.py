@@ -35,4 +35,14 @@ def is_final_link(path: str) -> bool:
     return os.path.basename(p) == FINAL_NAME or os.path.basename(os.path.dirname(p)) == FINAL_NAME
 
 
-__all__ = ["LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME", "parse_round", "is_final_link"]
+USED_NAMES = (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME, REFUSED_NAME)  # any of them: a container a migration used
+
+
+def container_used(store, container: str) -> str | None:
+    """The first name in ``container`` that says a migration used it (:data:`USED_NAMES`), else None: a stat per name
+    on a local store, a HEAD on an object store (run it off any thread that must not wait)."""
+    return next((p for p in (store.join(container, n) for n in USED_NAMES) if store.exists(p)), None)
+
+
+__all__ = ["LINK_NAME", "FINAL_NAME", "APPLIED_SUFFIX", "ABANDONED_NAME", "REFUSED_NAME", "USED_NAMES", "parse_round", "is_final_link",
+           "container_used"]

@@ -56,6 +56,17 @@ def typed(e: BaseException, where: str, path=None) -> HsnapError:
     return PluginError(path, where, detail=f"{type(e).__name__}: {str(e)[:500]}")
 
 
+def typed_in_dir(e: BaseException, where: str, directory: str) -> HsnapError:
+    """``e``, raised while a request's directory (a drain's, a migration's container) was looked at or made, as an
+    HsnapError: itself when it is one (SnapshotExistsError is an OSError too: it stays itself, a 409), an OS error the
+    directory's (a 400 naming ``dir``), anything else as :func:`typed`."""
+    if isinstance(e, HsnapError):
+        return e
+    if isinstance(e, OSError):
+        return HsnapError(directory, "dir", detail=str(e))
+    return typed(e, where, directory)
+
+
 # ----------------------------------------------------------------------------- the scheduler side
 
 

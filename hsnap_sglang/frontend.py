@@ -47,9 +47,11 @@ import time
 import uuid
 from typing import Any, Callable, NamedTuple
 
-from hsnap_format import HsnapError, open_snapshot
+from hsnap_format import HsnapError, SnapshotExistsError, open_snapshot
 from hsnap_format.errors import MalformedError, Phrase
+from hsnap_format.migrations import container_used
 from hsnap_format.spec import MAX_PAGE_SIZE
+from hsnap_format.stores import is_url, store_for
 
 from . import claims, metrics, restart
 from . import auth, confine, relay
@@ -652,6 +654,11 @@ def router():
         if relay_to is not None and type(relay_to) is not str:
             return _bad("relay_to", "the target server's URL, http(s)://host:port (string), or null", relay_to)
         fe, container = _frontend(), _local(d, "dir")
+        if is_url(container):  # the scheduler looks in a directory itself (stats); HEADs under a prefix: here, off the loop
+            store = store_for(container)
+            used = await asyncio.to_thread(container_used, store, container)
+            if used is not None:
+                raise SnapshotExistsError(used, "dir", Phrase("a container no migration has used"), Phrase("a link exists"))
         opened = None
         if relay_to is not None:  # the target follows first (this process reads its stream for the request's client)
             opened = await relay.open_relay(fe, rid, confine.resolve_peer(relay_to, "relay_to"), d, container, timeout_s=float(timeout_s))

@@ -41,11 +41,11 @@ import time
 
 from hsnap_format import HsnapError, SnapshotExistsError
 from hsnap_format.errors import Phrase
-from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, is_final_link
+from hsnap_format.migrations import ABANDONED_NAME, APPLIED_SUFFIX, FINAL_NAME, LINK_NAME, REFUSED_NAME, container_used, is_final_link
 from hsnap_format.stores import store_for
 
 from . import confine
-from .containment import MAX_FOLLOWS, guarded, typed
+from .containment import MAX_FOLLOWS, guarded, typed, typed_in_dir
 from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict, error_of
 from .jobs import IDLE_PROOF_WAIT_S, Export, Following, Job, Migrating, Watch, proves_here
 
@@ -86,7 +86,9 @@ def on_migrate(hs, msg) -> None:
     store = store_for(msg.dir)
     used = None
     try:
-        used = next((store.join(msg.dir, n) for n in (LINK_NAME.format(0), FINAL_NAME, ABANDONED_NAME, REFUSED_NAME) if store.exists(store.join(msg.dir, n))), None)
+        # a used container is refused (its names are never written over): here for a directory (stats); the HTTP process
+        # looked under an s3:// prefix (HEADs) before sending the message, off this thread
+        used = container_used(store, msg.dir) if store.local else None
         _check_tp_container(hs, store, msg.dir)
         if where is None:
             raise hs.absent(msg.rid)
@@ -97,7 +99,7 @@ def on_migrate(hs, msg) -> None:
         if store.local:
             confine.resolve(msg.dir, "dir", confine.DIR, create=True)  # made beneath the root, no symlink followed
     except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
-        err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "migrate", msg.dir)
+        err = typed_in_dir(e, "migrate", msg.dir)
         if used is None and hs.tp_rank == 0:  # a fresh container: a target already following it learns at once that nothing will come
             said = error_dict(err)
             Job(lambda: _say_abandoned(store, msg.dir, said, 0), "hsnap-migration-abandon")  # a write: off this thread

@@ -41,7 +41,7 @@ from hsnap_format.stores import is_url, store_for
 from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFinishedError, UnknownRequestError, error_dict, error_of,
                      unknown_request)
 from . import confine, metrics, migration, retraction
-from .containment import contained_handler, guarded, log_failure, typed
+from .containment import contained_handler, guarded, log_failure, typed, typed_in_dir
 from .jobs import IDLE_PROOF_WAIT_S, Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, Resuming, proof_here_bytes, proves_here, safe_file_name
 from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
@@ -661,7 +661,7 @@ class HsnapScheduler:
         except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
             if drain.pages is not None:
                 guarded("closing a drain's page store", drain.pages.close)
-            err = HsnapError(msg.dir, "dir", detail=str(e)) if isinstance(e, OSError) else typed(e, "drain", msg.dir)
+            err = typed_in_dir(e, "drain", msg.dir)
             self.answer(msg, ok=False, error=error_of(err))
             return None
         if not drain.members:

@@ -185,3 +185,18 @@ def test_local_store_makedirs_of_an_unnameable_path_is_typed(tmp_path, name):
     with pytest.raises(hf.HsnapError) as info:
         store_for(str(tmp_path)).makedirs(str(tmp_path / name))
     assert info.value.field == "mkdir"
+
+
+def test_a_directory_refusal_keeps_its_own_type():
+    """What a drain or a migration raises while it looks at or makes its directory: a refusal keeps its type (a
+    SnapshotExistsError is an OSError too, and was answered as a plain 400 HsnapError: now its own 409), an OS error
+    is the directory's, anything else a PluginError."""
+    from hsnap_format import HsnapError, SnapshotExistsError
+    from hsnap_sglang.containment import typed_in_dir
+    from hsnap_sglang.errors import PluginError, error_dict
+
+    exists = SnapshotExistsError("/s/mig/link-0000.hsnap", "dir", "a container no migration has used", "a link exists")
+    assert typed_in_dir(exists, "migrate", "/s/mig") is exists and error_dict(exists)["status"] == 409
+    denied = typed_in_dir(PermissionError(13, "Permission denied"), "drain", "/s/d")
+    assert type(denied) is HsnapError and denied.field == "dir" and "Permission denied" in str(denied)
+    assert isinstance(typed_in_dir(ValueError("x"), "drain", "/s/d"), PluginError)

@@ -112,3 +112,31 @@ def test_at_most_two_proofs_run_at_once_and_the_rest_start_in_order():
     assert started == [0, 1, 2] and hs.resuming["op3"].job is None
     for g in gates.values():
         g.set()
+
+
+def test_a_discarded_proof_is_closed_once_it_ends_and_never_taken():
+    """A proof whose request went away (a follow refused, a retracted request aborted) is closed: at once when done,
+    else by the job's end — its open files and staging buffer are not left to the garbage collector."""
+
+    class Proof:
+        closed = 0
+
+        def close(self):
+            Proof.closed += 1
+
+    gate = threading.Event()
+    running = Job(lambda: (gate.wait(10), Proof())[1], "hsnap-resume-test")
+    running.discard()
+    assert Proof.closed == 0  # still being read: nothing to close yet, and the caller did not wait
+    gate.set()
+    deadline = threading.Event()
+    for _ in range(200):
+        if Proof.closed:
+            break
+        deadline.wait(0.01)
+    assert Proof.closed == 1 and running.result is None
+    done = Job.run_here(Proof)
+    done.discard()
+    assert Proof.closed == 2 and done.result is None
+    Job.run_here(lambda: 1 / 0).discard()  # a proof that failed has nothing to close
+    assert Proof.closed == 2

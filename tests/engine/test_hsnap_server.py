@@ -202,6 +202,9 @@ def migrated(servers, work, store):
         lone = Stream(src, payload("mg-lone", *MG["mg-lone"]))
         lone.start()
         lone.wait_tokens(4)
+        # containers a migration used already (a directory: looked at by the scheduler; a prefix: by the HTTP process)
+        out["used"] = [error_of(client.migrate, src, "mg-lone", c, timeout_s=120) for c in (str(work / "mig"), f"s3://{store['bucket']}/mig-s3")]
+        out["used_files"] = sorted(os.listdir(work / "mig"))
         # first a target that refuses it (it expects another request): it says so in refused.json, the source stops
         # pre-copying at once (not after its 120 s timeout) and the request decodes on
         said: dict = {}
@@ -381,6 +384,14 @@ def test_follow_that_no_source_feeds_is_refused_and_changes_nothing(migrated):
     assert "link-0000.hsnap" in str(e)
     before, after = mg["unfed_pools"]
     assert before == after
+
+
+def test_a_container_a_migration_used_is_refused_and_left_as_it_was(migrated):
+    mg = _succeeded(migrated)
+    for e in mg["used"]:
+        assert e is not None and e.error_type == "SnapshotExistsError" and e.status == 409, e
+        assert "link-0000.hsnap" in str(e)
+    assert mg["used_files"] == mg["files"]  # no abandoned.json put into another migration's container
 
 
 def test_migration_the_source_refuses_ends_the_follow_at_once(migrated):
