@@ -109,7 +109,9 @@ class LinkWriter:
         self._finished: list[LinkJob] = []
         self.in_flight: dict[str, LinkJob] = {}  # rid -> its link being written (scheduler thread only)
         self._thread: threading.Thread | None = None
-        self.export_waiting: str | None = None  # rid whose export waits (blocking the scheduler) for its link
+        # rids whose export (a pause, a drain member, a migration's link) waits for their link on the way to be committed
+        # first: that export goes at a later boundary; the scheduler never waits for the writer
+        self.exports_waiting: set[str] = set()
 
     def busy(self) -> bool:
         return bool(self.in_flight)
@@ -160,16 +162,6 @@ class LinkWriter:
             with self._lock:
                 self._finished.append(job)
             job.done.set()
-
-    def wait(self, rid: str) -> None:
-        """Block until ``rid``'s link on its way (if any) is written or failed."""
-        job = self.in_flight.get(rid)
-        if job is not None:
-            self.export_waiting = rid
-            try:
-                job.done.wait()
-            finally:
-                self.export_waiting = None
 
     def collect(self) -> list[LinkJob]:
         """The links written (or failed) since the last call; they are no longer in flight."""

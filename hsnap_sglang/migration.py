@@ -107,9 +107,7 @@ def on_migrate(hs, msg) -> None:
         return
     m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
     if msg.rid in hs.checkpoints:  # its checkpoints end here (the request leaves); a link on its way is committed first
-        hs.checkpoints.pop(msg.rid)
-        hs.links.wait(msg.rid)
-        hs.collect_links()
+        hs.checkpoints.pop(msg.rid)  # (link-0000 waits for it at its boundary: the scheduler goes on meanwhile)
         m.stopped_checkpoints = True
     hs.drop_links(msg.rid)
     hs.migrations[msg.rid] = m

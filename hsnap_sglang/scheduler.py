@@ -73,8 +73,8 @@ def install(result, sched, *args, **kwargs):
 def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.migrations or hs.follows or hs.arrived or hs.resuming
-                           or (hs.retraction is not None and hs.retraction.busy())):
+    if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.after_links or hs.migrations or hs.follows or hs.arrived
+                           or hs.resuming or (hs.retraction is not None and hs.retraction.busy())):
         guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
 
@@ -197,6 +197,7 @@ class HsnapScheduler:
         self.forwards: OrderedDict[str, dict[str, int]] = OrderedDict()
         self.checkpoints: dict[str, Checkpointing] = {}  # rid -> its periodic checkpoints
         self.links = LinkWriter()  # writes the checkpoint links off the decode path
+        self.after_links: list = []  # checkpoint messages taken up once their request's link on the way is collected
         self.migrations: dict[str, Any] = {}  # rid -> migration.Migrating (source side)
         self.follows: dict[str, Any] = {}  # op_id -> migration.Following (target side)
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
@@ -404,21 +405,22 @@ class HsnapScheduler:
         if where is None or (ex.req is not None and ex.req.finished()):
             self.pending.remove(ex)
             self.parked.pop(ex.rid, None)
+            self.links.exports_waiting.discard(ex.rid)
             why = ex.req.finished_reason.to_json() if ex.req is not None and ex.req.finished_reason is not None else None
             self._done(ex, error=error_dict(RequestFinishedError(ex.path, "request", Phrase("a request still decoding at the export boundary"),
                                                                  Phrase(f"finished: {json.dumps(why)}" if why else "gone"))))
         elif where in ("running", "parked") and not self.in_flight(req):  # snapshot_req refuses anything uncommitted
             if ex.checkpoint is None and ex.rid in self.links.in_flight:
-                # a pause/drain/export of a checkpointed request: its link on the way is committed first (and
-                # answered), so no link is written after this export and the final snapshot follows the last link
-                self.links.wait(ex.rid)
-                self.collect_links()
+                # a pause/drain/export/migration of a checkpointed request: its link on the way is committed first (and
+                # answered), so no link is written after this export and the final snapshot follows the last link — at
+                # a boundary after it is collected; the scheduler goes on meanwhile (no link is queued behind the export)
+                self.links.exports_waiting.add(ex.rid)
+                self._decode_on(ex, req, where)
+                return
+            self.links.exports_waiting.discard(ex.rid)
             background = self._writes_in_background(ex)
             if background and self.links.full():  # the writer is behind: a later boundary (the request decodes on)
-                if where == "parked":
-                    self.parked.pop(ex.rid, None)
-                    ex.parked = False
-                    self.admit([req])
+                self._decode_on(ex, req, where)
                 return
             self.pending.remove(ex)
             if self.tp_size > 1 and (ex.checkpoint is not None or (ex.migration is not None and ex.keep_running)):
@@ -435,6 +437,13 @@ class HsnapScheduler:
             self.sched.running_batch.filter_batch(reqs_to_exclude=[req])
             self.parked[ex.rid] = req
             ex.parked = True
+
+    def _decode_on(self, ex: Export, req, where: str) -> None:
+        """An export that goes at a later boundary: a request it parked (overlap) decodes on meanwhile."""
+        if where == "parked":
+            self.parked.pop(ex.rid, None)
+            ex.parked = False
+            self.admit([req])
 
     def _writes_in_background(self, ex: Export) -> bool:
         """A plain export or drain member is written by the link writer (TP 1; a dedup drain's page store session
@@ -694,9 +703,9 @@ class HsnapScheduler:
                 raise self.absent(msg.rid)
             if self.busy(msg.rid):
                 raise RequestBusyError(None, "rid", Phrase("a request no other export is waiting for"), msg.rid)
-            if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering)
-                self.links.wait(msg.rid)
-                self.collect_links()
+            if msg.rid in self.links.in_flight:  # a link of earlier checkpoints on its way: committed first (numbering),
+                self.after_links.append(msg)  # then this message taken up again (collect_links); the scheduler goes on
+                return None
             confine.resolve(msg.dir, "dir", confine.DIR, create=not is_url(msg.dir))
             ck = Checkpointing(Checkpoints.start(msg.dir, safe_file_name(msg.rid), msg.every))
             path, base = ck.links.next_link()
@@ -782,7 +791,8 @@ class HsnapScheduler:
         self._done(ex, result=result)
 
     def collect_links(self) -> None:
-        """The links the writer finished: bookkept and answered here, on the scheduler thread."""
+        """The links the writer finished: bookkept and answered here, on the scheduler thread; then the messages that
+        waited for a request's link (:attr:`after_links`) are taken up again."""
         for job in self.links.collect():
             ex = job.ex
             if ex.checkpoint is None and ex.migration is None:
@@ -800,6 +810,10 @@ class HsnapScheduler:
             result["timings"] = dict(result["timings"], writer_s=job.writer_s, total_s=time.monotonic() - ex.asked,
                                      pause_to_durable_s=time.monotonic() - ex.asked)
             self._done(ex, result=result)
+        ready = [msg for msg in self.after_links if msg.rid not in self.links.in_flight]
+        for msg in ready:
+            self.after_links.remove(msg)
+            contained_handler(self.answer, "checkpoint", self.on_checkpoint)(msg)
 
     def _link_done(self, ex: Export, result, error) -> None:
         ck = ex.checkpoint

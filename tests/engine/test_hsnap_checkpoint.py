@@ -108,11 +108,12 @@ def resumed(servers, work, crashed):
         ref_c.finish()
         refs = references(s2.url, DEDUP)
         gated = _pause_while_a_link_is_written(s2, work)
+        restarted = _restart_while_a_link_is_written(s2, work)
         proving = _resume_while_its_proof_is_held(s2, work)
     finally:
         s2.retire()  # stopped in the background: nothing here waits on its exit
     return {"had": had, "cut": cut, "chunks": chunks, "run_c": run_c, "forwards": forwards, "run_d": run_d, "idle": idle,
-            "ref_c": ref_c.final, "refs": refs, "gated": gated, "proving": proving}
+            "ref_c": ref_c.final, "refs": refs, "gated": gated, "restarted": restarted, "proving": proving}
 
 
 def _wait_for(path: Path, what, timeout: float = 300.0) -> None:
@@ -151,8 +152,9 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
 
 def _pause_while_a_link_is_written(s2, work) -> dict:
     """Request g checkpointed every 4 tokens; its second link is held in the writer thread (the server's test gate)
-    while the request decodes on; a pause of g is asked for and reaches the boundary (the scheduler waits for the
-    link: said by the gate); then the link is let go."""
+    while the request decodes on; a pause of g is asked for and reaches the boundary, where it waits for the link
+    (said by the gate) while the scheduler goes on — g decodes meanwhile, no link queued behind the pause; then the
+    link is let go."""
     gate, ck = work / "gate", work / "ckg"
     hold = gate / "g.ck000002.hsnap.hold"
     hold.touch()
@@ -166,13 +168,46 @@ def _pause_while_a_link_is_written(s2, work) -> dict:
     pause = threading.Thread(target=lambda: out.update(pause=client.pause(s2.url, "g", str(work / "g-final.hsnap"))), daemon=True)
     pause.start()
     _wait_for(gate / "g.ck000002.hsnap.export-waiting", lambda: os.listdir(gate))
+    at_wait, deadline = g.tokens_so_far(), time.monotonic() + 30
+    while g.tokens_so_far() < at_wait + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    decoded_while_waiting = g.tokens_so_far() - at_wait
     files_while_held = sorted(os.listdir(ck))
     hold.unlink()
     pause.join(300)
     g.finish()
     idle = wait_idle(s2.url)
     return {"first": first, "during": during, "pause": out.get("pause"), "files_while_held": files_while_held,
+            "decoded_while_waiting": decoded_while_waiting,
             "files": sorted(os.listdir(ck)), "final": g.final, "idle": idle}
+
+
+def _restart_while_a_link_is_written(s2, work) -> dict:
+    """Request h checkpointed every 4 tokens; its second link held in the writer thread; its checkpoints stopped and
+    started again into the same directory meanwhile: the restart waits for the link on the way (its number comes
+    after it) while the scheduler goes on; then the link is let go."""
+    gate, ck = work / "gate", work / "ckh"
+    hold = gate / "h.ck000002.hsnap.hold"
+    hold.touch()
+    h = Stream(s2.url, payload("h", CK_PROMPT, GATED_N))
+    h.start()
+    h.wait_tokens(2)
+    first = client.checkpoint(s2.url, "h", str(ck), every=4)
+    _wait_for(gate / "h.ck000002.hsnap.held", lambda: stats(s2.url)["checkpoints"])
+    stopped = client.checkpoint(s2.url, "h", str(ck), every=0)
+    out: dict = {}
+    restart = threading.Thread(target=lambda: out.update(restart=client.checkpoint(s2.url, "h", str(ck), every=4)), daemon=True)
+    restart.start()
+    at, deadline = h.tokens_so_far(), time.monotonic() + 30
+    while h.tokens_so_far() < at + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    decoded, still_waiting = h.tokens_so_far() - at, restart.is_alive()
+    files_while_held = sorted(n for n in os.listdir(ck) if not n.startswith("."))
+    hold.unlink()
+    restart.join(300)
+    h.finish()
+    return {"first": first, "stopped": stopped, "restart": out.get("restart"), "decoded": decoded, "still_waiting": still_waiting,
+            "files_while_held": files_while_held, "idle": wait_idle(s2.url)}
 
 
 def test_sigkill_mid_decode_resumes_from_the_newest_link_exactly(crashed, resumed, work):
@@ -242,9 +277,11 @@ def test_dedup_drain_stores_shared_pages_once_and_resumes_all(crashed, resumed, 
 
 def test_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(resumed, work):
     """A pause of a checkpointed request whose link is in the writer thread: the link is committed first (never
-    after the request's slots are released), the final snapshot continues it, and no later link is written."""
+    after the request's slots are released), the final snapshot continues it, and no later link is written; the
+    scheduler does not wait for the writer meanwhile (the request itself decodes on)."""
     g = resumed["gated"]
     assert g["first"]["link"] == 1 and g["during"]["links"] == 1, g
+    assert g["decoded_while_waiting"] >= 5, g["decoded_while_waiting"]
     assert [n for n in g["files_while_held"] if not n.startswith(".")] == ["g.ck000001.hsnap"], g  # link 2 not yet committed
     pause = g["pause"]
     assert pause is not None and pause["keep_running"] is False, g
@@ -263,6 +300,19 @@ def test_pause_while_a_link_is_being_written_waits_for_it_and_no_link_follows(re
     assert pause["committed_positions"] >= len(CK_PROMPT) + at_link - 1
     assert "g" not in g["idle"]["checkpoints"]
     checks = g["idle"]["checks"]
+    assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
+
+
+def test_checkpoints_restarted_while_a_link_is_written_number_after_it_and_hold_up_nothing(resumed):
+    """Checkpoints stopped and started again while a link of the earlier ones is in the writer thread: the restart is
+    answered once that link is committed and numbers its first link after it (not over it); the scheduler does not
+    wait for the writer meanwhile (the request decodes on)."""
+    r = resumed["restarted"]
+    assert r["first"]["link"] == 1 and r["stopped"]["stopped"] is True, r
+    assert r["still_waiting"] and r["decoded"] >= 5, r
+    assert r["files_while_held"] == ["h.ck000001.hsnap"], r
+    assert r["restart"] is not None and r["restart"]["link"] == 3, r
+    checks = r["idle"]["checks"]
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks
 
 

@@ -22,7 +22,7 @@ def _hold(writer, job) -> None:
     hold = os.path.join(GATE, os.path.basename(job.ex.path) + ".hold")
     said: set[str] = set()
     while os.path.exists(hold):
-        for tag, now in (("held", True), ("export-waiting", writer.export_waiting == job.ex.rid)):
+        for tag, now in (("held", True), ("export-waiting", job.ex.rid in writer.exports_waiting)):
             if now and tag not in said:
                 open(hold[: -len(".hold")] + "." + tag, "w").close()
                 said.add(tag)
