@@ -249,6 +249,7 @@ class ProvenLink:
     first: bool  # the first link: a restore into fresh slots (else a delta of the link applied last)
     upload: Any  # () -> AppliedLink, on the thread that owns the pools
     owner: Any  # what closes the link's files
+    kept: Any  # what the next link is checked against once this one is applied (the file, or the set re-sharded)
 
     @property
     def final(self) -> bool:
@@ -306,21 +307,17 @@ class MigrationTarget:
         except BaseException:
             source.close()
             raise
-        return ProvenLink(path, source.snap, record, True, lambda: self._upload_first(path, source), source)
+        return ProvenLink(path, source.snap, record, True, lambda: self._upload_first(path, source), source,
+                          source.snapset if source.resharded else source.snap)
 
     def _upload_first(self, path: str, source) -> AppliedLink:
-        try:
-            with pool_lock(self.view.req_to_token_pool):
-                if self.room is not None:
-                    self.room.make(*slots_needed(source.snap, self.view))
-                restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
-                                          exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
-        except BaseException:
-            source.close()
-            raise
+        with pool_lock(self.view.req_to_token_pool):
+            if self.room is not None:
+                self.room.make(*slots_needed(source.snap, self.view))
+            restored = restore_opened(source, **self._pools, identity=self.identity, verify=self.verify,
+                                      exact_rollback=self.exact_rollback, staging_bytes=self.staging_bytes)
         self.request = restored
         self._resharded = source.resharded
-        self._keep(source.snapset if source.resharded else source.snap, source)
         return AppliedLink(path, restored.state_position, restored.state_position, restored.bytes_uploaded, is_final_link(path))
 
     def _keep(self, snap: Snapshot, owner) -> None:
@@ -346,11 +343,17 @@ class MigrationTarget:
 
     def apply_proven(self, proven: ProvenLink) -> AppliedLink:
         """Upload a link :meth:`prove` proved (the room made, slots allocated, rows and state filled, under the pool
-        lock; any failure gives this link's allocations back); its files are kept or closed, whatever happens."""
+        lock; any failure gives this link's allocations back); its files are kept (what the next link is checked
+        against) or closed, whatever happens."""
         if proven.first != (self.request is None):
             proven.close()
             raise ValueError(f"{proven.path}: proved as {'the first link' if proven.first else 'a delta'}, not applicable now")
-        applied = proven.upload()
+        try:
+            applied = proven.upload()
+        except BaseException:
+            proven.close()
+            raise
+        self._keep(proven.kept, proven.owner)
         self.applied.append(applied)
         return applied
 
@@ -371,17 +374,7 @@ class MigrationTarget:
         except BaseException:
             owner.close()
             raise
-        return ProvenLink(p, snap, record, False, lambda: self._applied_delta(p, [snap], snap, record, self._plain_upload(snap), owner, snap),
-                          owner)
-
-    def _applied_delta(self, p: str, used: list, head: Snapshot, record: RequestRecord, upload, owner, kept) -> AppliedLink:
-        try:
-            applied = self._upload_delta(p, used, head, record, upload)
-        except BaseException:
-            owner.close()
-            raise
-        self._keep(kept, owner)
-        return applied
+        return ProvenLink(p, snap, record, False, lambda: self._upload_delta(p, [snap], snap, record, self._plain_upload(snap)), owner, snap)
 
     def _prove_resharded_delta(self, p: str, accept) -> ProvenLink:
         """A set of deltas written at another TP size (:mod:`hsnap_io.reshard`): every rank
@@ -411,7 +404,7 @@ class MigrationTarget:
             return upload_delta_set(opened, plans, self.view, dests, engine, self.verify, at)[0]
 
         used = [opened.ranks[k] for k in source_ranks_of(plans)]
-        return ProvenLink(p, head, record, False, lambda: self._applied_delta(p, used, head, record, upload, opened, opened), opened)
+        return ProvenLink(p, head, record, False, lambda: self._upload_delta(p, used, head, record, upload), opened, opened)
 
     def _check_delta(self, snap: Snapshot) -> RequestRecord:
         """Everything that can refuse ``snap``, before anything is allocated."""

@@ -47,7 +47,7 @@ from hsnap_format.stores import store_for
 from . import confine
 from .containment import MAX_FOLLOWS, guarded, typed, typed_in_dir
 from .errors import PluginError, RequestBusyError, RequestFinishedError, ServerBusyError, UnknownRequestError, error_dict, error_of
-from .jobs import IDLE_PROOF_WAIT_S, Export, Following, Job, Migrating, Watch, proves_here
+from .jobs import Export, Following, Job, Migrating, Watch, proves_here
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -347,9 +347,7 @@ def advance_follows(hs) -> None:
         except Exception as e:  # noqa: BLE001 - hsnap may fail, the scheduler may not
             if hs.follows.get(op_id) is f:
                 guarded("refusing a follow", fail_follow, hs, op_id, typed(e, "follow", f.container))
-    undone = next((f.proof for f in hs.follows.values() if f.proof is not None and not f.proof.done), None)
-    if undone is not None and hs.idle():
-        undone.wait(IDLE_PROOF_WAIT_S)  # an idle scheduler spinning would hold the GIL the proof needs
+    hs.let_run(next((f.proof for f in hs.follows.values() if f.proof is not None and not f.proof.done), None))
     if started:  # proved already (in place, or quickly)? every rank takes this view alike: they started the same
         done = views(hs, [hs.follows[op_id].proof.done for op_id in started])
         proved.update({op_id: all(rank[k] for rank in done) for k, op_id in enumerate(started)})
@@ -383,7 +381,7 @@ def _prove_link(hs, f: Following) -> Job:
             return None
         return target.prove(path, accept=lambda snap, record: _prepare(hs, f, snap, record))
 
-    if f.store.local and proves_here(f.watch.hit, hs.proof_here_bytes):
+    if proves_here(f.watch.hit, hs.proof_here_bytes):  # (never an s3:// link)
         return Job.run_here(prove)
     return Job(prove, f"hsnap-follow-{hs.tp_rank}")
 
@@ -472,11 +470,10 @@ def arrive(hs, op_id: str, f: Following, t_applied: float) -> None:
     del hs.follows[op_id]
     restored, prepared = f.target.request, f.prepared
     req = prepared.req
-    root = s.tree_cache.root_node_handle(req.extra_key) if s.tree_cache is not None else None
     err: BaseException | None = None
     try:
         with pool_lock(s.req_to_token_pool):
-            binder(req, prepared.carried["ReqKvInfo"], root, s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool))(restored)
+            binder(req, prepared.carried["ReqKvInfo"], s.tree_cache, s.req_to_token_pool, mamba_tracking_slots(s.req_to_token_pool))(restored)
     except Exception as e:  # noqa: BLE001 - checked before the final link was applied; if it fails anyway: give it all back
         err = e if isinstance(e, HsnapError) else PluginError(f.container, "follow", detail=f"binding: {type(e).__name__}: {e}")
     agreed = hs.agree(err)  # at TP > 1 the request arrives on every rank or on none

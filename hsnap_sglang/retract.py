@@ -146,8 +146,7 @@ def prove_retracted(
     source = open_source(path, rank=rank, identity=identity, **open_kwargs)
     try:
         fpath = source.snap.path
-        if not req.is_retracted or req.kv.req_pool_idx is not None:
-            raise HsnapError(fpath, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
+        _check_retracted(req, fpath)
         # the file belongs here (header only), counting what the room could free (nothing freed yet)
         check_target(source, view, identity, spare=None if room is None or not capacity else room.spare(), capacity=capacity)
         record = read_record(source.snap, fpath)
@@ -170,20 +169,22 @@ def prove_retracted(
     return ProvenRetracted(source, view, identity, mamba_tracking_slots(req_to_token_pool), restore_kwargs, req, kvx)
 
 
+def _check_retracted(req, path) -> None:
+    if not req.is_retracted or req.kv.req_pool_idx is not None:
+        raise HsnapError(path, "Req.is_retracted", "a retracted request holding no slots", (req.is_retracted, req.kv.req_pool_idx))
+
+
 def restore_retracted(proven: ProvenRetracted, *, tree_cache=None, room=None):
     """The second half of :func:`load_retracted`: the room made and the slots allocated, filled and bound to the
     proved request (under the pool lock, its capacity checked again); returns the request, no longer retracted.
     Closes ``proven`` whatever happens; a failure gives every allocation back and leaves the request retracted."""
     req = proven.req
     try:
-        if not req.is_retracted or req.kv.req_pool_idx is not None:  # (changed since the proof: not this file's to fill)
-            raise HsnapError(proven.source.snap.path, "Req.is_retracted", "a retracted request holding no slots",
-                             (req.is_retracted, req.kv.req_pool_idx))
-        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
+        _check_retracted(req, proven.source.snap.path)  # (again: a request changed since the proof is not this file's to fill)
     except BaseException:
         proven.close()
         raise
-    restored = proven.restore(room=room, bind=binder(req, proven.carried_kv, root, proven.view.req_to_token_pool, proven.tracking))
+    restored = proven.restore(room=room, bind=binder(req, proven.carried_kv, tree_cache, proven.view.req_to_token_pool, proven.tracking))
     req.is_retracted = False
     req.already_computed = 0
     req.hsnap_restored = restored

@@ -45,7 +45,7 @@ from typing import Any
 
 from .containment import guarded, typed
 from .errors import error_of
-from .jobs import IDLE_PROOF_WAIT_S, Export, Job, LinkJob, LinkWriter, proves_here, safe_file_name
+from .jobs import Export, Job, LinkJob, LinkWriter, proves_here, safe_file_name
 from .retract import prove_retracted, restore_retracted, retracted_extra
 
 logger = logging.getLogger("hsnap_sglang")
@@ -157,11 +157,9 @@ class RetractionToDisk:
                 if not self._fits(held.req):
                     break  # no room: the ones behind it wait
                 held.proof = self._prove(held)
+            self.hs.let_run(held.proof)
             if not held.proof.done:
-                if self.hs.idle():  # an idle scheduler spinning would hold the GIL the proof needs (as a resume's)
-                    held.proof.wait(IDLE_PROOF_WAIT_S)
-                if not held.proof.done:
-                    break  # being read: the ones behind it wait
+                break  # being read: the ones behind it wait
             if held.proof.error is None and not self._fits(held.req):
                 break  # proved, but the room went to others meanwhile: kept proved until it fits
             self._restore(held)
@@ -170,7 +168,6 @@ class RetractionToDisk:
         """The proof of ``held``'s file: in place for a small local file, else on a thread of its own (a resume's rule:
         :func:`hsnap_sglang.jobs.proves_here`, the operator's ``HSNAP_PROOF_ON_SCHEDULER_BYTES``)."""
         hs, s = self.hs, self.hs.sched
-
         here = proves_here(held.path, hs.proof_here_bytes)
 
         def prove():

@@ -873,6 +873,12 @@ class HsnapScheduler:
                 r.job, r.start = r.start(), None
                 running += 1
 
+    def let_run(self, job: Job | None) -> None:
+        """An idle scheduler waits a moment (:data:`IDLE_PROOF_WAIT_S`) on ``job``, a proof off this thread not done yet:
+        spinning in Python it would hold the GIL the proof's thread needs after each read or hash."""
+        if job is not None and not job.done and self.idle():
+            job.wait(IDLE_PROOF_WAIT_S)
+
     def idle(self) -> bool:
         """No batch to run or in flight, nothing queued or being prefilled."""
         s = self.sched
@@ -888,9 +894,7 @@ class HsnapScheduler:
         """At a scheduler iteration: restore and admit every resume proved on every rank (at TP > 1 one collective
         says which), in arrival order; each is contained (a failure is its refusal, the others go on)."""
         self._start_proofs()
-        undone = next((r.job for r in self.resuming.values() if r.job is not None and not r.job.done), None)
-        if undone is not None and self.idle():
-            undone.wait(IDLE_PROOF_WAIT_S)  # an idle scheduler spinning would hold the GIL the proof needs
+        self.let_run(next((r.job for r in self.resuming.values() if r.job is not None and not r.job.done), None))
         jobs = list(self.resuming.items())
         seen = migration.views(self, [r.done for _, r in jobs])
         for i, (op_id, r) in enumerate(jobs):

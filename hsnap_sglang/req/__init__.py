@@ -234,12 +234,7 @@ def restore_proven(proven: ProvenResume, *, tree_cache=None, room=None, commit: 
     ``proven`` whatever happens; a failure gives every allocation back."""
     prepared = proven.prepared
     req = prepared.req
-    try:
-        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
-    except BaseException:
-        proven.close()
-        raise
-    restored = proven.restore(room=room, bind=binder(req, prepared.carried["ReqKvInfo"], root, proven.view.req_to_token_pool,
+    restored = proven.restore(room=room, bind=binder(req, prepared.carried["ReqKvInfo"], tree_cache, proven.view.req_to_token_pool,
                                                      proven.tracking, commit))
     if prepared.grammar is not None:
         req.grammar_key, req.grammar = prepared.grammar_key, prepared.grammar

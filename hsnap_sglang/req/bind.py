@@ -75,13 +75,15 @@ def restore_proved(source, view, *, identity, room, tracking: int, bind, restore
 _TRACK_FIELDS = ("mamba_ping_pong_track_buffer", "mamba_ping_pong_empty", "mamba_prev_track_seqlen", "mamba_next_track_idx", "mamba_last_track_idx")
 
 
-def binder(req, kvx: Mapping[str, Any], root, req_to_token_pool, tracking: int, commit: Callable[[], None] | None = None):
+def binder(req, kvx: Mapping[str, Any], tree_cache, req_to_token_pool, tracking: int, commit: Callable[[], None] | None = None):
     """restore_opened's ``bind``: fresh track slots first (what can fail: inside the
-    restore's rollback, before ``req`` is touched), then ``req.kv`` onto the slots, then
-    ``commit()`` (the caller's last word, e.g. every TP rank agreeing): whatever raises
-    gives every allocation back and leaves ``req`` as it was."""
+    restore's rollback, before ``req`` is touched), then ``req.kv`` onto the slots (and the
+    root of ``tree_cache``, the requests' radix tree, if any), then ``commit()`` (the caller's
+    last word, e.g. every TP rank agreeing): whatever raises gives every allocation back and
+    leaves ``req`` as it was."""
 
     def bind(restored) -> None:
+        root = tree_cache.root_node_handle(req.extra_key) if tree_cache is not None else None
         # the state restored is the request's: at a decode boundary its KV rows hold the prompt and every output
         # but the last (the next step's input); a record of another step (a stale link's) would decode on silently wrong
         expected = len(req.origin_input_ids) + len(req.output_ids) - 1

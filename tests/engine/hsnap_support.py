@@ -140,6 +140,15 @@ class Stream(demo.Stream):
         assert self.error is None, self.error
         return self
 
+    def decoded_meanwhile(self, n: int, timeout: float = 30.0) -> int:
+        """Tokens this stream got from now until it has ``n`` more (or ``timeout`` passed): what it decoded while
+        something else was held."""
+        at, deadline = self.tokens_so_far(), time.monotonic() + timeout
+        while self.tokens_so_far() < at + n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.tokens_so_far() - at
+
+
 def deltas(events: list[dict], had: tuple[int, int] = (0, 0)) -> list[tuple[str, list[int]]]:
     """What each event adds to the text and the token ids (events carry both so far); empty additions left out."""
     out, (n_text, n_ids), prev = [], had, None

@@ -137,10 +137,8 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
     resume.start()
     _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
     listed = stats(s2.url)["requests"]
-    at_hold, deadline = bystander.tokens_so_far(), time.monotonic() + 30
-    while bystander.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    during, still_held = bystander.tokens_so_far() - at_hold, resume.is_alive() and hold.exists()
+    during = bystander.decoded_meanwhile(10)
+    still_held = resume.is_alive() and hold.exists()
     hold.unlink()
     resume.join(300)
     bystander.finish()
@@ -150,28 +148,32 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
             "listed": listed}
 
 
+def _checkpointed_with_link_2_held(s2, gate, rid: str, ck) -> tuple:
+    """``rid`` streaming, checkpointed into ``ck`` every 4 tokens, its second link held in the writer thread by the
+    server's test gate (released by removing the returned hold file); (its stream, the hold, the first checkpoint's answer)."""
+    hold = gate / f"{rid}.ck000002.hsnap.hold"
+    hold.touch()
+    stream = Stream(s2.url, payload(rid, CK_PROMPT, GATED_N))
+    stream.start()
+    stream.wait_tokens(2)
+    first = client.checkpoint(s2.url, rid, str(ck), every=4)
+    _wait_for(gate / f"{rid}.ck000002.hsnap.held", lambda: stats(s2.url)["checkpoints"])
+    return stream, hold, first
+
+
 def _pause_while_a_link_is_written(s2, work) -> dict:
     """Request g checkpointed every 4 tokens; its second link is held in the writer thread (the server's test gate)
     while the request decodes on; a pause of g is asked for and reaches the boundary, where it waits for the link
     (said by the gate) while the scheduler goes on — g decodes meanwhile, no link queued behind the pause; then the
     link is let go."""
     gate, ck = work / "gate", work / "ckg"
-    hold = gate / "g.ck000002.hsnap.hold"
-    hold.touch()
-    g = Stream(s2.url, payload("g", CK_PROMPT, GATED_N))
-    g.start()
-    g.wait_tokens(2)
-    first = client.checkpoint(s2.url, "g", str(ck), every=4)
-    _wait_for(gate / "g.ck000002.hsnap.held", lambda: stats(s2.url)["checkpoints"])
+    g, hold, first = _checkpointed_with_link_2_held(s2, gate, "g", ck)
     during = stats(s2.url)["checkpoints"]["g"]
     out: dict = {}
     pause = threading.Thread(target=lambda: out.update(pause=client.pause(s2.url, "g", str(work / "g-final.hsnap"))), daemon=True)
     pause.start()
     _wait_for(gate / "g.ck000002.hsnap.export-waiting", lambda: os.listdir(gate))
-    at_wait, deadline = g.tokens_so_far(), time.monotonic() + 30
-    while g.tokens_so_far() < at_wait + 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    decoded_while_waiting = g.tokens_so_far() - at_wait
+    decoded_while_waiting = g.decoded_meanwhile(5)
     files_while_held = sorted(os.listdir(ck))
     hold.unlink()
     pause.join(300)
@@ -187,21 +189,12 @@ def _restart_while_a_link_is_written(s2, work) -> dict:
     started again into the same directory meanwhile: the restart waits for the link on the way (its number comes
     after it) while the scheduler goes on; then the link is let go."""
     gate, ck = work / "gate", work / "ckh"
-    hold = gate / "h.ck000002.hsnap.hold"
-    hold.touch()
-    h = Stream(s2.url, payload("h", CK_PROMPT, GATED_N))
-    h.start()
-    h.wait_tokens(2)
-    first = client.checkpoint(s2.url, "h", str(ck), every=4)
-    _wait_for(gate / "h.ck000002.hsnap.held", lambda: stats(s2.url)["checkpoints"])
+    h, hold, first = _checkpointed_with_link_2_held(s2, gate, "h", ck)
     stopped = client.checkpoint(s2.url, "h", str(ck), every=0)
     out: dict = {}
     restart = threading.Thread(target=lambda: out.update(restart=client.checkpoint(s2.url, "h", str(ck), every=4)), daemon=True)
     restart.start()
-    at, deadline = h.tokens_so_far(), time.monotonic() + 30
-    while h.tokens_so_far() < at + 5 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    decoded, still_waiting = h.tokens_so_far() - at, restart.is_alive()
+    decoded, still_waiting = h.decoded_meanwhile(5), restart.is_alive()
     files_while_held = sorted(n for n in os.listdir(ck) if not n.startswith("."))
     hold.unlink()
     restart.join(300)

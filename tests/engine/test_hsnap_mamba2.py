@@ -487,6 +487,18 @@ def _wait_for(done, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def _retracted_beside(url: str, first_rid: str, rid: str, n: int, held, what: str) -> tuple:
+    """``first_rid`` (rt0's prompt, LONG) decoding, then ``rid`` (rt1's prompt, ``n`` tokens) beside it — fewer outputs:
+    SGLang's forced retraction takes it first — until the test gate says ``held``; (both streams)."""
+    first = Stream(url, payload(first_rid, RT_IDS["rt0"], LONG))
+    first.start()
+    first.wait_tokens(1)
+    retracted = Stream(url, payload(rid, RT_IDS["rt1"], n))
+    retracted.start()
+    _wait_for(held.exists, what)
+    return first, retracted
+
+
 def _files_left(d, timeout: float = 30.0) -> list[str]:
     """The files in ``d`` once none is left (a file written for a request gone meanwhile is removed when collected,
     at a scheduler iteration), or after ``timeout``."""
@@ -515,12 +527,7 @@ def retraction(servers, work):
     hold = gate / "ab.retracted.hsnap.hold"
     hold.touch()
     with paced(url, RT_PACE_S):  # rt0 (LONG, cut below) still decodes when ab joins it and is retracted
-        first = Stream(url, payload("rt0", RT_IDS["rt0"], LONG))
-        first.start()
-        first.wait_tokens(1)
-        ab = Stream(url, payload("ab", RT_IDS["rt1"], LONG))  # fewer outputs than rt0: SGLang retracts it first
-        ab.start()
-        _wait_for((gate / "ab.retracted.hsnap.held").exists, "ab was never retracted")
+        first, ab = _retracted_beside(url, "rt0", "ab", LONG, gate / "ab.retracted.hsnap.held", "ab was never retracted")
         out["held"] = stats(url)
         _abort(url, "ab")
         out["ab"] = ab.finish()
@@ -535,17 +542,9 @@ def retraction(servers, work):
     prove_hold = gate / "pv.retracted.hsnap.prove.hold"
     prove_hold.touch()
     with paced(url, RT_PACE_S):
-        first = Stream(url, payload("rt0-p", RT_IDS["rt0"], LONG))
-        first.start()
-        first.wait_tokens(1)
-        pv = Stream(url, payload("pv", RT_IDS["rt1"], RT_N))  # fewer outputs than rt0-p: SGLang retracts it first
-        pv.start()
-        _wait_for((gate / "pv.retracted.hsnap.prove.held").exists, "pv's file was never proved")
+        first, pv = _retracted_beside(url, "rt0-p", "pv", RT_N, gate / "pv.retracted.hsnap.prove.held", "pv's file was never proved")
         out["proving"] = stats(url)["retraction"]
-        at_hold, deadline = first.tokens_so_far(), time.monotonic() + 30
-        while first.tokens_so_far() < at_hold + 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        out["during_proof"] = first.tokens_so_far() - at_hold
+        out["during_proof"] = first.decoded_meanwhile(10)
         out["still_proving"] = prove_hold.exists() and pv.is_alive()
         prove_hold.unlink()
         out["pv"] = pv.finish().final
@@ -558,12 +557,7 @@ def retraction(servers, work):
     prove_hold = gate / "ap.retracted.hsnap.prove.hold"
     prove_hold.touch()
     with paced(url, RT_PACE_S):
-        first = Stream(url, payload("rt0-a", RT_IDS["rt0"], LONG))
-        first.start()
-        first.wait_tokens(1)
-        ap = Stream(url, payload("ap", RT_IDS["rt1"], LONG))
-        ap.start()
-        _wait_for((gate / "ap.retracted.hsnap.prove.held").exists, "ap's file was never proved")
+        first, ap = _retracted_beside(url, "rt0-a", "ap", LONG, gate / "ap.retracted.hsnap.prove.held", "ap's file was never proved")
         _abort(url, "ap")
         out["ap"] = ap.finish()
         out["ap_held"] = stats(url)["retraction"]["held"]
