@@ -9,19 +9,21 @@ For each size (reference geometry, real SGLang pools on CPU, bench/run.py's help
   restore : restore_request(s3://...) (every digest checked as the bytes land) vs the
             same client's plain parallel ranged get of the same object into memory
             (RangeReader.readinto) vs restore_request(local file); the URL restore three
-            ways: into slots holding an earlier restore's bytes (what the undo log of a
-            large object copies), into slots never used (zeros: a fresh server's), and
-            verify="during" (no undo log)
+            ways: the default (verify=True: one pass straight into the slots, no undo log),
+            and verify="before" (every digest before allocating: a payload under the bound
+            staged, a larger one landing with an undo log) into slots holding an earlier
+            restore's bytes (what the undo log copies) and into slots never used (zeros: a
+            fresh server's, noted, not copied)
   open    : hsnap_format.open(url): wall time and GET round trips
 ``--parallel 1 2 4 8`` also restores at ``--parallel-tokens`` with that many GETs in
 flight, against the plain ranged get with the same count (what picks the default).
 Every restore of a size lands in the same warm target pools (put back after each, untimed,
 as bench/run.py does) and the plain get fills the same warm buffer each time. Restore by URL with
-the default verify=True: a body up to hsnap_io.restore.ONE_READ_BYTES is staged (GETs
-running ahead of the hashing, then one copy into the slots); a larger one is fetched
-straight into the slots where they are one run (the read-ahead's landings), each GET
-saving what it overwrites first (the undo log of exact_rollback: zeros are noted, not
-copied).
+the default verify=True: fetched straight into the slots where they are one run (the read-ahead's
+landings), each piece hashed as it lands; a refusal zeroes what it wrote. With verify="before": a
+body up to hsnap_io.restore.ONE_READ_BYTES is staged (GETs running ahead of the hashing, then
+one copy into the slots); a larger one lands as the default does, each GET saving what it
+overwrites first (the undo log of exact_rollback: zeros are noted, not copied).
 ``--clients`` also compares the candidate clients on one 256 MiB object (botocore
 threads — what hsnap uses —, obstore, s3fs), when they are installed.
 
@@ -126,12 +128,12 @@ def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: st
         r.readinto(memoryview(into), 0)
         r.close()
 
-    t_fresh, t_during = [], []
+    t_before, t_fresh = [], []
     for _ in range(repeats):
         t_res.append(_restore_timed(tgt, partial(restore, url, storage_options=opts)))
+        t_before.append(_restore_timed(tgt, partial(restore, url, storage_options=opts, verify="before")))
         _zero_state(tgt)  # untimed: the slots as a fresh server has them (what the undo log need not copy)
-        t_fresh.append(_restore_timed(tgt, partial(restore, url, storage_options=opts)))
-        t_during.append(_restore_timed(tgt, partial(restore, url, storage_options=opts, verify="during")))
+        t_fresh.append(_restore_timed(tgt, partial(restore, url, storage_options=opts, verify="before")))
         t_resl.append(_restore_timed(tgt, partial(restore, path)))
         t_get.append(_t(partial(plain_get, buf)))
         t0 = time.perf_counter()
@@ -139,7 +141,7 @@ def bench_size(tokens: int, repeats: int, server, bucket: str, opts: dict, d: st
             t_open.append(time.perf_counter() - t0)
             trips.append(s.source.requests)
     del tgt, buf, restore
-    res.update(restore_url=best(t_res), restore_fresh=best(t_fresh), restore_during=best(t_during), plain_get=best(t_get),
+    res.update(restore_url=best(t_res), restore_before=best(t_before), restore_fresh=best(t_fresh), plain_get=best(t_get),
                restore_local=best(t_resl), open=best(t_open), open_trips=max(trips))
     return res
 
@@ -266,15 +268,15 @@ def main(argv=None) -> int:
     print(f"Load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, at end {load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} "
           f"on {os.cpu_count()} cores (shared machine: other jobs ran beside the bench).")
     print()
-    print("| tokens | bytes | export URL | plain put | ratio | export local | restore URL | plain get | ratio | restore URL, slots never used | ratio "
-          "| restore URL, verify=\"during\" | ratio | restore local | open | GETs at open |")
+    print("| tokens | bytes | export URL | plain put | ratio | export local | restore URL | plain get | ratio | restore URL, verify=\"before\" | ratio "
+          "| verify=\"before\", slots never used | ratio | restore local | open | GETs at open |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         mb, get = r["bytes"] / 1e6, r["plain_get"]
         print(f"| {r['tokens']} | {r['bytes'] / MiB:.1f} MiB | {r['export_url']:.2f} s ({mb / r['export_url']:.0f} MB/s) | {r['plain_put']:.2f} s | "
               f"{r['plain_put'] / r['export_url']:.2f}x | {r['export_local']:.2f} s | {r['restore_url']:.2f} s ({mb / r['restore_url']:.0f} MB/s) | "
-              f"{get:.2f} s | {get / r['restore_url']:.2f}x | {r['restore_fresh']:.2f} s | {get / r['restore_fresh']:.2f}x | "
-              f"{r['restore_during']:.2f} s | {get / r['restore_during']:.2f}x | {r['restore_local']:.2f} s | {r['open'] * 1e3:.1f} ms | {r['open_trips']} |")
+              f"{get:.2f} s | {get / r['restore_url']:.2f}x | {r['restore_before']:.2f} s | {get / r['restore_before']:.2f}x | "
+              f"{r['restore_fresh']:.2f} s | {get / r['restore_fresh']:.2f}x | {r['restore_local']:.2f} s | {r['open'] * 1e3:.1f} ms | {r['open_trips']} |")
     if sweep:
         print()
         print("| tokens | bytes | GETs in flight (parallel) | restore URL | plain get | ratio |")

@@ -489,15 +489,6 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
 
         return run
 
-    def two_pass() -> float:
-        from hsnap_io import restore as restore_mod
-
-        bound, restore_mod.ONE_READ_BYTES = restore_mod.ONE_READ_BYTES, 0
-        try:
-            return hsnap(True)()
-        finally:
-            restore_mod.ONE_READ_BYTES = bound
-
     def mmap_copy() -> float:
         prep()
         t = time.perf_counter()
@@ -603,9 +594,8 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
         return time.perf_counter() - t
 
     return {
-        "restore/hsnap verify": hsnap(True),  # default: every digest before allocating, hashed again on upload
-        "restore/hsnap verify two-pass": two_pass,  # verify=True over the one-read bound: verify, then read + hash again
-        "restore/hsnap verify during": hsnap("during"),  # read once, hashed as it lands
+        "restore/hsnap verify": hsnap(True),  # default: read once, hashed as it lands in fresh slots
+        "restore/hsnap verify before": hsnap("before"),  # every digest before allocating (a caller that evicts for it)
         "restore/hsnap no-verify": hsnap(False),
         "restore/hsnap exact rollback": hsnap(False, exact_rollback=True),
         "restore/mmap copy": mmap_copy,
@@ -1009,27 +999,28 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
         vbest = min(verified, key=verified.__getitem__)
         vlim = verified[vbest]
         rows.append([
-            f"{c.tokens:,}", fmt_bytes(c.payload), fmt_t(t["hsnap verify"]), fmt_t(t["hsnap verify two-pass"]), fmt_t(t["hsnap verify during"]),
+            f"{c.tokens:,}", fmt_bytes(c.payload), fmt_t(t["hsnap verify"]), fmt_t(t["hsnap verify before"]),
             fmt_t(t["hsnap no-verify"]), fmt_t(t["hsnap exact rollback"]),
             fmt_t(t["mmap copy"]), fmt_t(t["pread copy"]), fmt_t(copy2), f"{fmt_t(vlim)} ({vbest.split(' ', 1)[1]})", fmt_t(t["st load"]), fmt_t(t["torch.load"]),
-            f"{lim / t['hsnap no-verify']:.2f}", f"{vlim / t['hsnap verify']:.2f}", f"{vlim / t['hsnap verify during']:.2f}",
+            f"{lim / t['hsnap no-verify']:.2f}", f"{vlim / t['hsnap verify']:.2f}", f"{vlim / t['hsnap verify before']:.2f}",
             f"{lim / t['hsnap verify']:.2f}", f"{lim / t['hsnap exact rollback']:.2f}",
             f"{t['st load'] / t['hsnap verify']:.2f}", f"{t['torch.load'] / t['hsnap verify']:.2f}",
         ])
         R.verdict(f"restore {c.tokens:,} tok: no-verify hsnap/best limit >= {T_RESTORE_NOVERIFY}", lim / t["hsnap no-verify"] >= T_RESTORE_NOVERIFY, f"{lim / t['hsnap no-verify']:.2f}")
         R.verdict(f"restore {c.tokens:,} tok: verify hsnap/verified limit >= {T_RESTORE_VERIFY}", vlim / t["hsnap verify"] >= T_RESTORE_VERIFY, f"{vlim / t['hsnap verify']:.2f}")
-        R.verdict(f"restore {c.tokens:,} tok: verify=\"during\" hsnap/verified limit >= {T_RESTORE_VERIFY}", vlim / t["hsnap verify during"] >= T_RESTORE_VERIFY, f"{vlim / t['hsnap verify during']:.2f}")
-    R.table(["tokens", "payload", "hsnap verify", "verify two-pass", "hsnap verify during", "hsnap no-verify", "no-verify exact_rollback", "mmap copy (limit)",
+    R.table(["tokens", "payload", "hsnap verify", "hsnap verify before", "hsnap no-verify", "no-verify exact_rollback", "mmap copy (limit)",
              "pread copy (limit)", "copy 2 threads (limit)", "verified copy (limit)", "st load+copy", "torch.load+copy", "no-verify/best limit", "verify/verified limit",
-             "verify during/verified limit", "verify/best plain limit", "exact_rollback/best limit",
+             "verify before/verified limit", "verify/best plain limit", "exact_rollback/best limit",
              "st/hsnap(verify)", "torch/hsnap(verify)"], rows)
-    R.add("`hsnap verify` is the default verify=True (every digest checked before allocating, so a refusal leaves the pools "
-          "byte-identical): a body up to hsnap_io.restore.ONE_READ_BYTES (128 MiB) is read once into a reused staging buffer, "
-          "hashed as it lands, and uploaded from it; `verify two-pass` is the same call over that bound (verified first, then "
-          "read and hashed again as it lands in the slots), measured here by setting the bound to 0; `verify during` is verify=\"during\" (read once, "
-          "hashed as it lands; a mismatch gives back the allocations). "
+    R.add("`hsnap verify` is the default verify=True: read once, each 2 MiB piece hashed as it lands in the fresh slots (on two "
+          "threads from 4 MiB), the padding and record checked before allocating; a digest mismatch gives back every "
+          "allocation and zeroes the slots it wrote. `hsnap verify before` is verify=\"before\" (what prove_opened does for "
+          "the server, which may evict for the snapshot): every digest checked before allocating, so a refusal leaves the "
+          "pools byte-identical — a body up to hsnap_io.restore.ONE_READ_BYTES (128 MiB) read once into a reused staging "
+          "buffer, hashed as it lands, and uploaded from it (a second copy), a larger one verified, then read and hashed "
+          "again as it lands. "
           "`hsnap no-verify` / `verify` are restore_request's defaults otherwise (exact_rollback=False: a failure mid-upload gives "
-          "back every allocation, not the freed slots' old bytes). `no-verify exact_rollback` adds the undo log "
+          "back every allocation and zeroes the slots written, not their old bytes). `no-verify exact_rollback` adds the undo log "
           "(PoolCheckpoint.remember_rows: every target slot's old bytes copied into fresh memory first). "
           "`best limit` = the fastest of mmap copy, pread copy and `copy 2 threads` (the sections split over two threads by bytes, "
           "2 MiB preads into the slots or copies out of an mmap, the faster; no hashing): what no-verify is judged on. `verified copy "
@@ -1090,12 +1081,6 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
     return R
 
 
-def _one_read_bytes() -> int:
-    from hsnap_io.restore import ONE_READ_BYTES
-
-    return ONE_READ_BYTES
-
-
 def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
     out = []
     if not cases:
@@ -1148,12 +1133,8 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
         lim = min(t(big, k) for k in big.times if k in ("restore/mmap copy", "restore/pread copy") or k.startswith("restore/copy "))
         out.append(
             f"Restore at {big.tokens:,} tokens: {fmt_t(nv)} without verification, {fmt_t(v)} with it, against {fmt_t(lim)} for the "
-            f"best limit. Verification (verify=True) costs {fmt_t(v - nv)}: "
-            + ("the body is read once, in 2 MiB preads into a reused staging buffer, each piece hashed while in cache, then copied "
-               "into the slots — a second copy of the payload, where the limit makes one"
-               if big.payload <= _one_read_bytes() else
-               "over the one-read bound the file is verified first (2 MiB preads, hashed while in cache), then read and hashed "
-               "again as it lands in the slots")
+            f"best limit. Verification (verify=True) costs {fmt_t(v - nv)}: each 2 MiB piece hashed right after it lands in "
+            f"the slots, while in cache"
             + f". exact_rollback=True costs {fmt_t(ex - nv)} more: the undo log copies the whole payload into "
             f"newly faulted pages, which this VM makes expensive (virtio-balloon free page reporting)."
         )

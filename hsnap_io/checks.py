@@ -52,5 +52,5 @@ _VERIFY_MODES = {True: "before", "before": "before", "during": "during", False: 
 def verify_mode(verify) -> str | None:
     """``verify=`` as a mode: ``"before"``, ``"during"``, or None (no digest checked)."""
     if verify not in _VERIFY_MODES:
-        raise ValueError(f"verify must be True, 'during' or False, not {verify!r}")
+        raise ValueError(f"verify must be True, 'before', 'during' or False, not {verify!r}")
     return _VERIFY_MODES[verify]

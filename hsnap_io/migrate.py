@@ -491,6 +491,8 @@ class MigrationTarget:
                         checkpoint.remember_rows(b.buffer, dests[b.space], b.name, keep=self._saved_state)
                     elif self.exact_rollback:
                         checkpoint.remember_rows(b.buffer, dests[b.space], b.name)
+                    else:  # the link's fresh slots: zeroed on a failure
+                        checkpoint.scrub_rows(b.buffer, dests[b.space], b.name)
                 uploaded = upload(engine, dests, at)
                 at[0] = "finish upload"
                 engine.finish_import()

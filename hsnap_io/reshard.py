@@ -871,6 +871,8 @@ def upload_resharded(proven: ProvenReshard, view, *, exact_rollback: bool, stagi
                 rows = slots.rows(b.space).to(b.buffer.device)
                 if exact_rollback:
                     checkpoint.remember_rows(b.buffer, rows, b.name)
+                else:  # fresh slots: zeroed on a failure
+                    checkpoint.scrub_rows(b.buffer, rows, b.name)
                 # like the plain path: straight into the slots when they are one run (hashed as it
                 # lands; a mismatch rolled back), else through one scratch buffer (checked first)
                 out = slots_view(b.buffer, rows) if slots_view is not None else None

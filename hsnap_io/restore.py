@@ -10,15 +10,17 @@ Order of work, so that a refusal leaves the pools untouched:
   3. check capacity in the target's own pages (rows, token slots, SWA slots, mamba
      slots, context length);
   4. with ``verify=True``: the padding and the request record (and, for an engine that
-     does not read files — CUDA, from the map — every digest); a plain snapshot up to
-     ONE_READ_BYTES: every byte, read once into a staging buffer the upload copies from;
+     does not read files — CUDA, from the map — every digest); with ``verify="before"``
+     (what :func:`prove_opened` does with ``verify=True``) every digest too — a plain
+     snapshot up to ONE_READ_BYTES: every byte, read once into a staging buffer the upload
+     copies from;
   --- nothing above touches the pools: :func:`prove_opened` does steps 2 and 4 alone, for a
       caller that makes room (evicts a radix cache) only for a snapshot that passed them ---
   5. capacity again, under the pool lock; allocate as SGLang does for a new request (whole pages of the target), remembering
      the allocators' state; 6. upload section by section, each state section hashed as
      it lands in the slots (``verify=True``); on any failure — a digest mismatch
-     included — the allocations are put back (and, with ``exact_rollback``, what each
-     touched slot held) and a typed error names the section.
+     included — the allocations are put back, the slots written zeroed (with
+     ``exact_rollback``, what each held put back instead), and a typed error names the section.
   Steps 5-6 hold :func:`hsnap_io.slots.pool_lock` (one per pool set): SGLang's allocators are not
   thread-safe, and the rollback restores the allocators' whole earlier state.
 """
@@ -81,27 +83,33 @@ def restore_request(
     Raises a typed :class:`HsnapError` on any refusal. Identity, geometry and capacity
     are checked before anything is allocated. ``verify`` decides how digests are checked:
 
-    * ``True`` (default): every refusal leaves the pools exactly as they were, byte for
-      byte. A plain snapshot whose body is at most :data:`ONE_READ_BYTES` is read once,
-      into a reused staging buffer, every section hashed and the padding checked as it
-      lands, before anything is allocated, and uploaded from that buffer (what was
-      hashed is what was uploaded, whatever the file does afterwards). Otherwise a
-      file is verified whole before anything is allocated, and each state section is
-      hashed again as it lands in the slots (a file changed between the check and the
-      upload is caught and rolled back — allocations exactly, the written free slots'
-      old bytes only with ``exact_rollback``); an object there can only be checked
-      while it is read: it gets ``exact_rollback`` automatically, so a digest refusal
-      is byte-exact there too.
-    * ``"during"``: read once — padding and record first, each state section hashed as
-      it lands in the slots. Faster (bench/RESULTS.md); a digest mismatch then gives
-      back every allocation (free lists, mappings, request row) exactly, but the bytes
-      of the free slots it wrote come back only with ``exact_rollback=True``.
+    * ``True`` (default): read once. Identity, geometry, capacity, the padding and the
+      record are refused before anything is allocated (the pools untouched); each state
+      section is hashed as its bytes land in the fresh slots (on two threads for a body
+      of :data:`PARALLEL_STAGE_BYTES` or more; an object's GETs run ahead, straight into
+      the slots). A digest mismatch then gives back every allocation exactly (free lists,
+      mappings, request row) and zeroes the slots it wrote — no byte of the refused
+      snapshot stays; their old bytes, which no request owned, come back only with
+      ``exact_rollback=True``. (An engine that does not read files — CUDA, uploading from
+      the map — verifies every digest first, as ``"before"``.)
+    * ``"before"``: every refusal leaves the pools exactly as they were, byte for byte —
+      what a caller that makes room (evicts) for the snapshot needs; :func:`prove_opened`
+      proves this way with ``verify=True``. A plain snapshot whose body is at most
+      :data:`ONE_READ_BYTES` is read once, into a reused staging buffer, every section
+      hashed and the padding checked as it lands, before anything is allocated, and
+      uploaded from that buffer (what was hashed is what was uploaded, whatever the file
+      does afterwards). Otherwise a file is verified whole before anything is allocated,
+      and each state section is hashed again as it lands in the slots (a file changed
+      between the check and the upload is caught and rolled back — allocations exactly,
+      the written slots zeroed, their old bytes only with ``exact_rollback``); an object
+      there can only be checked while it is read: it gets ``exact_rollback`` automatically.
+    * ``"during"``: ``True``'s one read, for :func:`prove_opened` too (which then proves the
+      padding and record only).
     * ``False``: no digest is checked.
 
-    Any other failure *during* the upload gives back every allocation exactly; the freed
-    slots' bytes, which nothing reads before writing them, are put back only with
-    ``exact_rollback=True``, which costs a copy of the whole payload. (An engine that
-    uploads from the map — CUDA — always verifies every digest first.)
+    Any other failure *during* the upload gives back every allocation exactly and zeroes
+    the slots written; their old bytes are put back only with ``exact_rollback=True``,
+    which costs a copy of the whole payload.
 
     Across TP sizes: ``sharding`` is the target rank's own description
     (:func:`hsnap_io.reshard.describe` of its model at its TP size). Given it, a snapshot
@@ -307,8 +315,8 @@ def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_ro
 
 def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes) -> RestoredRequest:
     proof, source.proof = source.proof, None
-    if proof is None:
-        proof = _prove(source, view, identity, verify, staging_bytes, capacity=True, stacklevel=5)
+    if proof is None:  # nothing to refuse before the pools are touched: read once, hashed as it lands
+        proof = _prove(source, view, identity, verify, staging_bytes, capacity=True, stacklevel=5, one_pass=True)
     elif proof.verify != verify:
         proof.release()
         raise ValueError(f"the source was proved with verify={proof.verify!r}, not {verify!r}")
@@ -333,8 +341,13 @@ class _Proof:
             self.staged.release()
 
 
-def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, *, capacity: bool, stacklevel: int) -> _Proof:
-    """The refusals before allocation (``capacity``: the pools' free room too, else checked at upload only)."""
+def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, *, capacity: bool, stacklevel: int,
+           one_pass: bool = False) -> _Proof:
+    """The refusals before allocation (``capacity``: the pools' free room too, else checked at upload only).
+    ``one_pass``: a restore no caller proved first (nothing was evicted for it): an engine that reads files
+    (or an object store) takes ``verify=True`` as ``"during"`` — every digest checked as its bytes land in
+    fresh slots, a refusal giving back every allocation and zeroing what it wrote — rather than as
+    ``"before"`` (every byte read and hashed before allocating, then uploaded by a second pass)."""
     if source.resharded:
         proven = prove_resharded(source.snapset, view, identity=identity, target=source.sharding, target_tp=source.target_tp,
                                  verify=verify, capacity=capacity, stacklevel=stacklevel + 1)
@@ -360,6 +373,8 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
     # An engine that does not read files (CUDA: uploads from the map) verifies first.
     remote = getattr(snap.source, "verifies_while_reading", False)
     during = mode is not None and (remote or engine.reads_files)
+    if one_pass and during and verify is True:  # (verify="before" asks for the proof first anyway)
+        mode = "during"
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
     staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
     try:
@@ -611,6 +626,9 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
             for b in view.bindings:
                 if id(b) not in landed_only:
                     checkpoint.remember_rows(b.buffer, slots.rows(b.space), b.name)
+        else:  # fresh slots: a failure zeroes them (nothing of the snapshot stays), no copy up front
+            for b in view.bindings:
+                checkpoint.scrub_rows(b.buffer, slots.rows(b.space), b.name)
         if staged is None:
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
         # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;

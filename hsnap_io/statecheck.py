@@ -2,11 +2,14 @@
 
 ``PoolCheckpoint`` remembers (1) the allocators' free lists and mappings — every
 tensor, list and scalar attribute of the request pool, the token allocator (and
-its sub-allocators) and the mamba slot allocator — and (2) the previous bytes of
-every slot row a restore is about to overwrite — whole rows before the upload, or
-(:class:`RunUndo`) a run of slots piece by piece, just before each piece is written.
-``rollback()`` puts all of it back, so the pools are byte-identical to before, free
-lists included.
+its sub-allocators) and the mamba slot allocator — and (2) for every slot row a
+restore is about to overwrite, either its previous bytes — whole rows before the
+upload, or (:class:`RunUndo`) a run of slots piece by piece, just before each piece is
+written — or, for rows the restore has just allocated (free before it, so nothing
+reads their old bytes), only that they are to be zeroed (:meth:`scrub_rows`: costs
+nothing unless the restore fails). ``rollback()`` puts all of it back: every
+allocation exactly, every remembered row byte-identical, every scrubbed row zero —
+no byte of a refused snapshot stays in the pools.
 
 The rollback cannot stop halfway: it puts back the allocator state first (plain
 attribute and same-shape integer copies), then every remembered row, each step
@@ -79,6 +82,7 @@ class PoolCheckpoint:
         self._attrs: list[tuple[object, str, object, object]] = []
         self._rows: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (what, raw rows, rows, saved)
         self._runs: list[RunUndo] = []
+        self._scrub: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (what, buffer, rows): zeroed on rollback
         rtp = view.req_to_token_pool
         self._capture(rtp, skip={"req_to_token", "req_index_to_mamba_index_mapping", "mamba_pool", "mamba_allocator"})
         self._capture(view.allocator, skip={"_kvcache"}, recurse=True)
@@ -115,6 +119,12 @@ class PoolCheckpoint:
                 saved = keep[what] = torch.empty(shape, dtype=raw.dtype, device=raw.device)
             torch.index_select(raw, 0, rows, out=saved)
         self._rows.append((what, raw, rows, saved))
+
+    def scrub_rows(self, buffer: torch.Tensor, rows: torch.Tensor, what: str = "rows") -> None:
+        """Rows just allocated (free before the restore) that it is about to write: the rollback
+        zeroes them rather than putting back their old bytes, which no request owned — so a
+        refusal costs no copy up front and leaves none of the refused snapshot's bytes behind."""
+        self._scrub.append((what, buffer, rows))  # (nothing computed until a rollback needs it: a restore's hot path)
 
     def remember_runs(self, runs: list[tuple[np.ndarray, str]]) -> list[RunUndo]:
         """Call before anything writes into the runs (``(dest, what)``: the bytes of one run of
@@ -158,8 +168,15 @@ class PoolCheckpoint:
             except Exception as e:  # noqa: BLE001
                 failed.append(undo.what)
                 first = first or e
+        for what, buffer, rows in self._scrub:
+            try:
+                raw_rows(buffer).index_fill_(0, rows.to(buffer.device), 0)
+            except Exception as e:  # noqa: BLE001
+                failed.append(what)
+                first = first or e
+        self._scrub.clear()
         self._rows.clear()
         self._runs.clear()
         self._attrs.clear()
         if failed:
-            raise RollbackError(path, "rollback", "every allocation and remembered row put back", "not put back: " + ", ".join(failed)) from first
+            raise RollbackError(path, "rollback", "every allocation and remembered row put back, every scrubbed row zeroed", "not put back: " + ", ".join(failed)) from first

@@ -692,6 +692,41 @@ def pool_state_fingerprint(ps: PoolSet) -> Dict[str, Any]:
     return fp
 
 
+def pool_state_copy(ps: PoolSet) -> Dict[str, Any]:
+    """:func:`pool_state_fingerprint` with every buffer copied, not digested: what
+    :func:`refusal_changes` compares a refused restore's pools with."""
+    fp = pool_state_fingerprint(ps)
+    fp["buffers"] = {name: t.detach().clone() for name, t in all_buffers(ps).items()}
+    return fp
+
+
+def refusal_changes(before: Dict[str, Any], ps: PoolSet) -> List[str]:
+    """What a refused restore changed, beyond what a refusal may change: ``[]`` when every
+    allocator entry and index table is exactly as in ``before`` (:func:`pool_state_copy`) and
+    every state buffer byte is either unchanged or zero — a refusal gives back the fresh slots
+    it wrote zeroed, nothing of the snapshot left in them."""
+    now = pool_state_copy(ps)
+    out = [k for k in sorted(set(before) | set(now)) if k != "buffers" and before.get(k) != now.get(k)]
+    state = {name for name, _ in _state_buffers(ps)}
+    for name in sorted(set(before["buffers"]) | set(now["buffers"])):
+        a, b = before["buffers"].get(name), now["buffers"].get(name)
+        if a is None or b is None or a.shape != b.shape:
+            out.append(f"buffers.{name}")
+            continue
+        ra, rb = _raw(a), _raw(b)
+        changed = ra != rb
+        if changed.any() and (name not in state or (rb[changed] != 0).any()):
+            out.append(f"buffers.{name}")
+    return out
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` as integers of its element width, same shape (NaN != NaN compares equal)."""
+    t = t.detach().contiguous()
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(word)
+
+
 def diff_fingerprints(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
     """Names of the top-level / buffer entries that differ (for assertion messages)."""
     out = []

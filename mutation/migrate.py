@@ -716,7 +716,7 @@ class MigrateExaminer:
             r = mt.untyped(e, "build")
             r["cls"] = "harness-error"
             return r
-        before, free_b = tgt.state.digests(), mt.free_counts(tgt.rtp, tgt.alloc)
+        before, free_b = tgt.mark(), mt.free_counts(tgt.rtp, tgt.alloc)
         pos_b, applied_b = (mig.request.state_position if mig.request else None), len(mig.applied)
         asked = []
 
@@ -771,7 +771,7 @@ class MigrateExaminer:
         if lower:
             return dict(mt.fail("leaked-slots", "after refusal", f"{what}: free counts fell: " + ", ".join(f"{x} {a}->{b}" for x, (a, b) in lower.items())),
                         refusal=r["cls"], **keep)
-        changed = mt.diff_digests(before, tgt.state.digests())
+        changed = tgt.refusal_changes(before)
         if changed:
             return dict(mt.fail("pool-changed", "after refusal", f"{what}: changed {', '.join(changed[:6])}"), refusal=r["cls"], **keep)
         if r["cls"] != "typed":

@@ -23,13 +23,15 @@ file builders are the format target's, mutation/format_target.py). Each target h
 * an **examiner** that drives the mutant through the library and classifies it with an
   oracle of its own (never the library's planner or checkpoint):
 
-  typed                   refused with an HsnapError, pools byte-identical after        ok
+  typed                   refused with an HsnapError, pools as before (byte for byte,   ok
+                          but for fresh slots the refused restore wrote and zeroed)
   accepted                accepted, and every check below held                          ok
   untyped                 any other exception out of hsnap_format / hsnap_io            FAILURE
   hang                    over the time limit (the worker is replaced)                  FAILURE
   leaked-slots            refused, and a free count (rows, token, SWA, Mamba slots)     FAILURE
                           is lower than before
   pool-changed            refused, and some pool byte, free list or mapping changed     FAILURE
+                          (but for state bytes zeroed: the fresh slots a refusal wrote)
   req-changed             load_retracted refused, and the Req is no longer retracted    FAILURE
   accepted-uncovered      accepted although some target element is held by no source    FAILURE
                           rank row (independent coverage oracle)
@@ -192,6 +194,24 @@ class PoolState:
             elif getattr(holder, key, None) is not original:
                 object.__setattr__(holder, key, original)  # frozen dataclasses too (MambaPool's cache)
 
+    def current(self, i: int):
+        """What entry ``i`` (the number after ``#`` in :meth:`digests`' keys) holds now."""
+        holder, key = self.entries[i][:2]
+        return holder[key] if isinstance(holder, list) else getattr(holder, key, None)
+
+    def tensors(self) -> dict:
+        """Every tensor entry now, copied (by entry number)."""
+        out = {}
+        for i in range(len(self.entries)):
+            cur = self.current(i)
+            if isinstance(cur, self.torch.Tensor):
+                out[i] = cur.detach().clone()
+        return out
+
+    def saved_tensors(self) -> dict:
+        """Every tensor entry as captured (the baseline), by entry number."""
+        return {i: e[3] for i, e in enumerate(self.entries) if isinstance(e[3], self.torch.Tensor)}
+
     def digests(self) -> dict[str, str]:
         torch = self.torch
         out = {}
@@ -283,6 +303,42 @@ class TargetPools:
 
     def changed(self) -> list[str]:
         return diff_digests(self.baseline, self.state.digests())
+
+    def mark(self) -> tuple[dict, dict]:
+        """The pools now (digests, and every tensor copied): what :meth:`refusal_changes` compares with."""
+        return self.state.digests(), self.state.tensors()
+
+    def refusal_changes(self, since: tuple[dict, dict] | None = None) -> list[str]:
+        """What a refusal changed that it may not: every entry as at the baseline (or ``since``: :meth:`mark`), but
+        for state-buffer bytes (the bindings' KV and Mamba tensors) that held the free rows' sentinel and are zero
+        now — the fresh slots a refused restore wrote and gave back zeroed (hsnap_io.statecheck's scrub_rows). A byte
+        of a row in use, or one left nonzero, is a change."""
+        import torch
+
+        digests, tensors = since if since is not None else (self.baseline, self.state.saved_tensors())
+        now = self.state.digests()
+        state = {b.buffer.untyped_storage().data_ptr() for b in self.bindings}
+        out = []
+        for k, d in digests.items():
+            if now.get(k) == d:
+                continue
+            i = int(k.split("#")[1])
+            t0, t1 = tensors.get(i), self.state.current(i)
+            if isinstance(t1, torch.Tensor) and t0 is not None and t0.shape == t1.shape and t0.dtype == t1.dtype \
+                    and t1.untyped_storage().data_ptr() in state:
+                a, b = as_u8(t0), as_u8(t1)
+                moved = a != b
+                if bool((a[moved] == SENTINEL).all()) and not bool(b[moved].any()):
+                    continue
+            out.append(k.split("#")[0])
+        return out + [k for k in now if k not in digests]
+
+
+def as_u8(t):
+    """``t``'s bytes, flat."""
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def fill_sentinel(bindings) -> None:
@@ -859,7 +915,7 @@ def refused(r: dict, tgt: TargetPools, free0: dict, stage: str = "after refusal"
     stays in ``refusal``/``where``."""
     free1 = free_counts(tgt.rtp, tgt.alloc)
     lower = {k: (free0[k], free1.get(k)) for k in free0 if free1.get(k, 0) < free0[k]}
-    changed = tgt.changed()
+    changed = tgt.refusal_changes()
     what = f"{r['error']} {r.get('field') or r.get('message', '')[:80]}"
     keep = {k: r[k] for k in ("where", "traceback", "message") if k in r}
     if lower:

@@ -288,16 +288,23 @@ def test_hostile_chain_base_position_beyond_its_own(chain3):
 
 
 def test_hostile_chain_flipped_byte_in_a_link_below(chain3):
-    """verify=True checks every link before allocating: a damaged base row is refused with
-    the pools untouched; with verify='during' it is caught while uploading and rolled back."""
+    """verify="before" checks every link before allocating: a damaged base row is refused with
+    the pools untouched; the default (one pass) and verify='during' catch it while uploading
+    and give back every allocation, the slots they wrote zeroed — or, with exact_rollback,
+    their old bytes."""
     ps, req, paths, tmp = chain3
     with hf.open(paths[0]) as b:
         at = b.section("attn.0.k").offset if "attn.0.k" in b else next(s for s in b.sections if s.kind == "attn_k").offset
     data = bytearray(open(paths[0], "rb").read())
     data[at] ^= 0xFF
     open(paths[0], "wb").write(bytes(data))
-    err = _refused(paths[-1], ic.target("swa_mamba", 1), hf.DigestMismatchError)
+    err = _refused(paths[-1], ic.target("swa_mamba", 1), hf.DigestMismatchError, verify="before")
     assert err.path == paths[0]
+    t = ic.target("swa_mamba", 1)
+    before, copied = sp.pool_state_fingerprint(t), sp.pool_state_copy(t)
+    with pytest.raises(hf.DigestMismatchError) as e:
+        _restore(paths[-1], t)
+    assert e.value.path == paths[0] and sp.refusal_changes(copied, t) == []
     t = ic.target("swa_mamba", 1)
     before = sp.pool_state_fingerprint(t)
     with pytest.raises(hf.DigestMismatchError):

@@ -213,14 +213,21 @@ def test_missing_page_refused_before_allocating(paged_file):
 
 
 def test_page_whose_bytes_do_not_match_refused_before_allocating(paged_file):
-    """A flipped section byte: verify=True hashes every page before allocating."""
+    """A flipped section byte: verify="before" hashes every page before allocating; the default (one pass) finds it
+    while uploading, gives back every allocation and zeroes what it wrote."""
     d, refs, kind = paged_file
     data = bytearray(refs[1].read_bytes())
     with pg.open_page(str(refs[1])) as p:
         data[p.sections[0].offset + 3] ^= 0x10
     refs[1].write_bytes(bytes(data))
-    e = _refused(d / "a.hsnap", ic.target(kind, 1), hf.DigestMismatchError, verify=True)
+    e = _refused(d / "a.hsnap", ic.target(kind, 1), hf.DigestMismatchError, verify="before")
     assert e.field.startswith("sections[") and e.path == str(refs[1])
+    t = ic.target(kind, 1)
+    copied = sp.pool_state_copy(t)
+    with pytest.raises(hf.DigestMismatchError) as info:
+        _restore(d / "a.hsnap", t)
+    assert info.value.field.startswith("sections[") and info.value.path == str(refs[1])
+    assert sp.refusal_changes(copied, t) == []
     # read once (verify="during"): caught while uploading, every allocation given back, every byte too
     e = _refused(d / "a.hsnap", ic.target(kind, 1), hf.DigestMismatchError, verify="during", exact_rollback=True)
     assert e.path == str(refs[1])

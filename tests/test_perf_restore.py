@@ -90,14 +90,15 @@ def test_a_change_after_the_checks_is_caught_while_uploading(snap_path, tmp_path
 
     monkeypatch.setattr(restore_mod, "PoolCheckpoint", checkpoint_then_change)
     ps = target(KIND, 1)
-    before = sp.pool_state_fingerprint(ps)
+    before, copied = sp.pool_state_fingerprint(ps), sp.pool_state_copy(ps)
     with pytest.raises(hf.DigestMismatchError, match=sec.name):
         _restore(p, ps, exact_rollback=exact, verify=verify)
     changed = sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps))
     if exact:
         assert changed == []
-    else:  # allocations, mappings, rows: all given back; only written (now free) slots' bytes differ
+    else:  # allocations, mappings, rows: all given back; the written (now free) slots zeroed
         assert changed and all(c.startswith("buffers.") for c in changed), changed
+        assert sp.refusal_changes(copied, ps) == []
 
 
 def test_a_digest_mismatch_during_upload_gives_back_every_allocation(snap_path, tmp_path, upload_threads):
@@ -106,13 +107,16 @@ def test_a_digest_mismatch_during_upload_gives_back_every_allocation(snap_path, 
     sec = _section(p, "temporal", 1)
     _flip(p, sec.offset + 5)
     ps = target(KIND, 1)
-    before = sp.pool_state_fingerprint(ps)
+    before, copied = sp.pool_state_fingerprint(ps), sp.pool_state_copy(ps)
     with pytest.raises(hf.DigestMismatchError, match=sec.name):
-        _restore(p, ps)  # default: verified before allocating
-    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # a refusal leaves the pools exactly as they were
-    with pytest.raises(hf.DigestMismatchError, match=sec.name):
-        _restore(p, ps, verify="during")  # read once: found while uploading
-    assert all(c.startswith("buffers.") for c in sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)))
+        _restore(p, ps, verify="before")  # every byte verified before allocating
+    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # the pools exactly as they were, byte for byte
+    for verify in (True, "during"):  # the default reads once: found while uploading
+        with pytest.raises(hf.DigestMismatchError, match=sec.name):
+            _restore(p, ps, verify=verify)
+        changed = sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps))
+        assert changed and all(c.startswith("buffers.") for c in changed), changed  # it did write: into fresh slots
+        assert sp.refusal_changes(copied, ps) == []  # every allocation given back, what it wrote zeroed
     res = _restore(snap_path, ps)  # and the pools take the intact snapshot afterwards
     assert res.state_position == hf.open(snap_path).state_position
 

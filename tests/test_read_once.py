@@ -1,17 +1,22 @@
 """Restores that read the payload once, with every guarantee kept.
 
-A local file (default ``verify=True``): a payload up to ``restore.ONE_READ_BYTES``
-is read once, into a reused staging buffer, each section hashed and the padding checked
-as it lands, before anything is allocated; the upload copies from that buffer. So the
-file is read once, and what reaches the pools is what was hashed even if the file
-changes afterwards. Larger payloads take the two-pass path (verify, then read and hash
-again while uploading).
+The default (``verify=True``) reads once, straight into fresh slots, each piece hashed as
+it lands: a refusal gives back every allocation exactly and zeroes what it wrote
+(tests/test_perf_restore.py; here: the object store's read-ahead, a late refusal, a
+Ctrl-C, a dead server). ``verify="before"`` — the proof a caller gets from
+``prove_opened`` before it touches the pools — refuses before allocating, the pools
+byte-identical:
+
+A local file: a payload up to ``restore.ONE_READ_BYTES`` is read once, into a reused
+staging buffer, each section hashed and the padding checked as it lands, before anything
+is allocated; the upload copies from that buffer. So the file is read once, and what
+reaches the pools is what was hashed even if the file changes afterwards. Larger payloads
+take the two-pass path (verify, then read and hash again while uploading).
 
 An object store (a real SeaweedFS): the ranged GETs run ahead of the hashing and the
-scatter — into the staging buffer (a payload under the bound) or into a bounded ring of
-read-ahead buffers (``ReadAhead``: ``parallel`` x ``chunk_bytes``) — with the ETag
-pinned, a refusal or a dead server leaving the pools byte-identical, no GET thread
-outliving the restore, at most ``parallel`` GETs in flight.
+scatter — into the staging buffer (a payload under the bound) or straight into the slots
+with an undo log (over it) — with the ETag pinned, a refusal or a dead server leaving the
+pools byte-identical, no GET thread outliving the restore, at most ``parallel`` GETs in flight.
 
 No timing here (speed is bench/RESULTS.md and bench/REMOTE.md); the overlap is shown
 by order of events: a GET that will not finish until the first piece is hashed.
@@ -99,24 +104,26 @@ def _flip(path, offset):
         os.close(fd)
 
 
-# ------------------------------------------------------------------ local, verify=True
+# ------------------------------------------------------------------ local: verify=True (one pass) and "before" (proof first)
 
 
 @pytest.fixture(params=["one part", "two parts"])
 def parts(request, monkeypatch):
-    """The staged body read and hashed as one part, or (any body: the bound set to 0) as two parts at once."""
+    """The staged body (or the one pass's upload) read and hashed as one part, or (any body: the bound set to 0) as two
+    parts at once."""
     if request.param == "two parts":
         monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
     return request.param
 
 
-def test_default_verify_reads_the_payload_once(snap_path, expected, monkeypatch, parts):
+@pytest.mark.parametrize("verify", [True, "before"])
+def test_verify_reads_the_payload_once(snap_path, expected, monkeypatch, parts, verify):
     size = os.path.getsize(snap_path)
     with hf.open(snap_path) as s:
         records = sum(x.length for x in s.sections if not x.is_state)
     total = _count_reads(monkeypatch, snap_path)
     ps = target(KIND, 1)
-    got = _restore(snap_path, ps)  # verify=True, the default
+    got = _restore(snap_path, ps, verify=verify)
     assert _same_rows(_rows(ps, got), expected)
     # the body once, the (small) record sections hashed again as the record is built
     assert size // 2 < total[0] <= size + records, (total[0], size)
@@ -127,7 +134,7 @@ def test_over_the_bound_two_passes_still_right(snap_path, expected, monkeypatch)
     size = os.path.getsize(snap_path)
     total = _count_reads(monkeypatch, snap_path)
     ps = target(KIND, 1)
-    got = _restore(snap_path, ps)
+    got = _restore(snap_path, ps, verify="before")
     assert _same_rows(_rows(ps, got), expected)
     assert total[0] > size  # verified, then read and hashed again while uploading
 
@@ -148,7 +155,7 @@ def test_file_changed_after_the_verify_pass_never_reaches_the_pools(snap_path, e
 
     monkeypatch.setattr(restore_mod, "PoolCheckpoint", checkpoint_then_change)
     ps = target(KIND, 1)
-    got = _restore(p, ps)
+    got = _restore(p, ps, verify="before")
     assert _same_rows(_rows(ps, got), expected)
     with pytest.raises(hf.DigestMismatchError, match=sec.name):  # the file really changed
         hf.open(p).verify()
@@ -162,15 +169,19 @@ def test_corrupt_file_refused_before_allocation_pools_identical(snap_path, tmp_p
         pad = s.padding_ranges()
     _flip(p, sec.offset + 7)
     ps = target(KIND, 1)
-    before = sp.pool_state_fingerprint(ps)
+    before, copied = sp.pool_state_fingerprint(ps), sp.pool_state_copy(ps)
     with pytest.raises(hf.DigestMismatchError, match=sec.name):
-        _restore(p, ps)
+        _restore(p, ps, verify="before")
     assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
-    if pad:  # padding first (spec 7.2's order), found in the same one read
+    with pytest.raises(hf.DigestMismatchError, match=sec.name):  # the one pass: found as it lands, zeroed
+        _restore(p, ps)
+    assert sp.refusal_changes(copied, ps) == []
+    if pad:  # padding first (spec 7.2's order), found in the same one read; the one pass checks it before allocating
         _flip(p, pad[0][0])
-        with pytest.raises(hf.DigestMismatchError, match="padding"):
-            _restore(p, ps)
-        assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+        for verify in ("before", True):
+            with pytest.raises(hf.DigestMismatchError, match="padding"):
+                _restore(p, ps, verify=verify)
+        assert sp.refusal_changes(copied, ps) == []
 
 
 def test_two_parts_report_the_first_corrupt_section_in_table_order(snap_path, tmp_path, monkeypatch):
@@ -188,7 +199,7 @@ def test_two_parts_report_the_first_corrupt_section_in_table_order(snap_path, tm
         for x in flips:
             _flip(p, x.offset + x.length - 1)
         with pytest.raises(hf.DigestMismatchError) as e:
-            _restore(p, ps)
+            _restore(p, ps, verify="before")
         assert e.value.field == f"sections[{named.name!r}].digest"
         assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
 
@@ -224,11 +235,11 @@ def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expecte
 
 def test_staging_buffer_is_reused(snap_path, expected):
     ps = target(KIND, 1)
-    got = _restore(snap_path, ps)
+    got = _restore(snap_path, ps, verify="before")
     kept = restore_mod._Staged.kept.buffers[0]  # the largest kept
     assert kept.size >= os.path.getsize(snap_path) - 200
     ps = target(KIND, 1)
-    got = _restore(snap_path, ps)
+    got = _restore(snap_path, ps, verify="before")
     assert any(b is kept for b in restore_mod._Staged.kept.buffers)  # the same memory, not faulted in again
     assert _same_rows(_rows(ps, got), expected)
 
@@ -245,13 +256,17 @@ def _no_hook():
     s3client.fault_hook = None
 
 
-@pytest.fixture(params=["staged", "read-ahead"])
+@pytest.fixture(params=["staged", "read-ahead", "one pass"])
 def path_kind(request, monkeypatch):
-    """Both pipelines: the staging buffer (payload under the bound) and the read-ahead
-    ring straight into the slots with an undo log (over it)."""
+    """The three pipelines: verify="before" into the staging buffer (payload under the bound) or straight into the
+    slots with an undo log (over it), and the default's one pass (straight into the slots, zeroed on a refusal)."""
     if request.param == "read-ahead":
         monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)
     return request.param
+
+
+def _verify(path_kind: str):
+    return True if path_kind == "one pass" else "before"
 
 
 def _upload(s3server, bucket, snap_path) -> str:
@@ -303,7 +318,7 @@ def test_url_restore_downloads_ahead_while_hashing(s3server, bucket, snap_path, 
         monkeypatch.setattr(hashing, "xxhash", counted)
     s3client.fault_hook = hook
     ps = target(KIND, 1)
-    got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=2))
+    got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=2), verify=_verify(path_kind))
     s3client.fault_hook = None
     assert overlap == [True]
     assert _same_rows(_rows(ps, got), expected)
@@ -336,21 +351,23 @@ def test_in_flight_gets_bounded(s3server, bucket, snap_path, expected, path_kind
 
     monkeypatch.setattr(s3ranges.ReadAhead, "_fill", fill)
     ps = target(KIND, 1)
-    got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3))
+    got = _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3), verify=_verify(path_kind))
     assert _same_rows(_rows(ps, got), expected)
     assert count[0] > 6 and 1 <= peak[0] <= 3
     assert max(held, default=0) <= 3  # ring buffers made: parallel x chunk_bytes at most
-    assert (path_kind == "read-ahead") == bool(held)
+    assert (path_kind != "staged") == bool(held)
     assert _gets_threads() == []
 
 
+@pytest.mark.parametrize("verify", ["before", True])
 @pytest.mark.parametrize("slots", ["used", "never used"])
 def test_url_read_ahead_lands_in_the_slots_and_a_late_refusal_puts_back_every_byte(s3server, bucket, snap_path, expected,
-                                                                                   tmp_path, monkeypatch, slots):
-    """Over the staging bound an object's sections are fetched straight into their slots, each GET saving the bytes
-    it overwrites first (held as zeros where the slots held only zeros). The last section corrupt: every earlier one
-    has landed when the digest fails, and the pools come back byte for byte — free slots that held an earlier
-    request's bytes, or nothing — then the good object restores exactly."""
+                                                                                   tmp_path, monkeypatch, slots, verify):
+    """Over the staging bound an object's sections are fetched straight into their slots; with verify="before" each
+    GET saves the bytes it overwrites first (held as zeros where the slots held only zeros). The last section
+    corrupt: every earlier one has landed when the digest fails, and the pools come back byte for byte — free slots
+    that held an earlier request's bytes, or nothing — then the good object restores exactly. The default
+    (verify=True, any size) saves nothing: its refusal gives back every allocation and zeroes the slots it wrote."""
     from hsnap_io import statecheck
 
     monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)
@@ -374,18 +391,23 @@ def test_url_read_ahead_lands_in_the_slots_and_a_late_refusal_puts_back_every_by
         if t.dtype.is_floating_point and t.numel():
             t.view(-1).view(torch.uint8)[:] = torch.from_numpy(gen.integers(1, 255, t.numel() * t.element_size(), dtype=np.uint8)
                                                                if slots == "used" else np.zeros(t.numel() * t.element_size(), np.uint8))
-    before = sp.pool_state_fingerprint(ps)
+    before, copied = sp.pool_state_fingerprint(ps), sp.pool_state_copy(ps)
     opts = dict(s3server.options(), chunk_bytes=CHUNK, parallel=3)
     with pytest.raises(hf.DigestMismatchError, match=last.name):
-        _restore(bad_url, ps, storage_options=opts)
-    assert saved and {any_bytes for *_, any_bytes in saved} == {slots == "used"}  # landed, saved (or held as zeros)
-    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+        _restore(bad_url, ps, storage_options=opts, verify=verify)
+    if verify == "before":
+        assert saved and {any_bytes for *_, any_bytes in saved} == {slots == "used"}  # landed, saved (or held as zeros)
+        assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []
+    else:
+        assert saved == []  # no undo log: nothing copied before the bytes land
+        assert sp.refusal_changes(copied, ps) == []
+        assert (sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) != []) == (slots == "used")  # it wrote, then zeroed
     assert _gets_threads() == []
     got = _restore(good_url, ps, storage_options=opts)
     assert _same_rows(_rows(ps, got), expected)
 
 
-def _interrupted(s3server, bucket, snap_path, act, err, **opts):
+def _interrupted(s3server, bucket, snap_path, act, err, path_kind, **opts):
     url = _upload(s3server, bucket, snap_path)
     seen = []
 
@@ -398,15 +420,18 @@ def _interrupted(s3server, bucket, snap_path, act, err, **opts):
                 act()
 
     ps = target(KIND, 1)
-    before = sp.pool_state_fingerprint(ps)
+    before, copied = sp.pool_state_fingerprint(ps), sp.pool_state_copy(ps)
     s3client.fault_hook = hook
     try:
         with pytest.raises(err) as e:
-            _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3, **opts))
+            _restore(url, ps, storage_options=dict(s3server.options(), chunk_bytes=CHUNK, parallel=3, **opts), verify=_verify(path_kind))
     finally:
         s3client.fault_hook = None
     assert len(seen) >= 4
-    assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # byte-identical
+    if path_kind == "one pass":
+        assert sp.refusal_changes(copied, ps) == []  # every allocation given back, the slots it wrote zeroed
+    else:
+        assert sp.diff_fingerprints(before, sp.pool_state_fingerprint(ps)) == []  # byte-identical
     assert _gets_threads() == []  # every GET waited for, the pool shut down
     return e.value
 
@@ -417,7 +442,7 @@ def test_ctrl_c_mid_download_pools_identical_no_thread_left(s3server, bucket, sn
     def interrupt():
         _thread.interrupt_main()  # what Ctrl-C does to the main thread, while GETs run ahead
 
-    _interrupted(s3server, bucket, snap_path, interrupt, KeyboardInterrupt)
+    _interrupted(s3server, bucket, snap_path, interrupt, KeyboardInterrupt, path_kind)
 
 
 # last: kills the shared server and starts it again on the same directory and ports
@@ -425,7 +450,7 @@ def test_ctrl_c_mid_download_pools_identical_no_thread_left(s3server, bucket, sn
 
 def test_pipelined_restore_server_killed_mid_download_pools_identical(s3server, bucket, snap_path, path_kind):
     try:
-        e = _interrupted(s3server, bucket, snap_path, s3server.kill, s3client.RemoteIOError, retries=0)
+        e = _interrupted(s3server, bucket, snap_path, s3server.kill, s3client.RemoteIOError, path_kind, retries=0)
         assert isinstance(e, hf.HsnapIOError)
     finally:
         s3server.start()
