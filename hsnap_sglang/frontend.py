@@ -60,7 +60,7 @@ from .containment import (MAX_FOLLOW_TIMEOUT_S, MAX_FOLLOWS, Slots, check_path, 
 from .detokenize import replay_info
 from .errors import PluginError, RequestBusyError, error_dict
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
-                       HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
+                       HsnapMigrateReqInput, HsnapProveAheadReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -147,6 +147,32 @@ class HsnapFrontend:
         finally:
             self.waiting.pop(msg.op_id, None)
 
+    async def send(self, msg) -> None:
+        """Send one hsnap message the scheduler does not answer."""
+        self.tm.auto_create_handle_loop()
+        await self.tm._async_dispatch_to_scheduler(msg)
+
+    async def prove_ahead(self, path: str) -> str | None:
+        """Have the scheduler start proving ``path`` now (:class:`HsnapProveAheadReqInput`), while this process reads
+        the record, claims the snapshot and registers the client: the resume that names it (``ahead``) takes the
+        proof.  Returns its op_id, None when it could not be sent (the resume then proves as it arrives)."""
+        op_id = uuid.uuid4().hex
+        try:
+            await self.send(HsnapProveAheadReqInput(op_id=op_id, path=path))
+        except Exception:  # noqa: BLE001 - only a head start lost
+            logger.exception("hsnap: asking for a proof ahead of the resume of %s", path)
+            return None
+        return op_id
+
+    async def drop_ahead(self, op_id: str | None) -> None:
+        """The resume :meth:`prove_ahead` started a proof for will not be sent (or took another path): give it back
+        now, not after the scheduler's time-out (a no-op once a resume took it)."""
+        if op_id is not None:
+            try:
+                await self.send(HsnapProveAheadReqInput(op_id=op_id, path="", drop=True))
+            except Exception:  # noqa: BLE001 - the scheduler gives it back after PROVED_AHEAD_TTL_S
+                logger.exception("hsnap: giving back a proof ahead")
+
     def on_answer(self, out: HsnapReqOutput) -> None:
         fut = self.waiting.get(out.op_id)
         if fut is not None and not fut.done():
@@ -155,21 +181,29 @@ class HsnapFrontend:
     # ------------------------------------------------------------------ resume
 
     async def resume_one(self, path: str, *, stream: bool, text_in_logprobs: bool, request=None, again: bool = False,
-                         prepared: "PreparedResume | BaseException | None" = None, asked_at: float | None = None):
+                         prepared: "PreparedResume | BaseException | None" = None, asked_at: float | None = None,
+                         ahead: str | None = None):
         """Claim the snapshot (hsnap_sglang.claims; not with ``again``), register the request's state (seeded), ask
         the scheduler; on refusal take the state and the claim back and raise.  File and store work runs off the
         event loop (its reads are bounded by the store's timeouts), in one job (:meth:`prepare`) unless the caller
-        ran it already (``prepared``: its result or what it raised, with ``asked_at`` when the caller was asked)."""
+        ran it already (``prepared``: its result or what it raised, with ``asked_at`` when the caller was asked).
+        ``ahead``: the op_id of the proof :meth:`prove_ahead` started for ``path`` (given back if this fails first)."""
         t_asked = time.monotonic() if asked_at is None else asked_at
-        if prepared is None:
-            prepared = await asyncio.to_thread(self.prepare, path, again=again)
-        elif isinstance(prepared, BaseException):
-            raise prepared
+        try:
+            if prepared is None:
+                prepared = await asyncio.to_thread(self.prepare, path, again=again)
+            elif isinstance(prepared, BaseException):
+                raise prepared
+        except BaseException:
+            await self.drop_ahead(ahead)
+            raise
         info, held = prepared.info, prepared.held
         try:
-            obj, out, had = await self._registered(info, prepared.handoff, HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=info["rid"], path=path),
+            obj, out, had = await self._registered(info, prepared.handoff,
+                                                   HsnapResumeReqInput(op_id=uuid.uuid4().hex, rid=info["rid"], path=path, ahead=ahead),
                                                    stream=stream, text_in_logprobs=text_in_logprobs, request=request)
         except BaseException:
+            await self.drop_ahead(ahead)  # (a no-op when the resume was sent: it took the proof)
             if held is not None:
                 await asyncio.to_thread(_release_claim, *held)
             raise
@@ -585,24 +619,32 @@ def router():
             return _bad("again", "true or false (true: resume a snapshot already resumed once)", again)
         fe = _frontend()
         tm = fe.tm
+        # the scheduler proves the snapshot while the listing, the record read, the claim and the registration run here
+        ahead = await fe.prove_ahead(path)
 
-        def listed() -> tuple[list, Any]:
+        def listed() -> tuple[list, Any, bool]:
             """The listing and the first entry's preparation, one job off the event loop (what it raises: that
-            entry's refusal)."""
-            found = snapshot_entries(_local(path))
+            entry's refusal); whether ``path`` is that one snapshot (what was proved ahead)."""
+            local = _local(path)
+            found = snapshot_entries(local)
             if not found:
-                return found, None
+                return found, None, False
             try:
-                return found, fe.prepare(found[0], again=again)
+                return found, fe.prepare(found[0], again=again), len(found) == 1
             except Exception as e:  # noqa: BLE001 - answered as that entry's refusal (resume_one raises it)
-                return found, e
+                return found, e, len(found) == 1
 
         try:
-            entries, first = await asyncio.to_thread(listed)
+            entries, first, single = await asyncio.to_thread(listed)
         except HsnapError as e:  # a listing the store refused (typed, named)
+            await fe.drop_ahead(ahead)
             return _error_response(error_dict(e))
         except OSError as e:
+            await fe.drop_ahead(ahead)
             return _error_response(error_dict(HsnapError(path, "path", Phrase("a readable snapshot or directory"), Phrase(str(e)))))
+        if not single:  # a directory of snapshots: each is proved as its resume arrives
+            await fe.drop_ahead(ahead)
+            ahead = None
         if not entries:
             return _error_response(error_dict(HsnapError(path, "path", Phrase("a snapshot, or a directory holding *.hsnap snapshots"),
                                                          Phrase("no snapshot"))))
@@ -611,7 +653,7 @@ def router():
         for i, entry in enumerate(entries):
             try:
                 obj, result = await fe.resume_one(entry, stream=stream, text_in_logprobs=text_lp, request=request, again=again,
-                                                  **({"prepared": first, "asked_at": asked_at} if i == 0 else {}))
+                                                  **({"prepared": first, "asked_at": asked_at, "ahead": ahead} if i == 0 else {}))
             except _AnsweredError as e:
                 results.append({"path": entry, "ok": False, "error": e.error})
                 continue

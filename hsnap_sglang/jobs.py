@@ -299,10 +299,27 @@ class Resuming:
     received: float  # time.monotonic() when the scheduler took the message
     job: Job | None
     start: Any = None  # () -> Job, for a proof not started yet
+    ahead: float | None = None  # when the proof started ahead of this message was asked for (ProvedAhead.received)
 
     @property
     def done(self) -> bool:
         return self.job is not None and self.job.done
+
+
+@dataclasses.dataclass
+class ProvedAhead:
+    """A resume's proof started before the resume itself arrived (``HsnapProveAheadReqInput``): the HTTP process reads
+    the record, claims the snapshot and registers the client meanwhile.  The resume naming it takes ``job``."""
+
+    path: str  # as confine.resolve gives it
+    job: Job
+    received: float  # time.monotonic() when the scheduler took the message
+
+
+# Proofs started ahead of their resume, held at once (more are not started: their resumes prove as they arrive), and
+# how long one waits for its resume before it is given back (the HTTP process says so sooner when it refuses first).
+MAX_PROVED_AHEAD = 2
+PROVED_AHEAD_TTL_S = 30.0
 
 
 # A local snapshot file up to this size is proved on the scheduler thread: ~5 ms on 2 CPU cores, under half a decode

@@ -28,6 +28,19 @@ class HsnapResumeReqInput(BaseReq, kw_only=True):
     op_id: str
     path: str
     detokenizer: Optional[List[int]] = None  # [surr, read]: the detokenization window (hsnap_sglang.detokenize)
+    ahead: Optional[str] = None  # the op_id of a HsnapProveAheadReqInput of the same path: its proof, if held, is this resume's
+
+
+class HsnapProveAheadReqInput(BaseReq, kw_only=True):
+    """Start proving the snapshot at ``path`` now (opened, checked, every byte read and hashed: no pool touched), for
+    the resume the HTTP process is about to send once it has read the record, claimed the snapshot and registered the
+    client (``HsnapResumeReqInput.ahead`` = this ``op_id``): the proof runs meanwhile.  Not answered.  ``drop``: the
+    resume will not come (refused before it was sent); a proof no resume takes is given back after
+    ``hsnap_sglang.jobs.PROVED_AHEAD_TTL_S``."""
+
+    op_id: str
+    path: str
+    drop: bool = False
 
 
 class HsnapDrainReqInput(BaseReq, kw_only=True):
@@ -97,7 +110,7 @@ class HsnapReqOutput(BaseReq, kw_only=True):
     items: List[Dict[str, Any]] = msgspec.field(default_factory=list)
 
 
-TYPES = (HsnapExportReqInput, HsnapResumeReqInput, HsnapDrainReqInput, HsnapCheckpointReqInput, HsnapMigrateReqInput, HsnapFollowReqInput,
+TYPES = (HsnapExportReqInput, HsnapResumeReqInput, HsnapProveAheadReqInput, HsnapDrainReqInput, HsnapCheckpointReqInput, HsnapMigrateReqInput, HsnapFollowReqInput,
          HsnapAdmitReqInput, HsnapStatsReqInput, HsnapReqOutput)
 
 _registered = False

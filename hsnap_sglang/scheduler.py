@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hsnap_format import HsnapError, SnapshotExistsError
+from hsnap_format import HsnapError, IncompatibleSnapshotError, SnapshotExistsError
 from hsnap_format.errors import Phrase
 
 from hsnap_format.stores import is_url, store_for
@@ -42,11 +42,12 @@ from .errors import (PluginError, RemoteRankError, RequestBusyError, RequestFini
                      unknown_request)
 from . import confine, metrics, migration, retraction
 from .containment import contained_handler, guarded, log_failure, typed, typed_in_dir
-from .jobs import IDLE_PROOF_WAIT_S, Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, Resuming, proof_here_bytes, proves_here, safe_file_name
+from .jobs import (IDLE_PROOF_WAIT_S, MAX_PROVED_AHEAD, PROVED_AHEAD_TTL_S, Checkpointing, Drain, Export, Job, LinkJob, LinkWriter, ProvedAhead,
+                   Resuming, proof_here_bytes, proves_here, safe_file_name)
 from .client import HAND_OFF
 from .detokenize import anchor_detokenizer
 from .messages import (HsnapAdmitReqInput, HsnapCheckpointReqInput, HsnapDrainReqInput, HsnapExportReqInput, HsnapFollowReqInput,
-                       HsnapMigrateReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
+                       HsnapMigrateReqInput, HsnapProveAheadReqInput, HsnapReqOutput, HsnapResumeReqInput, HsnapStatsReqInput)
 
 logger = logging.getLogger("hsnap_sglang")
 
@@ -74,7 +75,7 @@ def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
     if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.after_links or hs.migrations or hs.follows or hs.arrived
-                           or hs.resuming or (hs.retraction is not None and hs.retraction.busy())):
+                           or hs.resuming or hs.proved_ahead or (hs.retraction is not None and hs.retraction.busy())):
         guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
 
@@ -202,6 +203,7 @@ class HsnapScheduler:
         self.follows: dict[str, Any] = {}  # op_id -> migration.Following (target side)
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
         self.resuming: dict[str, Resuming] = {}  # op_id -> a resume whose snapshot is proved off this thread, in arrival order
+        self.proved_ahead: dict[str, ProvedAhead] = {}  # op_id -> a proof started before its resume arrived, oldest first
         self.proof_here_bytes = proof_here_bytes()
         self.finish_reason = _finish_reason_class()
         self._identity = None
@@ -214,6 +216,7 @@ class HsnapScheduler:
         """Every handler contained: whatever it raises, its message is answered with a typed error (logged once)
         and SGLang's scheduler loop goes on."""
         table = [(HsnapExportReqInput, "export", self.on_export), (HsnapResumeReqInput, "resume", self.on_resume),
+                 (HsnapProveAheadReqInput, "proof ahead of a resume", self.on_prove_ahead),
                  (HsnapDrainReqInput, "drain", self.on_drain), (HsnapCheckpointReqInput, "checkpoint", self.on_checkpoint),
                  (HsnapStatsReqInput, "stats", self.on_stats), (HsnapMigrateReqInput, "migrate", self._on(migration.on_migrate)),
                  (HsnapFollowReqInput, "follow", self._on(migration.on_follow)), (HsnapAdmitReqInput, "admit", self._on(migration.on_admit))]
@@ -374,6 +377,8 @@ class HsnapScheduler:
         batch is still in flight; keep waiting for the ones being queued or prefilled."""
         if self.resuming:
             guarded("finishing resumes", self.finish_resumes)
+        if self.proved_ahead:
+            guarded("expiring proofs ahead of their resume", self._expire_proved_ahead)
         if self.links.busy():
             guarded("collecting checkpoint links", self.collect_links)
         if self.checkpoints:
@@ -835,33 +840,78 @@ class HsnapScheduler:
 
     def on_resume(self, msg: HsnapResumeReqInput):
         """Start the resume's proof off this thread (:func:`hsnap_sglang.req.prove_resume`: the snapshot opened, checked
-        and every byte read and hashed — for an ``s3://`` one, GETs — while the other requests decode on); the
-        restore, admission and answer follow at the iteration that finds it proved on every rank
-        (:meth:`finish_resumes`).  Every rank keeps the same jobs in the same order: the messages reach them so."""
+        and every byte read and hashed — for an ``s3://`` one, GETs — while the other requests decode on), or take the
+        one started ahead of it (``msg.ahead``: :meth:`on_prove_ahead`); the restore, admission and answer follow at
+        the iteration that finds it proved on every rank (:meth:`finish_resumes`).  Every rank keeps the same jobs in
+        the same order: the messages reach them so (a rank without the proof ahead proves now)."""
         t0 = time.monotonic()
-        s = self.sched
+        ahead = self.proved_ahead.pop(msg.ahead, None) if msg.ahead is not None else None
         try:
             resolved = confine.resolve(msg.path, "path", confine.READ)  # the HTTP edge checked it; again where it is opened
             if self.busy_resuming(msg.rid):
                 raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
         except HsnapError as e:
+            if ahead is not None:
+                ahead.job.discard()
             self.resuming[msg.op_id] = Resuming(msg, t0, Job.failed(e))
             return None
-        from .req import prove_resume
-
-        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
-        kwargs = dict(identity=self.identity(), rank=self.tp_rank if self.tp_size > 1 else None, http_worker_ipc=msg.http_worker_ipc,
-                      expect_rid=msg.rid, room=self.room(), sharding=self.sharding(), **self.resume_context())
-
-        def prove():
-            return prove_resume(msg.path, **pools, **kwargs)
-
+        if ahead is not None and ahead.path != resolved:  # (not what the HTTP process sends)
+            ahead.job.discard()
+            ahead = None
+        if ahead is not None:  # its rid is checked against the message's once proved (_restore_resumed)
+            self.resuming[msg.op_id] = Resuming(msg, t0, ahead.job, ahead=ahead.received)
+            return None
+        prove = self._resume_proof(msg.path, msg.http_worker_ipc, msg.rid)
         if proves_here(resolved, self.proof_here_bytes):
             self.resuming[msg.op_id] = Resuming(msg, t0, Job.run_here(prove))
         else:  # started now if a place is free, else by finish_resumes (each holds a staging buffer of up to 128 MiB)
             self.resuming[msg.op_id] = Resuming(msg, t0, None, start=lambda: Job(prove, f"hsnap-resume-{self.tp_rank}"))
             self._start_proofs()
         return None
+
+    def _resume_proof(self, path: str, http_worker_ipc, rid: str | None):
+        """The proof of a resume of ``path`` (of request ``rid``; None: checked when it is taken), to run once."""
+        from .req import prove_resume
+
+        s = self.sched
+        pools = dict(req_to_token_pool=s.req_to_token_pool, token_to_kv_pool_allocator=s.token_to_kv_pool_allocator)
+        kwargs = dict(identity=self.identity(), rank=self.tp_rank if self.tp_size > 1 else None, http_worker_ipc=http_worker_ipc,
+                      expect_rid=rid, room=self.room(), sharding=self.sharding(), **self.resume_context())
+        return lambda: prove_resume(path, **pools, **kwargs)
+
+    def on_prove_ahead(self, msg: HsnapProveAheadReqInput):
+        """Prove ``msg.path`` now, for the resume the HTTP process sends once it has read the record, claimed the
+        snapshot and registered its client (``HsnapResumeReqInput.ahead``): the two overlap.  A local file up to the
+        operator's bound is proved here, as its resume would be, the rest on a thread.  Not answered: a path this
+        refuses, or more than :data:`MAX_PROVED_AHEAD` proofs held, leave the resume to prove when it arrives (and
+        answer its refusal); ``drop`` gives the proof back."""
+        held = self.proved_ahead.pop(msg.op_id, None)
+        if msg.drop:
+            if held is not None:
+                held.job.discard()
+            return None
+        self._expire_proved_ahead()
+        if held is not None or len(self.proved_ahead) >= MAX_PROVED_AHEAD:
+            if held is not None:
+                held.job.discard()
+            return None
+        try:
+            resolved = confine.resolve(msg.path, "path", confine.READ)
+        except HsnapError:
+            return None
+        prove = self._resume_proof(resolved, msg.http_worker_ipc, None)
+        job = Job.run_here(prove) if proves_here(resolved, self.proof_here_bytes) else Job(prove, f"hsnap-ahead-{self.tp_rank}")
+        self.proved_ahead[msg.op_id] = ProvedAhead(resolved, job, time.monotonic())
+        return None
+
+    def _expire_proved_ahead(self) -> None:
+        """Give back the proofs whose resume has not come within :data:`PROVED_AHEAD_TTL_S` (an HTTP process gone)."""
+        now = time.monotonic()
+        for op_id, held in list(self.proved_ahead.items()):
+            if now - held.received <= PROVED_AHEAD_TTL_S:
+                break  # (oldest first)
+            del self.proved_ahead[op_id]
+            held.job.discard()
 
     def _start_proofs(self) -> None:
         """Start waiting proofs, oldest first, while fewer than :data:`MAX_PROOFS_IN_FLIGHT` run."""
@@ -926,6 +976,9 @@ class HsnapScheduler:
             if self.busy_resuming(msg.rid):  # arrived meanwhile (this resume left self.resuming already)
                 proven.close()
                 raise RequestBusyError(msg.path, "request.rid", Phrase("a rid no request of this server has"), msg.rid)
+            if proven.prepared.req.rid != msg.rid:  # proved ahead, before the HTTP process read the rid: the file it read
+                proven.close()
+                raise IncompatibleSnapshotError(msg.path, [("request.rid", msg.rid, proven.prepared.req.rid)])
             req = restore_proven(proven, tree_cache=s.tree_cache, room=self.room(), commit=agreement.commit if self.tp_size > 1 else None)
         except HsnapError as e:
             err = e
@@ -950,10 +1003,14 @@ class HsnapScheduler:
             "bytes_uploaded": int(restored.bytes_uploaded), "prompt_tokens": len(req.origin_input_ids), "output_tokens": len(req.output_ids),
             "remaining_budget": _remaining(req), "numerics_differences": [[f, repr(a), repr(b)] for f, a, b in restored.numerics_differences],
             # monotonic stamps (one clock for every process of the host): the HTTP process puts its own beside them;
-            # restore_s = prove_s (from the message: a worker thread, or a wait for a place among the proofs in flight)
-            # + pickup_s (to this thread's next iteration) + upload_s (this thread)
-            "timings": {"restore_s": t_restored - r.received, "prove_s": job.ended - r.received, "pickup_s": t_picked - job.ended,
-                        "upload_s": t_restored - t_picked, "admit_s": time.monotonic() - t_restored, "received_at": r.received,
+            # restore_s = prove_s (from the message: a worker thread, or a wait for a place among the proofs in flight;
+            # what is left of a proof started ahead) + pickup_s (to this thread's next iteration) + upload_s (this
+            # thread); proof_s: the proof's own time, ahead_s of it before the message (started ahead)
+            "timings": {"restore_s": t_restored - r.received, "prove_s": max(0.0, job.ended - r.received),
+                        "pickup_s": t_picked - max(job.ended, r.received), "upload_s": t_restored - t_picked,
+                        "proof_s": job.ended - job.started,
+                        "ahead_s": 0.0 if r.ahead is None else max(0.0, min(job.ended, r.received) - job.started),
+                        "admit_s": time.monotonic() - t_restored, "received_at": r.received,
                         "admitted_at": time.monotonic()}, "tp_size": self.tp_size,
         })
         return None
@@ -1066,7 +1123,8 @@ class HsnapScheduler:
             pools["token_slots_evictable"] = int(s.tree_cache.full_evictable_size())
         result = {
             "plugin": {"enabled": True, "tp_size": self.tp_size, "overlap": bool(s.enable_overlap),
-                       "radix_cache": bool(s.tree_cache.supports_prefix_sharing()), "exports": self.exports, "resumes": self.resumes},
+                       "radix_cache": bool(s.tree_cache.supports_prefix_sharing()), "exports": self.exports, "resumes": self.resumes,
+                       "proofs_ahead": len(self.proved_ahead)},
             "requests": {"running": [r.rid for r in s.running_batch.reqs], "waiting": [r.rid for r in s.waiting_queue],
                          "prefilling": [s.chunked_req.rid] if s.chunked_req is not None else [], "parked": list(self.parked),
                          "writing": list(self.writing), "retracted": [r.rid for r in self.retracted()],

@@ -140,3 +140,57 @@ def test_a_discarded_proof_is_closed_once_it_ends_and_never_taken():
     assert Proof.closed == 2 and done.result is None
     Job.run_here(lambda: 1 / 0).discard()  # a proof that failed has nothing to close
     assert Proof.closed == 2
+
+
+def test_a_proof_started_ahead_of_its_resume_is_held_bounded_given_back_on_drop_and_after_its_time(tmp_path, monkeypatch):
+    """HsnapProveAheadReqInput: the scheduler proves the snapshot while the HTTP process reads, claims and registers.
+    At most MAX_PROVED_AHEAD are held (more are not started: their resumes prove as they arrive); a path outside the
+    root is not proved; ``drop`` gives one back at once (closed), and one no resume took is given back after
+    PROVED_AHEAD_TTL_S."""
+    from types import SimpleNamespace
+
+    from hsnap_io.sglang_env import import_sglang, sglang_available
+
+    if not sglang_available():
+        pytest.skip("SGLang not installed: the scheduler imports its classes")
+    import_sglang()
+    from hsnap_sglang import scheduler as sched_mod
+    from hsnap_sglang.confine import ROOT_ENV
+    from hsnap_sglang.jobs import MAX_PROVED_AHEAD
+    from hsnap_sglang.messages import HsnapProveAheadReqInput
+    from hsnap_sglang.scheduler import HsnapScheduler
+
+    monkeypatch.setenv(ROOT_ENV, str(tmp_path))
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.hsnap").write_bytes(b"x" * 100)
+    closed, proved = [], []
+
+    class Proof:
+        def __init__(self, path):
+            self.path = path
+            proved.append(path)
+
+        def close(self):
+            closed.append(self.path)
+
+    hs = SimpleNamespace(proved_ahead={}, proof_here_bytes=1 << 20, tp_rank=0,
+                         _resume_proof=lambda path, ipc, rid: (lambda: Proof(path)))
+    hs._expire_proved_ahead = lambda: HsnapScheduler._expire_proved_ahead(hs)
+    ahead = lambda op, path, **kw: HsnapScheduler.on_prove_ahead(hs, HsnapProveAheadReqInput(op_id=op, path=path, **kw))  # noqa: E731
+
+    assert MAX_PROVED_AHEAD == 2
+    ahead("op-a", "a.hsnap")
+    ahead("op-b", "b.hsnap")
+    ahead("op-c", "c.hsnap")  # a third: not started
+    ahead("op-out", "../outside.hsnap")  # refused by the root: not proved (its resume answers the refusal)
+    assert list(hs.proved_ahead) == ["op-a", "op-b"] and proved == [str(tmp_path / "a.hsnap"), str(tmp_path / "b.hsnap")]
+    assert hs.proved_ahead["op-a"].path == str(tmp_path / "a.hsnap") and hs.proved_ahead["op-a"].job.done  # small: proved in place
+    ahead("op-a", "", drop=True)
+    assert list(hs.proved_ahead) == ["op-b"] and closed == [str(tmp_path / "a.hsnap")]
+    ahead("op-a", "", drop=True)  # again (the resume took it, or it was given back): nothing
+    assert closed == [str(tmp_path / "a.hsnap")]
+    HsnapScheduler._expire_proved_ahead(hs)
+    assert list(hs.proved_ahead) == ["op-b"]  # within its time
+    monkeypatch.setattr(sched_mod, "PROVED_AHEAD_TTL_S", 0.0)
+    HsnapScheduler._expire_proved_ahead(hs)
+    assert hs.proved_ahead == {} and closed == [str(tmp_path / "a.hsnap"), str(tmp_path / "b.hsnap")]

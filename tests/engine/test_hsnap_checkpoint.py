@@ -136,7 +136,10 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
     resume = threading.Thread(target=lambda: out.update(run=client.resume(s2.url, str(work / "g-final.hsnap"))), daemon=True)
     resume.start()
     _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
-    listed = stats(s2.url)["requests"]
+    # the proof started ahead, when the route was called: the resume's own message comes once g is claimed and registered
+    deadline = time.monotonic() + 60
+    while "g" not in (listed := stats(s2.url)["requests"])["resuming"] and time.monotonic() < deadline:
+        time.sleep(0.02)
     during = bystander.decoded_meanwhile(10)
     still_held = resume.is_alive() and hold.exists()
     hold.unlink()
@@ -320,5 +323,6 @@ def test_a_resume_whose_snapshot_is_still_being_read_holds_up_no_other_request(r
     assert run is not None and tokens(run.final) == tokens(p["ref"])
     t = run.info["result"]["timings"]
     assert t["prove_s"] >= 0.05 and abs(t["prove_s"] + t["pickup_s"] + t["upload_s"] - t["restore_s"]) < 1e-3, t
+    assert t["ahead_s"] > 0 and t["proof_s"] >= t["prove_s"] + t["ahead_s"] - 1e-3, t  # started when the route was called
     checks = p["idle"]["checks"]
     assert checks["pool_leak"] is False and checks["req_rows_ok"] is True, checks

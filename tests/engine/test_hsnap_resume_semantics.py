@@ -300,6 +300,8 @@ def test_hsnap_ls_lists_the_requests_and_metrics_count_hsnaps_operations(server,
     t = run.info["result"]["timings"]  # the resume's phases partition its time up to the answer (one monotonic clock)
     phases = [t[k] for k in ("read_s", "claim_s", "register_s", "queue_s", "restore_s", "admit_s", "answer_s")]
     assert min(phases) >= 0 and sum(phases) <= t["to_answer_s"] + 1e-3, t
+    # proved ahead: the proof started when the route was called, before the resume's message (after the claim) came
+    assert t["ahead_s"] > 0 and t["proof_s"] >= t["ahead_s"] and t["proof_s"] >= t["prove_s"], t
     _refusal(client.resume, server.url, str(path))  # claimed
     after = _scrape(server.url)
     assert _grew(before, after, "hsnap_operations_total", op="export", outcome="ok") == 1
@@ -325,10 +327,11 @@ def once(server):
     _paused(server.url, "once", path, prompt(73, 20), 40, after=4)
     first = client.resume(server.url, str(path))
     second = _refusal(client.resume, server.url, str(path))
+    held_after_refusal = client.stats(server.url)["plugin"]["proofs_ahead"]  # the proof started ahead, given back
     marker = json.loads(Path(str(path) + ".claimed").read_text())
     again = client.resume(server.url, str(path), again=True)
     wait_idle(server.url)
-    return {"first": first, "second": second, "marker": marker, "again": again}
+    return {"first": first, "second": second, "marker": marker, "again": again, "held_after_refusal": held_after_refusal}
 
 
 def test_second_resume_of_a_snapshot_is_refused_naming_who_claimed_it(once, server):
@@ -339,6 +342,7 @@ def test_second_resume_of_a_snapshot_is_refused_naming_who_claimed_it(once, serv
     assert once["marker"]["claimed_at"] in e.error["message"]
     assert once["marker"]["claimed_by"]["pid"] > 0 and once["marker"]["claimed_by"]["server"].endswith(f":{port}")
     assert once["first"].final["meta_info"]["finish_reason"]["type"] == "length"
+    assert once["held_after_refusal"] == 0  # the scheduler's proof ahead of the refused resume was given back at once
 
 
 def test_resume_again_on_purpose_continues_the_snapshot_once_more(once):
@@ -360,6 +364,7 @@ def test_each_snapshot_of_a_directory_is_claimed_on_its_own(server):
     assert (d / "dir-b.hsnap.claimed").exists()
     e = _refusal(client.resume, server.url, str(d))  # every entry claimed now: nothing resumes
     assert e.status == 409 and e.error_type == "SnapshotClaimedError"
+    assert client.stats(server.url)["plugin"]["proofs_ahead"] == 0  # a directory is proved entry by entry: none kept
     wait_idle(server.url)
 
 
