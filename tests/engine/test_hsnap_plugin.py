@@ -103,7 +103,7 @@ def test_plugin_on_registers_through_sglangs_hook_registry(probes):
     assert state["hsnap_hooks"] == sorted(HOOKS)
     assert state["wrapped"] == {"Scheduler": True, "TokenizerManager": True} and state["ingest_wrapped"] is True
     assert state["ipc_types"] == ["HsnapAdmitReqInput", "HsnapCheckpointReqInput", "HsnapDrainReqInput", "HsnapExportReqInput",
-                                  "HsnapFollowReqInput", "HsnapMigrateReqInput", "HsnapReqOutput", "HsnapResumeReqInput", "HsnapStatsReqInput"]
+                                  "HsnapFollowReqInput", "HsnapMigrateReqInput", "HsnapProveAheadReqInput", "HsnapReqOutput", "HsnapResumeReqInput", "HsnapStatsReqInput"]
     assert state["roundtrip"] == ["HsnapExportReqInput", True, "/p", {"type": "X", "status": 404}]
     assert state["routes"] == ["/hsnap/attach", "/hsnap/checkpoint", "/hsnap/drain", "/hsnap/export", "/hsnap/follow", "/hsnap/migrate", "/hsnap/resume",
                                "/hsnap/stats"]
