@@ -14,12 +14,19 @@ import os
 import sys
 import time
 
-GATE = os.environ.get("HSNAP_TEST_LINK_GATE")
+GATE_ENV = "HSNAP_TEST_LINK_GATE"
 TARGET = "hsnap_sglang.jobs"
 
 
+def _gate() -> str:
+    """The gate folder of this server, read when a job looks (not at import): a server forked from a test zygote
+    (hsnap_testing.server_zygote) imported this module in the zygote, which an earlier server with another gate
+    started."""
+    return os.environ.get(GATE_ENV, "")
+
+
 def _hold(writer, job) -> None:
-    hold = os.path.join(GATE, os.path.basename(job.ex.path) + ".hold")
+    hold = os.path.join(_gate(), os.path.basename(job.ex.path) + ".hold")
     said: set[str] = set()
     while os.path.exists(hold):
         for tag, now in (("held", True), ("export-waiting", job.ex.rid in writer.exports_waiting)):
@@ -31,7 +38,7 @@ def _hold(writer, job) -> None:
 
 def _held_proof(proof, tag: str = ""):
     def prove(path, *args, **kwargs):
-        hold = os.path.join(GATE, os.path.basename(os.fspath(path)) + tag + ".hold")
+        hold = os.path.join(_gate(), os.path.basename(os.fspath(path)) + tag + ".hold")
         if os.path.exists(hold):
             open(hold[: -len(".hold")] + ".held", "w").close()
             while os.path.exists(hold):
@@ -80,5 +87,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if GATE:
+if _gate():
     sys.meta_path.insert(0, _Finder())
