@@ -100,10 +100,10 @@ def on_migrate(hs, msg) -> None:
             confine.resolve(msg.dir, "dir", confine.DIR, create=True)  # made beneath the root, no symlink followed
     except Exception as e:  # noqa: BLE001 - an OS error is the dir's; anything else a typed PluginError (logged)
         err = typed_in_dir(e, "migrate", msg.dir)
+        said, told = error_dict(err), None
         if used is None and hs.tp_rank == 0:  # a fresh container: a target already following it learns at once that nothing will come
-            said = error_dict(err)
-            Job(lambda: _say_abandoned(store, msg.dir, said, 0), "hsnap-migration-abandon")  # a write: off this thread
-        hs.answer(msg, ok=False, error=error_dict(err))
+            told = Job(lambda: _say_abandoned(store, msg.dir, said, 0), "hsnap-migration-abandon")  # a write: off this thread
+        hs.answer_once_told(told, msg, error=said)
         return
     m = Migrating(msg, msg.dir, store, int(msg.tail), int(msg.max_rounds), float(msg.timeout_s), bool(msg.fsync), time.monotonic())
     if msg.rid in hs.checkpoints:  # its checkpoints end here (the request leaves); a link on its way is committed first
@@ -275,9 +275,10 @@ def abandon(hs, m: Migrating, rid: str, err: BaseException | None, *, error: dic
         if parked is not None and not parked.finished():
             hs.admit([parked])
     error = error if error is not None else error_dict(err)
+    told = None
     if say and hs.tp_rank == 0:  # (not to a target that refused: it knows; one rank says it; a write: off this thread)
-        Job(lambda: _say_abandoned(m.store, m.container, error, len(m.links)), "hsnap-migration-abandon")
-    hs.answer(m.op, ok=False, error=error)
+        told = Job(lambda: _say_abandoned(m.store, m.container, error, len(m.links)), "hsnap-migration-abandon")
+    hs.answer_once_told(told, m.op, error=error)  # the caller told "given up" finds abandoned.json
 
 
 def _say_abandoned(store, container: str, error: dict, links: int) -> None:
@@ -506,12 +507,13 @@ def fail_follow(hs, op_id: str, err: BaseException) -> None:
         f.proof.discard()
         f.proof = None
     error = error_of(err)
+    told = None
     try:
         f.target.release()
     finally:
         if hs.tp_rank == 0:  # one rank tells the source (looks and a write: off this thread)
-            Job(lambda: _say_refused(f, error), "hsnap-follow-refuse")
-        hs.answer(f.op, ok=False, error=error)
+            told = Job(lambda: _say_refused(f, error), "hsnap-follow-refuse")
+        hs.answer_once_told(told, f.op, error=error)  # answered once refused.json is there
 
 
 def _say_refused(f: Following, error: dict) -> None:

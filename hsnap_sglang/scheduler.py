@@ -75,7 +75,7 @@ def after_ingest(result, sched, *args, **kwargs):
     """AFTER ``Scheduler.ingest_requests``: a committed boundary; run the exports that can run now."""
     hs = getattr(sched, "_hsnap", None)
     if hs is not None and (hs.pending or hs.checkpoints or hs.links.busy() or hs.after_links or hs.migrations or hs.follows or hs.arrived
-                           or hs.resuming or hs.proved_ahead or (hs.retraction is not None and hs.retraction.busy())):
+                           or hs.resuming or hs.proved_ahead or hs.telling or (hs.retraction is not None and hs.retraction.busy())):
         guarded("service", hs.service)  # each part is contained on its own; this is the last line of defence
 
 
@@ -149,7 +149,7 @@ def around_maybe_sleep_on_idle(original, sched, *args, **kwargs):
     proves a resume (or writes a retracted request) waits at most 1 ms for a message, not a second: what it waits for
     arrives through the store or a thread, not a socket."""
     hs = getattr(sched, "_hsnap", None)
-    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.resuming or hs.links.busy()
+    if hs is not None and (hs.follows or hs.migrations or hs.arrived or hs.resuming or hs.telling or hs.links.busy()
                            or (hs.retraction is not None and hs.retraction.busy())):
         sleeper = getattr(sched, "idle_sleeper", None)
         try:
@@ -204,6 +204,7 @@ class HsnapScheduler:
         self.arrived: dict[str, Any] = {}  # rid -> (Req, Following): migrated in, waiting for the HTTP process's admission
         self.resuming: dict[str, Resuming] = {}  # op_id -> a resume whose snapshot is proved off this thread, in arrival order
         self.proved_ahead: dict[str, ProvedAhead] = {}  # op_id -> a proof started before its resume arrived, oldest first
+        self.telling: list[tuple[Job, Any, dict]] = []  # refusals answered once the marker that tells the other side is written
         self.proof_here_bytes = proof_here_bytes()
         self.finish_reason = _finish_reason_class()
         self._identity = None
@@ -264,6 +265,24 @@ class HsnapScheduler:
     def answer(self, op, *, ok: bool, result=None, error=None, items=None) -> None:
         out = HsnapReqOutput(op_id=op.op_id, rid=op.rid, ok=ok, result=result or {}, error=error, items=items or [])
         self.sched.send_control_output(out, op)  # rank 0 only (SGLang's sender is a no-op on the others)
+
+    def answer_once_told(self, told: Job | None, op, *, error: dict) -> None:
+        """Answer ``op``'s refusal once ``told`` — the marker that tells the other side of a migration why
+        (``abandoned.json``, ``refused.json``), written off this thread — has ended (None: now), so a caller told the
+        migration is over finds the marker there."""
+        if told is None or told.done:
+            self.answer(op, ok=False, error=error)
+        else:
+            self.telling.append((told, op, error))
+
+    def answer_told(self) -> None:
+        """At an iteration: the refusals whose marker is written now."""
+        waiting, self.telling = self.telling, []
+        for told, op, error in waiting:
+            if told.done:
+                guarded("answering a refusal", self.answer, op, ok=False, error=error)
+            else:
+                self.telling.append((told, op, error))
 
     def locate(self, rid: str):
         """Where ``rid`` is: ("running" | "parked" | "prefilled" | "prefilling" | "waiting", Req) or (None, None)."""
@@ -379,6 +398,8 @@ class HsnapScheduler:
             guarded("finishing resumes", self.finish_resumes)
         if self.proved_ahead:
             guarded("expiring proofs ahead of their resume", self._expire_proved_ahead)
+        if self.telling:
+            guarded("answering refusals told", self.answer_told)
         if self.links.busy():
             guarded("collecting checkpoint links", self.collect_links)
         if self.checkpoints:

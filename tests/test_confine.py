@@ -123,7 +123,8 @@ def _scheduler_side(answers: list):
 
     return SimpleNamespace(locate=lambda rid: (None, None), tp_size=1, busy=lambda rid: False, migrations={}, follows={}, arrived={},
                            checkpoints={}, sched=SimpleNamespace(req_to_token_pool=None, token_to_kv_pool_allocator=None),
-                           identity=lambda: None, answer=lambda msg, **kw: answers.append(kw))
+                           identity=lambda: None, answer=lambda msg, **kw: answers.append(kw),
+                           answer_once_told=lambda told, msg, **kw: answers.append(dict(kw, ok=False)))
 
 
 @pytest.mark.parametrize("handler", ["on_migrate", "on_follow"])

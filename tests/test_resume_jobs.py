@@ -194,3 +194,29 @@ def test_a_proof_started_ahead_of_its_resume_is_held_bounded_given_back_on_drop_
     monkeypatch.setattr(sched_mod, "PROVED_AHEAD_TTL_S", 0.0)
     HsnapScheduler._expire_proved_ahead(hs)
     assert hs.proved_ahead == {} and closed == [str(tmp_path / "a.hsnap"), str(tmp_path / "b.hsnap")]
+
+
+def test_a_migrations_refusal_is_answered_once_the_marker_that_tells_the_other_side_is_written():
+    """abandoned.json / refused.json are written off the scheduler thread; the caller's answer waits for them (at an
+    iteration that finds the write ended), so a caller told "given up" finds the marker; nothing to write: at once."""
+    from types import SimpleNamespace
+
+    from hsnap_io.sglang_env import import_sglang, sglang_available
+
+    if not sglang_available():
+        pytest.skip("SGLang not installed: the scheduler imports its classes")
+    import_sglang()
+    from hsnap_sglang.scheduler import HsnapScheduler
+
+    answered, gate = [], threading.Event()
+    hs = SimpleNamespace(telling=[], answer=lambda op, **kw: answered.append((op, kw["ok"], kw["error"]["type"])))
+    HsnapScheduler.answer_once_told(hs, None, "op-now", error={"type": "MigrationError"})
+    assert answered == [("op-now", False, "MigrationError")] and hs.telling == []
+    writing = Job(lambda: gate.wait(10), "hsnap-migration-abandon-test")
+    HsnapScheduler.answer_once_told(hs, writing, "op-later", error={"type": "MigrationError"})
+    HsnapScheduler.answer_told(hs)
+    assert len(answered) == 1 and len(hs.telling) == 1  # the marker not written yet: no answer
+    gate.set()
+    assert writing.wait(10)
+    HsnapScheduler.answer_told(hs)
+    assert answered[-1] == ("op-later", False, "MigrationError") and hs.telling == []
