@@ -163,11 +163,18 @@ def deltas(events: list[dict], had: tuple[int, int] = (0, 0)) -> list[tuple[str,
     return out
 
 
+HELD_BACK_CHARS = 16  # what an event may lag the uninterrupted stream's at the same token count: a token or two's text
+
+
 def assert_continues(first: list[dict], resumed: list[dict], reference: list[dict], had: tuple[int, int]) -> None:
     """The stream a client gets from the source (``first``) and then from the resumed request (``resumed``, whose
     events carry the client's earlier text and ids too: ``had`` = (text chars, ids) of them) is the uninterrupted
     ``reference`` stream: no repeated and no missing chunk of text or token id.  Where the client read two outputs
-    at once (the TokenizerManager hands the latest state), the check is at the boundaries both streams have."""
+    at once (the TokenizerManager hands the latest state), the check is at the boundaries both streams have: the
+    same token ids, and text that is the uninterrupted stream's so far — how much of it an event carries may differ
+    by the characters SGLang's detokenizer still holds back (at 66 tokens a migrated stream's event lacked its last
+    token's text, which the next event carried; seen twice in fresh-clone runs under load) — and the same text at the
+    end."""
     def points(events):
         return [(len(e.get("output_ids") or []), e.get("text") or "", list(e.get("output_ids") or [])) for e in events]
 
@@ -181,8 +188,11 @@ def assert_continues(first: list[dict], resumed: list[dict], reference: list[dic
     assert all(t.startswith(text_k) and ids[:n_k] == ids_k for _, t, ids in res)
     common = [(n, t, ids) for n, t, ids in joined if n in ref]
     assert len(common) >= len(reference) // 2, "too few common boundaries to compare"
+    final = points(reference)[-1][1]
     for n, t, ids in common:
-        assert (t, ids) == ref[n], f"at {n} tokens: {t[-20:]!r} != {ref[n][0][-20:]!r}"
+        assert ids == ref[n][1], f"at {n} tokens: ids {ids[-5:]} != {ref[n][1][-5:]}"
+        assert final.startswith(t) and final.startswith(ref[n][0]), f"at {n} tokens: {t[-20:]!r} vs {ref[n][0][-20:]!r}: not the same text"
+        assert len(ref[n][0]) - len(t) <= HELD_BACK_CHARS and len(t) - len(ref[n][0]) <= HELD_BACK_CHARS, f"at {n} tokens: {t[-20:]!r} != {ref[n][0][-20:]!r}"
     assert joined[-1][1:] == points(reference)[-1][1:]
 
 
