@@ -19,8 +19,9 @@ For each size (reference geometry, real SGLang pools on CPU, bench/run.py's help
 flight, against the plain ranged get with the same count (what picks the default).
 Every restore of a size lands in the same warm target pools (put back after each, untimed,
 as bench/run.py does) and the plain get fills the same warm buffer each time. Restore by URL with
-the default verify=True: fetched straight into the slots where they are one run (the read-ahead's
-landings), each piece hashed as it lands; a refusal zeroes what it wrote. With verify="before": a
+the default verify=True: a body up to hsnap_io.restore.ONE_READ_BYTES staged and proved first (as
+verify="before"); a larger one fetched straight into the slots where they are one run (the read-ahead's
+landings), each piece hashed as it lands, a refusal zeroing what it wrote. With verify="before": a
 body up to hsnap_io.restore.ONE_READ_BYTES is staged (GETs running ahead of the hashing, then
 one copy into the slots); a larger one lands as the default does, each GET saving what it
 overwrites first (the undo log of exact_rollback: zeros are noted, not copied).

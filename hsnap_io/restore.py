@@ -87,7 +87,8 @@ def restore_request(
       record are refused before anything is allocated (the pools untouched); each state
       section is hashed as its bytes land in the fresh slots (on two threads for a body
       of :data:`PARALLEL_STAGE_BYTES` or more; an object's GETs run ahead, straight into
-      the slots). A digest mismatch then gives back every allocation exactly (free lists,
+      the slots — but an object's body within :data:`ONE_READ_BYTES` is staged and proved
+      first, as ``"before"``: faster there). A digest mismatch then gives back every allocation exactly (free lists,
       mappings, request row) and zeroes the slots it wrote — no byte of the refused
       snapshot stays; their old bytes, which no request owned, come back only with
       ``exact_rollback=True``. (An engine that does not read files — CUDA, uploading from
@@ -373,9 +374,11 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
     # An engine that does not read files (CUDA: uploads from the map) verifies first.
     remote = getattr(snap.source, "verifies_while_reading", False)
     during = mode is not None and (remote or engine.reads_files)
-    if one_pass and during and verify is True:  # (verify="before" asks for the proof first anyway)
-        mode = "during"
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
+    # (verify="before" asks for the proof first anyway; an object's body within the staging bound is proved first
+    # too: its GETs, running ahead into one buffer, are faster there than landing in the slots — bench/REMOTE.md)
+    if one_pass and during and verify is True and not (remote and _Staged.fits(chain)):
+        mode = "during"
     staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
     try:
         record, exact = _proved_record(source, chain, mode, remote, during, staged)
@@ -439,17 +442,21 @@ class _Staged:
     def __init__(self, snap: Snapshot, start: int, stop: int, buf: np.ndarray) -> None:
         self.snap, self.start, self.stop, self.buf = snap, start, stop, buf
 
+    @staticmethod
+    def fits(chain: Chain) -> bool:
+        """Whether :meth:`take` stages ``chain``'s body: a plain snapshot of at most :data:`ONE_READ_BYTES`."""
+        snap = chain.head
+        return not (chain.is_delta or chain.paged) and 0 <= snap.file_length - TRAILER.size - HEADER_OFFSET - snap.preamble.header_length <= ONE_READ_BYTES
+
     @classmethod
     def take(cls, chain: Chain) -> "_Staged | None":
         """A staging buffer for ``chain``'s body, or None where the one read does not apply:
         a chain of links or pages (their pieces are read link by link), or a body over
         :data:`ONE_READ_BYTES`."""
+        if not cls.fits(chain):
+            return None
         snap = chain.head
-        if chain.is_delta or chain.paged:
-            return None
         start, stop = HEADER_OFFSET + snap.preamble.header_length, snap.file_length - TRAILER.size
-        if not 0 <= stop - start <= ONE_READ_BYTES:
-            return None
         return cls(snap, start, stop, cls.kept.take(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE))  # plain pages
 
     def verify(self) -> None:

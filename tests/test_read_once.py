@@ -258,15 +258,16 @@ def _no_hook():
 
 @pytest.fixture(params=["staged", "read-ahead", "one pass"])
 def path_kind(request, monkeypatch):
-    """The three pipelines: verify="before" into the staging buffer (payload under the bound) or straight into the
-    slots with an undo log (over it), and the default's one pass (straight into the slots, zeroed on a refusal)."""
-    if request.param == "read-ahead":
+    """The three pipelines: the default under the bound, staged and proved before allocating (as verify="before");
+    over it, verify="before" straight into the slots with an undo log, and the default's one pass (straight into the
+    slots, zeroed on a refusal)."""
+    if request.param != "staged":
         monkeypatch.setattr(restore_mod, "ONE_READ_BYTES", 0)
     return request.param
 
 
 def _verify(path_kind: str):
-    return True if path_kind == "one pass" else "before"
+    return "before" if path_kind == "read-ahead" else True
 
 
 def _upload(s3server, bucket, snap_path) -> str:
