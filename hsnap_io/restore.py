@@ -443,10 +443,15 @@ class _Staged:
         self.snap, self.start, self.stop, self.buf = snap, start, stop, buf
 
     @staticmethod
-    def fits(chain: Chain) -> bool:
+    def _body(snap: Snapshot) -> tuple[int, int]:
+        """Where the body (every section and the padding between them) starts and stops."""
+        return HEADER_OFFSET + snap.preamble.header_length, snap.file_length - TRAILER.size
+
+    @classmethod
+    def fits(cls, chain: Chain) -> bool:
         """Whether :meth:`take` stages ``chain``'s body: a plain snapshot of at most :data:`ONE_READ_BYTES`."""
-        snap = chain.head
-        return not (chain.is_delta or chain.paged) and 0 <= snap.file_length - TRAILER.size - HEADER_OFFSET - snap.preamble.header_length <= ONE_READ_BYTES
+        start, stop = cls._body(chain.head)
+        return not (chain.is_delta or chain.paged) and 0 <= stop - start <= ONE_READ_BYTES
 
     @classmethod
     def take(cls, chain: Chain) -> "_Staged | None":
@@ -456,7 +461,7 @@ class _Staged:
         if not cls.fits(chain):
             return None
         snap = chain.head
-        start, stop = HEADER_OFFSET + snap.preamble.header_length, snap.file_length - TRAILER.size
+        start, stop = cls._body(snap)
         return cls(snap, start, stop, cls.kept.take(-(-max(stop - start, 1) // HASH_PIECE) * HASH_PIECE))  # plain pages
 
     def verify(self) -> None:

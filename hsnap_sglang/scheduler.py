@@ -907,14 +907,12 @@ class HsnapScheduler:
         refuses, or more than :data:`MAX_PROVED_AHEAD` proofs held, leave the resume to prove when it arrives (and
         answer its refusal); ``drop`` gives the proof back."""
         held = self.proved_ahead.pop(msg.op_id, None)
-        if msg.drop:
-            if held is not None:
-                held.job.discard()
+        if held is not None:  # dropped (or an op_id sent twice: nothing is proved for it again)
+            held.job.discard()
+        if msg.drop or held is not None:
             return None
         self._expire_proved_ahead()
-        if held is not None or len(self.proved_ahead) >= MAX_PROVED_AHEAD:
-            if held is not None:
-                held.job.discard()
+        if len(self.proved_ahead) >= MAX_PROVED_AHEAD:
             return None
         try:
             resolved = confine.resolve(msg.path, "path", confine.READ)
