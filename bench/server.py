@@ -13,7 +13,9 @@ and K outputs) and round:
 * **stall**: two other requests decode throughout; x is prefilled and decodes beside them; after K outputs it is
   exported (``POST /hsnap/export``).  The others' inter-token gaps (client side, one event per token): *before* =
   while x decodes beside them, before the export is asked for; *around* = every gap that overlaps the export call.
-  Extra decode steps = (max around - median before) / median before; the goal is at most 1.
+  Extra decode steps = (max around - median before) / median before; the goal is at most 1.  Beside it, the same
+  figure for windows as long as the export call before it (no export in them; the median over such windows): what the
+  host's scheduling alone gives (2 cores shared by the scheduler, the HTTP process, the detokenizer and this client).
 * **pause-to-durable**: the server's figure, from the export request's arrival at the scheduler to the snapshot
   committed (fsynced, renamed), and the client's whole call.
 * **resume-to-first-token**: ``POST /hsnap/resume`` to the first event carrying a new token (client side, HTTP
@@ -71,6 +73,8 @@ class Round:
     resume_phases: dict = field(default_factory=dict)  # the server's: hsnap_sglang.frontend.resume_phases, + first_forward_s
     gaps_around_resume: list[float] = field(default_factory=list)  # the others' gaps around a resume while they decode
     busy_resume_first_token_s: float = float("nan")  # that resume's first token, as its client saw it
+    # control: windows as long as the export call, before it (no export): the others' longest gap in each
+    window_maxima_before: list[float] = field(default_factory=list)
 
     def _extra(self, around: list[float]) -> float | None:
         """The others' longest gap in ``around``, in decode steps more than their median gap before the export."""
@@ -86,6 +90,15 @@ class Round:
     @property
     def extra_steps_resume(self) -> float | None:
         return self._extra(self.gaps_around_resume)
+
+    @property
+    def extra_steps_without_export(self) -> float | None:
+        """The same figure for a window as long as the export call with no export in it (the median over such windows
+        before the export): what this host's scheduling alone gives, beside which ``extra_steps`` is read."""
+        if not self.gaps_before or not self.window_maxima_before:
+            return None
+        med = statistics.median(self.gaps_before)
+        return (statistics.median(self.window_maxima_before) - med) / med
 
 
 @dataclass
@@ -145,6 +158,13 @@ def one_round(url: str, n: int, tag: str, d: Path, log, reprefill_s: float | Non
                 around.append(b - a)
             if b >= t2 and a <= t3:
                 around_resume.append(b - a)
+    # control: windows as long as the export call, sliding by half of it over the time before the export
+    span, maxima, ws = t1 - t0, [], t_decoding
+    while span > 0 and ws + span < t0:
+        inside = [b - a for o in others for a, b in zip(o.times, o.times[1:]) if a >= t_decoding and b < t0 and b >= ws and a <= ws + span]
+        if inside:
+            maxima.append(max(inside))
+        ws += span / 2
     for o in others:
         abort(url, o.rid)
     for o in others:
@@ -165,7 +185,7 @@ def one_round(url: str, n: int, tag: str, d: Path, log, reprefill_s: float | Non
               pause_to_durable_s=float(t["pause_to_durable_s"]), write_s=float(t["write_s"]),
               resume_first_token_s=first[0] if first else float("nan"), restore_s=float(run.info["result"]["timings"]["restore_s"]),
               reprefill_first_token_s=reprefill, gaps_before=before, gaps_around=around, resume_phases=phases,
-              gaps_around_resume=around_resume, busy_resume_first_token_s=t3 - t2)
+              gaps_around_resume=around_resume, busy_resume_first_token_s=t3 - t2, window_maxima_before=maxima)
     log("  export timings: " + ", ".join(f"{k} {fmt(v)}" for k, v in t.items() if isinstance(v, float)))
     log(f"{n} ({r.committed} committed): pause-to-durable {fmt(r.pause_to_durable_s)}, resume->first token {fmt(r.resume_first_token_s)} "
         f"vs re-prefill {fmt(r.reprefill_first_token_s)}; others' gap median {fmt(statistics.median(before)) if before else '-'} "
@@ -215,11 +235,12 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append("")
     head = ["committed positions", "rounds", "snapshot", "pause call", "pause-to-durable", "resume → first token (restore)",
             "re-prefill → first token", "others' gap before: median / p90", "around the export: max", "extra decode steps (goal ≤ 1)",
+            "as long a window before it: extra steps (median)",
             "resume while they decode: first token / their extra decode steps"]
     rows = []
     for s in sizes:
         if s.skipped:
-            rows.append([f"{s.n:,}", "0", s.skipped, "", "", "", "", "", "", "", ""])
+            rows.append([f"{s.n:,}", "0", s.skipped, "", "", "", "", "", "", "", "", ""])
             continue
         rs = s.rounds
         before = [g for r in rs for g in r.gaps_before]
@@ -233,6 +254,7 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
             f"{fmt(statistics.median(before)) if before else '-'} / {fmt(p90) if before else '-'} ({len(before)} gaps)",
             _span([max(r.gaps_around) for r in rs if r.gaps_around]),
             (f"{min(extra):.1f}–{max(extra):.1f}" if len(extra) > 1 else f"{extra[0]:.1f}") if extra else "-",
+            _range([r.extra_steps_without_export for r in rs]),
             f"{_span([r.busy_resume_first_token_s for r in rs])} / {_range([r.extra_steps_resume for r in rs])}",
         ])
     w = [max(len(str(r[i])) for r in [head] + rows) for i in range(len(head))]
@@ -260,8 +282,11 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
         out += goals(done)
         worst = max((r.extra_steps for s in done for r in s.rounds if r.extra_steps is not None), default=None)
         if worst is not None:
+            ctrl = [r.extra_steps_without_export for s in done for r in s.rounds if r.extra_steps_without_export is not None]
             out.append(f"Stall: the other requests' longest gap around an export was {worst:.1f} decode steps more than their "
-                       f"median gap ({'within' if worst <= 1.0 else 'OVER'} the goal of one extra step).")
+                       f"median gap ({'within' if worst <= 1.0 else 'OVER'} the goal of one extra step)"
+                       + (f"; in windows as long before the export, without one, {statistics.median(ctrl):.1f} (median over the rounds, "
+                          f"up to {max(ctrl):.1f})." if ctrl else "."))
         for s in done:
             res = statistics.median(r.resume_first_token_s for r in s.rounds)
             pre = statistics.median(r.reprefill_first_token_s for r in s.rounds)
@@ -271,7 +296,9 @@ def report(sizes: list[Size], args, srv: DemoServer, wall: float, load0, load1) 
     out.append("Raw rounds (JSON):")
     out.append("")
     out.append("```json")
-    out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps, "extra_steps_resume": r.extra_steps_resume} for r in s.rounds] for s in done}, sort_keys=True))
+    out.append(json.dumps({str(s.n): [r.__dict__ | {"extra_steps": r.extra_steps, "extra_steps_resume": r.extra_steps_resume,
+                                                   "extra_steps_without_export": r.extra_steps_without_export} for r in s.rounds] for s in done},
+                          sort_keys=True))
     out.append("```")
     return "\n".join(out)
 

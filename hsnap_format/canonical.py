@@ -14,6 +14,8 @@ import math
 import re
 from typing import Any
 
+import orjson
+
 
 MAX_SAFE_INTEGER = 2**53 - 1
 
@@ -170,9 +172,10 @@ def _parse_float(text: str) -> float:
 #   * every float literal already in its ECMAScript form (``_number``) — checked per
 #     literal, so JCS would print each float exactly as it stands;
 #   * every key is ASCII, as JCS requires (implied when the bytes are; else checked);
-#   * ``json.dumps(obj, sort_keys, no whitespace)`` gives ``data`` back. With the float
-#     literals fixed above, JCS and ``json.dumps`` differ only in floats and key checks,
-#     so this is ``dumps(obj) == data``. Duplicate keys shrink the dict (mismatch),
+#   * ``orjson.dumps(obj, OPT_SORT_KEYS)`` (compact, UTF-8, keys sorted) gives ``data``
+#     back. With the float literals fixed above, JCS and orjson differ only in how some
+#     floats are spelled (a mismatch: the full path) and in the key checks, so this is
+#     ``dumps(obj) == data``. Duplicate keys shrink the dict (mismatch),
 #     whitespace, escapes like ``\/`` or ``\u0041``, trailing data all mismatch or fail.
 # Whatever fails or differs falls back to the full path below, which gives the same
 # verdict and message as before; a mismatch found here is never a refusal by itself.
@@ -248,7 +251,10 @@ def _loads_fast(data: bytes, max_depth: int):
     else:  # keys are checked one object at a time (slower, still C parsing)
         text = data.decode("utf-8")
         obj = json.loads(text, parse_float=_float_fast, parse_constant=_not_fast, object_pairs_hook=_ascii_keys)
-    if json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) != text:
+    # orjson's compact sorted UTF-8 is the definition's bytes for every string, key, int and
+    # bool (tests/test_perf_open.py: every code point); a float it spells otherwise, an int
+    # over 64 bits or a lone surrogate only sends the header the long way
+    if orjson.dumps(obj, option=orjson.OPT_SORT_KEYS) != data:
         raise _NotFast
     if _canonical_depth(data, max_depth) > max_depth:
         raise CanonicalError(f"nesting deeper than {max_depth}")

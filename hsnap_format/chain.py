@@ -238,6 +238,11 @@ class Chain:
         return any(link.pages is not None for link in self.links)
 
     @property
+    def plain(self) -> bool:
+        """A plain snapshot holding all its rows: a chain of one link without pages."""
+        return len(self.links) == 1 and self.links[0].pages is None
+
+    @property
     def state_position(self) -> int:
         return self.head.state_position
 
@@ -300,10 +305,12 @@ class Chain:
         ``swa_start`` on, state and record from the head."""
         head = self.head
         h = head.section(name)
-        paged = h.kind in PAGED_KINDS and self.paged
-        if h.kind not in ROW_KINDS or not (self.is_delta or paged):
+        if h.kind not in ROW_KINDS or self.plain:  # the head's section, whole
             rows = h.shape[0] if h.kind in ROW_KINDS else None
             return [Piece(head, h, 0, 0 if rows is not None else None, rows)]
+        paged = h.kind in PAGED_KINDS and self.paged
+        if not (self.is_delta or paged):
+            return [Piece(head, h, 0, 0, h.shape[0])]
         origin = first_position(h.kind, head.swa_start)  # position of row 0 of the whole section
         rb = _row_bytes(h)
         refs_by_link: dict = {}

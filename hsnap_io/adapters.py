@@ -200,10 +200,12 @@ def mamba_bindings(mamba_pool) -> tuple[MambaGeometry, list[Binding]]:
         conv_slice_axis=int(getattr(mamba_pool, "conv_slice_axis", 0)),
     )
     out = []
+    convs = [conv.unbind(0) for conv in cache.conv]  # every layer's view in one call, not one index each
+    temporal = cache.temporal.unbind(0)
     for i, L in enumerate(layer_ids):
-        for c, conv in enumerate(cache.conv):
+        for c, conv in enumerate(convs):
             out.append(Binding(section_name("conv", L, c), "conv", L, conv[i], "mamba"))
-        out.append(Binding(section_name("temporal", L), "temporal", L, cache.temporal[i], "mamba"))
+        out.append(Binding(section_name("temporal", L), "temporal", L, temporal[i], "mamba"))
     return geom, out
 
 

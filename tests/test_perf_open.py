@@ -90,10 +90,25 @@ def test_the_fast_path_is_taken_for_real_headers():
     # header, one with non-ASCII stop strings and a hash of 16+ digits after ':', a vector
     for h in (_reference_header(), _reference_header(4096), _reference_header(wild=True), HEADERS[2]):
         assert canonical._loads_fast(h, 16) == json.loads(h)
-    # a float whose repr is not its ECMAScript form (1e-05 vs 0.00001) takes the long way, same result
-    with pytest.raises(canonical._NotFast):
-        canonical._loads_fast(HEADERS[0], 16)
-    _same(HEADERS[0])
+    assert canonical._loads_fast(HEADERS[0], 16) == json.loads(HEADERS[0])  # its float 0.00001: orjson's spelling too
+    # a float that orjson spells otherwise than ECMAScript (1e-6 vs 0.000001) takes the long way, same result
+    for data in (b'{"a":0.000001}', b'[0.0000015,2]'):
+        with pytest.raises(canonical._NotFast):
+            canonical._loads_fast(data, 16)
+        _same(data)
+
+
+def test_the_fast_paths_encoder_spells_every_string_as_the_definition():
+    # the fast path accepts when orjson re-encodes the bytes: each code point must come out
+    # exactly as the definition writes it (escapes, raw UTF-8), as a value and as a key
+    import orjson
+
+    chars = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    for i in range(0, len(chars), 4096):
+        block = chars[i : i + 4096]
+        assert orjson.dumps(block) == canonical.dumps(block)
+        keys = {c: 0 for c in block if c.isascii()}
+        assert orjson.dumps(keys, option=orjson.OPT_SORT_KEYS) == canonical.dumps(keys)
 
 
 values = st.recursive(
