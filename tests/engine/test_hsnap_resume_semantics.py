@@ -37,6 +37,9 @@ from hsnap_testing.terminal import sigint_as_at_a_terminal
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 STORE_TIMEOUT_S = 4.0  # HSNAP_S3_TIMEOUT of the server: one attempt (HSNAP_S3_RETRIES=0) waits this long for a byte
+# an observer (this test process) that did not run for this long could not watch the server meanwhile: that attempt is
+# blind, not a failure of the server (a fresh-clone run once saw this process's own loop stop for seconds under load)
+OBSERVER_STALL_S = 1.0
 TOTAL_TOKENS = 2500
 
 
@@ -470,15 +473,19 @@ def _during(call, url: str, watch: Stream | None) -> dict:
         got["span"] = (t0, time.monotonic())
 
     t = threading.Thread(target=run, daemon=True)
+    beats = [time.monotonic()]  # this loop's own wake-ups: a gap between two is time it could not watch
     t.start()
     health, answered = [], []
     time.sleep(0.3)
     while t.is_alive():
+        beats.append(time.monotonic())
         took = _answer_s(url)
         health.append(took)
         answered.append((time.monotonic(), took))
         time.sleep(0.1)
     t.join()
+    beats.append(time.monotonic())
+    got["observer_gap_s"] = max(y - x - took for (x, y), took in zip(zip(beats, beats[1:]), [0.3] + [h + 0.1 for h in health]))
     # what proves the HTTP process answered *during* the stall: the calls that ended before the call under test did
     # (one that ends after it also waited on the scheduler's own handling of the failure, seconds on a loaded machine)
     got["health_during_s"] = [took for end, took in answered if end <= got["span"][1]]
@@ -491,18 +498,36 @@ def _during(call, url: str, watch: Stream | None) -> dict:
     return got
 
 
+def _watched(attempt) -> dict:
+    """``attempt(n)``'s observation, repeated once when this process itself stalled through the first (blind)."""
+    got = attempt(0)
+    if got["observer_gap_s"] >= OBSERVER_STALL_S:
+        got = attempt(1)
+    assert got["observer_gap_s"] < OBSERVER_STALL_S, f"this test process stopped for {got['observer_gap_s']:.1f} s twice: nothing watched"
+    return got
+
+
 def test_export_to_a_store_that_never_answers_keeps_other_requests_decoding(server, hole):
     url = server.url
-    wait_idle(url)
-    flush_cache(url)
-    # the victim first: SGLang admits a request only beside the decode budget the running ones may still need
-    victim = Stream(url, payload("bh-victim", prompt(92, 20), 400))
-    other = Stream(url, payload("bh-other", prompt(91, 20), 1500))
-    victim.start()
-    victim.wait_tokens(3)
-    other.start()
-    other.wait_tokens(3)
-    got = _during(lambda: client.pause(url, "bh-victim", "s3://blackhole/victim.hsnap"), url, other)
+
+    def attempt(n: int) -> dict:
+        wait_idle(url)
+        flush_cache(url)
+        # the victim first: SGLang admits a request only beside the decode budget the running ones may still need
+        victim = Stream(url, payload(f"bh-victim-{n}", prompt(92, 20), 400))
+        other = Stream(url, payload(f"bh-other-{n}", prompt(91, 20), 1500))
+        victim.start()
+        victim.wait_tokens(3)
+        other.start()
+        other.wait_tokens(3)
+        got = _during(lambda: client.pause(url, f"bh-victim-{n}", f"s3://blackhole/victim-{n}.hsnap"), url, other)
+        victim.finish()
+        _abort(url, f"bh-other-{n}")
+        other.join(120)
+        return {**got, "victim": victim}
+
+    got = _watched(attempt)
+    victim = got["victim"]
     a, b = got["span"]
     e = got.get("error")
     assert isinstance(e, client.ServerError) and e.status in (502, 504), got
@@ -511,18 +536,15 @@ def test_export_to_a_store_that_never_answers_keeps_other_requests_decoding(serv
     assert got["events_during"] >= 10 and got["max_gap_s"] < STORE_TIMEOUT_S / 2, got  # the other request decoded on
     during = got["health_during_s"]
     assert len(during) >= 10 and max(during) < 2.0, got["health_s"]  # answered throughout the store's stall
-    victim.finish()
     assert victim.final["meta_info"]["finish_reason"]["type"] == "length"  # given back: it decoded to its end
     assert victim.final["meta_info"]["completion_tokens"] == 400
-    _abort(url, "bh-other")
-    other.join(120)
     wait_idle(url)
 
 
 def test_resume_from_a_store_that_never_answers_leaves_the_http_process_answering(server, hole):
     url = server.url
     accepted = hole.accepted
-    got = _during(lambda: client.resume(url, "s3://blackhole/gone.hsnap"), url, None)
+    got = _watched(lambda n: _during(lambda: client.resume(url, f"s3://blackhole/gone-{n}.hsnap"), url, None))
     a, b = got["span"]
     e = got.get("error")
     assert isinstance(e, client.ServerError) and e.status in (502, 504), got
