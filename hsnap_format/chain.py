@@ -305,12 +305,10 @@ class Chain:
         ``swa_start`` on, state and record from the head."""
         head = self.head
         h = head.section(name)
-        if h.kind not in ROW_KINDS or self.plain:  # the head's section, whole
+        paged = h.kind in PAGED_KINDS and self.paged
+        if h.kind not in ROW_KINDS or not (self.is_delta or paged):
             rows = h.shape[0] if h.kind in ROW_KINDS else None
             return [Piece(head, h, 0, 0 if rows is not None else None, rows)]
-        paged = h.kind in PAGED_KINDS and self.paged
-        if not (self.is_delta or paged):
-            return [Piece(head, h, 0, 0, h.shape[0])]
         origin = first_position(h.kind, head.swa_start)  # position of row 0 of the whole section
         rb = _row_bytes(h)
         refs_by_link: dict = {}

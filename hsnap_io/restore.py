@@ -451,7 +451,7 @@ class _Staged:
     def fits(cls, chain: Chain) -> bool:
         """Whether :meth:`take` stages ``chain``'s body: a plain snapshot of at most :data:`ONE_READ_BYTES`."""
         start, stop = cls._body(chain.head)
-        return not (chain.is_delta or chain.paged) and 0 <= stop - start <= ONE_READ_BYTES
+        return chain.plain and 0 <= stop - start <= ONE_READ_BYTES
 
     @classmethod
     def take(cls, chain: Chain) -> "_Staged | None":
@@ -630,7 +630,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     # by reference, not by object: two references to one object are each checked
                     by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
-                plain.append((b, rows, piece, f"sections[{b.name}]" + (f" of {piece.link.path}" if chain.is_delta or chain.paged else "")))
+                plain.append((b, rows, piece, f"sections[{b.name}]" + ("" if chain.plain else f" of {piece.link.path}")))
         landings = _landings(plain, engine, checkpoint if exact_rollback else None) if staged is None else {}
         if exact_rollback:  # a binding whose every piece lands in its slots saves them piece by piece instead
             landed_only = {id(p[0]) for p in plain} - {id(p[0]) for p in plain if id(p[2]) not in landings} \

@@ -472,20 +472,24 @@ def _during(call, url: str, watch: Stream | None) -> dict:
             got["error"] = e
         got["span"] = (t0, time.monotonic())
 
+    late: list[float] = []  # how much longer than asked each of this loop's sleeps took: time it could not watch
+
+    def nap(s: float) -> None:
+        t0 = time.monotonic()
+        time.sleep(s)
+        late.append(time.monotonic() - t0 - s)
+
     t = threading.Thread(target=run, daemon=True)
-    beats = [time.monotonic()]  # this loop's own wake-ups: a gap between two is time it could not watch
     t.start()
     health, answered = [], []
-    time.sleep(0.3)
+    nap(0.3)
     while t.is_alive():
-        beats.append(time.monotonic())
         took = _answer_s(url)
         health.append(took)
         answered.append((time.monotonic(), took))
-        time.sleep(0.1)
+        nap(0.1)
     t.join()
-    beats.append(time.monotonic())
-    got["observer_gap_s"] = max(y - x - took for (x, y), took in zip(zip(beats, beats[1:]), [0.3] + [h + 0.1 for h in health]))
+    got["observer_gap_s"] = max(late)
     # what proves the HTTP process answered *during* the stall: the calls that ended before the call under test did
     # (one that ends after it also waited on the scheduler's own handling of the failure, seconds on a loaded machine)
     got["health_during_s"] = [took for end, took in answered if end <= got["span"][1]]
