@@ -7,6 +7,9 @@
      same root digest, same bytes;
   3. restores the file through the cupy path into fresh CUDA pools (other data in
      their free slots) and checks every restored row byte for byte against the source;
+     a copy with one byte flipped in its last state section is refused by each verify
+     mode (the default, which has written fresh slots before it meets that piece, and
+     "before"), every allocation as it was and every state byte unchanged or zero;
   4. moves every dtype hsnap names (float8 included: no kernel may be missing) out of
      and into fragmented rows through CudaEngine on EVERY visible GPU while torch's and
      cupy's current device stay 0 (a TP rank's pools on cuda:N), byte for byte against
@@ -40,7 +43,7 @@
 
 Prints a small table; exits 1 on any byte, digest or continuation mismatch (a missed
 speed target is printed as MISS but is not a failure). Without CUDA it says so, runs
-its CPU parts (CPU export twice -> same digests; CPU restore -> same bytes) at 53
+its CPU parts (CPU export twice -> same digests; CPU restore -> same bytes; the refusal) at 53
 tokens, prints the two-server commands step 6 would run, and exits 0.
 
     python -m bench.gpu_check [--tokens 53,102400] [--repeats 5] [--dir DIR]
@@ -65,6 +68,7 @@ if REPO not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import xxhash  # noqa: E402
 
 from bench.run import BIG_TOKENS, alloc_request, build_reference_pools, fill_pool, identity, record, view  # noqa: E402
 
@@ -115,7 +119,7 @@ def check_same_export(a, b, pa: str, pb: str, what: str) -> None:
         raise Failed(f"{what}: files differ")
 
 
-def check_restore(src, row: int, tokens: int, path: str, device: str, verify: bool = True) -> None:
+def check_restore(src, row: int, tokens: int, path: str, device: str, verify: bool | str = True) -> None:
     from hsnap_io import restore_request
     from hsnap_io.export import RequestSlots
 
@@ -129,6 +133,42 @@ def check_restore(src, row: int, tokens: int, path: str, device: str, verify: bo
             raise Failed(f"restore on {device}: section {name} differs from the source")
 
 
+def check_refused_restore(path: str, tokens: int, device: str, d: str) -> None:
+    """A copy of ``path`` with one byte flipped in the middle of its last state section, restored into noise-filled
+    pools on ``device`` by each verify mode: refused with a typed error naming that section, and the pools left as a
+    refusal may leave them (hsnap_testing.pools.refusal_changes: every allocation as before, every state byte
+    unchanged or zero — the default verify had written fresh slots before it met the bad piece and zeroes them)."""
+    import hsnap_format as hf
+    from hsnap_io import restore_request
+    from hsnap_testing.pools import PoolSet, pool_state_copy, refusal_changes
+
+    bad = os.path.join(d, f"flipped-{tokens}.hsnap")
+    shutil.copyfile(path, bad)
+    with hf.open(bad) as snap:
+        last = max((s for s in snap if s.is_state), key=lambda s: s.offset)
+    with open(bad, "r+b") as f:
+        f.seek(last.offset + last.length // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x40]))
+    for verify in (True, "before"):
+        tgt = build_reference_pools(tokens, device=device)
+        fill_pool(tgt)
+        ps = PoolSet(kind="hybrid_linear", req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.allocator,
+                     kv_pool=tgt.kv_pool, page_size=1, size=tgt.size, geom={}, device=device)
+        before = pool_state_copy(ps)
+        try:
+            restore_request(bad, **tgt.kwargs(), identity=identity(), verify=verify)
+        except hf.HsnapError as e:
+            if last.name not in str(e):
+                raise Failed(f"refused restore on {device} (verify={verify!r}): the error does not name {last.name}: {e}") from None
+        else:
+            raise Failed(f"restore on {device} (verify={verify!r}) accepted a snapshot with a flipped byte in {last.name}")
+        changed = refusal_changes(before, ps)
+        if changed:
+            raise Failed(f"refused restore on {device} (verify={verify!r}) changed the pools: {changed[:5]}")
+
+
 def cpu_parts(tokens: int, d: str) -> None:
     """What runs without a GPU: CPU export is deterministic, CPU restore is exact."""
     src = build_reference_pools(tokens)
@@ -137,7 +177,9 @@ def cpu_parts(tokens: int, d: str) -> None:
     a, b = export(src, row, tokens, pa), export(src, row, tokens, pb)
     check_same_export(a, b, pa, pb, "CPU export twice")
     check_restore(src, row, tokens, pa, "cpu")
-    print(f"CPU parts OK at {tokens} tokens: two exports identical ({len(a.digests)} sections), restore byte-identical")
+    check_refused_restore(pa, tokens, "cpu", d)
+    print(f"CPU parts OK at {tokens} tokens: two exports identical ({len(a.digests)} sections), restore byte-identical, "
+          "a flipped byte refused with the pools as they were")
 
 
 def engine_dtype_check() -> None:
@@ -243,8 +285,10 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
     check_same_export(ig, ic, pg, pc, f"{tokens} tokens: CUDA export vs CPU export")
     check_restore(g, row, tokens, pg, dev, verify=True)
     check_restore(g, row, tokens, pg, dev, verify=False)
+    check_restore(g, row, tokens, pg, dev, verify="before")
+    check_refused_restore(pg, tokens, dev, d)
     print(f"[{tokens} tokens] bytes OK: CUDA export == CPU export ({len(ig.digests)} sections, root {ig.root_digest[:16]}...), "
-          f"cupy restore byte-identical ({time.perf_counter() - t0:.1f} s)", flush=True)
+          f"cupy restore byte-identical, a flipped byte refused with the pools as they were ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ---- speed
     n = ig.payload_bytes
@@ -282,7 +326,7 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
 
     got = {}
 
-    def restore_once(verify: bool) -> float:
+    def restore_once(verify: bool | str) -> float:
         cp = PoolCheckpoint(tv)
         dt = cuda_timed(lambda: got.update(res=restore_request(pg, **tgt.kwargs(), identity=identity(), verify=verify)))
         cp.rollback()  # free lists back: every run gets the same fresh slots
@@ -304,9 +348,18 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
 
         return cuda_timed(run)
 
+    def hash_ram() -> float:
+        t = time.perf_counter()
+        for a in ram.values():
+            xxhash.xxh3_128(a).hexdigest()
+        return time.perf_counter() - t
+
     res_noverify = med(lambda: restore_once(False), repeats)
     res_verify = med(lambda: restore_once(True), repeats)
+    res_before = med(lambda: restore_once("before"), repeats)
     eng_imp = med(engine_import, repeats)
+    hashed = med(hash_ram, repeats)
+    verified = max(h2d, hashed)
     for p in (pg, pc):
         os.unlink(p)
     gbs = lambda t: n / t / 1e9  # noqa: E731
@@ -318,7 +371,9 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
         (tokens, "CudaEngine export alone (null sink)", eng_exp, gbs(eng_exp), d2h / eng_exp),
         (tokens, "pinned H2D cudaMemcpy (limit)", h2d, gbs(h2d), None),
         (tokens, "restore, verify=False", res_noverify, gbs(res_noverify), h2d / res_noverify),
-        (tokens, "restore, verify=True", res_verify, gbs(res_verify), h2d / res_verify),
+        (tokens, "xxh3_128 of the bytes in RAM, one thread", hashed, gbs(hashed), None),
+        (tokens, "restore, verify=True (vs max(H2D, hash))", res_verify, gbs(res_verify), verified / res_verify),
+        (tokens, "restore, verify='before' (the server's)", res_before, gbs(res_before), verified / res_before),
         (tokens, "CudaEngine import alone (in-RAM source)", eng_imp, gbs(eng_imp), h2d / eng_imp),
     ]
 
@@ -547,7 +602,7 @@ def print_table(table: list) -> None:
         r = "" if ratio is None else f"{ratio:.2f}"
         print(f"{tokens:>8}  {what:<42} {t * 1e3:>8.2f}ms {gb:>7.2f} {r:>8}  {verdict}")
     print(f"\n'x limit' = limit time / hsnap time; export's limit is the slower of the D2H copy and the file write (they "
-          f"overlap), restore's the H2D copy; targets (>= {TARGET}) judged on export fsync=False and restore; the "
+          f"overlap), restore's the H2D copy (a verified one's the slower of that and one thread's hash); targets (>= {TARGET}) judged on export fsync=False and restore; the "
           "engine-alone rows show the copy engine without the page-cache side.")
 
 
@@ -595,15 +650,15 @@ def main(argv=None) -> int:
             if args.only != "servers":
                 engine_dtype_check()
                 for t in args.tokens:
+                    before = len(table)
                     gpu_run(t, d, args.repeats, table)
+                    print_table(table[before:])  # each size's rows as they come (a run cut short keeps them)
                     torch.cuda.empty_cache()  # the run's pools were freed on its return
             if args.only != "pools":
                 two_servers(os.path.join(d, "servers"), args.server_arg)
         except Failed as e:
             print(f"MISMATCH: {e}")
             return 1
-        if table:
-            print_table(table)
         return 0
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -1,27 +1,27 @@
 """One piece of a section into the slots: where the engine reads it from — the restore's
-staging buffer, a file range hashed as it lands, an object's ranged GETs, a verified copy —
-(:func:`piece_source`) and the upload of it (:func:`upload_piece`). Shared by the restore
-and live migration."""
+staging buffer, a file range (hashed as it lands when verified), an object's ranged GETs
+— (:func:`piece_source`) and the upload of it (:func:`upload_piece`). Shared by the
+restore and live migration."""
 
 from __future__ import annotations
 
-import numpy as np
 import xxhash
 
 from hsnap_format import DigestMismatchError, HsnapError, TruncatedError
 
-from .transfer import FileRange, pread_into
+from .transfer import FileRange, pread_into, read_spread, spread_preads
 
 HASH_PIECE = 2 << 20  # hashed right after it lands, while still in cache
 
 
 class VerifiedFileRange:
-    """One section of an open snapshot file for a file-reading engine (``HostEngine``):
-    ``readinto(view, at)`` preads the section's bytes from ``at`` — in order — 2 MiB at a
-    time and hashes each piece right after it lands in ``view`` (the slots, or the
-    engine's staging chunk on its way to them); :meth:`finish` compares the digest.
-    The same call as :class:`hsnap_io.transfer.FileRange` and
-    ``hsnap_format.stores.s3.ranges.SectionRange``."""
+    """One section of an open snapshot file for an engine: ``readinto(view, at)`` preads the
+    section's bytes from ``at`` — in order — 2 MiB at a time and hashes each piece right
+    after it lands in ``view`` (the slots, or the engine's staging chunk on its way to
+    them); ``readinto_spread`` (a CUDA engine's pinned chunk) preads the view on the copy
+    threads, then hashes it in order; :meth:`finish` compares the digest. What is hashed
+    is what the engine goes on with. The same call as :class:`hsnap_io.transfer.FileRange`
+    and ``hsnap_format.stores.s3.ranges.SectionRange``."""
 
     __slots__ = ("fd", "offset", "length", "info", "path", "_h", "_next")
 
@@ -30,13 +30,22 @@ class VerifiedFileRange:
         self._h = xxhash.xxh3_128()
         self._next = 0
 
-    def readinto(self, view: memoryview, at: int) -> None:
+    def _in_order(self, at: int) -> None:
         if at != self._next:  # the digest is over the section in order
             raise HsnapError(self.path, f"sections[{self.info.name!r}]", f"a read at byte {self._next}", at, detail="out of order")
+
+    def readinto(self, view: memoryview, at: int) -> None:
+        self._in_order(at)
         for a in range(0, len(view), HASH_PIECE):
             piece = view[a : a + HASH_PIECE]
             pread_into(self.fd, piece, self.offset + at + a)
             self._h.update(piece)
+        self._next = at + len(view)
+
+    def readinto_spread(self, view: memoryview, at: int) -> None:
+        self._in_order(at)
+        spread_preads(self.fd, view, self.offset + at)
+        self._h.update(view)
         self._next = at + len(view)
 
     def finish(self) -> None:
@@ -68,9 +77,15 @@ class _Window:
             self.src.readinto(scratch[:n], a)
 
     def readinto(self, view: memoryview, at: int) -> None:
+        self._read(self.src.readinto, view, at)
+
+    def readinto_spread(self, view: memoryview, at: int) -> None:
+        self._read(lambda v, a: read_spread(self.src, v, a), view, at)
+
+    def _read(self, read, view: memoryview, at: int) -> None:
         if self._done == 0 and self.skip:
             self._pass(0, self.skip)
-        self.src.readinto(view, self.skip + at)
+        read(view, self.skip + at)
         self._done = max(self._done, at + len(view))
 
     def finish(self) -> None:
@@ -82,15 +97,13 @@ class _Window:
         self.src.finish()
 
 
-def piece_source(piece, engine, check_digests: bool, staged=None):
+def piece_source(piece, check_digests: bool, staged=None):
     """What the engine reads one piece of a link's (or page object's) section from.
     ``staged``: the restore's staging buffer (:mod:`hsnap_io.restore`), whose bytes were
     hashed when read."""
     snap, info = piece.link, piece.info
     if staged is not None and snap is staged.snap:  # hashed in the staging buffer (verify=True, one read)
         return staged.section(info, piece.skip, piece.length)
-    if not engine.reads_files:  # (an object's raw() is a verified copy of the section)
-        return np.frombuffer(snap.raw(info), dtype=np.uint8)[piece.skip : piece.skip + piece.length]
     ranged = getattr(snap.source, "section_range", None)  # an object: ranged GETs, hashed on the way in
     if ranged:
         src = ranged(info)
@@ -102,8 +115,8 @@ def piece_source(piece, engine, check_digests: bool, staged=None):
 
 
 def upload_piece(engine, b, rows, piece, check_digests: bool, staged=None) -> int:
-    src = piece_source(piece, engine, check_digests, staged)
+    src = piece_source(piece, check_digests, staged)
     engine.import_section(b.buffer, rows.to(b.buffer.device), src)
-    if check_digests and engine.reads_files:
+    if check_digests:
         src.finish()  # DigestMismatchError: rolled back by the caller
     return piece.length

@@ -52,7 +52,7 @@ from .pieces import HASH_PIECE, upload_piece
 from .reshard import prove_resharded, upload_resharded
 from .slots import RestoredRequest, allocate, check_capacity, holding_checkpoints, pool_lock, raise_upload_failure
 from .statecheck import PoolCheckpoint, RollbackError
-from .transfer import DEFAULT_STAGING_BYTES, engine_for
+from .transfer import DEFAULT_STAGING_BYTES, engine_for, host_copy
 
 
 def _open_rank(path, rank: int | None, storage_options=None) -> tuple[Snapshot, SnapshotSet | None]:
@@ -369,17 +369,16 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
         check_capacity(snap, view)  # (the cheap refusal first; checked again right before allocating)
     engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
     mode = verify_mode(verify)
-    # Hashing while uploading (a file's preads 2 MiB at a time, hashed while in cache;
-    # an object store's ranged GETs): what was hashed is exactly what is in the slots.
-    # An engine that does not read files (CUDA: uploads from the map) verifies first.
+    # Hashing while uploading (a file's preads hashed as they land in the slots or the engine's staging; an object
+    # store's ranged GETs): what was hashed is exactly what reaches the slots, on every engine.
     remote = getattr(snap.source, "verifies_while_reading", False)
-    during = mode is not None and (remote or engine.reads_files)
+    during = mode is not None
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
     # (verify="before" asks for the proof first anyway; an object's body within the staging bound is proved first
     # too: its GETs, running ahead into one buffer, are faster there than landing in the slots — bench/REMOTE.md)
     if one_pass and during and verify is True and not (remote and _Staged.fits(chain)):
         mode = "during"
-    staged = _Staged.take(chain) if mode == "before" and engine.reads_files else None
+    staged = _Staged.take(chain) if mode == "before" else None
     try:
         record, exact = _proved_record(source, chain, mode, remote, during, staged)
     except BaseException:
@@ -602,6 +601,10 @@ class _StagedRange:
     def readinto(self, view: memoryview, at: int) -> None:
         # numpy's copy releases the GIL (a memoryview assignment holds it): two uploads at once copy on two cores
         np.copyto(np.frombuffer(view, dtype=np.uint8), np.frombuffer(self.view[at : at + len(view)], dtype=np.uint8))
+
+    def readinto_spread(self, view: memoryview, at: int) -> None:
+        """:meth:`readinto` on the copy threads (a CUDA engine's pinned chunk)."""
+        host_copy(np.frombuffer(view, dtype=np.uint8), np.frombuffer(self.view[at : at + len(view)], dtype=np.uint8))
 
 
 def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics, engine, exact_rollback: bool,

@@ -14,10 +14,12 @@ view) is copied in directly (one slice copy for a run, else ``index_copy_``).
 ``CudaEngine`` (CUDA pools): export gathers on the device and copies into two
 pinned host staging buffers on a side stream, so the device-to-host copy of
 chunk i+1 overlaps the digest and write of chunk i; host memory stays at two
-staging buffers whatever the snapshot size. Restore copies mapped file bytes into
-a pinned buffer (on a few threads: :func:`host_copy`), uploads them with cupy on
-the side stream (double-buffered), and
-scatters into the slots on that stream, every call under the pools' device.
+staging buffers whatever the snapshot size. Restore reads the section's source (a
+:class:`FileRange`, the same range hashed as it lands, staged bytes, an object's GETs)
+into a pinned buffer — preads on a few threads where the source allows
+(:func:`read_spread`), so a verified restore hashes the very bytes that go on to the
+device —, uploads them with cupy on the side stream (double-buffered), and scatters
+into the slots on that stream, every call under the pools' device.
 
 Both engines gather and scatter rows as raw integer words (:func:`raw_rows`), never
 in the pool's element type: byte-exact for every dtype, and no dtype without a
@@ -46,29 +48,44 @@ DEFAULT_STAGING_BYTES = 64 << 20
 # Measured on the reference geometry (bench/run.py): 2 MiB beats 64 MiB by ~25% CPU
 # time at 1 GiB and avoids faulting in a fresh 64 MiB buffer per export.
 HOST_CHUNK_BYTES = 2 << 20
-# CUDA restore's host copy (mapped file -> pinned staging) in pieces on a few threads (numpy's copy releases the GIL):
-# one core's memcpy, ~7 GB/s on an H200 machine, held that restore at 0.13x of the host-to-device bandwidth
-# (bench/gpu_check.py, the engine-alone row).
+# CUDA restore's host reads (file or memory -> pinned staging) in pieces on a few threads (preads and numpy's copy
+# release the GIL): one core's memcpy, ~7 GB/s on an H200 machine, held that restore at 0.13x of the host-to-device
+# bandwidth (bench/gpu_check.py, the engine-alone row).
 COPY_PIECE_BYTES = 8 << 20
 COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
 _copiers: ThreadPoolExecutor | None = None
 _copiers_lock = threading.Lock()
 
 
-def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for two 1-D byte arrays of one length, split over up to ``COPY_THREADS`` threads when large."""
+def _spread(fill, n: int) -> None:
+    """``fill(a, b)`` over ``[0, n)``: in pieces on up to ``COPY_THREADS`` threads when large, else one call here."""
     global _copiers
-    n = len(dst)
     pieces = min(COPY_THREADS, n // COPY_PIECE_BYTES)
     if pieces < 2:
-        np.copyto(dst, src)
+        fill(0, n)
         return
     with _copiers_lock:
         if _copiers is None:
             _copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="hsnap-copy")
     step = -(-n // pieces)
-    for f in [_copiers.submit(np.copyto, dst[a:a + step], src[a:a + step]) for a in range(0, n, step)]:
+    for f in [_copiers.submit(fill, a, min(n, a + step)) for a in range(0, n, step)]:
         f.result()
+
+
+def host_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for two 1-D byte arrays of one length, split over up to ``COPY_THREADS`` threads when large."""
+    _spread(lambda a, b: np.copyto(dst[a:b], src[a:b]), len(dst))
+
+
+def spread_preads(fd: int, view: memoryview, offset: int) -> None:
+    """:func:`pread_into` of ``view`` from ``offset``, in pieces on the copy threads when large."""
+    _spread(lambda a, b: pread_into(fd, view[a:b], offset + a), len(view))
+
+
+def read_spread(src, view: memoryview, at: int) -> None:
+    """``src.readinto(view, at)``, through the source's ``readinto_spread`` where it has one (its reads on the copy
+    threads: a file range, staged bytes), else its plain call (an object's GETs already run ahead)."""
+    getattr(src, "readinto_spread", src.readinto)(view, at)
 
 
 def _row_chunks(n_rows: int, row_bytes: int, staging_bytes: int) -> Iterator[tuple[int, int]]:
@@ -145,6 +162,10 @@ class FileRange:
         """Bytes [at, at+len(view)) of the range (hsnap_format.stores.s3.ranges.SectionRange has the same call)."""
         pread_into(self.fd, view, self.offset + at)
 
+    def readinto_spread(self, view: memoryview, at: int) -> None:
+        """:meth:`readinto` on the copy threads (:func:`read_spread`)."""
+        spread_preads(self.fd, view, self.offset + at)
+
 
 def pread_into(fd: int, view: memoryview, offset: int) -> None:
     """Fill ``view`` from ``fd`` at ``offset``; a file shorter than that is an OSError."""
@@ -160,8 +181,6 @@ class HostEngine:
     """Plain CPU copies (no pinning: CPU-only torch cannot pin)."""
 
     name = "cpu"
-    # restore hands this engine FileRange sources (pread straight into the slots)
-    reads_files = True
     forks = True  # fork(): an engine of its own for a second thread (a restore's staged pieces, copied on two threads)
     exports_into = True  # export_into(): a capture's rows straight into the caller's host buffer, no staging
 
@@ -298,7 +317,6 @@ class CudaEngine:
     """
 
     name = "cuda"
-    reads_files = False  # uploads from the mapped file through pinned staging
 
     def __init__(self, device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         import cupy  # hsnap[gpu]
@@ -358,14 +376,19 @@ class CudaEngine:
         while self._pending:
             self._drain_one()
 
-    # ---- restore: mapped file -> pinned -> device (cupy) -> scatter into slots
-    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
+    # ---- restore: its source (file, staged bytes, GETs) -> pinned -> device (cupy) -> scatter into slots
+    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src) -> None:
+        """Scatter the section bytes ``src`` — a :class:`FileRange` or another source with its call (read into the
+        pinned staging: :func:`read_spread`), or a uint8 array — into ``buffer[rows]``."""
         with self._on_device():
             self._import_section(buffer, rows, src)
 
-    def _import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src: np.ndarray) -> None:
+    def _import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src) -> None:
         cp = self.cupy
         row_bytes = bytes_per_row(buffer)
+        reads = hasattr(src, "readinto")
+        if reads and len(rows) * row_bytes != src.length:
+            raise ValueError(f"{len(rows)} rows of {row_bytes} bytes != section length {src.length}")
         raw = raw_rows(buffer)
         rows = rows.to(buffer.device, non_blocking=True)
         self.stream.wait_stream(torch.cuda.current_stream(buffer.device))
@@ -375,7 +398,10 @@ class CudaEngine:
                 self.ready[slot].synchronize()  # the upload that used this pinned buffer is done
             nbytes = (b - a) * row_bytes
             host = self.pinned[slot][:nbytes].numpy()
-            host_copy(host, src[a * row_bytes : b * row_bytes])  # page-cache -> pinned
+            if reads:  # (a verified source hashes what lands here: the bytes that go on to the device)
+                read_spread(src, memoryview(host), a * row_bytes)
+            else:
+                host_copy(host, src[a * row_bytes : b * row_bytes])
             dev = self._dev[slot]
             cp.cuda.runtime.memcpyAsync(
                 dev.data_ptr(), host.ctypes.data, nbytes, cp.cuda.runtime.memcpyHostToDevice, self.stream.cuda_stream

@@ -665,7 +665,7 @@ def _token_allocator_state(a) -> Dict[str, Any]:
 def _digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    b = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()  # (a GPU run's pools: bench/gpu_check.py)
     h.update(b.numpy().tobytes())
     return h.hexdigest()
 

@@ -422,3 +422,95 @@ def test_host_copy_copies_every_byte_in_pieces(n):
     dst = np.zeros(n, dtype=np.uint8)
     transfer.host_copy(dst, src)
     assert np.array_equal(dst, src)
+
+
+# ------------------------------------------------------------------ a CUDA engine's reads into its pinned staging
+# (CudaEngine reads every source through read_spread; these are its host halves, run on any machine)
+
+SPREAD_SIZES = [1, transfer.COPY_PIECE_BYTES * 2 - 1, transfer.COPY_PIECE_BYTES * 3 + 5]
+
+
+def _section_file(tmp_path, n: int, lead: int = 8):
+    """A file of ``lead`` bytes then ``n`` random ones; (its fd, those n bytes, a section info naming their digest)."""
+    import xxhash
+
+    data = np.random.default_rng(n).bytes(n)
+    p = tmp_path / "section.bin"
+    p.write_bytes(b"\x01" * lead + data)
+    info = dataclasses.make_dataclass("Info", ["name", "offset", "length", "digest"])("s", lead, n, xxhash.xxh3_128_hexdigest(data))
+    return os.open(p, os.O_RDONLY), data, info
+
+
+@pytest.mark.parametrize("n", SPREAD_SIZES)
+def test_file_range_read_on_the_copy_threads_gives_the_same_bytes(tmp_path, n):
+    fd, data, _ = _section_file(tmp_path, n)
+    try:
+        out = bytearray(n)
+        transfer.read_spread(transfer.FileRange(fd, 8, n), memoryview(out), 0)
+        assert bytes(out) == data
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("n", SPREAD_SIZES)
+def test_verified_range_read_on_the_copy_threads_hashes_what_landed(tmp_path, n):
+    from hsnap_io.pieces import VerifiedFileRange
+
+    fd, data, info = _section_file(tmp_path, n)
+    try:
+        out = bytearray(n)
+        src = VerifiedFileRange(fd, info, "section.bin")
+        half = n // 2
+        transfer.read_spread(src, memoryview(out)[:half], 0)  # in two reads, in order (a staging chunk each)
+        transfer.read_spread(src, memoryview(out)[half:], half)
+        src.finish()
+        assert bytes(out) == data
+        wrong = dataclasses.replace(info, digest="0" * 32)
+        src = VerifiedFileRange(fd, wrong, "section.bin")
+        transfer.read_spread(src, memoryview(out), 0)
+        with pytest.raises(hf.DigestMismatchError, match="digest"):
+            src.finish()
+        src = VerifiedFileRange(fd, info, "section.bin")
+        with pytest.raises(hf.HsnapError, match="out of order"):  # the digest is over the section in order
+            transfer.read_spread(src, memoryview(out)[1:], 1)
+    finally:
+        os.close(fd)
+
+
+def test_window_read_on_the_copy_threads_hands_on_its_rows_and_hashes_the_whole_section(tmp_path):
+    from types import SimpleNamespace
+
+    from hsnap_format.chain import Piece
+    from hsnap_io.pieces import piece_source
+
+    n = transfer.COPY_PIECE_BYTES * 3
+    fd, data, info = _section_file(tmp_path, n)
+    link = SimpleNamespace(source=SimpleNamespace(), fileno=lambda: fd, path="section.bin")  # a local file's link
+    try:
+        skip, take = transfer.COPY_PIECE_BYTES // 2 + 3, transfer.COPY_PIECE_BYTES * 2
+        for digest, ok in ((info.digest, True), ("0" * 32, False)):
+            src = piece_source(Piece(link, dataclasses.replace(info, digest=digest), skip, 0, 1, take), check_digests=True)
+            out = bytearray(take)
+            transfer.read_spread(src, memoryview(out), 0)
+            assert bytes(out) == data[skip : skip + take]
+            if ok:
+                src.finish()  # reads the rest of the section for its digest
+            else:
+                with pytest.raises(hf.DigestMismatchError):
+                    src.finish()
+    finally:
+        os.close(fd)
+
+
+def test_a_source_without_spread_reads_is_read_by_its_own_call():
+    class Gets:  # an object's ranged GETs: read in order by their own call
+        length = 10
+        calls: list = []
+
+        def readinto(self, view, at):
+            self.calls.append((len(view), at))
+            view[:] = bytes(range(at, at + len(view)))
+
+    out = bytearray(4)
+    transfer.read_spread(Gets(), memoryview(out), 3)
+    assert Gets.calls == [(4, 3)] and bytes(out) == bytes([3, 4, 5, 6])

@@ -39,6 +39,9 @@ DEDUP = {f"p{i}": (SHARED + prompt(60 + i, 8), 40 + 8 * i) for i in range(3)}  #
 CK_PROMPT, CK_N, CK_M = prompt(71, 30), 160, 8
 CK_PACE_S = 0.03  # seconds per forward while c is checkpointed: its 160 tokens last 4.8 s at least
 GATED_N = 300
+# seconds per forward while a link or a proof is held: GATED_N tokens take 6 s at least, so the held request (or the
+# bystander) still decodes when the pause, the restart or the resume lands, on any load
+GATED_PACE_S = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -128,21 +131,22 @@ def _resume_while_its_proof_is_held(s2, work) -> dict:
     by the server's test gate, with a bystander decoding; then let go; g's uninterrupted reference after."""
     gate = work / "gate"
     hold = gate / "g-final.hsnap.hold"
-    bystander = Stream(s2.url, payload("by", prompt(81, 20), 400))
-    bystander.start()
-    bystander.wait_tokens(2)
-    hold.touch()
     out: dict = {}
-    resume = threading.Thread(target=lambda: out.update(run=client.resume(s2.url, str(work / "g-final.hsnap"))), daemon=True)
-    resume.start()
-    _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
-    # the proof started ahead, when the route was called: the resume's own message comes once g is claimed and registered
-    deadline = time.monotonic() + 60
-    while "g" not in (listed := stats(s2.url)["requests"])["resuming"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    during = bystander.decoded_meanwhile(10)
-    still_held = resume.is_alive() and hold.exists()
-    hold.unlink()
+    with paced(s2.url, GATED_PACE_S):
+        bystander = Stream(s2.url, payload("by", prompt(81, 20), 400))
+        bystander.start()
+        bystander.wait_tokens(2)
+        hold.touch()
+        resume = threading.Thread(target=lambda: out.update(run=client.resume(s2.url, str(work / "g-final.hsnap"))), daemon=True)
+        resume.start()
+        _wait_for(gate / "g-final.hsnap.held", lambda: os.listdir(gate))
+        # the proof started ahead, when the route was called: the resume's own message comes once g is claimed and registered
+        deadline = time.monotonic() + 60
+        while "g" not in (listed := stats(s2.url)["requests"])["resuming"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        during = bystander.decoded_meanwhile(10)
+        still_held = resume.is_alive() and hold.exists()
+        hold.unlink()
     resume.join(300)
     bystander.finish()
     ref = Stream(s2.url, payload("g-ref", CK_PROMPT, GATED_N))
@@ -170,16 +174,17 @@ def _pause_while_a_link_is_written(s2, work) -> dict:
     (said by the gate) while the scheduler goes on — g decodes meanwhile, no link queued behind the pause; then the
     link is let go."""
     gate, ck = work / "gate", work / "ckg"
-    g, hold, first = _checkpointed_with_link_2_held(s2, gate, "g", ck)
-    during = stats(s2.url)["checkpoints"]["g"]
     out: dict = {}
-    pause = threading.Thread(target=lambda: out.update(pause=client.pause(s2.url, "g", str(work / "g-final.hsnap"))), daemon=True)
-    pause.start()
-    _wait_for(gate / "g.ck000002.hsnap.export-waiting", lambda: os.listdir(gate))
-    decoded_while_waiting = g.decoded_meanwhile(5)
-    files_while_held = sorted(os.listdir(ck))
-    hold.unlink()
-    pause.join(300)
+    with paced(s2.url, GATED_PACE_S):
+        g, hold, first = _checkpointed_with_link_2_held(s2, gate, "g", ck)
+        during = stats(s2.url)["checkpoints"]["g"]
+        pause = threading.Thread(target=lambda: out.update(pause=client.pause(s2.url, "g", str(work / "g-final.hsnap"))), daemon=True)
+        pause.start()
+        _wait_for(gate / "g.ck000002.hsnap.export-waiting", lambda: os.listdir(gate))
+        decoded_while_waiting = g.decoded_meanwhile(5)
+        files_while_held = sorted(os.listdir(ck))
+        hold.unlink()
+        pause.join(300)
     g.finish()
     idle = wait_idle(s2.url)
     return {"first": first, "during": during, "pause": out.get("pause"), "files_while_held": files_while_held,
@@ -192,15 +197,16 @@ def _restart_while_a_link_is_written(s2, work) -> dict:
     started again into the same directory meanwhile: the restart waits for the link on the way (its number comes
     after it) while the scheduler goes on; then the link is let go."""
     gate, ck = work / "gate", work / "ckh"
-    h, hold, first = _checkpointed_with_link_2_held(s2, gate, "h", ck)
-    stopped = client.checkpoint(s2.url, "h", str(ck), every=0)
     out: dict = {}
-    restart = threading.Thread(target=lambda: out.update(restart=client.checkpoint(s2.url, "h", str(ck), every=4)), daemon=True)
-    restart.start()
-    decoded, still_waiting = h.decoded_meanwhile(5), restart.is_alive()
-    files_while_held = sorted(n for n in os.listdir(ck) if not n.startswith("."))
-    hold.unlink()
-    restart.join(300)
+    with paced(s2.url, GATED_PACE_S):
+        h, hold, first = _checkpointed_with_link_2_held(s2, gate, "h", ck)
+        stopped = client.checkpoint(s2.url, "h", str(ck), every=0)
+        restart = threading.Thread(target=lambda: out.update(restart=client.checkpoint(s2.url, "h", str(ck), every=4)), daemon=True)
+        restart.start()
+        decoded, still_waiting = h.decoded_meanwhile(5), restart.is_alive()
+        files_while_held = sorted(n for n in os.listdir(ck) if not n.startswith("."))
+        hold.unlink()
+        restart.join(300)
     h.finish()
     return {"first": first, "stopped": stopped, "restart": out.get("restart"), "decoded": decoded, "still_waiting": still_waiting,
             "files_while_held": files_while_held, "idle": wait_idle(s2.url)}

@@ -14,16 +14,16 @@ c. B resumes ``p`` from its file and ``c`` from its chain's newest link;
 and ``p``'s file, read back, gives the layers to the groups of the model's config (FalconH1: each layer to both), with
 the SSM geometry of the config.
 
-Every moved request asks for ``LONG`` tokens, so none can end before its pause, checkpoint or migration lands; once
-it has decoded ``MORE`` tokens in B it is aborted, and the tokens and logprobs it produced (its whole output: those
-before the move and those after) are compared with an uninterrupted run of that length in B, bit for bit, and its
-forwards in B with "decode only" (no extend forward: no history position recomputed).  The references run side by
-side, each prefilled alone, as the moved requests were (bfloat16 on this platform: a request's numbers do not depend
-on the other requests of its decode batches — ``hsnap demo --arch nemotron_h`` checks it for NemotronH).  Not so
-FalconH1's: a request's log-probabilities move by up to ~5e-7 with its batch (measured; the first difference came
-before the move, in A), so FalconH1's moved requests are compared token for token and within 1e-5.  FalconH1's
-B also refuses a NemotronH snapshot (another model, another layer layout) with a typed 4xx before allocating, its
-pools, requests and checks unchanged.
+Every moved request asks for ``LONG`` tokens, decoded in a paced A (SGLang's ``/slow_down``), so none can end before
+its pause, checkpoint or migration lands; once it has decoded ``MORE`` tokens in B it is aborted, and the tokens and
+logprobs it produced (its whole output: those before the move and those after) are compared with an uninterrupted run
+of that length in B, bit for bit, and its forwards in B with "decode only" (no extend forward: no history position
+recomputed). The references run side by side, each prefilled alone, as the moved requests were (bfloat16 on this
+platform: a request's numbers do not depend on the other requests of its decode batches — ``hsnap demo --arch
+nemotron_h`` checks it for NemotronH). Not so FalconH1's: a request's log-probabilities move by up to ~5e-7 with its
+batch (measured; the first difference came before the move, in A), so FalconH1's moved requests are compared token
+for token and within 1e-5. FalconH1's B also refuses a NemotronH snapshot (another model, another layer layout) with
+a typed 4xx before allocating, its pools, requests and checks unchanged.
 
 A dedup drain of NemotronH's B (its scenario done): three requests decoding side by side, two sharing a two-page
 prompt prefix through the radix cache, drained into one directory (the prefix's pages stored once) and resumed there
@@ -78,6 +78,10 @@ MORE = 8  # tokens a moved request decodes in B before it is aborted
 # abort after MORE lands first on any load (unpaced, a loaded machine once streamed B's events late enough that the
 # request reached its length before the cut was sent)
 CUT_PACE_S = 0.05
+# each forward of A sleeps this long while its requests are moved out: LONG tokens take 50 s at least there, so the
+# migration, the checkpoints and the pause land while they decode, on any load (unpaced, a loaded machine once took
+# longer to migrate mg than A took to decode its 1000 tokens: the migration was refused as finished)
+SOURCE_PACE_S = 0.05
 CK_EVERY = 4
 MG_IDS, CK_IDS, P_IDS = prompt(81, 30), prompt(82, 26), prompt(83, 22)
 # B: other capacities than A's (engine_support.Server's: 4096 tokens, 8 Mamba slots, 4 running)
@@ -140,28 +144,30 @@ def _scenario(servers, work, arch: str) -> dict:
     out: dict = {}
     try:
         # a. live migration A -> B while both run
-        m = Stream(a.url, payload("mg", MG_IDS, LONG))
-        m.start()
-        m.wait_tokens(4)
-        cut = _CutAfter(b.url, "mg")
-        with paced(b.url, CUT_PACE_S):
-            out["mig"] = client.move(a.url, b.url, "mg", str(d / "mig"), tail=2, max_rounds=2, timeout_s=120, on_chunk=cut,
-                                     last_source_event_at=m.last_token_at)
+        with paced(a.url, SOURCE_PACE_S):
+            m = Stream(a.url, payload("mg", MG_IDS, LONG))
+            m.start()
+            m.wait_tokens(4)
+            cut = _CutAfter(b.url, "mg")
+            with paced(b.url, CUT_PACE_S):
+                out["mig"] = client.move(a.url, b.url, "mg", str(d / "mig"), tail=2, max_rounds=2, timeout_s=120, on_chunk=cut,
+                                         last_source_event_at=m.last_token_at)
         out["m"] = m.finish()
         out["mg_forwards"] = stats(b.url, "mg")["forwards"]
         out["mig_idle"] = (wait_idle(a.url), wait_idle(b.url))
-        # b. on A: c checkpointed (a chain), p exported mid-decode to a file; then SIGKILL
-        c = Stream(a.url, payload("c", CK_IDS, LONG))
-        c.start()
-        c.wait_tokens(2)
-        out["ck_first"] = client.checkpoint(a.url, "c", str(d / "ck"), every=CK_EVERY)
-        p = Stream(a.url, payload("p", P_IDS, LONG))
-        p.start()
-        p.wait_tokens(6)
-        out["paused"] = client.pause(a.url, "p", str(d / "p.hsnap"))
-        out["p"] = p.finish()
-        wait_links(a.url, "c", 3, timeout=300, stream=c)
-        out["alive"] = a.crash()
+        # b. on A: c checkpointed (a chain), p exported mid-decode to a file; then SIGKILL (inside the pace: A is gone)
+        with paced(a.url, SOURCE_PACE_S):
+            c = Stream(a.url, payload("c", CK_IDS, LONG))
+            c.start()
+            c.wait_tokens(2)
+            out["ck_first"] = client.checkpoint(a.url, "c", str(d / "ck"), every=CK_EVERY)
+            p = Stream(a.url, payload("p", P_IDS, LONG))
+            p.start()
+            p.wait_tokens(6)
+            out["paused"] = client.pause(a.url, "p", str(d / "p.hsnap"))
+            out["p"] = p.finish()
+            wait_links(a.url, "c", 3, timeout=300, stream=c)
+            out["alive"] = a.crash()
         c.join(60)
         out["c"] = c
         # c. in B: p from its file, c from its chain's newest link (the client giving what its cut stream had)
