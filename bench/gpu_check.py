@@ -9,7 +9,9 @@
      their free slots) and checks every restored row byte for byte against the source;
      a copy with one byte flipped in its last state section is refused by each verify
      mode (the default, which has written fresh slots before it meets that piece, and
-     "before"), every allocation as it was and every state byte unchanged or zero;
+     "before"), and so is the same byte flipped once the checks passed (what reaches
+     the pools is what was hashed), every allocation as it was and every state byte
+     unchanged or zero;
   4. moves every dtype hsnap names (float8 included: no kernel may be missing) out of
      and into fragmented rows through CudaEngine on EVERY visible GPU while torch's and
      cupy's current device stay 0 (a TP rank's pools on cuda:N), byte for byte against
@@ -133,40 +135,65 @@ def check_restore(src, row: int, tokens: int, path: str, device: str, verify: bo
             raise Failed(f"restore on {device}: section {name} differs from the source")
 
 
-def check_refused_restore(path: str, tokens: int, device: str, d: str) -> None:
-    """A copy of ``path`` with one byte flipped in the middle of its last state section, restored into noise-filled
-    pools on ``device`` by each verify mode: refused with a typed error naming that section, and the pools left as a
-    refusal may leave them (hsnap_testing.pools.refusal_changes: every allocation as before, every state byte
-    unchanged or zero — the default verify had written fresh slots before it met the bad piece and zeroes them)."""
-    import hsnap_format as hf
-    from hsnap_io import restore_request
-    from hsnap_testing.pools import PoolSet, pool_state_copy, refusal_changes
-
-    bad = os.path.join(d, f"flipped-{tokens}.hsnap")
-    shutil.copyfile(path, bad)
-    with hf.open(bad) as snap:
-        last = max((s for s in snap if s.is_state), key=lambda s: s.offset)
-    with open(bad, "r+b") as f:
-        f.seek(last.offset + last.length // 2)
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
         byte = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x40]))
-    for verify in (True, "before"):
+
+
+def check_refused_restore(path: str, tokens: int, device: str, d: str) -> None:
+    """Restores into noise-filled pools on ``device`` that must be refused with a typed error naming the section, the
+    pools left as a refusal may leave them (hsnap_testing.pools.refusal_changes: every allocation as before, every
+    state byte unchanged or zero — a verify that wrote fresh slots before it met the bad piece zeroes them): a copy
+    of ``path`` with one byte flipped in the middle of its last state section, by each verify mode; and the same byte
+    flipped once the checks passed, right before allocating (the default verify, and ``"before"`` made to take two
+    passes): what reaches the pools must be what was hashed, not what was read again."""
+    import hsnap_format as hf
+    import hsnap_io.restore as restore_mod
+    from hsnap_io import restore_request
+    from hsnap_testing.pools import PoolSet, pool_state_copy, refusal_changes
+
+    with hf.open(path) as snap:
+        last = max((s for s in snap if s.is_state), key=lambda s: s.offset)
+    at = last.offset + last.length // 2
+    bad = os.path.join(d, f"flipped-{tokens}.hsnap")
+    shutil.copyfile(path, bad)
+    _flip(bad, at)
+    real_checkpoint, one_read = restore_mod.PoolCheckpoint, restore_mod.ONE_READ_BYTES
+    cases = [("a flipped byte", True, False), ("a flipped byte", "before", False),
+             ("a byte flipped after the checks", True, True), ("a byte flipped after the checks, two passes", "before", True)]
+    for what, verify, late in cases:
+        target = bad
+        if late:
+            target = os.path.join(d, f"changing-{tokens}.hsnap")
+            shutil.copyfile(path, target)
+
+            def changed_after_the_checks(view, target=target):  # made right after the checks, before allocating
+                _flip(target, at)
+                return real_checkpoint(view)
+
+            restore_mod.PoolCheckpoint = changed_after_the_checks
+            restore_mod.ONE_READ_BYTES = 0 if verify == "before" else one_read
         tgt = build_reference_pools(tokens, device=device)
         fill_pool(tgt)
         ps = PoolSet(kind="hybrid_linear", req_to_token_pool=tgt.req_to_token_pool, token_to_kv_pool_allocator=tgt.allocator,
                      kv_pool=tgt.kv_pool, page_size=1, size=tgt.size, geom={}, device=device)
         before = pool_state_copy(ps)
+        case = f"{what} (restore on {device}, verify={verify!r})"
         try:
-            restore_request(bad, **tgt.kwargs(), identity=identity(), verify=verify)
+            restore_request(target, **tgt.kwargs(), identity=identity(), verify=verify)
         except hf.HsnapError as e:
             if last.name not in str(e):
-                raise Failed(f"refused restore on {device} (verify={verify!r}): the error does not name {last.name}: {e}") from None
+                raise Failed(f"{case}: the error does not name {last.name}: {e}") from None
         else:
-            raise Failed(f"restore on {device} (verify={verify!r}) accepted a snapshot with a flipped byte in {last.name}")
+            raise Failed(f"{case}: accepted")
+        finally:
+            restore_mod.PoolCheckpoint, restore_mod.ONE_READ_BYTES = real_checkpoint, one_read
         changed = refusal_changes(before, ps)
         if changed:
-            raise Failed(f"refused restore on {device} (verify={verify!r}) changed the pools: {changed[:5]}")
+            raise Failed(f"{case}: refused, but the pools changed: {changed[:5]}")
 
 
 def cpu_parts(tokens: int, d: str) -> None:
@@ -179,7 +206,7 @@ def cpu_parts(tokens: int, d: str) -> None:
     check_restore(src, row, tokens, pa, "cpu")
     check_refused_restore(pa, tokens, "cpu", d)
     print(f"CPU parts OK at {tokens} tokens: two exports identical ({len(a.digests)} sections), restore byte-identical, "
-          "a flipped byte refused with the pools as they were")
+          "a flipped byte (in the file, or after the checks) refused with the pools as they were")
 
 
 def engine_dtype_check() -> None:
@@ -288,7 +315,7 @@ def gpu_run(tokens: int, d: str, repeats: int, rows_out: list, dev: str = "cuda"
     check_restore(g, row, tokens, pg, dev, verify="before")
     check_refused_restore(pg, tokens, dev, d)
     print(f"[{tokens} tokens] bytes OK: CUDA export == CPU export ({len(ig.digests)} sections, root {ig.root_digest[:16]}...), "
-          f"cupy restore byte-identical, a flipped byte refused with the pools as they were ({time.perf_counter() - t0:.1f} s)", flush=True)
+          f"cupy restore byte-identical, a flipped byte (in the file, or after the checks) refused with the pools as they were ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # ---- speed
     n = ig.payload_bytes

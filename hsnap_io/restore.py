@@ -9,8 +9,7 @@ Order of work, so that a refusal leaves the pools untouched:
      storage type that is only the byte view of the same element format;
   3. check capacity in the target's own pages (rows, token slots, SWA slots, mamba
      slots, context length);
-  4. with ``verify=True``: the padding and the request record (and, for an engine that
-     does not read files — CUDA, from the map — every digest); with ``verify="before"``
+  4. with ``verify=True``: the padding and the request record; with ``verify="before"``
      (what :func:`prove_opened` does with ``verify=True``) every digest too — a plain
      snapshot up to ONE_READ_BYTES: every byte, read once into a staging buffer the upload
      copies from;
@@ -91,8 +90,8 @@ def restore_request(
       first, as ``"before"``: faster there). A digest mismatch then gives back every allocation exactly (free lists,
       mappings, request row) and zeroes the slots it wrote — no byte of the refused
       snapshot stays; their old bytes, which no request owned, come back only with
-      ``exact_rollback=True``. (An engine that does not read files — CUDA, uploading from
-      the map — verifies every digest first, as ``"before"``.)
+      ``exact_rollback=True``. (CUDA pools alike: the bytes are hashed in the pinned
+      staging they are uploaded from.)
     * ``"before"``: every refusal leaves the pools exactly as they were, byte for byte —
       what a caller that makes room (evicts) for the snapshot needs; :func:`prove_opened`
       proves this way with ``verify=True``. A plain snapshot whose body is at most
@@ -615,7 +614,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     snap = chain.head
     pos = snap.state_position
     if staged is None:  # (a staged upload reads nothing more from the file)
-        chain.check_unchanged()  # refuse a file resized since open (the CUDA upload reads through the map)
+        chain.check_unchanged()  # a file resized since open: refused before allocating, not by a short read mid-upload
     checkpoint = PoolCheckpoint(view)
     uploaded = 0
     where = "allocation"
