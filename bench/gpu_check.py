@@ -421,6 +421,14 @@ def gpu_server_args(capacity: dict[str, str], extra: list[str]) -> list[str]:
     return base + [x for kv in capacity.items() for x in kv] + list(extra)
 
 
+# Step 6 on a machine without sgl_kernel (scripts/gpu_machine/README.md): SGLang's own switches to its torch and triton
+# paths — every fused op's forward_native, triton attention / linear attention / Mamba / MoE runner, no CUDA graphs
+NO_SGL_KERNEL_ARGS = ["--sampling-backend", "pytorch", "--linear-attn-backend", "triton", "--mamba-backend", "triton",
+                      "--moe-runner-backend", "triton", "--disable-custom-all-reduce", "--disable-cuda-graph"]
+NO_SGL_KERNEL_ENV = {"SGLANG_FORCE_FUSED_OP_BACKEND": "torch", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+                     "SGLANG_IS_FLASHINFER_AVAILABLE": "false"}
+
+
 def gpu_server_env() -> dict[str, str]:
     env = dict(os.environ, HSNAP_SGLANG_PLUGIN="1", SGLANG_LOGGING_LEVEL="warning")
     env.pop("HSNAP_SGLANG_CPU", None)  # the CPU platform stays off (it would be ignored on a CUDA machine anyway)
@@ -643,9 +651,14 @@ def main(argv=None) -> int:
                     help="pools: steps 1-5 only; servers: step 6 only (default: all)")
     ap.add_argument("--servers-on-cpu", action="store_true",
                     help="run step 6 on hsnap's CPU platform instead (checks the step's own code without a GPU), then exit")
+    ap.add_argument("--without-sgl-kernel", action="store_true",
+                    help="step 6 on a machine without sgl_kernel: SGLang's torch / triton paths (scripts/gpu_machine/README.md)")
     ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="one more launch_server argument for step 6's servers (repeat; e.g. --server-arg=--enable-deterministic-inference)")
     args = ap.parse_args(argv)
+    if args.without_sgl_kernel and not args.servers_on_cpu:
+        args.server_arg = NO_SGL_KERNEL_ARGS + args.server_arg
+        os.environ.update(NO_SGL_KERNEL_ENV)  # the servers' environment is this one's (gpu_server_env)
     d = tempfile.mkdtemp(prefix="hsnap-gpu-", dir=args.dir)
     try:
         if args.servers_on_cpu:

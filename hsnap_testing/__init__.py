@@ -10,6 +10,7 @@
 * :mod:`hsnap_testing.server_zygote`: test servers (``python -m hsnap_sglang.serve``) forked from one that already
   imported SGLang's server on the CPU platform.
 * :mod:`hsnap_testing.terminal`: a child that Ctrl-C reaches as it does at a terminal.
+* :mod:`hsnap_testing.seams`: a change made to a module right after it runs (the test and GPU-machine seams' finder).
 
 The top layer: it imports hsnap_format, hsnap_io and hsnap_sglang; none of them imports it.
 """

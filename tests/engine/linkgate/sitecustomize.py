@@ -8,11 +8,11 @@ while ``<file name>.prove.hold`` exists (``.prove.held``: the link writer's gate
 ``hsnap_io.migrate`` is, ``MigrationTarget.prove`` holds a followed migration's link of that name alike.  Production
 code never reads the gate."""
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import time
+
+from hsnap_testing.seams import AfterImport
 
 GATE_ENV = "HSNAP_TEST_LINK_GATE"
 TARGET = "hsnap_sglang.jobs"
@@ -70,22 +70,5 @@ SEAMS = {TARGET: _install_jobs, "hsnap_sglang.req": _install_req, "hsnap_sglang.
          "hsnap_io.migrate": _install_migrate}
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in SEAMS:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            SEAMS[name](module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if _gate():
-    sys.meta_path.insert(0, _Finder())
+    sys.meta_path.insert(0, AfterImport(SEAMS))
