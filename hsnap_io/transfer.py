@@ -33,7 +33,7 @@ import math
 import os
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Iterator
@@ -68,7 +68,9 @@ def _spread(fill, n: int) -> None:
         if _copiers is None:
             _copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="hsnap-copy")
     step = -(-n // pieces)
-    for f in [_copiers.submit(fill, a, min(n, a + step)) for a in range(0, n, step)]:
+    futures = [_copiers.submit(fill, a, min(n, a + step)) for a in range(0, n, step)]
+    wait(futures)  # every piece ended before this returns or raises: none writes into the caller's buffer after
+    for f in futures:
         f.result()
 
 

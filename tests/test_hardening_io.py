@@ -514,3 +514,21 @@ def test_a_source_without_spread_reads_is_read_by_its_own_call():
     out = bytearray(4)
     transfer.read_spread(Gets(), memoryview(out), 3)
     assert Gets.calls == [(4, 3)] and bytes(out) == bytes([3, 4, 5, 6])
+
+
+def test_a_failed_spread_read_raises_only_once_every_piece_ended(monkeypatch):
+    import time
+
+    n = transfer.COPY_PIECE_BYTES * 3
+    ended: list = []
+
+    def pread(fd, view, offset):  # the first piece fails at once; the others take a while
+        if offset == 0:
+            raise OSError(5, "read failed")
+        time.sleep(0.05)
+        ended.append(offset)
+
+    monkeypatch.setattr(transfer, "pread_into", pread)
+    with pytest.raises(OSError, match="read failed"):
+        transfer.spread_preads(-1, memoryview(bytearray(n)), 0)
+    assert len(ended) == min(transfer.COPY_THREADS, 3) - 1  # no piece left writing into the buffer
