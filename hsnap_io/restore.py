@@ -344,8 +344,8 @@ class _Proof:
 def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, *, capacity: bool, stacklevel: int,
            one_pass: bool = False) -> _Proof:
     """The refusals before allocation (``capacity``: the pools' free room too, else checked at upload only).
-    ``one_pass``: a restore no caller proved first (nothing was evicted for it): an engine that reads files
-    (or an object store) takes ``verify=True`` as ``"during"`` — every digest checked as its bytes land in
+    ``one_pass``: a restore no caller proved first (nothing was evicted for it) takes ``verify=True`` as
+    ``"during"`` (an object's body within the staging bound excepted) — every digest checked as its bytes land in
     fresh slots, a refusal giving back every allocation and zeroing what it wrote — rather than as
     ``"before"`` (every byte read and hashed before allocating, then uploaded by a second pass)."""
     if source.resharded:
@@ -371,15 +371,14 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
     # Hashing while uploading (a file's preads hashed as they land in the slots or the engine's staging; an object
     # store's ranged GETs): what was hashed is exactly what reaches the slots, on every engine.
     remote = getattr(snap.source, "verifies_while_reading", False)
-    during = mode is not None
     chain = source.chain  # every link of a delta was opened and checked with it (spec 7.5)
     # (verify="before" asks for the proof first anyway; an object's body within the staging bound is proved first
     # too: its GETs, running ahead into one buffer, are faster there than landing in the slots — bench/REMOTE.md)
-    if one_pass and during and verify is True and not (remote and _Staged.fits(chain)):
+    if one_pass and verify is True and not (remote and _Staged.fits(chain)):
         mode = "during"
     staged = _Staged.take(chain) if mode == "before" else None
     try:
-        record, exact = _proved_record(source, chain, mode, remote, during, staged)
+        record, exact = _proved_record(source, chain, mode, remote, staged)
     except BaseException:
         if staged is not None:
             staged.release()
@@ -388,13 +387,13 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
     def upload(view: PoolView, exact_rollback: bool) -> RestoredRequest:
         with pool_lock(view.req_to_token_pool):
             check_capacity(snap, view)  # what a caller freed since the proof counts
-            return _upload_locked(chain, view, record, numerics, engine, exact_rollback or exact, during and staged is None,
+            return _upload_locked(chain, view, record, numerics, engine, exact_rollback or exact, mode is not None and staged is None,
                                   staged=staged)
 
     return _Proof(verify, record, upload, staged)
 
 
-def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, during: bool, staged: "_Staged | None") -> tuple[RequestRecord, bool]:
+def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, staged: "_Staged | None") -> tuple[RequestRecord, bool]:
     """The proof before allocation, by ``mode``; the record (read hashed) and whether the
     upload must keep an exact undo log (a digest refusal that can only come while landing)."""
     snap = source.snap
@@ -402,7 +401,7 @@ def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, during:
         if staged is not None:
             chain.check_unchanged()  # (an object: a HEAD; its GETs are pinned to the ETag of open as well)
             staged.verify()  # the one read: every byte hashed into the staging buffer, every refusal before allocation
-        elif mode == "before" and not remote or mode is not None and not during:
+        elif mode == "before" and not remote:
             chain.prove()  # every link and page, every byte: every refusal before allocation, pools byte-identical
         else:
             # the same proof (records, keys, every page reference) before anything is allocated,
@@ -415,7 +414,7 @@ def _proved_record(source: OpenSource, chain: Chain, mode, remote: bool, during:
             return snap.record(verify=True), False
     # checked only while read: a digest refusal must still be byte-exact
     exact = mode == "before" and remote
-    return snap.record(verify=during and (mode == "during" or remote)), exact  # else prove() covered it
+    return snap.record(verify=mode == "during" or mode is not None and remote), exact  # else prove() covered it
 
 
 # The one-read verify (verify=True) stages a payload up to this many bytes: larger ones

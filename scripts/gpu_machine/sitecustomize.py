@@ -39,8 +39,6 @@ class _Missing(type):
 
 
 class _Module(types.ModuleType):
-    HSNAP_PLACEHOLDER = True
-
     def __getattr__(self, attr):
         if attr.startswith("__") and attr.endswith("__"):
             raise AttributeError(attr)
