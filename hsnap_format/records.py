@@ -271,6 +271,9 @@ class AttentionGeometry:
         for applies, name, expected, found in rules:
             if applies and expected != found:
                 raise MalformedHeaderError(path, f"geometry.attention.{name}", f"{expected} for kind {kind!r}", found)
+        ids = g.layers + g.swa_layers  # spec 5.6 (a page's namespace copies these fields: checked there too)
+        if len(ids) != len(set(ids)):
+            raise MalformedHeaderError(path, "geometry.attention", "each layer id once", sorted(ids))
         return g
 
 
@@ -449,11 +452,9 @@ class Geometry:
         sh = f.obj.get("sharding")  # 1.1; absent stays absent (a 1.0 file has no such key)
         if sh is not None:
             g = dataclasses.replace(g, sharding=Sharding.from_header(sh, g.attention, g.mamba, path))
-        attention = list(g.attention.layers + g.attention.swa_layers if g.attention else ())
-        mamba = list(g.mamba.layers if g.mamba else ())
-        for where, ids in (("geometry.attention", attention), ("geometry.mamba.layers", mamba)):
-            if len(ids) != len(set(ids)):
-                raise MalformedHeaderError(path, where, "each layer id once", sorted(ids))
+        mamba = list(g.mamba.layers if g.mamba else ())  # (attention's: AttentionGeometry.from_header)
+        if len(mamba) != len(set(mamba)):
+            raise MalformedHeaderError(path, "geometry.mamba.layers", "each layer id once", sorted(mamba))
         shared = g.parallel_layers
         if parallel_layers is not None and bool(shared) != parallel_layers:
             raise MalformedHeaderError(path, "geometry", Phrase(

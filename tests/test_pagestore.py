@@ -321,6 +321,9 @@ PAGE_MUTATIONS = [
     # "exactly its keys" holds at every level of the namespace, its sharding AXIS included
     ("namespace sharding unknown key", lambda h: h["namespace"].update(sharding={"axis": 1, "global": 2, "parts": [[0, 2, 1]], "zz": 1}),
      hf.MalformedHeaderError, "namespace.sharding"),
+    # found by python -m mutation --seed 13: a layer listed twice (spec 5.6) was refused only by the namespace id
+    ("namespace layer twice", lambda h: h["namespace"]["attention"]["layers"].insert(0, h["namespace"]["attention"]["layers"][0]),
+     hf.MalformedHeaderError, "namespace.attention"),
 ]
 
 
