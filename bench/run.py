@@ -1041,7 +1041,7 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
              "verify before/verified limit", "verify/best plain limit", "exact_rollback/best limit",
              "st/hsnap(verify)", "torch/hsnap(verify)"], rows)
     R.add("`hsnap verify` is the default verify=True: read once, each 2 MiB piece hashed as it lands in the fresh slots (on two "
-          "threads from 4 MiB), the padding and record checked before allocating; a digest mismatch gives back every "
+          "threads from 4 MiB, each taking the next section when it is free: a helper that comes late takes what is left), the padding and record checked before allocating; a digest mismatch gives back every "
           "allocation and zeroes the slots it wrote. `hsnap verify before` is verify=\"before\" (what prove_opened does for "
           "the server, which may evict for the snapshot): every digest checked before allocating, so a refusal leaves the "
           "pools byte-identical — a body up to hsnap_io.restore.ONE_READ_BYTES (128 MiB) read once into a reused staging "
@@ -1054,7 +1054,8 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
           "2 MiB preads into the slots or copies out of an mmap, the faster; no hashing): what no-verify is judged on. `verified copy "
           "(limit)` = the fastest way found here to copy the same page-cached bytes into the slots *and* hash them (xxh3-128, "
           "each section's digest compared): by 2 MiB pieces hashed right after they land, read by pread straight into the "
-          "slots or copied out of an mmap, on 1 or 2 threads (the second a thread kept between runs, as the restore keeps its helper; "
+          "slots or copied out of an mmap, on 1 or 2 threads (the second a thread kept between runs, as the restore keeps its helper; the "
+          "sections split between them by bytes up front, which on this machine matched the restore's take-the-next in A/B runs; "
           "the winner in brackets): what verify is judged on. Each way: "
           + "; ".join(f"{c.tokens:,} tokens " + ", ".join(f"{k.split('/', 1)[1][len('verified '):]} {fmt_t(med(v))}" for k, v in c.times.items()
                                                          if k.startswith("restore/verified ")) for c in cases) + ".")

@@ -13,6 +13,10 @@ carries it, else from the request pool's ``mamba_pool`` — exactly once either 
 
 from __future__ import annotations
 
+import functools
+import operator
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -214,15 +218,80 @@ class PoolView:
     """Everything hsnap needs from a scheduler's pools."""
 
     geometry: Geometry
-    bindings: list[Binding]  # in file order
+    bindings: tuple[Binding, ...]  # in file order
     mamba_pool: object | None
     req_to_token_pool: object
-    allocator: object
+    allocator_ref: Callable[[], object]  # weak: a view kept by view_pools' cache must not keep its pools alive
     kv_pool: object
+
+    @property
+    def allocator(self):
+        return self.allocator_ref()
+
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """The one device of every buffer (CPU for a view without any); buffers on several are refused."""
+        return pool_device(b.buffer.device for b in self.bindings) if self.bindings else torch.device("cpu")
+
+
+def pool_device(devices) -> torch.device:
+    """The one device every pool buffer is on. Buffers on several devices (``cuda:0``
+    and ``cuda:1``, or CPU and CUDA) are refused: one engine copies on one device."""
+    found = list(dict.fromkeys(torch.device(d) for d in devices))
+    if len(found) != 1:
+        raise UnsupportedPoolError(None, "pool devices", "every pool buffer on one device", sorted(str(d) for d in found))
+    return found[0]
+
+
+# A server's pools live as long as it does, and every export, proof and restore views them (a resume did three times):
+# the last views, by allocator (weakly: they go with their pools), reused while what they were built from is unchanged
+_VIEWS: "weakref.WeakKeyDictionary[object, tuple[tuple, PoolView]]" = weakref.WeakKeyDictionary()
+_VIEWS_LOCK = threading.Lock()
+# the objects whose attributes a view is built from, found from the KV pool and the request pool
+_NESTED_POOLS = ("full_kv_pool", "swa_kv_pool", "mamba_pool")
+
+
+def _sources(req_to_token_pool, kv_pool) -> list:
+    """What :func:`view_pools` reads, as the objects themselves: the request pool, the KV pool, the pools nested in it
+    (and the request pool's mamba pool, with its cache), and every attribute value of each of them but the request
+    pool's (its free list changes with every request). A view stays valid while each is the same object: an attribute
+    rebound (a buffer list replaced, a refused feature switched on) makes a new view."""
+    pools = [kv_pool] + [getattr(kv_pool, a, None) for a in _NESTED_POOLS] + [getattr(req_to_token_pool, "mamba_pool", None)]
+    pools += [getattr(p, "mamba_cache", None) for p in pools[-2:] if p is not None]
+    out = [req_to_token_pool]
+    for p in pools:
+        out.append(p)
+        if p is not None and hasattr(p, "__dict__"):
+            out.extend(vars(p).values())
+    return out
 
 
 def view_pools(req_to_token_pool, token_to_kv_pool_allocator) -> PoolView:
+    """The bindings and geometry of these pools (:class:`PoolView`); the same view as the last call's while the
+    pools are the same objects with the same attributes (:func:`_sources`)."""
     kv_pool = token_to_kv_pool_allocator.get_kvcache()
+    sources = _sources(req_to_token_pool, kv_pool)
+    try:
+        with _VIEWS_LOCK:
+            cached = _VIEWS.get(token_to_kv_pool_allocator)
+    except TypeError:  # an allocator that takes no weak reference: built every time
+        return _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, _allocator_ref(token_to_kv_pool_allocator))
+    if cached is not None and len(cached[0]) == len(sources) and all(map(operator.is_, cached[0], sources)):
+        return cached[1]
+    view = _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, weakref.ref(token_to_kv_pool_allocator))
+    with _VIEWS_LOCK:
+        _VIEWS[token_to_kv_pool_allocator] = (tuple(sources), view)
+    return view
+
+
+def _allocator_ref(obj) -> Callable[[], object]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, allocator_ref) -> PoolView:
     kv = adapter_for(kv_pool, KV_ADAPTERS, "token_to_kv_pool_allocator.get_kvcache()")(kv_pool)
     # Mamba state: from the KV pool if it declares it carries it, else from the
     # request pool's own mamba_pool (SWAKVPool beside HybridReqToTokenPool). Once.
@@ -242,4 +311,4 @@ def view_pools(req_to_token_pool, token_to_kv_pool_allocator) -> PoolView:
     for b in kv.bindings + m_bindings:
         by_layer.setdefault(b.layer, []).append(b)
     ordered = [b for L in sorted(by_layer) for b in by_layer[L]]
-    return PoolView(geom, ordered, mamba_pool, req_to_token_pool, token_to_kv_pool_allocator, kv_pool)
+    return PoolView(geom, tuple(ordered), mamba_pool, req_to_token_pool, allocator_ref, kv_pool)

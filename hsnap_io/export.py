@@ -114,7 +114,7 @@ def export_request(
     store = store_for(path, storage_options)
     with _DeltaBase.open(base, path, store, identity, view, record, swa_start) as delta, _pages_session(pages, path, storage_options) as session:
         ref = None if delta is None else delta.ref
-        engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+        engine = engine_for(view.device, staging_bytes)
         base_position = 0 if ref is None else ref.state_position
         plan, full_token = None, slots.token
         if session is not None:  # which full pages: keys from the token ids (nothing put yet)
@@ -212,7 +212,7 @@ def capture_request(
             raise ChainError(None, "base.state_position", Phrase(f"<= the request's position {record.state_position}"), base_position)
         swa = None if slots.swa is None else slots.swa[max(base_position, swa_start) - swa_start :]
         slots = RequestSlots(slots.token[base_position:], swa, slots.mamba)
-    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    engine = engine_for(view.device, staging_bytes)
     plan = [(b, slots.rows(b.space)) for b in view.bindings]
     sizes = [len(rows) * bytes_per_row(b.buffer) for b, rows in plan]
     backing = CAPTURE_BUFFERS.take(sum(sizes))

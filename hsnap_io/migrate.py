@@ -475,7 +475,7 @@ class MigrationTarget:
         view, req = self.view, self.request
         old, new = req.state_position, snap.state_position
         rtp = view.req_to_token_pool
-        engine = engine_for([b.buffer for b in view.bindings], self.staging_bytes)
+        engine = engine_for(view.device, self.staging_bytes)
         with pool_lock(rtp):
             if self.room is not None:  # every check passed (and accept): room for the new rows only now
                 self.room.make(self._new_token_slots(snap), 0)

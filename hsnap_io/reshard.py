@@ -860,7 +860,7 @@ def upload_resharded(proven: ProvenReshard, view, *, exact_rollback: bool, stagi
         for k in used:
             sources[k].check_unchanged()
         checkpoint = PoolCheckpoint(view)
-        engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+        engine = engine_for(view.device, staging_bytes)
         # capability of the engine: the slots as one writable host array (CPU pools, one run)
         slots_view = getattr(engine, "slots_view", None)
         where = "allocation"

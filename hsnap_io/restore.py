@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +45,7 @@ from hsnap_format.stores import store_for
 
 from .adapters import PoolView, view_pools
 from .checks import NumericsWarning, check_compatible, verify_mode
+from .helper import JobFailure, on_two_threads, share_jobs
 from .pieces import HASH_PIECE, upload_piece
 from .reshard import prove_resharded, upload_resharded
 from .slots import RestoredRequest, allocate, check_capacity, holding_checkpoints, pool_lock, raise_upload_failure
@@ -366,7 +365,7 @@ def _prove(source: OpenSource, view: PoolView, identity, verify, staging_bytes, 
         )
     if capacity:
         check_capacity(snap, view)  # (the cheap refusal first; checked again right before allocating)
-    engine = engine_for([b.buffer for b in view.bindings], staging_bytes)
+    engine = engine_for(view.device, staging_bytes)
     mode = verify_mode(verify)
     # Hashing while uploading (a file's preads hashed as they land in the slots or the engine's staging; an object
     # store's ranged GETs): what was hashed is exactly what reaches the slots, on every engine.
@@ -487,7 +486,7 @@ class _Staged:
         if len(cuts) == 2:
             parts = [part(self.start, self.stop)]
         else:
-            parts = list(_on_two_threads(lambda: part(cuts[0], cuts[1]), lambda: part(cuts[1], cuts[2]), "hsnap-stage"))
+            parts = list(on_two_threads(lambda: part(cuts[0], cuts[1]), lambda: part(cuts[1], cuts[2]), "hsnap-stage"))
         padding = [p for p, _ in parts if p is not None]
         if padding:
             raise padding[0]
@@ -515,76 +514,6 @@ class _Staged:
         buf, self.buf = self.buf, None
         if buf is not None:
             _Staged.kept.give(buf)
-
-
-def _on_two_threads(here, there, name: str) -> tuple:
-    """``here()`` on this thread and ``there()`` on a helper thread (:data:`_HELPER`), at once; both results, or the
-    first failure (this thread's before the other's), raised here once both ended."""
-
-    def outcome(fn) -> tuple:
-        try:
-            return True, fn()
-        except BaseException as e:  # noqa: BLE001 - raised in the calling thread below
-            return False, e
-
-    other: list = []
-    join = _HELPER.start(lambda: other.append(outcome(there)), name)
-    mine = outcome(here)
-    join()
-    for ok, value in (mine, other[0]):
-        if not ok:
-            raise value
-    return mine[1], other[0][1]
-
-
-class _Helper:
-    """One long-lived thread per process that runs the other half of :func:`_on_two_threads`: a thread started per
-    call waited 0.8 ms on average for the OS to run it (a resume in a busy 2-core server starts two). Busy (another
-    restore's half, or a call from the helper itself), or in a process forked while it ran: a thread of its own."""
-
-    def __init__(self) -> None:
-        self._free = threading.Lock()  # held while a job of one caller runs on it
-        self._pid: int | None = None
-        self._jobs: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self, fn, name: str):
-        """Run ``fn()`` (which must not raise) beside the caller; returns the call that waits for it."""
-        if threading.current_thread() is self._thread or not self._free.acquire(blocking=False):
-            worker = threading.Thread(target=fn, name=name, daemon=True)
-            worker.start()
-            return worker.join
-        try:
-            if self._pid != os.getpid():  # the first call, or a forked child (the parent's thread is not here)
-                self._jobs = queue.SimpleQueue()
-                self._thread = threading.Thread(target=self._serve, args=(self._jobs,), name="hsnap-helper", daemon=True)
-                self._thread.start()
-                self._pid = os.getpid()
-            done = threading.Event()
-            self._jobs.put((fn, name, done))
-        except BaseException:
-            self._free.release()
-            raise
-
-        def join() -> None:
-            done.wait()
-            self._free.release()
-
-        return join
-
-    @staticmethod
-    def _serve(jobs: queue.SimpleQueue) -> None:
-        me = threading.current_thread()
-        while True:
-            fn, me.name, done = jobs.get()  # named for the job while it runs (a traceback, a log line)
-            try:
-                fn()
-            finally:
-                me.name = "hsnap-helper"
-                done.set()
-
-
-_HELPER = _Helper()
 
 
 class _StagedRange:
@@ -647,12 +576,14 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;
         # an object's GETs already run ahead of the upload
         local = all(getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
-        shares = _shares(plain) if (staged is not None or local) and getattr(engine, "forks", False) else [plain]
-        if len(shares) == 1:
+        shared = (staged is not None or local) and getattr(engine, "forks", False) and len(plain) > 1 \
+            and sum(p[2].length for p in plain) >= PARALLEL_STAGE_BYTES
+        if shared:
+            uploaded += _upload_shared(plain, engine, check_digests, staged)
+            where = "finish upload"
+        else:
             for b, rows, piece, where in plain:
                 uploaded += upload_piece(engine, b, rows, piece, check_digests, staged)
-        else:
-            uploaded, where = _upload_shares(shares, engine, check_digests, staged)
         for ref, targets in by_page.values():
             where = f"pages.refs[{ref.index}] of {ref.link.path} ({ref.path})"
             # opened and checked again (what is uploaded is what this open reads, hashed)
@@ -682,40 +613,24 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     )
 
 
-def _shares(plain: list) -> list[list]:
-    """``plain`` as two shares of about the same bytes (largest pieces first, each to the lighter share), or as one
-    when under :data:`PARALLEL_STAGE_BYTES` in all."""
-    total = sum(p[2].length for p in plain)
-    if total < PARALLEL_STAGE_BYTES or len(plain) < 2:
-        return [plain]
-    shares: list[list] = [[], []]
-    loads = [0, 0]
-    for job in sorted(plain, key=lambda p: -p[2].length):
-        k = 0 if loads[0] <= loads[1] else 1
-        shares[k].append(job)
-        loads[k] += job[2].length
-    return shares
+def _upload_shared(plain: list, engine, check_digests: bool, staged) -> int:
+    """Upload ``plain`` on this thread and the helper thread at once, each taking the next piece (the largest first)
+    when it is free (the helper on a forked engine: its own staging); returns the bytes uploaded, or raises the
+    failure of the first piece in ``plain``'s order that failed, with the section it names, once neither uploads."""
+    order = sorted(range(len(plain)), key=lambda i: -plain[i][2].length)
 
+    def run(job, eng) -> int:
+        b, rows, piece, _ = job
+        return upload_piece(eng, b, rows, piece, check_digests, staged)
 
-def _upload_shares(shares: list[list], engine, check_digests: bool, staged) -> tuple[int, str]:
-    """Upload two shares of pieces at once (the second on a forked engine: its own staging); returns the
-    bytes uploaded and ``"finish upload"``, or raises the first failure with the section it names as ``where``."""
-
-    def run(share: list, eng) -> int:
-        done, where = 0, share[0][3]
-        try:
-            eng = eng or engine.fork()
-            for b, rows, piece, where in share:
-                done += upload_piece(eng, b, rows, piece, check_digests, staged)
-        except BaseException as e:  # noqa: BLE001 - located, raised in the calling thread
-            raise _Located(where, e) from None
-        return done
-
-    return sum(_on_two_threads(lambda: run(shares[0], engine), lambda: run(shares[1], None), "hsnap-upload")), "finish upload"
+    try:
+        return share_jobs(plain, order, run, engine.fork, engine, "hsnap-upload")
+    except JobFailure as f:
+        raise _Located(plain[f.index][3], f.error) from None
 
 
 class _Located(Exception):
-    """A failure of one share of a parallel upload, with the section it was uploading."""
+    """A failure of one piece of a shared upload, with the section it was uploading."""
 
     def __init__(self, where: str, error: BaseException) -> None:
         super().__init__(where)

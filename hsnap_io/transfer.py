@@ -41,7 +41,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .adapters import UnsupportedPoolError
+from .adapters import UnsupportedPoolError, pool_device  # noqa: F401  (pool_device: part of this module's calls)
 
 DEFAULT_STAGING_BYTES = 64 << 20
 # CPU export chunk: gather -> digest -> pwrite while the chunk is still in cache.
@@ -301,15 +301,6 @@ def cuda_device_index(device: torch.device | str, current: int) -> int:
     return int(current) if device.index is None else int(device.index)
 
 
-def pool_device(devices) -> torch.device:
-    """The one device every pool buffer is on. Buffers on several devices (``cuda:0``
-    and ``cuda:1``, or CPU and CUDA) are refused: one engine copies on one device."""
-    found = list(dict.fromkeys(torch.device(d) for d in devices))
-    if len(found) != 1:
-        raise UnsupportedPoolError(None, "pool devices", "every pool buffer on one device", sorted(str(d) for d in found))
-    return found[0]
-
-
 class CudaEngine:
     """Pinned staging, a side stream, cupy uploads. Needs CUDA pools and cupy.
 
@@ -421,9 +412,8 @@ class CudaEngine:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-def engine_for(buffers: list[torch.Tensor], staging_bytes: int = DEFAULT_STAGING_BYTES):
-    """The copy engine for pools whose buffers are ``buffers`` (all on one device)."""
-    device = pool_device(b.device for b in buffers) if buffers else torch.device("cpu")
+def engine_for(device: torch.device, staging_bytes: int = DEFAULT_STAGING_BYTES):
+    """The copy engine for pools on ``device`` (:attr:`hsnap_io.adapters.PoolView.device`)."""
     if device.type == "cpu":
         return HostEngine(staging_bytes)
     if device.type == "cuda":

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import types
 
 import numpy as np
@@ -38,6 +39,7 @@ from io_cases import export_from, identity, rows_as_bytes, source, target  # noq
 import hsnap_format as hf  # noqa: E402
 from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
+from hsnap_io import helper as helper_mod  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 
 KIND = "hybrid_linear"
@@ -213,10 +215,16 @@ def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expecte
 
     monkeypatch.setattr(restore_mod, "PARALLEL_STAGE_BYTES", 0)
     real, threads = transfer.HostEngine.import_section, set()
+    helper_came = threading.Event()
 
     def flaky(self, buffer, rows, src):
-        threads.add(threading.current_thread().name)
-        if threading.current_thread().name == failing:
+        me = threading.current_thread().name
+        threads.add(me)
+        if me == "hsnap-upload":
+            helper_came.set()
+        elif failing == "hsnap-upload":  # the helper takes pieces only when free: hold the first until it came
+            helper_came.wait(10)
+        if me == failing:
             raise NotImplementedError("no kernel for this dtype")
         return real(self, buffer, rows, src)
 
@@ -462,9 +470,9 @@ def test_pipelined_restore_server_killed_mid_download_pools_identical(s3server, 
 
 def test_the_other_half_runs_on_one_kept_helper_thread_and_failures_come_back_in_order():
     seen = []
-    here, there = restore_mod._on_two_threads(lambda: 1, lambda: seen.append(threading.current_thread()) or 2, "t-1")
+    here, there = helper_mod.on_two_threads(lambda: 1, lambda: seen.append(threading.current_thread()) or 2, "t-1")
     assert (here, there) == (1, 2)
-    restore_mod._on_two_threads(lambda: None, lambda: seen.append((threading.current_thread(), threading.current_thread().name)), "t-2")
+    helper_mod.on_two_threads(lambda: None, lambda: seen.append((threading.current_thread(), threading.current_thread().name)), "t-2")
     assert seen[1] == (seen[0], "t-2") and seen[0].name == "hsnap-helper"  # one kept thread, named for each job
     def fails(kind):
         def raise_it():
@@ -472,10 +480,10 @@ def test_the_other_half_runs_on_one_kept_helper_thread_and_failures_come_back_in
         return raise_it
 
     with pytest.raises(KeyError):  # this thread's failure first
-        restore_mod._on_two_threads(fails(KeyError), fails(IndexError), "t")
+        helper_mod.on_two_threads(fails(KeyError), fails(IndexError), "t")
     with pytest.raises(IndexError):
-        restore_mod._on_two_threads(lambda: None, fails(IndexError), "t")
-    assert restore_mod._on_two_threads(lambda: 3, lambda: 4, "t") == (3, 4)  # a failure leaves the helper usable
+        helper_mod.on_two_threads(lambda: None, fails(IndexError), "t")
+    assert helper_mod.on_two_threads(lambda: 3, lambda: 4, "t") == (3, 4)  # a failure leaves the helper usable
 
 
 def test_a_caller_that_finds_the_helper_busy_or_is_the_helper_gets_a_thread_of_its_own():
@@ -485,27 +493,89 @@ def test_a_caller_that_finds_the_helper_busy_or_is_the_helper_gets_a_thread_of_i
         inside.set()
         gate.wait(10)
 
-    holder = threading.Thread(target=lambda: restore_mod._on_two_threads(lambda: inside.wait(10), hold, "t"))
+    holder = threading.Thread(target=lambda: helper_mod.on_two_threads(lambda: inside.wait(10), hold, "t"))
     holder.start()
     assert inside.wait(10)
-    name = restore_mod._on_two_threads(lambda: None, lambda: threading.current_thread().name, "busy")[1]
+    name = helper_mod.on_two_threads(lambda: None, lambda: threading.current_thread().name, "busy")[1]
     gate.set()
     holder.join(10)
     assert name == "busy"  # not queued behind the other restore's half
-    nested = restore_mod._on_two_threads(lambda: None, lambda: restore_mod._on_two_threads(lambda: 0, lambda: threading.current_thread().name, "nested")[1], "t")[1]
+    nested = helper_mod.on_two_threads(lambda: None, lambda: helper_mod.on_two_threads(lambda: 0, lambda: threading.current_thread().name, "nested")[1], "t")[1]
     assert nested == "nested"  # the helper never waits on itself
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
 def test_a_process_forked_after_the_helper_ran_gets_its_own():
-    restore_mod._on_two_threads(lambda: None, lambda: None, "t")  # the parent's helper exists
+    helper_mod.on_two_threads(lambda: None, lambda: None, "t")  # the parent's helper exists
     pid = os.fork()
     if pid == 0:  # the child: the parent's thread is not here; a call must not wait for it
         import signal
 
         signal.alarm(10)
-        helper = restore_mod._on_two_threads(lambda: 5, threading.current_thread, "t")[1]
+        helper = helper_mod.on_two_threads(lambda: 5, threading.current_thread, "t")[1]
         ok = helper is not threading.main_thread() and helper.name == "hsnap-helper"
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+
+def test_a_helper_that_comes_after_every_job_was_taken_runs_none_and_is_not_waited_for(monkeypatch):
+    helper_mod.on_two_threads(lambda: None, lambda: None, "warm")  # the kept thread exists and is free
+    real_run, late = helper_mod._Job.run, threading.Event()
+
+    def late_run(job):
+        late.wait(10)  # the helper's vCPU not run yet
+        real_run(job)
+
+    monkeypatch.setattr(helper_mod._Job, "run", late_run)
+    ran = []
+
+    def run(job, ctx):
+        ran.append((job, ctx, threading.current_thread().name))
+        return job
+
+    total = helper_mod.share_jobs([1, 2, 3], [2, 0, 1], run, lambda: "fork", "mine", "shared")
+    assert total == 6 and ran == [(3, "mine", "MainThread"), (1, "mine", "MainThread"), (2, "mine", "MainThread")]
+    assert not late.is_set()  # returned while the helper had not come
+    late.set()
+    monkeypatch.undo()
+    # the withdrawn job is skipped when the helper comes; the helper takes the next caller's job
+    assert helper_mod.on_two_threads(lambda: 3, lambda: threading.current_thread().name, "t") == (3, "t")
+    assert len(ran) == 3
+
+
+def test_a_helper_that_comes_while_jobs_are_left_takes_them_on_its_own_context():
+    ran, came = [], threading.Event()
+
+    def run(job, ctx):
+        if ctx == "fork":
+            came.set()
+        elif not came.is_set():
+            came.wait(10)  # this thread's first job held until the helper took one
+        ran.append((job, ctx, threading.current_thread().name))
+        return job
+
+    assert helper_mod.share_jobs(list(range(8)), list(range(8)), run, lambda: "fork", "mine", "shared") == 28
+    assert sorted(j for j, _, _ in ran) == list(range(8))
+    assert {c for _, c, _ in ran} == {"mine", "fork"}
+    assert {t for _, c, t in ran if c == "fork"} == {"shared"} and {t for _, c, t in ran if c == "mine"} == {"MainThread"}
+
+
+def test_shared_jobs_raise_the_first_failure_in_order_once_neither_thread_runs():
+    started, running = threading.Event(), []
+
+    def run(job, ctx):
+        running.append(job)
+        if job == "slow":  # the helper's: ends last
+            started.set()
+            time.sleep(0.2)
+            running.remove(job)
+            raise KeyError(job)
+        started.wait(10)  # this thread's: fails first, once the helper runs the other
+        running.remove(job)
+        raise IndexError(job)
+
+    with pytest.raises(helper_mod.JobFailure) as e:
+        helper_mod.share_jobs(["slow", "fast"], [1, 0], run, lambda: None, None, "t")
+    assert e.value.index == 0 and isinstance(e.value.error, KeyError) and running == []

@@ -314,3 +314,43 @@ def test_request_rows_match_sglang_cpu_copy_roundtrip(kind, page):
 
 def _bytes(t):
     return t if t.dtype == torch.bool else t.contiguous().view(torch.uint8)
+
+
+# --------------------------------------------------------------------------
+# the pools' view (hsnap_io.adapters.view_pools)
+# --------------------------------------------------------------------------
+
+
+def test_a_view_is_reused_while_the_pools_are_unchanged_and_rebuilt_when_an_attribute_is_rebound():
+    from hsnap_io.adapters import UnsupportedPoolError, view_pools
+
+    ps = _build("swa", 1)
+    first = view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator)
+    sp.alloc_request(ps, 8, seed=2, **_evict_kw(ps, 4))  # free lists change with every request: the view does not
+    assert view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator) is first
+    other = _build("swa", 1)  # other pools: their own view
+    assert view_pools(other.req_to_token_pool, other.token_to_kv_pool_allocator).allocator is other.token_to_kv_pool_allocator
+    full = ps.kv_pool.full_kv_pool
+    full.k_buffer = [b.clone() for b in full.k_buffer]  # a nested pool's buffers replaced: the view follows
+    again = view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator)
+    assert again is not first and all(b.buffer is k for b, k in zip([b for b in again.bindings if b.kind == "attn_k"], full.k_buffer))
+    ps.kv_pool.swa_req_ring_size = 64  # a feature hsnap refuses, switched on in the same pools: refused, not a stale view
+    with pytest.raises(UnsupportedPoolError, match="swa_req_ring_size"):
+        view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator)
+
+
+def test_a_kept_view_does_not_keep_its_pools_alive():
+    import gc
+    import weakref
+
+    from hsnap_io.adapters import view_pools
+
+    def make():
+        ps = _build("hybrid_linear", 1)
+        view = view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator)
+        assert view_pools(ps.req_to_token_pool, ps.token_to_kv_pool_allocator) is view
+        return weakref.ref(ps.token_to_kv_pool_allocator), weakref.ref(ps.kv_pool)
+
+    allocator, kv_pool = make()
+    gc.collect()
+    assert allocator() is None and kv_pool() is None
