@@ -507,6 +507,8 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
             drop_caches()
 
     def hsnap(verify: bool, **kw):
+        label = {True: "verify", False: "no-verify", "before": "verify before"}[verify] + (" exact_rollback" if kw else "")
+
         def run() -> float:
             prep()
             cp = PoolCheckpoint(v)  # free lists etc.: put back after the run (untimed)
@@ -516,6 +518,9 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
             if not torch.equal(res.token_indices, slots.token):
                 raise AssertionError("restore did not reuse the same slots")
             cp.rollback()
+            for phase, seconds in res.timings.items():  # (the warm-up round's too: one sample of 12)
+                case.times.setdefault(f"phase/{label}/{phase}", []).append(seconds)
+            case.times.setdefault(f"phase/{label}/total_s", []).append(dt)
             return dt
 
         return run
@@ -1060,6 +1065,19 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
           + "; ".join(f"{c.tokens:,} tokens " + ", ".join(f"{k.split('/', 1)[1][len('verified '):]} {fmt_t(med(v))}" for k, v in c.times.items()
                                                          if k.startswith("restore/verified ")) for c in cases) + ".")
     R.add()
+    phase_rows = restore_phase_rows(cases)
+    if phase_rows:
+        R.add("## Where a restore's time goes (RestoredRequest.timings, medians of the same rounds)")
+        R.add()
+        R.table(["tokens", "mode", "open", "prove", "allocate", "plan", "upload", "the rest", "total", "limit", "upload/limit",
+                 "total - upload"], phase_rows)
+        R.add("`prove`: identity, geometry, capacity and the bytes checked before allocating (verify: the padding and the record; "
+              "verify before: every byte); `plan`: each section's pieces and the rollback plan; `upload`: read, hash (verify) and "
+              "copy into the slots, on two threads from 4 MiB; `the rest`: the total less the phases (the pools' view, closing). "
+              "`limit`: the verified-copy limit for verify, the best plain limit for no-verify — each a copy alone, with no file to "
+              "open and check and no slot to allocate: `upload/limit` is how near the copy itself is, `total - upload` what the "
+              "restore does besides.")
+        R.add()
     R.add("## Open (preamble + header + trailer read and validated)")
     R.add()
     rows, opens = [], []
@@ -1109,6 +1127,26 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
             R.add(f"- {n}")
         R.add()
     return R
+
+
+PHASES = ("open_s", "prove_s", "allocate_s", "plan_s", "upload_s")
+
+
+def restore_phase_rows(cases: list[Case]) -> list[list[str]]:
+    """Per size and mode (verify, no-verify): the medians of each phase of hsnap's restore, against the limit it is
+    judged on."""
+    rows = []
+    for c in cases:
+        for mode, limit_keys in (("verify", [k for k in c.times if k.startswith("restore/verified ")]),
+                                 ("no-verify", [k for k in c.times if k in ("restore/mmap copy", "restore/pread copy") or k.startswith("restore/copy ")])):
+            if f"phase/{mode}/upload_s" not in c.times or not limit_keys:
+                continue
+            ph = {p: med(c.times[f"phase/{mode}/{p}"]) for p in PHASES}
+            total = med(c.times[f"phase/{mode}/total_s"])
+            limit = min(med(c.times[k]) for k in limit_keys)
+            rows.append([f"{c.tokens:,}", mode, *(fmt_t(ph[p]) for p in PHASES), fmt_t(max(0.0, total - sum(ph.values()))), fmt_t(total),
+                         fmt_t(limit), f"{limit / ph['upload_s']:.2f}" if ph["upload_s"] else "-", fmt_t(total - ph["upload_s"])])
+    return rows
 
 
 def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
@@ -1170,11 +1208,18 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
         )
     for c in cases:
         if "restore/hsnap verify" in c.times and c is not big and med(c.times["restore/mmap copy"]) < 0.02:
-            out.append(
-                f"Restore at {c.tokens:,} tokens: the fixed cost of opening and checking the file (open alone is "
-                f"{fmt_t(t(c, 'open/hsnap'))}: canonical-JSON header check, layout check) and of allocating weighs against a "
-                f"{fmt_t(min(t(c, k) for k in c.times if k in ('restore/mmap copy', 'restore/pread copy') or k.startswith('restore/copy ')))} copy."
-            )
+            plain = min(t(c, k) for k in c.times if k in ('restore/mmap copy', 'restore/pread copy') or k.startswith('restore/copy '))
+            line = (f"Restore at {c.tokens:,} tokens: the fixed cost of opening and checking the file (open alone is "
+                    f"{fmt_t(t(c, 'open/hsnap'))}: canonical-JSON header check, layout check) and of allocating weighs against a "
+                    f"{fmt_t(plain)} copy")
+            if "phase/verify/upload_s" in c.times:
+                verified = min(t(c, k) for k in c.times if k.startswith("restore/verified "))
+                up, total = t(c, "phase/verify/upload_s"), t(c, "phase/verify/total_s")
+                line += (f": verify's upload (read, hash, copy) took {fmt_t(up)} against {fmt_t(verified)} for the verified-copy "
+                         f"limit, and the rest of the restore {fmt_t(total - up)} (open {fmt_t(t(c, 'phase/verify/open_s'))}, prove "
+                         f"{fmt_t(t(c, 'phase/verify/prove_s'))}, allocate {fmt_t(t(c, 'phase/verify/allocate_s'))}, plan "
+                         f"{fmt_t(t(c, 'phase/verify/plan_s'))}), none of which the limit does")
+            out.append(line + ".")
             break
     for r in rss:
         if r["what"].startswith("restore hsnap") and r["peak_extra_rss"] > T_RSS_MIB * MiB:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -124,8 +125,12 @@ def restore_request(
     require_type(path, "identity", identity, Identity, optional=True)  # typed refusals, not AttributeError, for a dict
     require_type(path, "sharding", sharding, Sharding, optional=True)
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    t = time.perf_counter()
     with open_source(path, rank=rank, identity=identity, sharding=sharding, tp_size=tp_size, storage_options=storage_options) as source:
-        return _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, None)
+        opened = time.perf_counter() - t
+        restored = _restore_view(source, view, identity, verify, exact_rollback, staging_bytes, None)
+    restored.timings["open_s"] = opened
+    return restored
 
 
 # what open_source takes of restore_request's keywords (the rest is restore_opened's)
@@ -293,7 +298,9 @@ def prove_opened(
     if source.proof is not None:
         raise ValueError("this source is proved already")
     view = view_pools(req_to_token_pool, token_to_kv_pool_allocator)
+    t = time.perf_counter()
     source.proof = _prove(source, view, identity, verify, staging_bytes, capacity=False, stacklevel=3)
+    source.proof.seconds = time.perf_counter() - t
     return source.proof.record
 
 
@@ -315,14 +322,18 @@ def _restore_view(source: OpenSource, view: PoolView, identity, verify, exact_ro
 def _restore_source(source: OpenSource, view: PoolView, identity, verify, exact_rollback, staging_bytes) -> RestoredRequest:
     proof, source.proof = source.proof, None
     if proof is None:  # nothing to refuse before the pools are touched: read once, hashed as it lands
+        t = time.perf_counter()
         proof = _prove(source, view, identity, verify, staging_bytes, capacity=True, stacklevel=5, one_pass=True)
+        proof.seconds = time.perf_counter() - t
     elif proof.verify != verify:
         proof.release()
         raise ValueError(f"the source was proved with verify={proof.verify!r}, not {verify!r}")
     try:
-        return proof.upload(view, exact_rollback)
+        restored = proof.upload(view, exact_rollback)
     finally:
         proof.release()
+    restored.timings["prove_s"] = proof.seconds  # (here, or in prove_opened before)
+    return restored
 
 
 @dataclass
@@ -334,6 +345,7 @@ class _Proof:
     record: RequestRecord
     upload: Any
     staged: "_Staged | None" = None
+    seconds: float = 0.0  # what the proof took
 
     def release(self) -> None:
         if self.staged is not None:
@@ -547,9 +559,12 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     uploaded = 0
     where = "allocation"
     ahead = contextlib.ExitStack()  # an object's read-ahead: ended (its GETs waited for) on every way out
+    t0 = time.perf_counter()
     try:
         pieces = {b.name: chain.pieces(b.name) for b in view.bindings}
+        t1 = time.perf_counter()
         row, slots, floor = allocate(view, pos, snap.swa_start, snap.path, checkpoint)
+        t2 = time.perf_counter()
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         plain = []  # (binding, rows, piece, where) uploaded from a link's own section
         for b in view.bindings:
@@ -573,6 +588,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                 checkpoint.scrub_rows(b.buffer, slots.rows(b.space), b.name)
         if staged is None:
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
+        t3 = time.perf_counter()
         # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;
         # an object's GETs already run ahead of the upload
         local = all(getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
@@ -594,6 +610,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     uploaded += upload_piece(engine, b, rows, Piece(page, info, 0, None, None), check_digests)
         where = "finish upload"
         engine.finish_import()
+        t4 = time.perf_counter()
     except BaseException as e:
         if isinstance(e, _Located):
             where, e = e.where, e.error
@@ -610,6 +627,7 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         bytes_uploaded=uploaded,
         numerics_differences=numerics,
         swa_evict_floor=floor,
+        timings={"allocate_s": t2 - t1, "plan_s": (t1 - t0) + (t3 - t2), "upload_s": t4 - t3},
     )
 
 

@@ -50,6 +50,10 @@ class RestoredRequest:
     # shard (digest verification not counted), and which source ranks supplied them
     source_bytes_read: int = 0
     source_ranks: tuple[int, ...] = ()
+    # where the restore's time went, in seconds (a plain snapshot's path; absent phases were not timed):
+    # open_s (restore_request's open), prove_s (identity, geometry, capacity, and the bytes checked before
+    # allocating), allocate_s, plan_s (pieces, rollback plan), upload_s (read, hash and copy into the slots)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def target_page(view: PoolView) -> int:

@@ -1031,6 +1031,8 @@ class HsnapScheduler:
                         "ahead_s": 0.0 if r.ahead is None else max(0.0, min(job.ended, r.received) - job.started),
                         "admit_s": time.monotonic() - t_restored, "received_at": r.received,
                         "admitted_at": time.monotonic()}, "tp_size": self.tp_size,
+            # hsnap's own phases of the restore (hsnap_io RestoredRequest.timings): open, proof, allocate, plan, upload
+            "restore_phases": {k: float(v) for k, v in restored.timings.items()},
         })
         return None
 

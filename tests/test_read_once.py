@@ -241,6 +241,18 @@ def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expecte
     assert _same_rows(_rows(ps, got), expected)
 
 
+
+@pytest.mark.parametrize("verify", [True, False, "before"])
+def test_a_restore_says_where_its_time_went(snap_path, verify):
+    """RestoredRequest.timings: every phase of restore_request, none negative, together within the call's own time."""
+    ps = target(KIND, 1)
+    t = time.perf_counter()
+    got = _restore(snap_path, ps, verify=verify)
+    wall = time.perf_counter() - t
+    assert set(got.timings) == {"open_s", "prove_s", "allocate_s", "plan_s", "upload_s"}
+    assert all(v >= 0 for v in got.timings.values()) and sum(got.timings.values()) <= wall
+    assert got.timings["upload_s"] > 0 and got.timings["open_s"] > 0
+
 def test_staging_buffer_is_reused(snap_path, expected):
     ps = target(KIND, 1)
     got = _restore(snap_path, ps, verify="before")

@@ -305,6 +305,9 @@ def test_hsnap_ls_lists_the_requests_and_metrics_count_hsnaps_operations(server,
     assert min(phases) >= 0 and sum(phases) <= t["to_answer_s"] + 1e-3, t
     # proved ahead: the proof started when the route was called, before the resume's message (after the claim) came
     assert t["ahead_s"] > 0 and t["proof_s"] >= t["ahead_s"] and t["proof_s"] >= t["prove_s"], t
+    inner = run.info["result"]["restore_phases"]  # hsnap's own phases, inside the scheduler's proof and upload
+    assert set(inner) == {"prove_s", "allocate_s", "plan_s", "upload_s"} and min(inner.values()) >= 0, inner
+    assert inner["prove_s"] <= t["proof_s"] + 1e-3 and inner["allocate_s"] + inner["plan_s"] + inner["upload_s"] <= t["upload_s"] + 1e-3, (inner, t)
     _refusal(client.resume, server.url, str(path))  # claimed
     after = _scrape(server.url)
     assert _grew(before, after, "hsnap_operations_total", op="export", outcome="ok") == 1
