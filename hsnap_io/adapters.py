@@ -275,20 +275,13 @@ def view_pools(req_to_token_pool, token_to_kv_pool_allocator) -> PoolView:
         with _VIEWS_LOCK:
             cached = _VIEWS.get(token_to_kv_pool_allocator)
     except TypeError:  # an allocator that takes no weak reference: built every time
-        return _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, _allocator_ref(token_to_kv_pool_allocator))
+        return _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, lambda: token_to_kv_pool_allocator)
     if cached is not None and len(cached[0]) == len(sources) and all(map(operator.is_, cached[0], sources)):
         return cached[1]
     view = _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, weakref.ref(token_to_kv_pool_allocator))
     with _VIEWS_LOCK:
         _VIEWS[token_to_kv_pool_allocator] = (tuple(sources), view)
     return view
-
-
-def _allocator_ref(obj) -> Callable[[], object]:
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
 
 
 def _build_view(req_to_token_pool, token_to_kv_pool_allocator, kv_pool, allocator_ref) -> PoolView:

@@ -612,8 +612,8 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         engine.finish_import()
         t4 = time.perf_counter()
     except BaseException as e:
-        if isinstance(e, _Located):
-            where, e = e.where, e.error
+        if isinstance(e, JobFailure):  # a piece of the shared upload: the section it names
+            where, e = plain[e.index][3], e.error
         ahead.close()  # first: no GET writes into the slots once they are rolled back
         raise_upload_failure(engine, checkpoint, snap.path, e, where)
     ahead.close()
@@ -634,25 +634,14 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
 def _upload_shared(plain: list, engine, check_digests: bool, staged) -> int:
     """Upload ``plain`` on this thread and the helper thread at once, each taking the next piece (the largest first)
     when it is free (the helper on a forked engine: its own staging); returns the bytes uploaded, or raises the
-    failure of the first piece in ``plain``'s order that failed, with the section it names, once neither uploads."""
+    failure of the first piece in ``plain``'s order that failed (:class:`JobFailure`: its index), once neither uploads."""
     order = sorted(range(len(plain)), key=lambda i: -plain[i][2].length)
 
     def run(job, eng) -> int:
         b, rows, piece, _ = job
         return upload_piece(eng, b, rows, piece, check_digests, staged)
 
-    try:
-        return share_jobs(plain, order, run, engine.fork, engine, "hsnap-upload")
-    except JobFailure as f:
-        raise _Located(plain[f.index][3], f.error) from None
-
-
-class _Located(Exception):
-    """A failure of one piece of a shared upload, with the section it was uploading."""
-
-    def __init__(self, where: str, error: BaseException) -> None:
-        super().__init__(where)
-        self.where, self.error = where, error
+    return share_jobs(plain, order, run, engine.fork, engine, "hsnap-upload")
 
 
 def _landings(plain: list, engine, checkpoint: PoolCheckpoint | None) -> dict:

@@ -41,7 +41,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .adapters import UnsupportedPoolError, pool_device  # noqa: F401  (pool_device: part of this module's calls)
+from .adapters import UnsupportedPoolError
 
 DEFAULT_STAGING_BYTES = 64 << 20
 # CPU export chunk: gather -> digest -> pwrite while the chunk is still in cache.

@@ -25,7 +25,7 @@ import hsnap_format as hf  # noqa: E402
 from hsnap_testing import pools as sp  # noqa: E402
 from hsnap_io import UnsupportedPoolError, export_request, restore_request  # noqa: E402
 from hsnap_io import checks, slots, statecheck, transfer  # noqa: E402
-from hsnap_io.adapters import TORCH_DTYPES  # noqa: E402
+from hsnap_io.adapters import TORCH_DTYPES, pool_device  # noqa: E402
 
 N = 45
 
@@ -410,10 +410,10 @@ def test_cuda_device_index_refuses_a_host_device():
 
 
 def test_engine_device_is_the_one_device_of_every_buffer():
-    assert transfer.pool_device([torch.device("cuda:1")] * 3) == torch.device("cuda:1")
+    assert pool_device([torch.device("cuda:1")] * 3) == torch.device("cuda:1")
     for mixed in (["cuda:0", "cuda:1"], ["cpu", "cuda:0"]):
         with pytest.raises(UnsupportedPoolError, match="one device"):
-            transfer.pool_device(mixed)
+            pool_device(mixed)
 
 
 @pytest.mark.parametrize("n", [0, 1, transfer.COPY_PIECE_BYTES * 2 - 1, transfer.COPY_PIECE_BYTES * 2, transfer.COPY_PIECE_BYTES * 5 + 3])
