@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import gc
 import importlib.metadata
 import json
@@ -501,6 +502,10 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
         plan = [(b.buffer, slots.rows(b.space), snap.section(b.name)) for b in v.bindings]
     digests = [s.digest for _, _, s in plan]
     plan = [(buf, rows, s.offset, s.length) for buf, rows, s in plan]
+    # each section's slots as one byte array where they are one run, made before the clock starts (the restore
+    # keeps its pools' byte views between restores: Binding.host_rows), so a limit pays no torch view per section
+    runs = [contiguous_start(rows) for _, rows, _, _ in plan]
+    dests = [None if a is None else buf[a : a + len(rows)].reshape(-1).view(torch.uint8).numpy() for (buf, rows, _, _), a in zip(plan, runs)]
 
     def prep():
         if cold:
@@ -533,7 +538,10 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
         os.close(fd)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only mapped view: only read
-            for buf, rows, off, length in plan:
+            for (buf, rows, off, length), dest in zip(plan, dests):
+                if dest is not None:
+                    np.copyto(dest, np.frombuffer(mm, dtype=np.uint8, count=length, offset=off))
+                    continue
                 src = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8, count=length, offset=off))
                 copy_rows(buf, rows, src.view(buf.dtype).view(len(rows), *buf.shape[1:]))
                 del src
@@ -545,10 +553,9 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
         t = time.perf_counter()
         fd = os.open(case.hsnap_file, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            for buf, rows, off, length in plan:
-                a = contiguous_start(rows)
-                if a is not None:  # straight into the slots
-                    pread_full(fd, buf[a : a + len(rows)].reshape(-1).view(torch.uint8).numpy(), off)
+            for (buf, rows, off, length), dest in zip(plan, dests):
+                if dest is not None:  # straight into the slots
+                    pread_full(fd, dest, off)
                 else:
                     tmp = np.empty(length, dtype=np.uint8)
                     pread_full(fd, tmp, off)
@@ -561,24 +568,22 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
         """The verified-copy limit: every section's bytes copied into its slots *and* hashed (xxh3-128, the file's own
         section digest, compared) — the least a restore that proves what it uploads must do — by 2 MiB pieces, each
         hashed right after it landed (still in cache), read by ``pread`` straight into the slots or copied out of an
-        ``mmap``, the sections split over ``threads`` threads by bytes (preadv, the copies and xxhash release the GIL).
+        ``mmap``, on ``threads`` threads each taking the next section (preadv, the copies and xxhash release the GIL).
         ``hashed`` False: the same copy without the hash (a plain limit on ``threads`` threads)."""
         order = sorted(range(len(plan)), key=lambda i: -plan[i][3])
-        shares: list[list[int]] = [[] for _ in range(threads)]
-        loads = [0] * threads
-        for i in order:  # the largest sections first, each to the least loaded thread
-            k = loads.index(min(loads))
-            shares[k].append(i)
-            loads[k] += plan[i][3]
-
         workers = [KeptWorker() for _ in range(threads - 1)]  # started once, like the restore's helper thread
 
-        def one_share(idx: list[int], fd: int, mm) -> None:
-            for i in idx:
+        def one_share(take: Callable[[], int], fd: int, mm) -> None:
+            while True:
+                try:
+                    i = take()
+                except IndexError:
+                    return
                 buf, rows, off, length = plan[i]
                 h = xxhash.xxh3_128()
-                a = contiguous_start(rows)
-                whole = buf[a : a + len(rows)].reshape(-1).view(torch.uint8).numpy() if a is not None else np.empty(length, dtype=np.uint8)
+                a, whole = runs[i], dests[i]
+                if whole is None:
+                    whole = np.empty(length, dtype=np.uint8)
                 for p in range(0, length, PIECE):
                     dst = whole[p : p + PIECE]
                     if mm is None:
@@ -598,8 +603,11 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
             fd = os.open(case.hsnap_file, os.O_RDONLY | os.O_CLOEXEC)
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if reader == "mmap" else None
             try:
-                joins = [worker.start(lambda sh=sh: one_share(sh, fd, mm)) for sh, worker in zip(shares[1:], workers)]
-                one_share(shares[0], fd, mm)
+                # each takes the next section when free: the worker the largest left, the caller the smallest (as the
+                # restore's upload: in A/B runs here as fast as a split by bytes up front, or faster)
+                left = collections.deque(order)
+                joins = [worker.start(lambda: one_share(left.popleft, fd, mm)) for worker in workers]
+                one_share(left.pop, fd, mm)
                 for join in joins:
                     join()
             finally:
@@ -1046,7 +1054,7 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
              "verify before/verified limit", "verify/best plain limit", "exact_rollback/best limit",
              "st/hsnap(verify)", "torch/hsnap(verify)"], rows)
     R.add("`hsnap verify` is the default verify=True: read once, each 2 MiB piece hashed as it lands in the fresh slots (on two "
-          "threads from 4 MiB, each taking the next section when it is free: a helper that comes late takes what is left), the padding and record checked before allocating; a digest mismatch gives back every "
+          "threads from 4 MiB, each taking the next section when it is free, the helper the largest left, the caller the smallest: a helper that comes late takes what is left), the padding and record checked before allocating; a digest mismatch gives back every "
           "allocation and zeroes the slots it wrote. `hsnap verify before` is verify=\"before\" (what prove_opened does for "
           "the server, which may evict for the snapshot): every digest checked before allocating, so a refusal leaves the "
           "pools byte-identical — a body up to hsnap_io.restore.ONE_READ_BYTES (128 MiB) read once into a reused staging "
@@ -1055,13 +1063,15 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
           "`hsnap no-verify` / `verify` are restore_request's defaults otherwise (exact_rollback=False: a failure mid-upload gives "
           "back every allocation and zeroes the slots written, not their old bytes). `no-verify exact_rollback` adds the undo log "
           "(PoolCheckpoint.remember_rows: every target slot's old bytes copied into fresh memory first). "
-          "`best limit` = the fastest of mmap copy, pread copy and `copy 2 threads` (the sections split over two threads by bytes, "
+          "`best limit` = the fastest of mmap copy, pread copy and `copy 2 threads` (two threads each taking the next section, "
           "2 MiB preads into the slots or copies out of an mmap, the faster; no hashing): what no-verify is judged on. `verified copy "
           "(limit)` = the fastest way found here to copy the same page-cached bytes into the slots *and* hash them (xxh3-128, "
           "each section's digest compared): by 2 MiB pieces hashed right after they land, read by pread straight into the "
-          "slots or copied out of an mmap, on 1 or 2 threads (the second a thread kept between runs, as the restore keeps its helper; the "
-          "sections split between them by bytes up front, which on this machine matched the restore's take-the-next in A/B runs; "
-          "the winner in brackets): what verify is judged on. Each way: "
+          "slots or copied out of an mmap, on 1 or 2 threads (the second a thread kept between runs, as the restore keeps its helper; "
+          "each taking the next section when free, the helper the largest left, the caller the smallest, as the restore does — "
+          "as fast as a split by bytes up front in A/B runs here, or faster; the winner in brackets): what verify is judged on. Every limit finds the slots' bytes of each section before its clock "
+          "starts (a byte array over the slots where they are one run: the restore keeps such arrays with its pools' view), so "
+          "none pays a torch view per section. Each way: "
           + "; ".join(f"{c.tokens:,} tokens " + ", ".join(f"{k.split('/', 1)[1][len('verified '):]} {fmt_t(med(v))}" for k, v in c.times.items()
                                                          if k.startswith("restore/verified ")) for c in cases) + ".")
     R.add()

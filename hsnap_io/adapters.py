@@ -14,12 +14,14 @@ carries it, else from the request pool's ``mamba_pool`` — exactly once either 
 from __future__ import annotations
 
 import functools
+import math
 import operator
 import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hsnap_format import AttentionGeometry, Geometry, HsnapError, MambaGeometry
@@ -63,6 +65,20 @@ class Binding:
     layer: int
     buffer: torch.Tensor  # [slots, ...], storage dtype
     space: str  # "token" | "swa" | "mamba"
+
+    @property
+    def host_rows(self) -> np.ndarray | None:
+        """The buffer's bytes as ``[slots, row_bytes]`` uint8 over its own memory, for a host engine (``host=``):
+        made once per binding, as a view lives as long as its pools — a torch view made per section cost ~10 µs,
+        80 sections a restore. None for a buffer not in host memory or not contiguous."""
+        ptr = self.buffer.data_ptr()
+        known = self.__dict__.get("_host_rows")
+        if known is None or known[0] != ptr:  # (made again for storage that moved: set_ or resize_ on the buffer)
+            b = self.buffer
+            rows = b.reshape(b.shape[0], math.prod(b.shape[1:])).view(torch.uint8).numpy() \
+                if b.device.type == "cpu" and b.is_contiguous() and b.dim() else None
+            known = self.__dict__["_host_rows"] = (ptr, rows)
+        return known[1]
 
 
 @dataclass(frozen=True)

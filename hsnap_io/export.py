@@ -137,7 +137,7 @@ def export_request(
             if planned != bound:  # adapters and layout disagree: a bug, never a silent file
                 raise AssertionError(f"section plan {planned[:4]}... != pool bindings {bound[:4]}...")
             for b in view.bindings:
-                engine.export_section(b.buffer, slots.rows(b.space), _sink(w, b.name))
+                engine.export_section(b.buffer, slots.rows(b.space), _sink(w, b.name), b.host_rows)
             engine.finish_export()
             return w.commit(fsync=fsync)
 
@@ -224,9 +224,9 @@ def capture_request(
             at += n
             sections[b.name] = [dest]
             if getattr(engine, "exports_into", False):
-                engine.export_into(b.buffer, rows, dest)
+                engine.export_into(b.buffer, rows, dest, b.host_rows)
             else:
-                engine.export_section(b.buffer, rows, _filling(dest))
+                engine.export_section(b.buffer, rows, _filling(dest), b.host_rows)
         engine.finish_export()
     except BaseException:
         CAPTURE_BUFFERS.give(backing)  # nothing refers to it: the next capture may take it

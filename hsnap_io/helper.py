@@ -1,17 +1,18 @@
 """The restore's second thread: one kept thread per process, and the two ways a restore uses it.
 
 * :func:`on_two_threads` runs two fixed halves at once (a staged body's two parts);
-* :func:`share_jobs` runs a list of jobs on this thread and the helper, each taking the next job when it is free —
-  an upload's sections. On this VM a vCPU woken from idle runs the helper up to ~2 ms after the call, which a fixed
+* :func:`share_jobs` runs a list of jobs on this thread and the helper, each taking the next job when it is free (the
+  helper the largest left, the caller the smallest) — an upload's sections. On this VM a vCPU woken from idle runs the helper up to ~2 ms after the call, which a fixed
   split made the caller wait for; shared, the caller starts at once, the helper takes what is left when it comes,
   and a helper that comes after every job was taken is not waited for at all.
 
-preadv, numpy's copies and xxhash release the GIL: the two threads copy and hash on two cores.
+preadv, numpy's copies and xxhash (an update of 64 KiB or more) release the GIL: the two threads copy and hash on
+two cores.
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import os
 import queue
 import threading
@@ -133,19 +134,24 @@ class JobFailure(Exception):
 def share_jobs(jobs: Sequence[Any], order: Sequence[int], run: Callable[[Any, Any], int], helper_context: Callable[[], Any],
                context: Any, name: str) -> int:
     """Run ``run(jobs[i], ctx)`` for every ``i`` in ``order`` on this thread (``ctx`` = ``context``) and on the helper
-    (``ctx`` = ``helper_context()``, made when it takes its first job), each taking the next index when it is free;
-    returns the sum of the results. A failure stops both from taking more; once neither runs a job, the failure of the
-    lowest index is raised as :class:`JobFailure`."""
-    cursor = itertools.count()  # next() on it is one C call: atomic under the GIL, no lock to hand over
+    (``ctx`` = ``helper_context()``, made when it takes its first job), each taking the next index when it is free:
+    the helper from the front of ``order``, this thread from the back. Returns the sum of the results. A failure stops
+    both from taking more; once neither runs a job, the failure of the lowest index is raised as :class:`JobFailure`.
+
+    Given ``order`` largest first, the helper reads and hashes the large jobs, which release the GIL for most of their
+    time, while this thread runs the small ones, mostly Python under the GIL: taken from one end by both, the two
+    threads ran small jobs at the same time at the end and handed the GIL to each other at every step (a wake-up of
+    the other vCPU each on this VM: a 53-token restore's upload 3.54 -> 3.06 ms, 4,096 tokens 6.52 -> 6.11 ms)."""
+    left = collections.deque(order)  # popleft() and pop() are atomic under the GIL: no lock to hand over
     failures: list[tuple[int, BaseException]] = []
 
-    def take() -> int | None:
-        k = next(cursor)
-        return order[k] if k < len(order) and not failures else None
-
-    def work(ctx: Any, make: Callable[[], Any] | None) -> int:
+    def work(ctx: Any, make: Callable[[], Any] | None, take: Callable[[], int]) -> int:
         total = 0
-        while (i := take()) is not None:
+        while not failures:
+            try:
+                i = take()
+            except IndexError:  # every job taken
+                break
             try:
                 if make is not None:
                     ctx, make = make(), None
@@ -156,9 +162,9 @@ def share_jobs(jobs: Sequence[Any], order: Sequence[int], run: Callable[[Any, An
         return total
 
     theirs: list[int] = []
-    finish = HELPER.offer(lambda: theirs.append(work(None, helper_context)), name)
+    finish = HELPER.offer(lambda: theirs.append(work(None, helper_context, left.popleft)), name)
     try:
-        mine = work(context, None)
+        mine = work(context, None, left.pop)
     finally:
         finish()  # the helper writes nothing once this returns: a rollback may follow
     if failures:

@@ -56,7 +56,7 @@ def page_rows(view, token_slots, engine):
         def sink(data, first: bool, last: bool) -> None:
             out.extend(memoryview(data).cast("B"))
 
-        engine.export_section(by_name[name].buffer, token_slots[start:stop], sink)
+        engine.export_section(by_name[name].buffer, token_slots[start:stop], sink, by_name[name].host_rows)
         engine.finish_export()
         return bytes(out)
 

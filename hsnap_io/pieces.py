@@ -116,7 +116,7 @@ def piece_source(piece, check_digests: bool, staged=None):
 
 def upload_piece(engine, b, rows, piece, check_digests: bool, staged=None) -> int:
     src = piece_source(piece, check_digests, staged)
-    engine.import_section(b.buffer, rows.to(b.buffer.device), src)
+    engine.import_section(b.buffer, rows, src, b.host_rows)  # (a device engine moves the rows to its device)
     if check_digests:
         src.finish()  # DigestMismatchError: rolled back by the caller
     return piece.length

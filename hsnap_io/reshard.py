@@ -875,7 +875,7 @@ def upload_resharded(proven: ProvenReshard, view, *, exact_rollback: bool, stagi
                     checkpoint.scrub_rows(b.buffer, rows, b.name)
                 # like the plain path: straight into the slots when they are one run (hashed as it
                 # lands; a mismatch rolled back), else through one scratch buffer (checked first)
-                out = slots_view(b.buffer, rows) if slots_view is not None else None
+                out = slots_view(b.buffer, rows, b.host_rows) if slots_view is not None else None
                 direct = out is not None and out.nbytes == p.nbytes
                 if not direct:
                     if scratch is None:
@@ -963,7 +963,7 @@ def upload_delta_set(deltaset, plans: Sequence[_SectionPlan], view, dests: dict,
     for b, p in zip(view.bindings, plans):
         at[0] = f"sections[{p.name}]"
         rows = dests[b.space].to(b.buffer.device)
-        out = slots_view(b.buffer, rows) if slots_view is not None and p.nbytes else None
+        out = slots_view(b.buffer, rows, b.host_rows) if slots_view is not None and p.nbytes else None
         direct = out is not None and out.nbytes == p.nbytes
         if not direct:
             if scratch is None:

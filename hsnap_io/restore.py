@@ -632,8 +632,9 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
 
 
 def _upload_shared(plain: list, engine, check_digests: bool, staged) -> int:
-    """Upload ``plain`` on this thread and the helper thread at once, each taking the next piece (the largest first)
-    when it is free (the helper on a forked engine: its own staging); returns the bytes uploaded, or raises the
+    """Upload ``plain`` on this thread and the helper thread at once, each taking the next piece when it is free —
+    the helper the largest left, this thread the smallest (:func:`share_jobs`) — the helper on a forked engine (its own
+    staging); returns the bytes uploaded, or raises the
     failure of the first piece in ``plain``'s order that failed (:class:`JobFailure`: its index), once neither uploads."""
     order = sorted(range(len(plain)), key=lambda i: -plain[i][2].length)
 
@@ -658,7 +659,7 @@ def _landings(plain: list, engine, checkpoint: PoolCheckpoint | None) -> dict:
     for b, rows, piece, _ in plain:
         if slots_view is None or getattr(piece.link.source, "read_ahead", None) is None or piece.skip or piece.length != piece.info.length:
             continue
-        dest = slots_view(b.buffer, rows)
+        dest = slots_view(b.buffer, rows, b.host_rows)
         if dest is not None and dest.nbytes == piece.length:
             runs[id(piece)] = (dest.reshape(-1), b.name)
     if checkpoint is None:

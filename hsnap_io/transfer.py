@@ -190,59 +190,79 @@ class HostEngine:
         self.staging_bytes = staging_bytes
         self.chunk_bytes = min(staging_bytes, HOST_CHUNK_BYTES)
         self._host = torch.empty(0, dtype=torch.uint8)
-        self._runs: dict[int, tuple[torch.Tensor, int | None]] = {}  # id(rows) -> (rows, run start)
+        self._runs: dict[int, tuple[torch.Tensor, int | None, int]] = {}  # id(rows) -> (rows, run start, rows)
 
     def fork(self) -> "HostEngine":
-        """A second engine with its own staging, for another thread of the same restore."""
-        return HostEngine(self.staging_bytes)
+        """A second engine with its own staging, for another thread of the same restore (the slot runs it found
+        shared: both threads fill the same slots)."""
+        other = HostEngine(self.staging_bytes)
+        other._runs = self._runs
+        return other
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         if self._host.numel() < nbytes:
             self._host = torch.empty(nbytes, dtype=torch.uint8)
         return self._host[:nbytes]
 
-    def _run_start(self, buffer: torch.Tensor, rows: torch.Tensor) -> int | None:
-        """Start of the slot run ``rows`` when it lies inside ``buffer`` (else None: the
-        index_select / index_copy_ path, which also raises for out-of-range rows)."""
+    def _run(self, rows: torch.Tensor) -> tuple[int | None, int]:
+        """(start of the slot run ``rows``, or None; how many rows)."""
         # every layer's section shares its space's rows tensor: check each once, not once per section
         known = self._runs.get(id(rows))
         if known is None or known[0] is not rows:
             if len(self._runs) >= 8:
                 self._runs.clear()
-            known = self._runs[id(rows)] = (rows, _run_start(rows))
-        a = known[1]
-        if a is None or a < 0 or a + len(rows) > buffer.shape[0]:
+            known = self._runs[id(rows)] = (rows, _run_start(rows), len(rows))
+        return known[1], known[2]
+
+    def _run_start(self, buffer: torch.Tensor, rows: torch.Tensor) -> int | None:
+        """Start of the slot run ``rows`` when it lies inside ``buffer`` (else None: the
+        index_select / index_copy_ path, which also raises for out-of-range rows)."""
+        a, n = self._run(rows)
+        if a is None or a < 0 or a + n > buffer.shape[0]:
             return None
         return a
 
-    def slots_view(self, buffer: torch.Tensor, rows: torch.Tensor) -> np.ndarray | None:
+    def slots_view(self, buffer: torch.Tensor, rows: torch.Tensor, host: np.ndarray | None = None) -> np.ndarray | None:
         """The bytes of ``buffer[rows]`` as one writable array when the slots are one run of
-        a contiguous buffer (a re-sharded section is assembled straight into them), else None."""
-        run = self._run_start(buffer, rows)
-        if run is None or not buffer.is_contiguous():
+        a contiguous buffer (a re-sharded section is assembled straight into them), else None.
+        ``host``: ``buffer``'s bytes as ``[slots, row_bytes]`` (:attr:`hsnap_io.adapters.Binding.host_rows`),
+        sliced instead of viewing the tensor anew (a torch view per call costs ~10 µs; restores call this per section)."""
+        if host is not None:
+            a, n = self._run(rows)
+            # (numpy clamps a slice: rows outside the buffer take the index path, which refuses them)
+            return host[a : a + n].reshape(-1) if a is not None and 0 <= a and a + n <= host.shape[0] else None
+        a = self._run_start(buffer, rows)
+        if a is None or not buffer.is_contiguous():
             return None
-        return _as_bytes(buffer[run : run + len(rows)]).numpy()
+        return _as_bytes(buffer[a : a + len(rows)]).numpy()
 
-    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
-        """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk."""
-        row_bytes = bytes_per_row(buffer)
-        run = self._run_start(buffer, rows)
-        chunks = list(_row_chunks(len(rows), row_bytes, self.chunk_bytes)) or [(0, 0)]
-        direct = run is not None and buffer.is_contiguous()
-        raw = None if direct else raw_rows(buffer)
+    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink, host: np.ndarray | None = None) -> None:
+        """Gather ``buffer[rows]`` in chunks; ``sink(bytes, first, last)`` takes each chunk. ``host``: as for
+        :meth:`slots_view`."""
+        row_bytes = bytes_per_row(buffer) if host is None else host.shape[1]
+        whole = self.slots_view(buffer, rows, host)  # the slots are one run: hand the pool's own bytes over, no gather copy
+        n = self._run(rows)[1]
+        chunks = list(_row_chunks(n, row_bytes, self.chunk_bytes)) or [(0, 0)]
+        raw = None if whole is not None else raw_rows(buffer)
         for i, (a, b) in enumerate(chunks):
-            if direct:  # the slots are one run: hand the pool's own bytes over, no gather copy
-                out = _as_bytes(buffer[run + a : run + b])
+            if whole is not None:
+                out = whole[a * row_bytes : b * row_bytes]
             else:
-                out = self._staging((b - a) * row_bytes)
-                torch.index_select(raw, 0, rows[a:b], out=rows_of(raw, out, b - a))
-            sink(out.numpy(), i == 0, i == len(chunks) - 1)
+                staged = self._staging((b - a) * row_bytes)
+                torch.index_select(raw, 0, rows[a:b], out=rows_of(raw, staged, b - a))
+                out = staged.numpy()
+            sink(out, i == 0, i == len(chunks) - 1)
 
-    def export_into(self, buffer: torch.Tensor, rows: torch.Tensor, dest: np.ndarray) -> None:
+    def export_into(self, buffer: torch.Tensor, rows: torch.Tensor, dest: np.ndarray, host: np.ndarray | None = None) -> None:
         """Gather ``buffer[rows]`` into ``dest`` (``len(rows)`` rows' bytes, host memory): one memcpy for a run of
-        slots, else one index_select written in place (torch releases the GIL for both)."""
-        n = len(rows)
+        slots, else one index_select written in place (numpy and torch release the GIL for both). ``host``: as for
+        :meth:`slots_view`."""
+        n = self._run(rows)[1]
         if n == 0:
+            return
+        whole = self.slots_view(buffer, rows, host) if host is not None else None
+        if whole is not None:
+            np.copyto(dest.reshape(-1), whole)
             return
         raw = raw_rows(buffer)
         out = rows_of(raw, torch.from_numpy(dest), n)
@@ -255,11 +275,11 @@ class HostEngine:
     def finish_export(self) -> None:
         pass
 
-    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src) -> None:
+    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src, host: np.ndarray | None = None) -> None:
         """Scatter the section bytes ``src`` — a :class:`FileRange`, or a uint8 array such
-        as a mapped view — into ``buffer[rows]``."""
+        as a mapped view — into ``buffer[rows]``. ``host``: as for :meth:`slots_view`."""
         if hasattr(src, "readinto"):  # a FileRange, or ranged GETs of an object
-            return self._import_file(buffer, rows, src)
+            return self._import_file(buffer, rows, src, host)
         with warnings.catch_warnings():  # the mapped view is read-only; we only read it
             warnings.simplefilter("ignore", UserWarning)
             data = torch.from_numpy(src)
@@ -271,13 +291,13 @@ class HostEngine:
         else:
             raw.index_copy_(0, rows, data)
 
-    def _import_file(self, buffer: torch.Tensor, rows: torch.Tensor, src: FileRange) -> None:
-        row_bytes = bytes_per_row(buffer)
-        if len(rows) * row_bytes != src.length:
+    def _import_file(self, buffer: torch.Tensor, rows: torch.Tensor, src: FileRange, host: np.ndarray | None) -> None:
+        row_bytes = bytes_per_row(buffer) if host is None else host.shape[1]
+        if self._run(rows)[1] * row_bytes != src.length:
             raise ValueError(f"{len(rows)} rows of {row_bytes} bytes != section length {src.length}")
-        run = self._run_start(buffer, rows)
-        if run is not None and buffer.is_contiguous():  # the slots are one run: read straight into them
-            src.readinto(memoryview(_as_bytes(buffer[run : run + len(rows)]).numpy()), 0)
+        into = self.slots_view(buffer, rows, host)
+        if into is not None:  # the slots are one run: read straight into them
+            src.readinto(memoryview(into), 0)
             return
         raw = raw_rows(buffer)
         for a, b in _row_chunks(len(rows), row_bytes, self.chunk_bytes):
@@ -341,7 +361,8 @@ class CudaEngine:
         sink(self.pinned[slot][:nbytes].numpy(), first, last)
         self.in_use[slot] = False
 
-    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink) -> None:
+    def export_section(self, buffer: torch.Tensor, rows: torch.Tensor, sink, host: np.ndarray | None = None) -> None:
+        """(``host``, a host buffer's byte rows, is None for device pools.)"""
         with self._on_device():
             self._export_section(buffer, rows, sink)
 
@@ -370,9 +391,10 @@ class CudaEngine:
             self._drain_one()
 
     # ---- restore: its source (file, staged bytes, GETs) -> pinned -> device (cupy) -> scatter into slots
-    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src) -> None:
+    def import_section(self, buffer: torch.Tensor, rows: torch.Tensor, src, host: np.ndarray | None = None) -> None:
         """Scatter the section bytes ``src`` — a :class:`FileRange` or another source with its call (read into the
-        pinned staging: :func:`read_spread`), or a uint8 array — into ``buffer[rows]``."""
+        pinned staging: :func:`read_spread`), or a uint8 array — into ``buffer[rows]``. (``host``, a host
+        buffer's byte rows, is None for device pools.)"""
         with self._on_device():
             self._import_section(buffer, rows, src)
 

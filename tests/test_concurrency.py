@@ -113,11 +113,11 @@ def test_threads_export_and_restore_on_one_pool_set(pool_set, tmp_path, monkeypa
     before = _free_sets(ps)
     real = transfer.HostEngine.import_section
 
-    def flaky(self, buffer, rows, src):  # threads named fail-* lose their disk mid-upload
+    def flaky(self, buffer, rows, src, host=None):  # threads named fail-* lose their disk mid-upload
         if threading.current_thread().name.startswith("fail-") and getattr(threading.current_thread(), "calls", 0) == 2:
             raise OSError(5, "Input/output error")
         threading.current_thread().calls = getattr(threading.current_thread(), "calls", 0) + 1
-        return real(self, buffer, rows, src)
+        return real(self, buffer, rows, src, host)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
     tally = collections.Counter()
@@ -187,13 +187,13 @@ class _Gate:
     def install(self, monkeypatch):
         real = transfer.HostEngine.import_section
 
-        def gated(engine, buffer, rows, src):
+        def gated(engine, buffer, rows, src, host=None):
             if threading.current_thread().name == self.name:
                 self.inside.set()
                 self.release.wait(10)
                 self.failed_at = time.monotonic()
                 raise OSError(5, "Input/output error")
-            return real(engine, buffer, rows, src)
+            return real(engine, buffer, rows, src, host)
 
         monkeypatch.setattr(transfer.HostEngine, "import_section", gated)
 

@@ -119,11 +119,11 @@ def _flaky_upload(monkeypatch, fail_at=4):
     real = transfer.HostEngine.import_section
     calls = {"n": 0}
 
-    def flaky(self, buffer, rows, src):
+    def flaky(self, buffer, rows, src, host=None):
         calls["n"] += 1
         if calls["n"] == fail_at:
             raise OSError(5, "Input/output error")
-        return real(self, buffer, rows, src)
+        return real(self, buffer, rows, src, host)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
     return calls
@@ -188,11 +188,11 @@ def test_any_upload_failure_is_a_typed_error_naming_the_section(tmp_path, monkey
     real = transfer.HostEngine.import_section
     calls = {"n": 0}
 
-    def no_kernel(self, buffer, rows, src_):
+    def no_kernel(self, buffer, rows, src_, host=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise NotImplementedError('"index_copy_cpu" not implemented for \'Float8_e4m3fn\'')
-        return real(self, buffer, rows, src_)
+        return real(self, buffer, rows, src_, host)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", no_kernel)
     err = _refused(path, tgt, slots.UploadError, exact_rollback=True)
@@ -283,6 +283,42 @@ def test_host_engine_moves_every_dtype_bytewise(tmp_path, dtype):
                     os.close(fd)
             assert _raw(tgt[rows]).numpy().tobytes() == blob, (how, shape)
             assert torch.equal(_raw(tgt[others]), keep), (how, shape)  # other rows untouched
+
+
+def test_a_bindings_host_rows_are_its_slots_bytes_and_a_run_outside_them_is_refused(tmp_path):
+    """Binding.host_rows, the byte rows a host engine reads into instead of viewing the tensor per section: the
+    buffer's own memory (None where the rows are not contiguous), followed when the buffer's storage moves; a run of
+    slots read through them lands byte-exact with every other row untouched, and a run past the buffer's end is
+    refused, as without them (a numpy slice would clamp it)."""
+    from hsnap_io.adapters import Binding
+
+    gen = torch.Generator().manual_seed(5)
+    for shape, layout in _LAYOUTS:
+        buf = layout(_random_bytes(shape, torch.bfloat16, gen))
+        b = Binding("s", "conv", 0, buf, "mamba")
+        if not buf.is_contiguous():
+            assert b.host_rows is None
+            continue
+        host = b.host_rows
+        assert host.shape == (buf.shape[0], _raw(buf[:1]).numel()) and np.shares_memory(host, buf.view(torch.uint8).numpy())
+        rows = torch.tensor([11, 12, 13], dtype=torch.int64)
+        blob = _raw(_random_bytes((3, *buf.shape[1:]), torch.bfloat16, gen)).numpy().tobytes()
+        keep = _raw(buf).clone()
+        p = tmp_path / "section.bin"
+        p.write_bytes(blob)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            transfer.HostEngine().import_section(buf, rows, transfer.FileRange(fd, 0, len(blob)), host)
+            assert _raw(buf[rows]).numpy().tobytes() == blob
+            others = [i for i in range(buf.shape[0]) if i not in (11, 12, 13)]
+            assert torch.equal(_raw(buf)[others], keep[others])
+            with pytest.raises(IndexError):  # rows 38..40 of 40: the index path refuses row 40
+                transfer.HostEngine().import_section(buf, torch.tensor([38, 39, 40]), transfer.FileRange(fd, 0, len(blob)), host)
+        finally:
+            os.close(fd)
+        moved = _random_bytes(shape, torch.bfloat16, gen)
+        buf.set_(moved)  # the same tensor object over other memory
+        assert np.shares_memory(b.host_rows, moved.view(torch.uint8).numpy())
 
 
 # ------------------------------------------------------------------ zero positions

@@ -111,11 +111,11 @@ def _flaky_upload(monkeypatch, fail_at=4):
     real = transfer.HostEngine.import_section
     calls = {"n": 0}
 
-    def flaky(self, buffer, rows, src):
+    def flaky(self, buffer, rows, src, host=None):
         calls["n"] += 1
         if calls["n"] == fail_at:
             raise OSError(5, "Input/output error")
-        return real(self, buffer, rows, src)
+        return real(self, buffer, rows, src, host)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
     return calls

@@ -217,7 +217,7 @@ def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expecte
     real, threads = transfer.HostEngine.import_section, set()
     helper_came = threading.Event()
 
-    def flaky(self, buffer, rows, src):
+    def flaky(self, buffer, rows, src, host=None):
         me = threading.current_thread().name
         threads.add(me)
         if me == "hsnap-upload":
@@ -226,7 +226,7 @@ def test_a_failure_in_either_upload_thread_rolls_back_exactly(snap_path, expecte
             helper_came.wait(10)
         if me == failing:
             raise NotImplementedError("no kernel for this dtype")
-        return real(self, buffer, rows, src)
+        return real(self, buffer, rows, src, host)
 
     monkeypatch.setattr(transfer.HostEngine, "import_section", flaky)
     ps = target(KIND, 1)
@@ -548,7 +548,8 @@ def test_a_helper_that_comes_after_every_job_was_taken_runs_none_and_is_not_wait
         return job
 
     total = helper_mod.share_jobs([1, 2, 3], [2, 0, 1], run, lambda: "fork", "mine", "shared")
-    assert total == 6 and ran == [(3, "mine", "MainThread"), (1, "mine", "MainThread"), (2, "mine", "MainThread")]
+    # this thread takes from the back of the order: every job, smallest first, while the helper does not come
+    assert total == 6 and ran == [(2, "mine", "MainThread"), (1, "mine", "MainThread"), (3, "mine", "MainThread")]
     assert not late.is_set()  # returned while the helper had not come
     late.set()
     monkeypatch.undo()
@@ -572,6 +573,10 @@ def test_a_helper_that_comes_while_jobs_are_left_takes_them_on_its_own_context()
     assert sorted(j for j, _, _ in ran) == list(range(8))
     assert {c for _, c, _ in ran} == {"mine", "fork"}
     assert {t for _, c, t in ran if c == "fork"} == {"shared"} and {t for _, c, t in ran if c == "mine"} == {"MainThread"}
+    # the two ends of the order: the helper from the front (the largest jobs), this thread from the back
+    helpers, mine = [j for j, c, _ in ran if c == "fork"], [j for j, c, _ in ran if c == "mine"]
+    assert helpers == sorted(helpers) and helpers[0] == 0 and mine == sorted(mine, reverse=True) and mine[0] == 7
+    assert max(helpers) < min(mine)
 
 
 def test_shared_jobs_raise_the_first_failure_in_order_once_neither_thread_runs():
