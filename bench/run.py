@@ -1229,8 +1229,15 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
                          f"limit, and the rest of the restore {fmt_t(total - up)} (open {fmt_t(t(c, 'phase/verify/open_s'))}, prove "
                          f"{fmt_t(t(c, 'phase/verify/prove_s'))}, allocate {fmt_t(t(c, 'phase/verify/allocate_s'))}, plan "
                          f"{fmt_t(t(c, 'phase/verify/plan_s'))}), none of which the limit does")
+                budget = verified / T_RESTORE_VERIFY  # the goal as arithmetic: what the whole restore may take
+                if budget < total:
+                    line += (f". At {T_RESTORE_VERIFY} of the limit the whole restore may take {fmt_t(budget)}: "
+                             f"{fmt_t(budget - verified)} beside a copy as fast as the limit's, against {fmt_t(total - up)} of the rest here")
+                # a server proves when the resume route is called, before its scheduler's step: what the step pays
+                ahead = up + t(c, "phase/verify/allocate_s") + t(c, "phase/verify/plan_s")
+                line += (f"; proved ahead, as the server does (open and prove when the route is called), what is left — allocate, "
+                         f"plan, upload — is {fmt_t(ahead)}: {verified / ahead:.2f} of the limit")
             out.append(line + ".")
-            break
     for r in rss:
         if r["what"].startswith("restore hsnap") and r["peak_extra_rss"] > T_RSS_MIB * MiB:
             out.append(
