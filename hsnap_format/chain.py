@@ -195,6 +195,15 @@ class Piece:
         return self.info.length - self.skip
 
 
+def _whole_piece(link: Snapshot, info: SectionInfo) -> Piece:
+    """``Piece(link, info, 0, ...)``: the whole section of ``link`` (rows 0.. of a row section), without the frozen
+    dataclass's seven ``object.__setattr__`` calls (most of a restore's planning); same type, fields, equality."""
+    rows = info.shape[0] if info.kind in ROW_KINDS else None
+    p = object.__new__(Piece)
+    p.__dict__.update(link=link, info=info, skip=0, start=None if rows is None else 0, stop=rows, take=None, page=None)
+    return p
+
+
 def _row_bytes(info: SectionInfo) -> int:
     n = DTYPES[info.dtype].itemsize
     for d in info.shape[1:]:
@@ -298,6 +307,13 @@ class Chain:
             cursor += S
         return out
 
+    def pieces_of(self, names) -> dict[str, list[Piece]]:
+        """:meth:`pieces` of each of ``names``: a plain snapshot's at once (each section whole, from the head)."""
+        if not self.plain:
+            return {name: self.pieces(name) for name in names}
+        head = self.head
+        return {name: [_whole_piece(head, head.section(name))] for name in names}
+
     def pieces(self, name: str) -> list[Piece]:
         """The rows of each link (or page object) that make up the head's section ``name``
         at the head's position, in order (spec 7.5, 7.6): a full-attention section from every
@@ -307,8 +323,7 @@ class Chain:
         h = head.section(name)
         paged = h.kind in PAGED_KINDS and self.paged
         if h.kind not in ROW_KINDS or not (self.is_delta or paged):
-            rows = h.shape[0] if h.kind in ROW_KINDS else None
-            return [Piece(head, h, 0, 0 if rows is not None else None, rows)]
+            return [_whole_piece(head, h)]
         origin = first_position(h.kind, head.swa_start)  # position of row 0 of the whole section
         rb = _row_bytes(h)
         refs_by_link: dict = {}

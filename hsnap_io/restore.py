@@ -561,22 +561,26 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
     ahead = contextlib.ExitStack()  # an object's read-ahead: ended (its GETs waited for) on every way out
     t0 = time.perf_counter()
     try:
-        pieces = {b.name: chain.pieces(b.name) for b in view.bindings}
+        pieces = chain.pieces_of([b.name for b in view.bindings])
         t1 = time.perf_counter()
         row, slots, floor = allocate(view, pos, snap.swa_start, snap.path, checkpoint)
         t2 = time.perf_counter()
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         plain = []  # (binding, rows, piece, where) uploaded from a link's own section
+        space_rows = {space: (rows, None if rows is None else len(rows)) for space in {b.space for b in view.bindings} for rows in [slots.rows(space)]}
+        one_link = chain.plain
         for b in view.bindings:
-            dest = slots.rows(b.space)
+            dest, n = space_rows[b.space]
             for piece in pieces[b.name]:
-                rows = dest if piece.start is None or (piece.start, piece.stop) == (0, len(dest)) else dest[piece.start : piece.stop]
+                rows = dest if piece.start is None or (piece.start == 0 and piece.stop == n) else dest[piece.start : piece.stop]
                 if piece.page is not None:
                     # by reference, not by object: two references to one object are each checked
                     by_page.setdefault((id(piece.page.link), piece.page.index), (piece.page, []))[1].append((b, rows))
                     continue
-                plain.append((b, rows, piece, f"sections[{b.name}]" + ("" if chain.plain else f" of {piece.link.path}")))
-        landings = _landings(plain, engine, checkpoint if exact_rollback else None) if staged is None else {}
+                plain.append((b, rows, piece, f"sections[{b.name}]" if one_link else f"sections[{b.name}] of {piece.link.path}"))
+        # an object's read-ahead (a capability of its source; a local file has none)
+        reads_ahead = staged is None and any(getattr(link.source, "read_ahead", None) is not None for link in chain.links)
+        landings = _landings(plain, engine, checkpoint if exact_rollback else None) if reads_ahead else {}
         if exact_rollback:  # a binding whose every piece lands in its slots saves them piece by piece instead
             landed_only = {id(p[0]) for p in plain} - {id(p[0]) for p in plain if id(p[2]) not in landings} \
                 - {id(b) for _, targets in by_page.values() for b, _ in targets}
@@ -585,13 +589,13 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
                     checkpoint.remember_rows(b.buffer, slots.rows(b.space), b.name)
         else:  # fresh slots: a failure zeroes them (nothing of the snapshot stays), no copy up front
             for b in view.bindings:
-                checkpoint.scrub_rows(b.buffer, slots.rows(b.space), b.name)
-        if staged is None:
+                checkpoint.scrub_rows(b.buffer, space_rows[b.space][0], b.name)
+        if reads_ahead:
             _read_ahead(ahead, pieces, landings)  # the GETs start now: straight into the slots where they are one run
         t3 = time.perf_counter()
         # staged bytes, or a local file's (preads and hashing release the GIL): into the slots on two threads;
         # an object's GETs already run ahead of the upload
-        local = all(getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
+        local = not reads_ahead or all(getattr(p[2].link.source, "read_ahead", None) is None for p in plain)
         shared = (staged is not None or local) and getattr(engine, "forks", False) and len(plain) > 1 \
             and sum(p[2].length for p in plain) >= PARALLEL_STAGE_BYTES
         if shared:

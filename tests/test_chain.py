@@ -18,7 +18,8 @@ import io_cases as ic  # noqa: E402
 from hsnap_testing import pools as sp  # noqa: E402
 
 import hsnap_format as hf  # noqa: E402
-from hsnap_format.chain import compact, open_chain  # noqa: E402
+from hsnap_format.chain import Chain, compact, open_chain  # noqa: E402
+from hsnap_format.layout import ROW_KINDS  # noqa: E402
 from hsnap_io import restore as restore_mod  # noqa: E402
 from hsnap_io import restore_request  # noqa: E402
 from hsnap_testing import zygote
@@ -176,6 +177,24 @@ def chain3(tmp_path):
     kind = "swa_mamba"
     ps, req = cc.source(kind)
     return ps, req, cc.export_chain(ps, req, kind, tmp_path), tmp_path
+
+
+def test_the_pieces_of_every_section_at_once_are_each_sections_pieces(chain3):
+    """Chain.pieces_of (a restore's plan: a plain snapshot's pieces made at once) gives what Chain.pieces gives for
+    each section, for a chain of deltas and for its bottom link alone (each section whole, rows 0.. of a row kind)."""
+    _, _, paths, _ = chain3
+    with open_chain(paths[-1]) as chain:
+        names = [s.name for s in chain.head.sections]
+        assert chain.pieces_of(names) == {n: chain.pieces(n) for n in names}
+    with hf.open(paths[0]) as snap:
+        chain = Chain.single(snap)
+        got = chain.pieces_of([s.name for s in snap.sections])
+        assert got == {s.name: chain.pieces(s.name) for s in snap.sections}
+        for s in snap.sections:
+            (piece,) = got[s.name]
+            rows = s.shape[0] if s.kind in ROW_KINDS else None
+            assert (piece.link, piece.info, piece.skip, piece.start, piece.stop, piece.take, piece.page, piece.length) == (
+                snap, s, 0, None if rows is None else 0, rows, None, None, s.length)
 
 
 def test_hostile_chain_missing_link(chain3):
