@@ -297,6 +297,7 @@ def import_sglang() -> types.SimpleNamespace:
         _install_torchvision_placeholder()
         _silence_known_warnings()
         mods = {}
+        before = set(sys.modules)
         for key, name in _MODULES.items():
             try:
                 mods[key] = importlib.import_module(name)
@@ -313,5 +314,24 @@ def import_sglang() -> types.SimpleNamespace:
                         )
                 what = f"missing module {exc.name!r}" if exc.name else str(exc)
                 raise SGLangUnavailableError(f"cannot import {name}: {what}; {hint}") from exc
+        _drop_kept_tracebacks(set(sys.modules) - before)
         _namespace = types.SimpleNamespace(**mods)
         return _namespace
+
+
+def _drop_kept_tracebacks(names) -> None:
+    """A module that keeps an exception it met at import (SGLang's ``torch_memory_saver_adapter`` keeps its
+    ImportError, to raise when the saver is asked for) keeps the exception's traceback, whose frames chain back through
+    the import to whoever called :func:`import_sglang` first — with their locals (a pool set, a request's record) for
+    the life of the process. The exceptions stay (raising one again gives it a traceback of its own); their tracebacks
+    go."""
+    for name in names:
+        module = sys.modules.get(name)
+        chained = [v for v in list(getattr(module, "__dict__", {}).values()) if isinstance(v, BaseException)]
+        seen: set[int] = set()
+        while chained:  # each exception kept, and those it chains to
+            e = chained.pop()
+            if isinstance(e, BaseException) and id(e) not in seen:
+                seen.add(id(e))
+                e.__traceback__ = None
+                chained += [e.__cause__, e.__context__]

@@ -45,6 +45,34 @@ def test_import_sglang_is_idempotent_and_cpu_safe():
     assert torch.__version__.startswith("2.13.0")
 
 
+_FIRST_POOLS_PROBE = """
+import gc, weakref
+from hsnap_testing import pools as sp
+
+def first():  # the first caller of import_sglang in this process, holding the pools in its frame
+    ps = sp.build("hybrid_linear", size=64)
+    return weakref.ref(ps.kv_pool), weakref.ref(ps.token_to_kv_pool_allocator)
+
+refs = first()
+gc.collect()
+print("kept" if any(r() is not None for r in refs) else "freed")
+"""
+
+
+def test_the_first_pools_built_in_a_process_are_not_kept_by_sglangs_import():
+    """SGLang's torch_memory_saver_adapter keeps its import-time ImportError; its traceback's frames chained back to the
+    first caller of import_sglang, so that caller's locals (a pool set, a request) lived as long as the process. A fresh
+    process (SGLang not yet imported): the first pool set is freed once its last reference goes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _FIRST_POOLS_PROBE], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "freed"
+
+
 def test_torchvision_placeholder_raises_on_use():
     from hsnap_io import sglang_env as env
 
