@@ -2,9 +2,9 @@
 
 * :func:`on_two_threads` runs two fixed halves at once (a staged body's two parts);
 * :func:`share_jobs` runs a list of jobs on this thread and the helper, each taking the next job when it is free (the
-  helper the largest left, the caller the smallest) — an upload's sections. On this VM a vCPU woken from idle runs the helper up to ~2 ms after the call, which a fixed
-  split made the caller wait for; shared, the caller starts at once, the helper takes what is left when it comes,
-  and a helper that comes after every job was taken is not waited for at all.
+  helper the largest left, the caller the smallest) — an upload's sections. On this VM a vCPU woken from idle runs the
+  helper up to ~2 ms after the call, which a fixed split made the caller wait for; shared, the caller starts at once,
+  the helper takes what is left when it comes, and a helper that comes after every job was taken is not waited for.
 
 preadv, numpy's copies and xxhash (an update of 64 KiB or more) release the GIL: the two threads copy and hash on
 two cores.

@@ -567,7 +567,10 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
         t2 = time.perf_counter()
         by_page: dict = {}  # page pieces, uploaded page by page: one page object open at a time
         plain = []  # (binding, rows, piece, where) uploaded from a link's own section
-        space_rows = {space: (rows, None if rows is None else len(rows)) for space in {b.space for b in view.bindings} for rows in [slots.rows(space)]}
+        space_rows = {}  # index space -> (its slots, how many): found once, not once per section
+        for space in {b.space for b in view.bindings}:
+            rows = slots.rows(space)
+            space_rows[space] = (rows, None if rows is None else len(rows))
         one_link = chain.plain
         for b in view.bindings:
             dest, n = space_rows[b.space]
@@ -638,8 +641,8 @@ def _upload_locked(chain: Chain, view: PoolView, record: RequestRecord, numerics
 def _upload_shared(plain: list, engine, check_digests: bool, staged) -> int:
     """Upload ``plain`` on this thread and the helper thread at once, each taking the next piece when it is free —
     the helper the largest left, this thread the smallest (:func:`share_jobs`) — the helper on a forked engine (its own
-    staging); returns the bytes uploaded, or raises the
-    failure of the first piece in ``plain``'s order that failed (:class:`JobFailure`: its index), once neither uploads."""
+    staging); returns the bytes uploaded, or raises the failure of the first piece in ``plain``'s order that failed
+    (:class:`JobFailure`: its index), once neither uploads."""
     order = sorted(range(len(plain)), key=lambda i: -plain[i][2].length)
 
     def run(job, eng) -> int:

@@ -190,7 +190,7 @@ class HostEngine:
         self.staging_bytes = staging_bytes
         self.chunk_bytes = min(staging_bytes, HOST_CHUNK_BYTES)
         self._host = torch.empty(0, dtype=torch.uint8)
-        self._runs: dict[int, tuple[torch.Tensor, int | None, int]] = {}  # id(rows) -> (rows, run start, rows)
+        self._runs: dict[int, tuple[torch.Tensor, int | None, int]] = {}  # id(rows) -> (rows, run start, row count)
 
     def fork(self) -> "HostEngine":
         """A second engine with its own staging, for another thread of the same restore (the slot runs it found
@@ -260,8 +260,8 @@ class HostEngine:
         n = self._run(rows)[1]
         if n == 0:
             return
-        whole = self.slots_view(buffer, rows, host) if host is not None else None
-        if whole is not None:
+        whole = self.slots_view(buffer, rows, host)
+        if whole is not None:  # one run of a contiguous buffer
             np.copyto(dest.reshape(-1), whole)
             return
         raw = raw_rows(buffer)
