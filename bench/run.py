@@ -565,7 +565,7 @@ def restore_contenders(case: Case, cold: bool) -> dict[str, Callable[[], float]]
             os.close(fd)
         return time.perf_counter() - t
 
-    def verified(reader: str, threads: int, hashed: bool = True, name: str = "") -> Callable[[], float]:
+    def verified(reader: str, threads: int, *, name: str, hashed: bool = True) -> Callable[[], float]:
         """The verified-copy limit: every section's bytes copied into its slots *and* hashed (xxh3-128, the file's own
         section digest, compared) — the least a restore that proves what it uploads must do — by 2 MiB pieces, each
         hashed right after it landed (still in cache), read by ``pread`` straight into the slots or copied out of an
@@ -1156,7 +1156,8 @@ def build_report(cases: list[Case], rss: list[dict], args, info: dict, elapsed: 
     return R
 
 
-PHASES = ("open_s", "prove_s", "allocate_s", "plan_s", "upload_s")
+BEFORE_UPLOAD = ("open_s", "prove_s", "allocate_s", "plan_s")  # on one thread: the helper has nothing to take yet
+PHASES = (*BEFORE_UPLOAD, "upload_s")
 
 
 def restore_phase_rows(cases: list[Case]) -> list[list[str]]:
@@ -1173,13 +1174,19 @@ def restore_phase_rows(cases: list[Case]) -> list[list[str]]:
             best = min(limit_keys, key=lambda k: med(c.times[k]))
             limit = med(c.times[best])
             cpu = restore_cpu(c, mode)
-            limit_cpu = med(c.times.get(f"cpu/{best.split('/', 1)[1]}", c.times[best]))  # (a 1-thread copy: its wall time)
+            limit_cpu = contender_cpu(c, best)
             floor = two_core_floor(c, mode)
             rows.append([f"{c.tokens:,}", mode, *(fmt_t(ph[p]) for p in PHASES), fmt_t(max(0.0, total - sum(ph.values()))), fmt_t(total),
                          fmt_t(limit), f"{limit / ph['upload_s']:.2f}" if ph["upload_s"] else "-", fmt_t(total - ph["upload_s"]),
                          fmt_t(cpu) if cpu else "-", fmt_t(limit_cpu), fmt_t(floor) if floor else "-",
                          f"{limit / floor:.2f}" if floor else "-", f"{limit / total:.2f}"])
     return rows
+
+
+def contender_cpu(c: Case, key: str) -> float:
+    """The median CPU time (every thread) of the restore contender ``key`` ("restore/<name>"); a copy that does not
+    record it runs on one thread: its wall time."""
+    return med(c.times.get(f"cpu/{key.split('/', 1)[1]}", c.times[key]))
 
 
 def restore_cpu(c: Case, mode: str) -> float | None:
@@ -1196,7 +1203,7 @@ def two_core_floor(c: Case, mode: str) -> float | None:
     if f"cpu/{mode}" not in c.times:
         return None
     # each run's floor, then their median: a floor no more than each run's time has a median no more than theirs
-    befores = [sum(run) for run in zip(*(c.times[f"phase/{mode}/{p}"] for p in PHASES if p != "upload_s"))]
+    befores = [sum(run) for run in zip(*(c.times[f"phase/{mode}/{p}"] for p in BEFORE_UPLOAD))]
     return med([before + max(0.0, cpu - before) / 2 for before, cpu in zip(befores, c.times[f"cpu/{mode}"], strict=True)])
 
 
@@ -1264,7 +1271,8 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
                     f"{fmt_t(t(c, 'open/hsnap'))}: canonical-JSON header check, layout check) and of allocating weighs against a "
                     f"{fmt_t(plain)} copy")
             if "phase/verify/upload_s" in c.times:
-                verified = min(t(c, k) for k in c.times if k.startswith("restore/verified "))
+                best = min((k for k in c.times if k.startswith("restore/verified ")), key=lambda k: t(c, k))
+                verified = t(c, best)
                 up, total = t(c, "phase/verify/upload_s"), t(c, "phase/verify/total_s")
                 line += (f": verify's upload (read, hash, copy) took {fmt_t(up)} against {fmt_t(verified)} for the verified-copy "
                          f"limit, and the rest of the restore {fmt_t(total - up)} (open {fmt_t(t(c, 'phase/verify/open_s'))}, prove "
@@ -1280,12 +1288,11 @@ def limits_notes(cases: list[Case], rss: list[dict]) -> list[str]:
                          f"plan, upload — is {fmt_t(ahead)}: {verified / ahead:.2f} of the limit")
                 floor, cpu = two_core_floor(c, "verify"), restore_cpu(c, "verify")
                 if floor:
-                    before = sum(t(c, f"phase/verify/{p}") for p in PHASES if p != "upload_s")
-                    best = min((k for k in c.times if k.startswith("restore/verified ")), key=lambda k: t(c, k))
+                    before = sum(t(c, f"phase/verify/{p}") for p in BEFORE_UPLOAD)
                     line += (f". As CPU time: the restore's work took {fmt_t(cpu)} of CPU (both threads) against "
-                             f"{fmt_t(t(c, 'cpu/' + best.split('/', 1)[1]))} for the limit's; with {fmt_t(before)} of it before the upload (on one thread), two cores cannot "
+                             f"{fmt_t(contender_cpu(c, best))} for the limit's; with {fmt_t(before)} of it before the upload (on one thread), two cores cannot "
                              f"run it in under {fmt_t(floor)}: no schedule of this work passes {verified / floor:.2f} of the limit "
-                             f"(this run reached {verified / total:.2f}, {verified / total / (verified / floor):.2f} of that ceiling; "
+                             f"(this run reached {verified / total:.2f}, {floor / total:.2f} of that ceiling; "
                              f"even with every phase split over both cores, {fmt_t(cpu / 2)}: {2 * verified / cpu:.2f})")
                     if floor > budget:
                         line += (f"; at {T_RESTORE_VERIFY} the phases before the upload would have to lose {fmt_t(floor - budget)} "
