@@ -14,6 +14,7 @@ on, SGLang's strict idle memory check and tree sanity check on) serves every pro
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -464,7 +465,20 @@ def test_resume_refused_for_a_digest_leaves_the_radix_cache_as_it_was(refused_fo
 
 def _during(call, url: str, watch: Stream | None) -> dict:
     """Run ``call`` in a thread; meanwhile time the HTTP process's answers (:func:`_answer_s`, every 0.1 s); the
-    largest gap between ``watch``'s events while it ran."""
+    largest gap between ``watch``'s events while it ran. This process's garbage collector is off meanwhile: a full
+    collection of its heap (torch and SGLang imported) stops every thread of it, the stream's reader too, for ~0.2 s
+    on a quiet machine and seconds under load — a gap of the observer's own, which the sleeps below do not see when
+    it falls in a call."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _observed(call, url, watch)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _observed(call, url: str, watch: Stream | None) -> dict:
     got: dict = {}
 
     def run():
